@@ -1,0 +1,114 @@
+"""Per-architecture facts as data: which blocks, which Linears, how they group.
+
+Families share rows (llama, mistral, qwen2 and qwen3 have the same decoder block layout);
+code never tests a model_type string anywhere else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from quantkit.errors import UnsupportedArchitecture
+
+__all__ = ["ArchSpec", "AwqGroup", "ARCHS", "spec_for_config", "supported_architectures"]
+
+
+@dataclass(frozen=True)
+class AwqGroup:
+    """Scales are searched on `balance` inputs and folded into `prev` (a norm or Linear).
+
+    `inspect` is the submodule whose output measures the loss ("" = the whole block).
+    """
+
+    prev: str
+    balance: tuple[str, ...]
+    inspect: str
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    name: str
+    hf_classes: tuple[str, ...]
+    model_types: tuple[str, ...]
+    block_path: str = "model.layers"
+    embed: str = "model.embed_tokens"
+    final_norm: str = "model.norm"
+    lm_head: str = "lm_head"
+    # Linears of one block, in true-sequential order: each inner tuple shares inputs.
+    sequential: tuple[tuple[str, ...], ...] = ()
+    awq_groups: tuple[AwqGroup, ...] = ()
+    gguf_arch: str = "llama"
+    # block-relative module name -> GGUF tensor base name with {bid}
+    gguf_names: dict[str, str] = field(default_factory=dict)
+    gguf_permute_qk: bool = False  # llama.cpp's llama arch wants q/k rows permuted
+    # roles used by mixed-precision recipes (Q4_K_M): role -> block-relative Linear name
+    roles: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def block_linears(self) -> tuple[str, ...]:
+        return tuple(n for group in self.sequential for n in group)
+
+
+_LLAMA_LINEARS = (
+    ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    ("self_attn.o_proj",),
+    ("mlp.gate_proj", "mlp.up_proj"),
+    ("mlp.down_proj",),
+)
+
+_LLAMA_AWQ = (
+    AwqGroup("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "self_attn"),
+    AwqGroup("self_attn.v_proj", ("self_attn.o_proj",), "self_attn.o_proj"),
+    AwqGroup("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj"), "mlp"),
+    AwqGroup("mlp.up_proj", ("mlp.down_proj",), "mlp.down_proj"),
+)
+
+_GGUF_BLOCK_NAMES = {
+    "input_layernorm": "blk.{bid}.attn_norm",
+    "self_attn.q_proj": "blk.{bid}.attn_q",
+    "self_attn.k_proj": "blk.{bid}.attn_k",
+    "self_attn.v_proj": "blk.{bid}.attn_v",
+    "self_attn.o_proj": "blk.{bid}.attn_output",
+    "self_attn.q_norm": "blk.{bid}.attn_q_norm",
+    "self_attn.k_norm": "blk.{bid}.attn_k_norm",
+    "post_attention_layernorm": "blk.{bid}.ffn_norm",
+    "mlp.gate_proj": "blk.{bid}.ffn_gate",
+    "mlp.up_proj": "blk.{bid}.ffn_up",
+    "mlp.down_proj": "blk.{bid}.ffn_down",
+}
+
+_ROLES = {"attn_v": "self_attn.v_proj", "ffn_down": "mlp.down_proj", "attn_q": "self_attn.q_proj",
+          "attn_k": "self_attn.k_proj", "attn_output": "self_attn.o_proj",
+          "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj"}
+
+_LLAMA_LIKE = dict(sequential=_LLAMA_LINEARS, awq_groups=_LLAMA_AWQ, gguf_names=_GGUF_BLOCK_NAMES,
+                   roles=_ROLES)
+
+ARCHS: tuple[ArchSpec, ...] = (
+    ArchSpec("llama", ("LlamaForCausalLM",), ("llama",), gguf_arch="llama", gguf_permute_qk=True,
+             **_LLAMA_LIKE),
+    ArchSpec("mistral", ("MistralForCausalLM",), ("mistral",), gguf_arch="llama",
+             gguf_permute_qk=True, **_LLAMA_LIKE),
+    ArchSpec("qwen2", ("Qwen2ForCausalLM",), ("qwen2",), gguf_arch="qwen2", **_LLAMA_LIKE),
+    ArchSpec("qwen3", ("Qwen3ForCausalLM",), ("qwen3",), gguf_arch="qwen3", **_LLAMA_LIKE),
+)
+
+
+def supported_architectures() -> list[str]:
+    return [c for a in ARCHS for c in a.hf_classes]
+
+
+def spec_for_config(config) -> ArchSpec:
+    """The row for a transformers config (or a config.json dict); a clear error otherwise."""
+    get = config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
+    classes = tuple(get("architectures") or ())
+    model_type = get("model_type")
+    for spec in ARCHS:
+        if any(c in spec.hf_classes for c in classes) or (not classes and model_type in spec.model_types):
+            return spec
+    name = ", ".join(classes) or f"model_type={model_type!r}"
+    raise UnsupportedArchitecture(
+        f"Architecture {name} is not supported by quantkit.",
+        f"Supported: {', '.join(supported_architectures())}. "
+        "Adding one is a new ArchSpec row in quantkit/arch/__init__.py.",
+    )

@@ -1,0 +1,62 @@
+"""Safetensors shards and config.json: the bytes every HF-style format shares."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+__all__ = ["save_tensors", "load_tensors", "read_config", "write_config", "SHARD_BYTES"]
+
+SHARD_BYTES = 4 * 1024**3
+
+
+def save_tensors(out_dir: Path, tensors: dict[str, torch.Tensor], metadata: dict | None = None,
+                 shard_bytes: int = SHARD_BYTES) -> list[str]:
+    """model.safetensors, or model-0000i-of-0000n.safetensors + index when larger than a shard."""
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name in sorted(tensors):
+        t = tensors[name].contiguous()
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+    meta = {"format": "pt", **(metadata or {})}
+    if len(shards) == 1:
+        save_file(shards[0], str(out_dir / "model.safetensors"), metadata=meta)
+        return ["model.safetensors"]
+    names, weight_map = [], {}
+    for i, shard in enumerate(shards, 1):
+        fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(out_dir / fname), metadata=meta)
+        names.append(fname)
+        weight_map.update(dict.fromkeys(shard, fname))
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    (out_dir / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    return names
+
+
+def load_tensors(path: Path, names: set[str] | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor (or those in `names`) of all safetensors shards in a directory."""
+    out: dict[str, torch.Tensor] = {}
+    for file in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():
+                if names is None or key in names:
+                    out[key] = f.get_tensor(key)
+    return out
+
+
+def read_config(path: Path) -> dict:
+    return json.loads((Path(path) / "config.json").read_text())
+
+
+def write_config(out_dir: Path, config: dict) -> None:
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

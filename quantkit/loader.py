@@ -1,0 +1,72 @@
+"""quantkit's own loader: any artifact quantkit writes (or a dense HF dir) as a torch model.
+
+Quantized weights are dequantized, so eval sees exactly the values stored on disk.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from quantkit.formats import detect_format, read_dense_state
+from quantkit.model_io import load_config, load_model, load_tokenizer, resolve_model
+
+__all__ = ["LoadedModel", "load_artifact", "artifact_meta"]
+
+META_FILE = "quantkit.json"
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: object
+    path: Path
+    format: str
+    meta: dict = field(default_factory=dict)
+
+
+def artifact_meta(path: Path) -> dict:
+    f = Path(path) / META_FILE
+    return json.loads(f.read_text()) if f.is_file() else {}
+
+
+def load_artifact(spec: str | Path, dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """A model alias, dense HF directory or quantkit artifact, ready for eval on CPU."""
+    path = Path(spec)
+    if not path.exists():
+        path = resolve_model(str(spec)).path
+    fmt = detect_format(path)
+    tok = load_tokenizer(path)
+    if fmt == "dense":
+        return LoadedModel(load_model(path, dtype=dtype), tok, path, fmt, artifact_meta(path))
+    from transformers import AutoModelForCausalLM
+
+    config = copy.deepcopy(load_config(path))
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    state = read_dense_state(path, fmt, dtype)
+    if getattr(config, "tie_word_embeddings", False) and "lm_head.weight" not in state:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    missing = [m for m in missing if "rotary_emb" not in m]
+    if missing or unexpected:
+        raise ValueError(f"artifact {path} does not match its config: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}")
+    model.tie_weights()
+    _rebuild_meta_buffers(model)
+    model.eval()
+    return LoadedModel(model, tok, path, fmt, artifact_meta(path))
+
+
+def _rebuild_meta_buffers(model) -> None:
+    """Non-persistent buffers (rotary inv_freq) are not in the checkpoint: rebuild them on CPU."""
+    for parent in list(model.modules()):
+        for child_name, child in list(parent.named_children()):
+            if any(b.is_meta for b in child.buffers(recurse=False)) and hasattr(child, "config"):
+                setattr(parent, child_name, type(child)(child.config))

@@ -1,0 +1,82 @@
+"""Integer grid primitives shared by every weight-only int method (RTN, GPTQ, AWQ).
+
+Convention (see QuantResult): unsigned codes q in [0, 2^b - 1], w = (q - z) * s.
+Symmetric: z = 2^(b-1), s = absmax / (2^(b-1) - 0.5) so both -absmax and +absmax land on the
+grid edge after rounding (the GPTQ / compressed-tensors convention).
+Asymmetric: the range [min, max] always includes 0; s = (max - min) / (2^b - 1), z = round(-min/s).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from quantkit.errors import SchemeMismatch
+from quantkit.types import QuantResult, QuantScheme, int_qrange
+
+__all__ = ["check_int_scheme", "group_qparams", "quantize_to_codes", "rtn_quantize_weight",
+           "relative_error"]
+
+SUPPORTED_BITS = (2, 3, 4, 8)
+
+
+def check_int_scheme(scheme: QuantScheme) -> None:
+    if scheme.bits not in SUPPORTED_BITS:
+        raise SchemeMismatch(
+            f"Unsupported bit width {scheme.bits} for integer weights.",
+            f"Use one of {SUPPORTED_BITS} (4 and 8 load in every engine).",
+        )
+    if scheme.group_size not in (-1, 0) and scheme.group_size < 1:
+        raise SchemeMismatch(f"Invalid group size {scheme.group_size}.", "Use -1 or a positive size.")
+
+
+def group_qparams(w: torch.Tensor, bits: int, symmetric: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale and zero for each row of `w` [..., g] (the last dim is one group).
+
+    Returns float32 scale [...] and int32 zero [...].
+    """
+    w = w.float()
+    _, qmax = int_qrange(bits)
+    if symmetric:
+        absmax = w.abs().amax(dim=-1)
+        scale = absmax / ((qmax + 1) / 2 - 0.5) if bits > 1 else absmax
+        zero = torch.full_like(scale, (qmax + 1) // 2, dtype=torch.int32)
+    else:
+        wmin = w.amin(dim=-1).clamp(max=0)
+        wmax = w.amax(dim=-1).clamp(min=0)
+        scale = (wmax - wmin) / qmax
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        zero = torch.round(-wmin / scale).clamp(0, qmax).to(torch.int32)
+    scale = torch.where(scale > 0, scale, torch.full_like(scale, 1e-8))
+    return scale, zero
+
+
+def quantize_to_codes(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
+    """Round w / scale + zero onto [0, 2^b - 1]; scale/zero broadcast against w."""
+    _, qmax = int_qrange(bits)
+    return torch.clamp(torch.round(w.float() / scale) + zero, 0, qmax)
+
+
+def relative_error(w: torch.Tensor, w_hat: torch.Tensor) -> float:
+    w = w.float()
+    return float((w - w_hat.float()).norm() / w.norm().clamp_min(1e-12))
+
+
+def rtn_quantize_weight(name: str, weight: torch.Tensor, scheme: QuantScheme) -> QuantResult:
+    """Round-to-nearest of a [N, K] weight, group-wise along K."""
+    check_int_scheme(scheme)
+    n, k = weight.shape
+    g = scheme.effective_group(k)
+    if k % g:
+        raise SchemeMismatch(f"group size {g} does not divide in_features {k} of {name}.")
+    wg = weight.float().reshape(n, k // g, g)
+    scale, zero = group_qparams(wg, scheme.bits, scheme.symmetric)
+    codes = quantize_to_codes(wg, scale[..., None], zero[..., None], scheme.bits)
+    result = QuantResult(
+        name=name,
+        scheme=scheme,
+        codes=codes.reshape(n, k).to(torch.uint8),
+        scale=scale,
+        zero=zero,
+    )
+    result.loss = relative_error(weight, result.dequantize())
+    return result

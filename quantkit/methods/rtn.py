@@ -1,0 +1,30 @@
+"""Round-to-nearest: the baseline every other method must beat. Ignores calibration data."""
+
+from __future__ import annotations
+
+import time
+
+from quantkit.methods.intquant import check_int_scheme, rtn_quantize_weight
+from quantkit.types import BlockContext, QuantResult, QuantScheme
+
+__all__ = ["RTNQuantizer"]
+
+
+class RTNQuantizer:
+    name = "rtn"
+    stats: tuple[str, ...] = ()
+    propagate_quantized = False  # RTN reads no activations, so nothing needs propagating
+    needs_calibration = False
+
+    def check(self, scheme: QuantScheme) -> None:
+        check_int_scheme(scheme)
+
+    def quantize_block(self, ctx: BlockContext) -> dict[str, QuantResult]:
+        results = {}
+        for name, linear in ctx.linears.items():
+            t0 = time.perf_counter()
+            res = rtn_quantize_weight(name, linear.weight.data, ctx.scheme)
+            res.bias = None if linear.bias is None else linear.bias.data.clone()
+            res.seconds = time.perf_counter() - t0
+            results[name] = res
+        return results

@@ -1,0 +1,168 @@
+"""Finding and loading models: aliases, local HF directories, Hub ids.
+
+Safety defaults: safetensors only (pickle needs allow_pickle), no remote code unless asked.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from quantkit.errors import BadWeights, ModelLoadError
+
+__all__ = ["ModelSource", "resolve_model", "load_config", "load_model", "load_tokenizer",
+           "check_finite", "cache_dir", "TOKENIZER_FILES"]
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja",
+                   "added_tokens.json", "generation_config.json")
+
+
+def cache_dir() -> Path:
+    """Where built-in models are built once (outside the repo)."""
+    root = os.environ.get("QUANTKIT_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "quantkit")
+    return Path(root)
+
+
+@dataclass
+class ModelSource:
+    spec: str  # what the user typed
+    path: Path  # local directory with config.json
+    alias: str | None = None
+
+
+def resolve_model(spec: str, *, allow_pickle: bool = False, on_progress=None) -> ModelSource:
+    """Alias -> built-in model; existing path -> local dir; otherwise a Hub id."""
+    from quantkit.builtin_models import BUILTIN_MODELS, ensure_builtin
+
+    if spec in BUILTIN_MODELS:
+        return ModelSource(spec, ensure_builtin(spec, on_progress=on_progress), alias=spec)
+    p = Path(spec).expanduser()
+    if p.exists():
+        _check_local_dir(p, allow_pickle=allow_pickle)
+        return ModelSource(spec, p.resolve())
+    if spec.startswith((".", "/", "~")) or spec.count("/") != 1:
+        raise ModelLoadError(
+            f"Model {spec!r} is neither a built-in alias, an existing directory, nor a Hub id.",
+            f"Built-in aliases: {', '.join(BUILTIN_MODELS)}. A Hub id looks like 'org/name'.",
+        )
+    return ModelSource(spec, _fetch_hub(spec, allow_pickle=allow_pickle))
+
+
+def _fetch_hub(repo_id: str, *, allow_pickle: bool) -> Path:
+    offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
+    try:
+        from huggingface_hub import snapshot_download
+
+        patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]
+        if allow_pickle:
+            patterns += ["*.bin", "*.pt"]
+        path = Path(snapshot_download(repo_id, allow_patterns=patterns, local_files_only=offline))
+    except Exception as exc:  # hub errors come in many classes; all mean "not here"
+        why = "HF_HUB_OFFLINE is set and it is not in the local Hugging Face cache" if offline \
+            else f"the Hub could not be reached or has no such repo ({type(exc).__name__})"
+        raise ModelLoadError(
+            f"Cannot fetch Hub model {repo_id!r}: {why}.",
+            "Download it on a machine with Hub access (huggingface-cli download) and pass the "
+            "local directory instead, or use a built-in alias such as smollm2-135m.",
+        ) from exc
+    _check_local_dir(path, allow_pickle=allow_pickle)
+    return path
+
+
+def _check_local_dir(path: Path, *, allow_pickle: bool) -> None:
+    if not path.is_dir():
+        raise ModelLoadError(f"{path} is not a directory.",
+                             "Pass a Hugging Face model directory (config.json + *.safetensors).")
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"{path} has no config.json.", "Is this a Hugging Face model directory?")
+    shards = sorted(path.glob("*.safetensors"))
+    pickles = sorted(path.glob("*.bin")) + sorted(path.glob("*.pt"))
+    if not shards:
+        if pickles and not allow_pickle:
+            raise ModelLoadError(
+                f"{path} holds only pickle weights ({pickles[0].name}); quantkit loads safetensors only.",
+                "Pickle files can run code when loaded. If you trust them, pass --allow-pickle.",
+            )
+        if not pickles:
+            raise ModelLoadError(f"{path} has no weights (*.safetensors missing).",
+                                 "The directory must contain model.safetensors or its shards.")
+    for shard in shards:
+        _check_safetensors(shard)
+
+
+def _check_safetensors(file: Path) -> None:
+    """Read the header and verify that the data section is as long as it claims."""
+    try:
+        size = file.stat().st_size
+        with open(file, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if n <= 0 or n > size - 8:
+                raise ValueError("header length out of range")
+            header = json.loads(f.read(n))
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+        if 8 + n + end > size:
+            raise ValueError(f"file is truncated ({size} bytes, header promises {8 + n + end})")
+    except Exception as exc:
+        raise ModelLoadError(
+            f"Corrupt safetensors file {file}: {exc}.",
+            "Re-download or re-export the checkpoint; the file is unreadable as it is.",
+        ) from exc
+
+
+def load_config(path: Path, *, trust_remote_code: bool = False):
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except Exception as exc:
+        raise ModelLoadError(f"Cannot read the config of {path}: {exc}",
+                             "Architectures with custom code need --trust-remote-code.") from exc
+
+
+def load_tokenizer(path: Path, *, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+
+    if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+        raise ModelLoadError(
+            f"No tokenizer in {path} (tokenizer.json / tokenizer.model / vocab.json missing).",
+            "Copy the tokenizer files of the original model into this directory.",
+        )
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except Exception as exc:
+        raise ModelLoadError(f"Cannot load the tokenizer of {path}: {exc}") from exc
+
+
+def load_model(path: Path, *, dtype: torch.dtype = torch.float32, allow_pickle: bool = False,
+               trust_remote_code: bool = False, check_weights: bool = True):
+    """A dense transformers model on CPU; weights are checked for NaN/Inf."""
+    from transformers import AutoModelForCausalLM
+
+    _check_local_dir(path, allow_pickle=allow_pickle)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, use_safetensors=not allow_pickle or None,
+            trust_remote_code=trust_remote_code)
+    except Exception as exc:
+        raise ModelLoadError(f"Cannot load model weights from {path}: {exc}") from exc
+    model.eval()
+    if check_weights:
+        check_finite(model.named_parameters())
+    return model
+
+
+def check_finite(named_tensors) -> None:
+    """Refuse NaN/Inf weights, naming the first bad tensor (quantizing them spreads garbage)."""
+    for name, t in named_tensors:
+        if t.is_floating_point() and not torch.isfinite(t).all():
+            bad = int((~torch.isfinite(t)).sum())
+            raise BadWeights(
+                f"Tensor {name} contains {bad} NaN/Inf values; refusing to quantize.",
+                "The checkpoint is damaged or was saved after a diverged step; fix it first.",
+            )

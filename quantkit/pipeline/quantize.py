@@ -1,0 +1,185 @@
+"""`quantkit quantize` end to end: cheap checks first, then calibration, blocks, atomic write."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+import quantkit
+from quantkit.arch import ArchSpec, spec_for_config
+from quantkit.errors import SchemeMismatch
+from quantkit.formats import get_writer
+from quantkit.methods import get_quantizer
+from quantkit.model_io import (
+    TOKENIZER_FILES,
+    load_config,
+    load_model,
+    load_tokenizer,
+    resolve_model,
+)
+from quantkit.pipeline.blocks import get_blocks, quantize_blocks
+from quantkit.pipeline.output import atomic_output, check_output
+from quantkit.types import ProgressFn, QuantResult, QuantScheme
+
+__all__ = ["QuantizeRequest", "quantize", "linear_shapes", "check_group_size"]
+
+
+@dataclass
+class QuantizeRequest:
+    model: str
+    method: str
+    scheme: QuantScheme
+    out: Path
+    format: str = "compressed-tensors"
+    force: bool = False
+    calib: str = "mixed"
+    calib_samples: int = 128
+    calib_seqlen: int = 512
+    seed: int = 0
+    chat: bool = False
+    allow_pickle: bool = False
+    trust_remote_code: bool = False
+    device: str | None = None
+    method_options: dict = field(default_factory=dict)
+    command: str = ""
+
+
+def linear_shapes(config, spec: ArchSpec) -> dict[str, tuple[int, int]]:
+    """[N, K] of every block Linear, from the config alone (a meta-device model, no weights)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    shapes = {}
+    for i, block in enumerate(get_blocks(model, spec)):
+        mods = dict(block.named_modules())
+        for name in spec.block_linears:
+            if name in mods:
+                shapes[f"{spec.block_path}.{i}.{name}"] = tuple(mods[name].weight.shape)
+    return shapes
+
+
+def check_group_size(scheme: QuantScheme, shapes: dict[str, tuple[int, int]]) -> None:
+    """Group size must divide every in_features; name the layers and suggest one that works."""
+    if scheme.kind != "int" or scheme.group_size in (-1, 0):
+        return
+    bad = {n: k for n, (_, k) in shapes.items() if k % scheme.group_size}
+    if not bad:
+        return
+    widths = sorted({k for _, k in shapes.values()})
+    fits = [g for g in (128, 64, 32, 16) if all(k % g == 0 for k in widths)]
+    names = sorted(bad)
+    shown = ", ".join(f"{n} (in_features {bad[n]})" for n in names[:4])
+    more = f" and {len(names) - 4} more" if len(names) > 4 else ""
+    hint = (f"Use --group-size {fits[0]} (divides every width: {widths})" if fits
+            else "Use --group-size -1 (one group per row)")
+    raise SchemeMismatch(
+        f"Group size {scheme.group_size} does not divide the input width of {len(names)} "
+        f"layers: {shown}{more}.", hint + ".")
+
+
+def _device(requested: str | None) -> str:
+    if requested:
+        return requested
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def quantize(req: QuantizeRequest, on_progress: ProgressFn | None = None) -> dict:
+    """Run a quantization; returns the artifact's metadata (also written as quantkit.json)."""
+    t_start = time.perf_counter()
+    out = Path(req.out)
+    check_output(out, req.force)
+    quantizer = get_quantizer(req.method, **req.method_options)
+    quantizer.check(req.scheme)
+    writer = get_writer(req.format)
+    source = resolve_model(req.model, allow_pickle=req.allow_pickle, on_progress=on_progress)
+    config = load_config(source.path, trust_remote_code=req.trust_remote_code)
+    spec = spec_for_config(config)
+    shapes = linear_shapes(config, spec)
+    check_group_size(req.scheme, shapes)
+    problems = writer.check(req.scheme, shapes)
+    if problems:
+        raise SchemeMismatch(f"Format {writer.name} cannot store this: " + "; ".join(problems) + ".")
+    tokenizer = load_tokenizer(source.path, trust_remote_code=req.trust_remote_code)
+
+    calib = None
+    if quantizer.needs_calibration:
+        from quantkit.calibration import load_calibration
+
+        calib = load_calibration(req.calib, tokenizer, n_samples=req.calib_samples,
+                                 seqlen=req.calib_seqlen, seed=req.seed, chat=req.chat)
+    device = _device(req.device)
+    compute_dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    model = load_model(source.path, dtype=torch.float32 if device == "cpu" else torch.bfloat16,
+                       allow_pickle=req.allow_pickle, trust_remote_code=req.trust_remote_code)
+    batches = list(calib.batches(1)) if calib is not None else None
+    t_quant = time.perf_counter()
+    results = quantize_blocks(model, spec, quantizer, req.scheme, batches, device=device,
+                              compute_dtype=compute_dtype, options=req.method_options,
+                              on_progress=on_progress)
+    quant_seconds = time.perf_counter() - t_quant
+
+    raw_config = json.loads((source.path / "config.json").read_text())
+    store_dtype = _storage_dtype(raw_config)
+    dense = _dense_tensors(model, results, store_dtype)
+    meta = {
+        "quantkit_version": quantkit.__version__,
+        "method": req.method,
+        "format": writer.name,
+        "engines": list(writer.engines),
+        "scheme": dataclasses.asdict(req.scheme),
+        "source_model": {"spec": req.model, "path": str(source.path),
+                         "name_or_path": raw_config.get("_name_or_path") or getattr(
+                             config, "name_or_path", "") or req.model,
+                         "architecture": spec.name},
+        "calibration": calib.provenance if calib is not None else None,
+        "method_options": req.method_options,
+        "device": device,
+        "seconds": {"quantize": round(quant_seconds, 3)},
+        "command": req.command or " ".join(sys.argv),
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+    with atomic_output(out, req.force) as tmp:
+        writer.write(tmp, config=raw_config, dense=dense, results=results,
+                     ignore=[spec.lm_head], dtype=store_dtype)
+        for name in TOKENIZER_FILES:
+            if (source.path / name).is_file():
+                shutil.copy2(source.path / name, tmp / name)
+        (tmp / "quantkit_stats.json").write_text(json.dumps(_stats(results), indent=1))
+        meta["seconds"]["total"] = round(time.perf_counter() - t_start, 3)
+        (tmp / "quantkit.json").write_text(json.dumps(meta, indent=2))
+    return meta
+
+
+def _storage_dtype(raw_config: dict) -> torch.dtype:
+    name = raw_config.get("dtype") or raw_config.get("torch_dtype") or "bfloat16"
+    return {"float16": torch.float16, "bfloat16": torch.bfloat16,
+            "float32": torch.float32}.get(str(name), torch.bfloat16)
+
+
+def _dense_tensors(model, results: dict[str, QuantResult], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Everything that is not a quantized Linear weight, in the checkpoint's own dtype."""
+    skip = {f"{n}.weight" for n in results} | {f"{n}.bias" for n in results}
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    out = {}
+    for name, t in model.state_dict().items():
+        if name in skip or (tied and name == "lm_head.weight"):
+            continue
+        out[name] = t.detach().to("cpu", dtype if t.is_floating_point() else t.dtype).contiguous()
+    return out
+
+
+def _stats(results: dict[str, QuantResult]) -> dict:
+    layers = {}
+    for name, r in results.items():
+        layers[name] = {"shape": list(r.shape), "rel_error": r.loss, "seconds": r.seconds}
+    return {"version": 1, "metric": "relative Frobenius reconstruction error ||W-Wq||/||W||",
+            "layers": layers}

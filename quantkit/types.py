@@ -1,0 +1,142 @@
+"""The few records every part of quantkit shares.
+
+Methods produce `QuantResult`s, formats consume them; the two never import each other.
+Defaults of a scheme are defined here once; the CLI reads them from here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Protocol
+
+import torch
+
+__all__ = [
+    "Method",
+    "QuantScheme",
+    "QuantResult",
+    "BlockContext",
+    "Quantizer",
+    "ProgressFn",
+    "int_qrange",
+]
+
+
+class Method(str, Enum):
+    RTN = "rtn"
+    GPTQ = "gptq"
+    AWQ = "awq"
+    FP8 = "fp8"
+    GGUF = "gguf"
+
+
+ProgressFn = Callable[[str, int, int], None]
+"""on_progress(stage, done, total): the only way core code reports progress."""
+
+
+def int_qrange(bits: int) -> tuple[int, int]:
+    """Unsigned code range [0, 2^bits - 1] used for every integer scheme."""
+    return 0, (1 << bits) - 1
+
+
+@dataclass(frozen=True)
+class QuantScheme:
+    """What a weight is turned into. `group_size=-1` means one group per output row."""
+
+    kind: str = "int"  # "int" | "fp8" | "kquant"
+    bits: int = 4
+    group_size: int = 128
+    symmetric: bool = True
+    act_order: bool = False
+    gguf_type: str | None = None
+
+    def groups(self, in_features: int) -> int:
+        return 1 if self.group_size in (-1, 0) else -(-in_features // self.group_size)
+
+    def effective_group(self, in_features: int) -> int:
+        return in_features if self.group_size in (-1, 0) else self.group_size
+
+    def describe(self) -> str:
+        if self.kind == "int":
+            g = "per-channel" if self.group_size in (-1, 0) else f"g{self.group_size}"
+            return f"W{self.bits}A16 {g} {'sym' if self.symmetric else 'asym'}"
+        return self.gguf_type or self.kind
+
+
+@dataclass
+class QuantResult:
+    """One quantized Linear, unpacked. Packing is a format's job.
+
+    Integer schemes (the invariant every method keeps, checked by tests):
+      codes  uint8 [N, K], original column order, values in [0, 2^bits - 1]
+      scale  float32 [N, G]; zero int32 [N, G] (sym: 2^(bits-1) everywhere)
+      g_idx  int32 [K] group of each column (None = k // group_size)
+      weight = (codes - zero[:, g_idx]) * scale[:, g_idx]
+    `extra` carries format-specific side tensors (e.g. AWQ pre_quant_scale, K-quant blocks).
+    """
+
+    name: str
+    scheme: QuantScheme
+    codes: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor | None = None
+    g_idx: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)
+    loss: float | None = None  # relative reconstruction error ||W - Wq||_F / ||W||_F or method loss
+    seconds: float | None = None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.codes.shape)  # type: ignore[return-value]
+
+    def column_groups(self) -> torch.Tensor:
+        if self.g_idx is not None:
+            return self.g_idx.long()
+        k = self.codes.shape[1]
+        g = self.scheme.effective_group(k)
+        return torch.arange(k) // g
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight this result stands for (what the pipeline propagates)."""
+        if self.scheme.kind != "int":
+            raise NotImplementedError(f"dequantize for kind {self.scheme.kind}")
+        gi = self.column_groups()
+        scale = self.scale.float()[:, gi]
+        zero = self.zero.float()[:, gi] if self.zero is not None else 0.0
+        return ((self.codes.float() - zero) * scale).to(dtype)
+
+
+@dataclass
+class BlockContext:
+    """What a quantizer sees of one decoder block.
+
+    `linears` maps names relative to the block (e.g. "self_attn.q_proj") to the modules in
+    quantization order. `stats[linear_name][stat]` holds the statistics the quantizer asked
+    for, gathered from this block's calibration inputs. `rerun()` runs the block again on its
+    cached inputs and returns the outputs (AWQ's search needs it).
+    """
+
+    index: int
+    block: torch.nn.Module
+    linears: dict[str, torch.nn.Linear]
+    stats: dict[str, dict[str, Any]]
+    scheme: QuantScheme
+    inputs: list[torch.Tensor]
+    rerun: Callable[[], list[torch.Tensor]]
+    arch: Any = None  # quantkit.arch.ArchSpec
+    options: dict[str, Any] = field(default_factory=dict)
+    collect: Callable[[list[str], tuple[str, ...]], dict[str, dict[str, Any]]] | None = None
+
+
+class Quantizer(Protocol):
+    """A quantization method: math only, no file formats."""
+
+    name: str
+    stats: tuple[str, ...]  # statistics the pipeline gathers per Linear, e.g. ("hessian",)
+    propagate_quantized: bool  # next block sees this block's quantized outputs
+    needs_calibration: bool
+
+    def quantize_block(self, ctx: BlockContext) -> dict[str, QuantResult]: ...
