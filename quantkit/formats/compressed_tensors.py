@@ -28,12 +28,15 @@ from quantkit.types import QuantResult, QuantScheme
 __all__ = ["CompressedTensorsWriter", "read_compressed_tensors", "quantization_config"]
 
 
-def quantization_config(scheme: QuantScheme, ignore: list[str]) -> dict:
+def quantization_config(scheme: QuantScheme, ignore: list[str], dynamic_g_idx: bool = True) -> dict:
+    """`dynamic_g_idx` False: act-order with static groups (g_idx = k // G) -> actorder "static",
+    the only act-order vLLM 0.32 loads (it refuses "group": compressed_tensors.py)."""
     strategy = "channel" if scheme.group_size in (-1, 0) else "group"
     weights = QuantizationArgs(
         num_bits=scheme.bits, type="int", symmetric=scheme.symmetric, strategy=strategy,
         group_size=None if strategy == "channel" else scheme.group_size,
-        actorder="group" if scheme.act_order else None, dynamic=False,
+        actorder=(("group" if dynamic_g_idx else "static") if scheme.act_order else None),
+        dynamic=False,
     )
     cfg = QuantizationConfig(
         config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=weights)},
@@ -61,6 +64,9 @@ class CompressedTensorsWriter:
         scheme = next(iter(results.values())).scheme
         tensors = dict(dense)
         offset = 1 << (scheme.bits - 1)
+        dynamic_g_idx = any(r.g_idx is not None and not torch.equal(
+            r.g_idx.long(), torch.arange(r.codes.shape[1]) // scheme.effective_group(r.codes.shape[1]))
+            for r in results.values())
         for name, r in results.items():
             signed = (r.codes.to(torch.int16) - offset).to(torch.int8)
             tensors[f"{name}.weight_packed"] = pack_to_int32(signed, scheme.bits)
@@ -69,12 +75,12 @@ class CompressedTensorsWriter:
             if not scheme.symmetric:
                 zp = (r.zero.to(torch.int16) - offset).to(torch.int8)
                 tensors[f"{name}.weight_zero_point"] = pack_to_int32(zp, scheme.bits, packed_dim=0)
-            if scheme.act_order:
+            if scheme.act_order and dynamic_g_idx:
                 tensors[f"{name}.weight_g_idx"] = r.column_groups().to(torch.int32)
             if r.bias is not None:
                 tensors[f"{name}.bias"] = r.bias.to(dtype)
         save_tensors(out_dir, tensors)
-        write_config(out_dir, {**config, "quantization_config": quantization_config(scheme, ignore)})
+        write_config(out_dir, {**config, "quantization_config": quantization_config(scheme, ignore, dynamic_g_idx)})
 
 
 def read_compressed_tensors(path: Path, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:

@@ -74,7 +74,7 @@ def quantize_blocks(
             stats = {}
             if quantizer.stats and inputs is not None:
                 with StatCollector(linears, quantizer.stats) as collector:
-                    run_block(block, inputs)
+                    collector.run(block, inputs)
                 stats = collector.results
 
             def rerun(block=block, inputs=inputs):
@@ -102,7 +102,7 @@ def _collect(block, names, stats, inputs) -> dict:
     if inputs is None:
         return {}
     with StatCollector(_linears(block, tuple(names)), tuple(stats)) as collector:
-        run_block(block, inputs)
+        collector.run(block, inputs)
     return collector.results
 
 

@@ -76,7 +76,7 @@ def check_group_size(scheme: QuantScheme, shapes: dict[str, tuple[int, int]]) ->
         return
     widths = sorted({k for _, k in shapes.values()})
     fits = [g for g in (128, 64, 32, 16) if all(k % g == 0 for k in widths)]
-    names = sorted(bad)
+    names = [n for n in shapes if n in bad]  # model order
     shown = ", ".join(f"{n} (in_features {bad[n]})" for n in names[:4])
     more = f" and {len(names) - 4} more" if len(names) > 4 else ""
     hint = (f"Use --group-size {fits[0]} (divides every width: {widths})" if fits
@@ -101,8 +101,9 @@ def quantize(req: QuantizeRequest, on_progress: ProgressFn | None = None) -> dic
     quantizer.check(req.scheme)
     writer = get_writer(req.format)
     source = resolve_model(req.model, allow_pickle=req.allow_pickle, on_progress=on_progress)
+    raw_config = json.loads((source.path / "config.json").read_text())
+    spec = spec_for_config(raw_config)  # before transformers parses it: cheap, clear errors
     config = load_config(source.path, trust_remote_code=req.trust_remote_code)
-    spec = spec_for_config(config)
     shapes = linear_shapes(config, spec)
     check_group_size(req.scheme, shapes)
     problems = writer.check(req.scheme, shapes)
@@ -127,7 +128,6 @@ def quantize(req: QuantizeRequest, on_progress: ProgressFn | None = None) -> dic
                               on_progress=on_progress)
     quant_seconds = time.perf_counter() - t_quant
 
-    raw_config = json.loads((source.path / "config.json").read_text())
     store_dtype = _storage_dtype(raw_config)
     dense = _dense_tensors(model, results, store_dtype)
     meta = {

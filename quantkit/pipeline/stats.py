@@ -15,6 +15,10 @@ __all__ = ["StatCollector", "STATS"]
 STATS = ("hessian", "sq_mean", "absmean")
 
 
+class _AllFired(Exception):
+    """Raised by a hook to end a block forward early (private: only StatCollector.run catches it)."""
+
+
 class StatCollector:
     """Hooks `stats` onto `modules`; `.results[name][stat]` and `.results[name]["tokens"]`."""
 
@@ -24,24 +28,58 @@ class StatCollector:
             raise ValueError(f"unknown statistics {sorted(unknown)}; known: {STATS}")
         self.stats = stats
         self.results: dict[str, dict[str, torch.Tensor | int]] = {n: {"tokens": 0} for n in modules}
+        # Linears fed the very same tensor (q/k/v, gate/up) get each update computed once;
+        # their sums stay separate tensors but are bitwise equal, so methods may share them.
+        self._last_input: torch.Tensor | None = None
+        self._last_updates: dict[str, torch.Tensor] = {}
+        self._fired: set[str] = set()
+        self._stop_when_all_fired = False
         self._handles = [m.register_forward_hook(self._hook(n)) for n, m in modules.items()]
 
     def _hook(self, name: str):
         def hook(_module, args, _output):
-            x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
+            if args[0] is not self._last_input:
+                x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
+                self._last_input, self._last_updates = args[0], {}
+                for stat in self.stats:
+                    if stat == "hessian":
+                        upd = x.T @ x
+                    elif stat == "sq_mean":
+                        upd = (x * x).sum(0)
+                    else:
+                        upd = x.abs().sum(0)
+                    self._last_updates[stat] = upd
             rec = self.results[name]
-            rec["tokens"] += x.shape[0]
-            for stat in self.stats:
-                if stat == "hessian":
-                    upd = x.T @ x
-                elif stat == "sq_mean":
-                    upd = (x * x).sum(0)
+            rec["tokens"] += args[0].numel() // args[0].shape[-1]
+            for stat, upd in self._last_updates.items():
+                if stat in rec:
+                    rec[stat].add_(upd)
                 else:
-                    upd = x.abs().sum(0)
-                rec[stat] = upd if stat not in rec else rec[stat].add_(upd)
+                    rec[stat] = upd.clone()
+            self._fired.add(name)
+            if self._stop_when_all_fired and len(self._fired) == len(self.results):
+                raise _AllFired
         return hook
 
+    def run(self, block: torch.nn.Module, inputs) -> None:
+        """Run each cached batch (BlockInputs) through `block`, stopping a batch as soon as
+        every hooked Linear has seen it: the rest of the block cannot change the statistics.
+        Assumes each hooked Linear runs at most once per block forward (true for every ArchSpec)."""
+        self._stop_when_all_fired = True
+        try:
+            with torch.no_grad():
+                for h, kw in zip(inputs.hidden, inputs.kwargs, strict=True):
+                    self._fired.clear()
+                    try:
+                        block(h, **kw)
+                    except _AllFired:
+                        pass
+        finally:
+            self._stop_when_all_fired = False
+            self._last_input, self._last_updates = None, {}
+
     def close(self) -> dict[str, dict[str, torch.Tensor | int]]:
+        self._last_input, self._last_updates = None, {}
         for h in self._handles:
             h.remove()
         self._handles = []

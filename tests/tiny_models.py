@@ -1,0 +1,54 @@
+"""Tiny random models of real architectures, built in the tests (no Hub)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+
+ARCH_CONFIGS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+}
+
+
+def smollm_dir() -> Path:
+    from quantkit.model_io import resolve_model
+
+    return resolve_model("smollm2-135m").path
+
+
+def make_tiny_model(out: Path, arch: str = "llama", *, hidden: int = 256, intermediate: int = 512,
+                    layers: int = 2, heads: int = 4, kv_heads: int = 2, vocab: int | None = None,
+                    seed: int = 0, tokenizer: bool = True, dtype=torch.bfloat16,
+                    tie: bool = False) -> Path:
+    """Save a seeded random model of `arch` with SmolLM2's tokenizer (so text tokenizes for real)."""
+    import transformers
+
+    cfg_cls, model_cls = (getattr(transformers, n) for n in ARCH_CONFIGS[arch])
+    src = smollm_dir()
+    vocab = vocab or 49152
+    kwargs = dict(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                  num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab,
+                  max_position_embeddings=1024, tie_word_embeddings=tie, bos_token_id=1,
+                  eos_token_id=2, pad_token_id=2)
+    if arch == "qwen3":
+        kwargs["head_dim"] = hidden // heads
+    config = cfg_cls(**kwargs)
+    config.architectures = [model_cls.__name__]
+    torch.manual_seed(seed)
+    model = model_cls(config).to(dtype)
+    with torch.no_grad():  # realistic scale: default init gives tiny std, make it ~0.02-0.05
+        for name, p in model.named_parameters():
+            if p.ndim == 2:
+                p.normal_(0, 0.04)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    if tokenizer:
+        for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+            if (src / f).exists():
+                shutil.copy2(src / f, out / f)
+    return out
