@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import tempfile
 from pathlib import Path
@@ -51,6 +52,20 @@ def run_vllm(model_dir: Path, *, generate: list[dict] | None = None,
         proc = subprocess.run([str(python), str(_WORKER), str(req), str(resp)], env=env,
                               capture_output=True, text=True, timeout=timeout, cwd=tmp)
         if proc.returncode != 0 or not resp.is_file():
-            tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-25:])
-            raise EngineError(f"vLLM failed to run {model_dir} (exit {proc.returncode}):\n{tail}")
+            log = (proc.stderr or "") + (proc.stdout or "")
+            cause = _root_cause(log) or f"exit {proc.returncode}"
+            err = EngineError(f"vLLM failed to run {model_dir}: {cause}",
+                              "The full vLLM log is in the exception's .log attribute.")
+            err.log = log
+            raise err
         return json.loads(resp.read_text())
+
+
+def _root_cause(log: str) -> str | None:
+    """The innermost exception in vLLM's log (its engine wraps the real one in EngineDeadError)."""
+    found = re.findall(r"\b(\w+(?:Error|Exception)): (.+)", log)
+    wrappers = {"EngineDeadError", "RuntimeError", "EngineGenerateError"}
+    for kind, msg in found:
+        if kind not in wrappers:
+            return f"{kind}: {msg.strip()}"
+    return f"{found[-1][0]}: {found[-1][1].strip()}" if found else None
