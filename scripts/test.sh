@@ -3,5 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-.venv/bin/ruff check quantkit tests benchmarks
+.venv/bin/ruff check .
 exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
