@@ -1,0 +1,566 @@
+"""AWQ (Lin et al. 2023, activation-aware weight quantization) in plain torch, CPU or GPU.
+
+Why: int4 error hurts most on the input channels that carry large activations. AWQ scales
+those weight columns up before rounding (W * s) and divides the activations by s (folded into
+the previous norm or Linear), so the block computes the same function with less error where
+it matters. Per decoder block, for each scaling group of the architecture's table
+(`quantkit.arch.AwqGroup`: prev op -> balance Linears, loss read on an inspect module):
+
+  1. statistics  x_mean[k] = mean |x_k| over ALL calibration tokens (the pipeline's "absmean");
+                 w_mean[k] = mean over rows of |w| / max|w| of its group (AutoAWQ's duo scaling)
+  2. search      s(a) = x_mean^a / w_mean^(1-a), a in {0, 1/n, ..., (n-1)/n}, normalised so
+                 sqrt(max(s) * min(s)) = 1, plus s = 1 (plain RTN, so AWQ never loses to it);
+                 loss(s) = MSE(inspect(x) with W -> Q(W * s) / s, inspect(x) unquantized),
+                 on the REAL outputs of the inspect module (self_attn, mlp, o_proj, down_proj)
+                 for the first `search_tokens` calibration tokens
+  3. fold        prev.weight /= s (a norm's weight, or a previous Linear's rows); balance *= s
+  4. clip        per (row, group): max|w| shrunk by (1 - i/n), i < n * max_shrink; keep the one
+                 with the smallest error of that group's share of the output. Uses the
+                 group's input Gram blocks X_g^T X_g, so every captured token counts at the
+                 cost of a few tokens. q/k are not clipped (AutoAWQ: a softmax follows them).
+  5. quantize    intquant's grid (the one RTN uses): QuantResult's invariant holds and every
+                 integer writer packs AWQ's results as it packs RTN's.
+
+Scales are searched on the unmodified block for every group, then all are folded (AutoAWQ's
+order). A Linear -> Linear pair folds only where prev.out_features == balance.in_features
+(AutoAWQ's rule; v_proj -> o_proj under grouped-query attention fails it and is skipped with a
+logged reason) -- unless `pre_quant_scale=True`, which keeps such scales as a per-input-channel
+`pre_quant_scale` = 1/s on the balance Linear (`QuantResult.extra`, ModelOpt / TensorRT-LLM's
+W4A16_AWQ layout; only a format that stores it may take those results).
+
+Propagation: the next block sees this block's UNQUANTIZED outputs (`propagate_quantized =
+False`, AutoAWQ's choice; folding alone leaves outputs unchanged, so scaled-but-unquantized
+and original are the same function). `propagate_quantized=True` calibrates each block on the
+quantized outputs of the previous ones instead (GPTQ's choice).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from quantkit.arch import ArchSpec, AwqGroup
+from quantkit.errors import CalibrationError, SchemeMismatch, UnsupportedArchitecture
+from quantkit.methods.intquant import (
+    check_int_scheme,
+    group_qparams,
+    quantize_to_codes,
+    relative_error,
+    rtn_quantize_weight,
+)
+from quantkit.types import BlockContext, QuantResult, QuantScheme
+
+__all__ = ["AWQQuantizer", "fake_quantize", "candidate_scales", "search_clip", "weight_mean",
+           "DEFAULT_GRID", "MIN_CALIB_TOKENS"]
+
+log = logging.getLogger("quantkit.awq")
+
+DEFAULT_GRID = 20  # alpha points in [0, 1) (AutoAWQ / llm-compressor: 20)
+DEFAULT_CLIP_GRID = 20
+DEFAULT_MAX_SHRINK = 0.5  # clip max|w| down to at most half (AutoAWQ)
+MIN_CALIB_TOKENS = 256  # below this x_mean is noise: refuse rather than scale on it
+_AUTO_SEARCH_TOKENS = {"cpu": 4096, "accel": 65536}  # AutoAWQ's default is 128 x 512 = 65536
+_MAX_CHUNK_ELEMS = 1 << 25  # bounds temporaries of the vectorised searches (128 MiB fp32)
+
+
+class _Enough(Exception):
+    """Raised by a pre-hook to stop a capture rerun once enough batches were seen (private)."""
+
+
+@dataclass
+class _Seen:
+    """What one submodule received (and returned) on the captured calibration batches."""
+
+    args: list[tuple] = field(default_factory=list)
+    kwargs: list[dict] = field(default_factory=list)
+    outs: list[torch.Tensor] = field(default_factory=list)
+
+    def x(self) -> torch.Tensor:
+        """The first input of every batch, flattened to [tokens, features], compute dtype."""
+        xs = [a[0] if a else kw["hidden_states"] for a, kw in zip(self.args, self.kwargs, strict=True)]
+        return torch.cat([t.reshape(-1, t.shape[-1]) for t in xs])
+
+
+# ---------------------------------------------------------------- math on plain tensors
+
+def fake_quantize(w: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
+    """Q(w) on intquant's grid, in float32; w [..., N, K], groups along K (leading dims batch)."""
+    k = w.shape[-1]
+    g = scheme.effective_group(k)
+    wg = w.float().reshape(*w.shape[:-1], k // g, g)
+    scale, zero = group_qparams(wg, scheme.bits, scheme.symmetric)
+    q = quantize_to_codes(wg, scale[..., None], zero[..., None], scheme.bits)
+    return ((q - zero[..., None]) * scale[..., None]).reshape(w.shape)
+
+
+def weight_mean(weights: torch.Tensor, group: int) -> torch.Tensor:
+    """w_mean[k]: mean over rows of |w| normalised by its group's max|w| ([N, K] -> [K])."""
+    n, k = weights.shape
+    wg = weights.float().abs().reshape(n, k // group, group)
+    return (wg / (wg.amax(-1, keepdim=True) + 1e-6)).reshape(n, k).mean(0)
+
+
+def candidate_scales(x_mean: torch.Tensor, w_mean: torch.Tensor | None, n_grid: int) -> torch.Tensor:
+    """[n_grid + 1, K]: row 0 is s = 1 (RTN), row 1 + i is alpha = i / n_grid.
+
+    duo scaling (w_mean given): s = x_mean^a / (w_mean^(1-a) + 1e-4), else s = x_mean^a;
+    clamped at 1e-4 and normalised so sqrt(max * min) = 1 (AutoAWQ's _compute_best_scale).
+    """
+    rows = [torch.ones_like(x_mean)]
+    for i in range(n_grid):
+        a = i / n_grid
+        s = x_mean.pow(a) / (w_mean.pow(1 - a) + 1e-4) if w_mean is not None else x_mean.pow(a)
+        s = s.clamp(min=1e-4)
+        s = s / (s.max() * s.min()).sqrt()
+        rows.append(torch.where(torch.isfinite(s), s, torch.ones_like(s)))
+    return torch.stack(rows)
+
+
+def _chunk(per_item: int) -> int:
+    return max(1, _MAX_CHUNK_ELEMS // max(1, per_item))
+
+
+def linear_scale_losses(w: torch.Tensor, x: torch.Tensor, scales: torch.Tensor,
+                        scheme: QuantScheme) -> torch.Tensor:
+    """MSE of a Linear's output for every candidate scale, vectorised over candidates.
+
+    out_q - out = x @ (Q(W * s) / s - W)^T (the bias cancels): [C] losses, float32. The
+    matmul runs in x's dtype (float32 on CPU, bf16 on an accelerator), squares in float32.
+    """
+    w = w.float()
+    n, k = w.shape
+    t = x.shape[0]
+    tok = min(t, _chunk(n * 4))
+    losses = []
+    step = _chunk(n * k)
+    for c0 in range(0, scales.shape[0], step):
+        s = scales[c0:c0 + step, None, :]
+        dw = (fake_quantize(w[None] * s, scheme) / s - w[None]).to(x.dtype)  # [c, N, K]
+        acc = torch.zeros(dw.shape[0], device=w.device)
+        for t0 in range(0, t, max(1, tok // dw.shape[0])):
+            out = torch.matmul(x[None, t0:t0 + max(1, tok // dw.shape[0])], dw.transpose(1, 2))
+            acc += out.float().pow(2).sum((1, 2))
+        losses.append(acc / (t * n))
+    return torch.cat(losses)
+
+
+def search_clip(w: torch.Tensor, x: torch.Tensor, scheme: QuantScheme, n_grid: int = DEFAULT_CLIP_GRID,
+                max_shrink: float = DEFAULT_MAX_SHRINK) -> torch.Tensor:
+    """Best clipping threshold per (row, group): max_val [N, G] (AutoAWQ's _compute_best_clip).
+
+    The error of group g of row n for a clipped-and-quantized row d = Q(clip(w)) - w is its
+    share of the output, sum_t (x_tg . d)^2 = d H_g d^T with H_g = X_g^T X_g [G, G]: exact over
+    all tokens of x at the cost of G "tokens" per group (the token form is used when T <= G).
+    """
+    w = w.float()
+    n, k = w.shape
+    g = scheme.effective_group(k)
+    ng = k // g
+    quad = x.shape[0] > g
+    if quad:  # Gram blocks [ng, g, g], accumulated over token chunks in float32
+        h = torch.zeros(ng, g, g, device=w.device)
+        step = _chunk(k)
+        for t0 in range(0, x.shape[0], step):
+            xg = x[t0:t0 + step].float().reshape(-1, ng, g).transpose(0, 1)
+            h += xg.transpose(1, 2) @ xg
+    else:
+        xg = x.float().reshape(-1, ng, g).transpose(0, 1)  # [ng, T, g]
+    best_all = []
+    rows = max(1, _chunk(k * 4) if quad else _chunk(k * max(4, x.shape[0])))
+    for r0 in range(0, n, rows):
+        wg = w[r0:r0 + rows].reshape(-1, ng, g).transpose(0, 1)  # [ng, n, g]
+        org_max = wg.abs().amax(-1, keepdim=True)
+        best = org_max.clone()
+        best_err = torch.full(org_max.shape[:2], float("inf"), device=w.device)
+        for i in range(int(max_shrink * n_grid)):
+            m = org_max * (1 - i / n_grid)
+            cur = torch.clamp(wg, -m, m)
+            scale, zero = group_qparams(cur, scheme.bits, scheme.symmetric)
+            q = quantize_to_codes(cur, scale[..., None], zero[..., None], scheme.bits)
+            d = (q - zero[..., None]) * scale[..., None] - wg
+            err = ((d @ h) * d).sum(-1) if quad else (xg @ d.transpose(1, 2)).pow(2).sum(1)
+            better = err < best_err
+            best_err = torch.where(better, err, best_err)
+            best = torch.where(better[..., None], m, best)
+        best_all.append(best.squeeze(-1).T)  # [n, ng]
+    return torch.cat(best_all)
+
+
+# ---------------------------------------------------------------- the pipeline-facing side
+
+@dataclass
+class _Plan:
+    """One scaling group resolved on a live block."""
+
+    group: AwqGroup
+    prev: torch.nn.Module
+    balance: dict[str, torch.nn.Linear]
+    mode: str  # "norm" | "linear" | "pre_quant_scale" | "skip"
+    reason: str = ""
+
+
+class AWQQuantizer:
+    """AWQ for the block pipeline. Options (all keyword):
+
+    n_grid (20) alpha points; duo_scaling (True) uses w_mean too; clip (True) searches
+    clipping, clip_grid (20) / max_shrink (0.5); search_tokens: tokens whose outputs measure
+    the scale loss (whole calibration samples from the first; None = 4096 on CPU, 65536 on an
+    accelerator; statistics always use every token); min_tokens (256) refuses shorter
+    calibration; pre_quant_scale (False) keeps Linear -> Linear scales as a pre_quant_scale
+    (ModelOpt); propagate_quantized (False).
+    """
+
+    name = "awq"
+    stats: tuple[str, ...] = ("absmean",)
+    needs_calibration = True
+    true_sequential = False  # every group of a block is searched on the unmodified block
+
+    def __init__(self, n_grid: int = DEFAULT_GRID, duo_scaling: bool = True, clip: bool = True,
+                 clip_grid: int = DEFAULT_CLIP_GRID, max_shrink: float = DEFAULT_MAX_SHRINK,
+                 search_tokens: int | None = None, min_tokens: int = MIN_CALIB_TOKENS,
+                 pre_quant_scale: bool = False, propagate_quantized: bool = False):
+        if n_grid < 1 or clip_grid < 1:
+            raise SchemeMismatch(f"AWQ grids need at least one point (n_grid={n_grid}, "
+                                 f"clip_grid={clip_grid}).", "The usual value is 20.")
+        if not 0.0 <= max_shrink < 1.0:
+            raise SchemeMismatch(f"AWQ max_shrink must be in [0, 1), got {max_shrink}.",
+                                 "The usual value is 0.5.")
+        if pre_quant_scale and propagate_quantized:
+            raise SchemeMismatch("AWQ pre_quant_scale=True cannot propagate quantized outputs: "
+                                 "the block's Linears then hold W * s without the input scale.")
+        self.n_grid, self.duo_scaling, self.clip = int(n_grid), bool(duo_scaling), bool(clip)
+        self.clip_grid, self.max_shrink = int(clip_grid), float(max_shrink)
+        self.search_tokens = search_tokens
+        self.min_tokens = int(min_tokens)
+        self.pre_quant_scale = bool(pre_quant_scale)
+        self.propagate_quantized = bool(propagate_quantized)
+        self.history: list[dict] = []  # per block and group: chosen alpha, losses (for reports)
+        self._logged: set[str] = set()
+
+    def check(self, scheme: QuantScheme) -> None:
+        if scheme.kind != "int":
+            raise SchemeMismatch(f"AWQ produces integer weights, not {scheme.kind!r}.",
+                                 "Use --bits 4 (or 8) with an integer format.")
+        check_int_scheme(scheme)
+
+    def prepare(self, *, config=None, spec: ArchSpec, shapes: dict | None = None, **_) -> None:
+        """Before calibration: refuse an architecture without a scaling table; say which
+        Linear -> Linear pairs the shapes forbid."""
+        _require_table(spec)
+        if not shapes or self.pre_quant_scale:
+            return
+        prefix = f"{spec.block_path}.0."
+        first = {n[len(prefix):]: s for n, s in shapes.items() if n.startswith(prefix)}
+        for grp in spec.awq_groups:
+            if grp.prev in first:
+                reason = _linear_pair_problem(grp, first[grp.prev][0],
+                                              {b: first[b][1] for b in grp.balance if b in first})
+                if reason:
+                    self._log_once(reason)
+
+    def _log_once(self, msg: str) -> None:
+        if msg not in self._logged:
+            self._logged.add(msg)
+            log.warning(msg)
+
+    # -- per block
+
+    def quantize_block(self, ctx: BlockContext) -> dict[str, QuantResult]:
+        t0 = time.perf_counter()
+        spec = ctx.arch
+        _require_table(spec)
+        scheme = ctx.scheme
+        dev = next(ctx.block.parameters()).device
+        plans = self._plans(ctx)
+        first = next(iter(ctx.linears))
+        tokens = int((ctx.stats.get(first) or {}).get("tokens", 0))
+        if tokens < self.min_tokens:
+            raise CalibrationError(
+                f"AWQ: block {ctx.index} saw {tokens} calibration tokens; at least "
+                f"{self.min_tokens} are needed for its activation statistics.",
+                "Pass more --calib-samples or a longer --calib-seqlen (AWQ usually takes "
+                "128 x 512 tokens).")
+        batches = self._search_batches(ctx, dev)
+        inspect = {p.group.inspect: _module(ctx.block, p.group.inspect) for p in plans
+                   if p.mode != "skip" and not _is_single_linear(p)}
+        seen = _capture(ctx, inspect, ctx.linears, batches)
+        for key in list(seen):
+            if key.startswith("mod:"):
+                seen[key] = _merge_batches(seen[key])
+        xs = _linear_inputs(seen, ctx.linears)
+
+        # 1-2: search every group on the unmodified block
+        found: list[tuple[_Plan, torch.Tensor]] = []
+        for plan in plans:
+            if plan.mode == "skip":
+                continue
+            s = self._search(ctx, plan, xs, seen, dev)
+            found.append((plan, s))
+        # 3: fold
+        col = {n: torch.ones(lin.in_features, device=dev) for n, lin in ctx.linears.items()}
+        row = {n: torch.ones(lin.out_features, device=dev) for n, lin in ctx.linears.items()}
+        pqs: dict[str, torch.Tensor] = {}
+        with torch.no_grad():
+            for plan, s in found:
+                _fold(plan, s, col, row, pqs)
+                scaled: dict[int, torch.Tensor] = {}  # balance Linears sharing x share x / s
+                for bname in plan.balance:
+                    x = xs[bname]
+                    if id(x) not in scaled:
+                        scaled[id(x)] = (x / s).to(x.dtype)
+                    xs[bname] = scaled[id(x)]
+        # 4-5: clip, quantize
+        skip_clip = {spec.roles.get("attn_q"), spec.roles.get("attn_k")}
+        results: dict[str, QuantResult] = {}
+        for name, lin in ctx.linears.items():
+            w = lin.weight.data.float()
+            if self.clip and name not in skip_clip:
+                max_val = search_clip(w, xs[name], scheme, self.clip_grid, self.max_shrink)
+                g = scheme.effective_group(w.shape[1])
+                w = torch.clamp(w.reshape(w.shape[0], -1, g), -max_val[..., None],
+                                max_val[..., None]).reshape(w.shape)
+            res = rtn_quantize_weight(name, w, scheme)
+            effective = res.dequantize() / col[name][None, :] / row[name][:, None]
+            res.loss = relative_error(lin.weight.data.float() / col[name][None, :]
+                                      / row[name][:, None], effective)
+            if name in pqs:
+                res.extra["pre_quant_scale"] = pqs[name]
+            res.bias = None if lin.bias is None else lin.bias.data.clone()
+            results[name] = res
+        seconds = time.perf_counter() - t0
+        total = sum(lin.weight.numel() for lin in ctx.linears.values())
+        for name, res in results.items():
+            res.seconds = seconds * ctx.linears[name].weight.numel() / total
+        return results
+
+    def _plans(self, ctx: BlockContext) -> list[_Plan]:
+        plans = []
+        for grp in ctx.arch.awq_groups:
+            balance = {b: ctx.linears[b] for b in grp.balance if b in ctx.linears}
+            if not balance:
+                continue
+            prev = _module(ctx.block, grp.prev)
+            k = {lin.in_features for lin in balance.values()}
+            if len(k) != 1:
+                raise SchemeMismatch(f"AWQ group {grp} mixes input widths {sorted(k)}.")
+            if isinstance(prev, torch.nn.Linear):
+                reason = _linear_pair_problem(grp, prev.out_features,
+                                              {b: lin.in_features for b, lin in balance.items()})
+                if self.pre_quant_scale:
+                    mode = "pre_quant_scale"
+                elif reason:
+                    self._log_once(reason)
+                    mode = "skip"
+                else:
+                    mode = "linear"
+                plans.append(_Plan(grp, prev, balance, mode, reason))
+            else:
+                weight = getattr(prev, "weight", None)
+                if weight is None or tuple(weight.shape) != (k.pop(),):
+                    self._log_once(f"AWQ: skipping group {grp.prev} -> {', '.join(grp.balance)}: "
+                                   f"{grp.prev} has no per-channel weight to fold scales into.")
+                    plans.append(_Plan(grp, prev, balance, "skip"))
+                else:
+                    plans.append(_Plan(grp, prev, balance, "norm"))
+        return plans
+
+    def _search_batches(self, ctx: BlockContext, dev: torch.device) -> int:
+        budget = self.search_tokens or _AUTO_SEARCH_TOKENS["cpu" if dev.type == "cpu" else "accel"]
+        n, used = 0, 0
+        for h in ctx.inputs:
+            if n and used + h.shape[0] * h.shape[1] > budget:
+                break
+            used += h.shape[0] * h.shape[1]
+            n += 1
+        return max(n, 1)
+
+    def _search(self, ctx: BlockContext, plan: _Plan, xs: dict, seen: dict,
+                dev: torch.device) -> torch.Tensor:
+        """The best scale s [K] of one group (ones when plain RTN is best)."""
+        names = list(plan.balance)
+        weights = [plan.balance[n].weight.data.float().clone() for n in names]
+        stacked = torch.cat(weights)
+        k = stacked.shape[1]
+        st = ctx.stats[names[0]]
+        x_mean = (st["absmean"].to(dev).float() / max(1, st["tokens"])).clamp(min=0)
+        w_mean = weight_mean(stacked, ctx.scheme.effective_group(k)) if self.duo_scaling else None
+        cands = candidate_scales(x_mean, w_mean, self.n_grid)
+        if _is_single_linear(plan):
+            losses = linear_scale_losses(stacked, xs[names[0]], cands, ctx.scheme)
+        else:
+            mod = _module(ctx.block, plan.group.inspect)
+            ref = seen["mod:" + plan.group.inspect]
+            losses = torch.empty(cands.shape[0])
+            try:
+                for i, s in enumerate(cands):
+                    for n, w in zip(names, weights, strict=True):
+                        lin = plan.balance[n]
+                        lin.weight.data.copy_((fake_quantize(w * s, ctx.scheme) / s).to(lin.weight.dtype))
+                    losses[i] = _module_loss(mod, ref)
+            finally:
+                for n, w in zip(names, weights, strict=True):
+                    plan.balance[n].weight.data.copy_(w.to(plan.balance[n].weight.dtype))
+        best = int(torch.argmin(losses.cpu()))
+        self.history.append({
+            "block": ctx.index, "prev": plan.group.prev, "balance": names,
+            "alpha": None if best == 0 else (best - 1) / self.n_grid,
+            "loss": float(losses[best]), "rtn_loss": float(losses[0])})
+        return cands[best]
+
+
+def _require_table(spec: ArchSpec | None) -> None:
+    if spec is None or not spec.awq_groups:
+        name = getattr(spec, "name", None) or "this model"
+        raise UnsupportedArchitecture(
+            f"AWQ has no scaling table for architecture {name!r}.",
+            "Add its AwqGroup rows (prev op, balance Linears, inspect module) to its ArchSpec "
+            "in quantkit/arch/__init__.py, or quantize with --method gptq or rtn.")
+
+
+def _linear_pair_problem(grp: AwqGroup, prev_out: int, balance_in: dict[str, int]) -> str:
+    bad = {b: k for b, k in balance_in.items() if k != prev_out}
+    if not bad:
+        return ""
+    b, k = next(iter(bad.items()))
+    return (f"AWQ: skipping scaling pair {grp.prev} -> {b}: {grp.prev} has {prev_out} outputs "
+            f"but {b} has {k} inputs (grouped-query attention), so the scale cannot be folded; "
+            f"AutoAWQ's rule. {b} is still clipped and quantized.")
+
+
+def _module(block: torch.nn.Module, name: str) -> torch.nn.Module:
+    return block if name == "" else block.get_submodule(name)
+
+
+def _is_single_linear(plan: _Plan) -> bool:
+    """The inspect module is the (only) balance Linear: its loss is computed vectorised."""
+    return list(plan.balance) == [plan.group.inspect]
+
+
+def _capture(ctx: BlockContext, modules: dict[str, torch.nn.Module],
+             linears: dict[str, torch.nn.Linear], n_batches: int) -> dict[str, _Seen]:
+    """Rerun the block on its first `n_batches` cached batches, recording what `modules`
+    receive and return ("mod:NAME") and what every Linear receives ("lin:NAME")."""
+    seen: dict[str, _Seen] = {}
+    handles = []
+
+    def hook(key: str, keep_out: bool):
+        rec = seen.setdefault(key, _Seen())
+
+        def fn(_m, args, kwargs, out):
+            rec.args.append(args)
+            rec.kwargs.append(kwargs)
+            if keep_out:
+                rec.outs.append(out[0] if isinstance(out, tuple) else out)
+        return fn
+
+    for name, mod in modules.items():
+        handles.append(mod.register_forward_hook(hook("mod:" + name, True), with_kwargs=True))
+    for name, lin in linears.items():
+        handles.append(lin.register_forward_hook(hook("lin:" + name, False), with_kwargs=True))
+    count = [0]
+
+    def stop(_m, _args, _kwargs):
+        if count[0] >= n_batches:
+            raise _Enough
+        count[0] += 1
+
+    handles.append(ctx.block.register_forward_pre_hook(stop, with_kwargs=True))
+    try:
+        ctx.rerun()
+    except _Enough:
+        pass
+    finally:
+        for h in handles:
+            h.remove()
+    return seen
+
+
+def _linear_inputs(seen: dict[str, _Seen], linears: dict) -> dict[str, torch.Tensor]:
+    """[tokens, K] input of every Linear; Linears fed the same tensors (q/k/v) share one copy."""
+    out: dict[str, torch.Tensor] = {}
+    by_ids: dict[tuple, torch.Tensor] = {}
+    for name in linears:
+        rec = seen["lin:" + name]
+        ids = tuple(id(a[0]) if a else id(kw["hidden_states"]) for a, kw in zip(rec.args, rec.kwargs, strict=True))
+        if ids not in by_ids:
+            by_ids[ids] = rec.x()
+        out[name] = by_ids[ids]
+    return out
+
+
+_MERGE_TOKENS = 16384  # tokens per merged call of an inspect module
+
+
+def _same(a, b) -> bool:
+    if torch.is_tensor(a) or torch.is_tensor(b):
+        return torch.is_tensor(a) and torch.is_tensor(b) and a.shape == b.shape and (
+            a is b or bool(torch.equal(a, b)))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return a is b or (isinstance(a, (int, float, str, bool, type(None))) and a == b)
+
+
+def _merge_batches(rec: _Seen) -> _Seen:
+    """Concatenate consecutive batches along the batch dim where every other argument is the
+    same (rotary tables, causal mask, flags): one module call instead of one per sample."""
+    out = _Seen()
+    for args, kwargs, o in zip(rec.args, rec.kwargs, rec.outs, strict=True):
+        h = args[0] if args else kwargs["hidden_states"]
+        rest = (args[1:], {k: v for k, v in kwargs.items() if k != "hidden_states"})
+        if out.args:
+            la, lk, lo = out.args[-1], out.kwargs[-1], out.outs[-1]
+            lh = la[0] if la else lk["hidden_states"]
+            lrest = (la[1:], {k: v for k, v in lk.items() if k != "hidden_states"})
+            if (lh.shape[1:] == h.shape[1:] and lh.shape[:-1].numel() + h.shape[:-1].numel()
+                    <= _MERGE_TOKENS and _same(rest, lrest)):
+                hh = torch.cat([lh, h])
+                out.args[-1] = (hh, *la[1:]) if la else la
+                out.kwargs[-1] = lk if la else {**lk, "hidden_states": hh}
+                out.outs[-1] = torch.cat([lo, o])
+                continue
+        out.args.append(args)
+        out.kwargs.append(kwargs)
+        out.outs.append(o)
+    return out
+
+
+def _module_loss(mod: torch.nn.Module, ref: _Seen) -> float:
+    """MSE between `mod`'s outputs now and the recorded unquantized outputs."""
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for args, kwargs, want in zip(ref.args, ref.kwargs, ref.outs, strict=True):
+            out = mod(*args, **kwargs)
+            out = out[0] if isinstance(out, tuple) else out
+            total += float((out.float() - want.float()).pow(2).sum())
+            count += want.numel()
+    return total / max(1, count)
+
+
+def _fold(plan: _Plan, s: torch.Tensor, col: dict, row: dict, pqs: dict) -> None:
+    """Apply scale s: balance columns *= s, and 1/s into the previous op (or a pre_quant_scale)."""
+    if torch.all(s == 1):
+        return
+    for bname, lin in plan.balance.items():
+        lin.weight.data.mul_(s[None, :].to(lin.weight.dtype))
+        col[bname] = col[bname] * s
+        if plan.mode == "pre_quant_scale":
+            pqs[bname] = pqs.get(bname, torch.ones_like(s)) / s
+    prev = plan.prev
+    if plan.mode == "norm":
+        prev.weight.data.div_(s.to(prev.weight.dtype))
+        if getattr(prev, "bias", None) is not None:
+            prev.bias.data.div_(s.to(prev.bias.dtype))
+    elif plan.mode == "linear":
+        k = s.shape[0]
+        prev.weight.data[-k:].div_(s[:, None].to(prev.weight.dtype))
+        if prev.bias is not None:
+            prev.bias.data[-k:].div_(s.to(prev.bias.dtype))
+        pname = plan.group.prev
+        if pname in row:
+            row[pname] = row[pname].clone()
+            row[pname][-k:] = row[pname][-k:] / s
