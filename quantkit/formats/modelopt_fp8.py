@@ -1,0 +1,203 @@
+"""ModelOpt FP8 checkpoints for TensorRT-LLM: `hf_quant_config.json` + the inline copy in
+config.json, laid out exactly as nvidia-modelopt 0.47's `export_hf_checkpoint` writes them.
+
+  hf_quant_config.json  {"producer": {...}, "quantization": {"quant_algo": ALGO,
+                          "kv_cache_quant_algo": null, "exclude_modules": [...]}}
+  config.json           + "quantization_config": the compressed-tensors-style mirror ModelOpt's
+                          `convert_hf_quant_config_format` writes (config_groups for FP8 only)
+Per quantized Linear (N out, K in):
+  ALGO FP8                        weight fp8 [N, K], weight_scale f32 [], input_scale f32 []
+                                  (input_scale absent = dynamic per-tensor inputs)
+  ALGO FP8_PER_CHANNEL_PER_TOKEN  weight fp8 [N, K], weight_scale f32 [N]; inputs dynamic/token
+  ALGO FP8_BLOCK_SCALES           weight fp8 [N, K], weight_scale f32 [ceil(N/128), ceil(K/128)];
+                                  inputs dynamic per 1x128 group (ModelOpt's own block export,
+                                  "fp8_pb_wo", fails on CPU; TensorRT-LLM canonicalizes that
+                                  name to FP8_BLOCK_SCALES, which every 1.x release parses)
+exclude_modules lists every unquantized Linear/Embedding (sorted, as ModelOpt does) and, for a
+fused group left in full precision, also TensorRT-LLM's fused name (qkv_proj, gate_up_proj):
+its exclusion match runs on its own module names.
+The W4A16_AWQ layout lives in quantkit/formats/modelopt.py (the AWQ backend); `ModelOptDispatch`
+serves `--format modelopt` for both, by scheme kind.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+import quantkit
+from quantkit.errors import ModelLoadError, SchemeMismatch
+from quantkit.formats.common import load_tensors, save_tensors, write_config
+from quantkit.formats.fp8 import FP8Layout, KindDispatch, dequantize_fp8
+from quantkit.types import QuantResult, QuantScheme
+
+__all__ = ["ModelOptFP8Writer", "ModelOptDispatch", "read_modelopt", "read_hf_quant_config",
+           "modelopt_activation_plan", "quant_algo_for", "inline_quantization_config",
+           "FUSED_TRTLLM_NAMES", "QUANT_CONFIG_FILE"]
+
+QUANT_CONFIG_FILE = "hf_quant_config.json"
+FP8_ALGOS = ("FP8", "FP8_PER_CHANNEL_PER_TOKEN", "FP8_BLOCK_SCALES")
+# HF shard names -> the one Linear TensorRT-LLM builds for them (llama/mistral/qwen2/qwen3)
+FUSED_TRTLLM_NAMES = {("q_proj", "k_proj", "v_proj"): "qkv_proj",
+                      ("gate_proj", "up_proj"): "gate_up_proj"}
+
+
+def quant_algo_for(weights: str, activations: str, block: int = 128) -> str:
+    """The ModelOpt quant_algo of an FP8 layout, or a precise refusal."""
+    if weights == "tensor":
+        return "FP8"
+    if weights == "channel":
+        if activations == "static":
+            raise SchemeMismatch(
+                "ModelOpt FP8_PER_CHANNEL_PER_TOKEN quantizes inputs per token at run time; a "
+                "static input scale has no place in it.",
+                "Use --scheme dynamic (channel weights, per-token inputs) or --scheme static "
+                "(per-tensor weights and inputs, quant_algo FP8).")
+        return "FP8_PER_CHANNEL_PER_TOKEN"
+    if block != 128:
+        raise SchemeMismatch(f"TensorRT-LLM's FP8_BLOCK_SCALES takes 128x128 blocks, not {block}.",
+                             "Use block_size 128.")
+    return "FP8_BLOCK_SCALES"
+
+
+def inline_quantization_config(hf_quant: dict) -> dict:
+    """config.json's quantization_config, as ModelOpt's convert_hf_quant_config_format builds it."""
+    q = hf_quant["quantization"]
+    out: dict = {}
+    if q["quant_algo"] == "FP8":
+        out["config_groups"] = {"group_0": {
+            "input_activations": {"dynamic": False, "num_bits": 8, "type": "float"},
+            "weights": {"dynamic": False, "num_bits": 8, "type": "float"},
+            "targets": ["Linear"]}}
+    out["ignore"] = q.get("exclude_modules") or []
+    out["quant_algo"] = q["quant_algo"]
+    out["producer"] = hf_quant["producer"]
+    out["quant_method"] = "modelopt"
+    return out
+
+
+def _exclusions(ignore: list[str], dense: dict[str, torch.Tensor], skipped: list[str]) -> list[str]:
+    """Unquantized Linears/Embeddings (2-D `.weight`s left dense) + TRT-LLM fused names."""
+    names = set(ignore) | set(skipped)
+    names |= {k[: -len(".weight")] for k, t in dense.items() if k.endswith(".weight") and t.dim() == 2}
+    for shards, fused in FUSED_TRTLLM_NAMES.items():
+        for name in skipped:
+            parent, _, leaf = name.rpartition(".")
+            if leaf == shards[0] and all(f"{parent}.{s}" in skipped for s in shards):
+                names.add(f"{parent}.{fused}")
+    return sorted(names)
+
+
+class ModelOptFP8Writer:
+    name = "modelopt"
+    engines: tuple[str, ...] = ("trtllm",)
+
+    def check(self, scheme: QuantScheme, shapes: dict[str, tuple[int, int]]) -> list[str]:
+        if scheme.kind != "fp8":
+            return ["the ModelOpt FP8 writer takes FP8 schemes"]
+        if scheme.group_size not in (0, -1, 128):
+            return [f"TensorRT-LLM's FP8_BLOCK_SCALES takes 128x128 blocks, not {scheme.group_size}"]
+        return []
+
+    def write(self, out_dir: Path, *, config: dict, dense: dict[str, torch.Tensor],
+              results: dict[str, QuantResult], ignore: list[str], dtype: torch.dtype) -> None:
+        lay = FP8Layout(results)
+        algo = quant_algo_for(lay.weights, lay.activations, lay.block)
+        tensors = dict(dense)
+        for name, r in lay.full.items():
+            tensors[f"{name}.weight"] = r.codes.to(dtype)
+            if r.bias is not None:
+                tensors[f"{name}.bias"] = r.bias.to(dtype)
+        for name, r in lay.quantized.items():
+            tensors[f"{name}.weight"] = r.codes
+            scale = r.scale.float()
+            tensors[f"{name}.weight_scale"] = (scale.reshape(()) if lay.weights == "tensor" else
+                                               scale.reshape(-1) if lay.weights == "channel" else
+                                               scale).contiguous()
+            if lay.static:
+                tensors[f"{name}.input_scale"] = r.extra["input_scale"].float().reshape(())
+            if r.bias is not None:
+                tensors[f"{name}.bias"] = r.bias.to(dtype)
+        quant = {"quant_algo": algo, "kv_cache_quant_algo": None}
+        if algo == "FP8_BLOCK_SCALES":
+            quant["group_size"] = lay.block
+        quant["exclude_modules"] = _exclusions(list(ignore), dense, sorted(lay.full))
+        hf_quant = {"producer": {"name": "quantkit", "version": quantkit.__version__},
+                    "quantization": quant}
+        save_tensors(out_dir, tensors)
+        (out_dir / QUANT_CONFIG_FILE).write_text(json.dumps(hf_quant, indent=4))
+        write_config(out_dir, {**config, "quantization_config": inline_quantization_config(hf_quant)})
+
+
+def _awq_writer():
+    """The W4A16_AWQ writer of quantkit/formats/modelopt.py (the AWQ backend's module)."""
+    try:
+        from quantkit.formats import modelopt as awq_mod
+    except ImportError as exc:
+        raise SchemeMismatch("The ModelOpt W4A16_AWQ writer (quantkit/formats/modelopt.py) is not "
+                             "available in this build.", "Use --method fp8 for ModelOpt.") from exc
+    for obj in vars(awq_mod).values():
+        if isinstance(obj, type) and obj.__name__.endswith("Writer") and getattr(obj, "name", "") == "modelopt":
+            return obj()
+    raise SchemeMismatch("quantkit/formats/modelopt.py defines no writer named 'modelopt'.")
+
+
+def ModelOptDispatch() -> KindDispatch:  # noqa: N802 (a factory that reads like the class it builds)
+    """`--format modelopt`: FP8 schemes here, integer (W4A16_AWQ) in quantkit/formats/modelopt.py."""
+    return KindDispatch("modelopt", {"fp8": ModelOptFP8Writer}, _awq_writer)
+
+
+# --------------------------------------------------------------------------- reading ----
+
+def read_hf_quant_config(path: Path) -> dict:
+    """The `quantization` dict of hf_quant_config.json (legacy nested shape) or of the flat shape."""
+    f = Path(path) / QUANT_CONFIG_FILE
+    if f.is_file():
+        raw = json.loads(f.read_text())
+    else:
+        raw = json.loads((Path(path) / "config.json").read_text()).get("quantization_config") or {}
+    if "quantization" in raw:
+        return raw["quantization"]
+    return {"quant_algo": raw.get("quant_algo"), "exclude_modules": raw.get("ignore") or [],
+            "group_size": raw.get("group_size"), "kv_cache_quant_algo": None}
+
+
+def modelopt_activation_plan(path: Path, has_input_scales: bool) -> tuple[str, int]:
+    algo = read_hf_quant_config(path).get("quant_algo")
+    if algo == "FP8":
+        return ("static", 0) if has_input_scales else ("tensor", 0)
+    if algo == "FP8_PER_CHANNEL_PER_TOKEN":
+        return "token", 0
+    if algo == "FP8_BLOCK_SCALES":
+        return "group", 128
+    return "none", 0
+
+
+def read_modelopt(path: Path, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """Dense state dict of a ModelOpt checkpoint: FP8 here, W4A16_AWQ via formats/modelopt.py."""
+    algo = read_hf_quant_config(path).get("quant_algo")
+    if algo not in FP8_ALGOS:
+        try:
+            from quantkit.formats import modelopt as awq_mod
+        except ImportError as exc:
+            raise ModelLoadError(f"{path}: ModelOpt quant_algo {algo!r} is not readable here.") from exc
+        reader = getattr(awq_mod, "read_modelopt", None) or getattr(awq_mod, "read_modelopt_awq", None)
+        if reader is None:
+            raise ModelLoadError(f"{path}: quantkit/formats/modelopt.py has no reader for {algo!r}.")
+        return reader(path, dtype)
+    raw = load_tensors(path)
+    out: dict[str, torch.Tensor] = {}
+    for key, t in raw.items():
+        if key.endswith((".weight_scale", ".weight_scale_inv", ".input_scale")):
+            continue
+        if key.endswith(".weight") and t.dtype == torch.float8_e4m3fn:
+            base = key[: -len(".weight")]
+            scale = raw.get(f"{base}.weight_scale", raw.get(f"{base}.weight_scale_inv"))
+            if scale is None:
+                raise ModelLoadError(f"FP8 weight {key} has no weight_scale.")
+            out[key] = dequantize_fp8(t, scale, 128).to(dtype)
+        else:
+            out[key] = t.to(dtype) if t.is_floating_point() else t
+    return out
