@@ -1,0 +1,310 @@
+"""HF checkpoint + quantized results -> one GGUF v3 file that llama.cpp loads.
+
+Layout written (gguf's GGUFWriter; tensor data 32-byte aligned, dims reversed on disk):
+  KV   general.* (architecture, name, file_type, quantization_version)
+       {arch}.* hyper-parameters from config.json (llama / qwen2 / qwen3)
+       tokenizer.ggml.* and tokenizer.chat_template (gguf_tokenizer.py)
+       quantkit.* provenance (what quantkit.json holds for directory artifacts)
+  data token_embd, blk.N.*, output_norm, output (absent when embeddings are tied),
+       rope_freqs (llama3 rope scaling); norms, biases and 1-D tensors F32; quantized
+       weights as the bytes in QuantResult.extra["gguf_bytes"]; other 2-D weights F16/BF16.
+The llama arch wants q/k rows permuted for its rotary layout; that is a row permutation, so
+it is applied to encoded rows too (`_permute`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
+
+from quantkit.arch import ArchSpec, spec_for_config
+from quantkit.errors import SchemeMismatch, UnsupportedArchitecture
+from quantkit.formats.gguf_tokenizer import read_tokenizer
+from quantkit.types import QuantResult, QuantScheme
+
+__all__ = ["GGUFFileWriter", "gguf_name", "FILE_TYPES", "read_gguf", "GGUFTensor"]
+
+Q = GGMLQuantizationType
+GGUF_ARCHS = ("llama", "qwen2", "qwen3")
+# gguf_type -> (general.file_type, type of 2-D weights that have no quantized result)
+FILE_TYPES = {"f16": (1, Q.F16), "bf16": (32, Q.BF16), "q8_0": (7, Q.F16), "q6_k": (18, Q.F16),
+              "q5_k_m": (17, Q.F16), "q5_k_s": (16, Q.F16), "q4_k_m": (15, Q.F16),
+              "q4_k_s": (14, Q.F16)}
+
+
+def gguf_name(spec: ArchSpec, hf_name: str) -> str | None:
+    """HF tensor name -> GGUF tensor name ("model.layers.0.self_attn.q_proj.bias" -> "blk.0.attn_q.bias")."""
+    module, _, suffix = hf_name.rpartition(".")
+    prefix = spec.block_path + "."
+    if module.startswith(prefix):
+        bid, _, rel = module[len(prefix):].partition(".")
+        tmpl = spec.gguf_names.get(rel)
+        return f"{tmpl.format(bid=int(bid))}.{suffix}" if tmpl and bid.isdigit() else None
+    base = {spec.embed: "token_embd", spec.final_norm: "output_norm", spec.lm_head: "output"}.get(module)
+    return f"{base}.{suffix}" if base else None
+
+
+def _permute(t: torch.Tensor, n_head: int) -> torch.Tensor:
+    """llama.cpp's rotary row order: per head, interleaved halves -> (pairs) along rows."""
+    rows = t.shape[0]
+    return t.reshape(n_head, 2, rows // n_head // 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)
+
+
+def _rope_factors_llama3(p: dict, head_dim: int) -> np.ndarray:
+    """rope_freqs for rope_type "llama3": per frequency 1, factor, or the smooth blend."""
+    base = p.get("rope_theta", 10000.0)
+    factor = p.get("factor", 8.0)
+    lo, hi = p.get("low_freq_factor", 1.0), p.get("high_freq_factor", 4.0)
+    old_ctx = p.get("original_max_position_embeddings", 8192)
+    freqs = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    out = []
+    for f in freqs.tolist():
+        wavelen = 2 * math.pi / f
+        if wavelen < old_ctx / hi:
+            out.append(1.0)
+        elif wavelen > old_ctx / lo:
+            out.append(factor)
+        else:
+            smooth = (old_ctx / wavelen - lo) / (hi - lo)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.asarray(out, dtype=np.float32)
+
+
+def _check_config(spec: ArchSpec, config: dict) -> None:
+    """Refuse configs whose behaviour GGUF (as written here) would not reproduce."""
+    if spec.gguf_arch not in GGUF_ARCHS:
+        raise UnsupportedArchitecture(f"No GGUF writer for architecture {spec.gguf_arch}.",
+                                      f"GGUF export supports: {', '.join(GGUF_ARCHS)}.")
+    rope = GGUFFileWriter._rope(config)
+    rtype = rope.get("rope_type", "").lower()
+    ok = {"", "default", "linear", "yarn"} | ({"llama3"} if spec.gguf_arch == "llama" else set())
+    if rtype not in ok:
+        raise UnsupportedArchitecture(f"RoPE scaling {rtype!r} is not written by quantkit's GGUF "
+                                      f"writer for {spec.gguf_arch}.", f"Supported: {sorted(ok)}.")
+    if config.get("use_sliding_window"):
+        raise UnsupportedArchitecture("Sliding-window attention is not written to GGUF by quantkit.")
+    if config.get("attention_bias") and spec.gguf_arch == "qwen3":
+        raise UnsupportedArchitecture("qwen3 with attention biases has no llama.cpp layout.")
+
+
+class GGUFFileWriter:
+    name = "gguf"
+    engines = ("llama.cpp",)
+    single_file = True  # the pipeline hands write() a file path, and no side files are written
+
+    def check(self, scheme: QuantScheme, shapes: dict[str, tuple[int, int]]) -> list[str]:
+        problems = []
+        if scheme.kind != "kquant":
+            problems.append(f"GGUF stores kquant schemes (--method gguf), not {scheme.kind!r}")
+        if (scheme.gguf_type or "").lower() not in FILE_TYPES:
+            problems.append(f"gguf_type {scheme.gguf_type!r} is not one of {', '.join(FILE_TYPES)}")
+        return problems
+
+    def check_source(self, source_dir: Path, config) -> None:
+        """Architecture, RoPE and tokenizer must be expressible before any work is done."""
+        cfg = config if isinstance(config, dict) else config.to_dict()
+        _check_config(spec_for_config(cfg), cfg)
+        self._tokenizer = (Path(source_dir), read_tokenizer(source_dir, cfg.get("vocab_size")))
+
+    def write(self, out_file: Path, *, config: dict, dense: dict[str, torch.Tensor],
+              results: dict[str, QuantResult], ignore: list[str] | None = None,
+              dtype: torch.dtype | None = None, scheme: QuantScheme | None = None,
+              meta: dict | None = None, source_dir: Path | None = None) -> None:
+        spec = spec_for_config(config)
+        _check_config(spec, config)
+        gtype = ((scheme.gguf_type if scheme else None) or "f16").lower()
+        if gtype not in FILE_TYPES:
+            raise SchemeMismatch(f"gguf_type {gtype!r} is not one of {', '.join(FILE_TYPES)}.")
+        ftype, dense_2d = FILE_TYPES[gtype]
+        w = GGUFWriter(str(out_file), spec.gguf_arch)
+        self._metadata(w, spec, config, ftype, meta)
+        if source_dir is not None:
+            cached = getattr(self, "_tokenizer", None)
+            tok = cached[1] if cached and cached[0] == Path(source_dir) else \
+                read_tokenizer(Path(source_dir), config.get("vocab_size"))
+            tok.add_to(w)
+        n_head = config["num_attention_heads"]
+        n_kv = config.get("num_key_value_heads") or n_head
+        permute = {}
+        if spec.gguf_permute_qk:
+            for i in range(config["num_hidden_layers"]):
+                permute[f"blk.{i}.attn_q"], permute[f"blk.{i}.attn_k"] = n_head, n_kv
+        notes = []
+        for name, res in results.items():
+            gname = gguf_name(spec, name + ".weight")
+            if gname is None:
+                raise UnsupportedArchitecture(f"Cannot express quantized tensor {name} in GGUF.")
+            data = res.extra["gguf_bytes"]
+            if gname[:-len(".weight")] in permute:
+                data = _permute(data, permute[gname[:-len(".weight")]])
+            qtype = Q(int(res.extra["gguf_type"]))
+            w.add_tensor(gname, data.numpy(), raw_dtype=qtype)
+            wanted = Q(int(res.extra.get("gguf_wanted_type", res.extra["gguf_type"])))
+            if wanted != qtype:
+                notes.append(f"{gname}: {wanted.name} -> {qtype.name} (row width {res.shape[1]})")
+            if res.bias is not None:
+                dense = {**dense, name + ".bias": res.bias}
+        for name, t in dense.items():
+            gname = gguf_name(spec, name)
+            if gname is None:
+                raise UnsupportedArchitecture(
+                    f"Cannot express tensor {name} in GGUF for architecture {spec.gguf_arch}.",
+                    "Only the tensors of a plain decoder (embeddings, attention, MLP, norms) map.")
+            base = gname.rsplit(".", 1)[0]
+            if base in permute:
+                t = _permute(t, permute[base])
+            if t.dim() <= 1 or gname.endswith("_norm.weight") or not gname.endswith(".weight"):
+                w.add_tensor(gname, t.float().numpy())
+            elif dense_2d == Q.BF16:
+                w.add_tensor(gname, t.to(torch.bfloat16).contiguous().view(torch.uint8).numpy(),
+                             raw_dtype=Q.BF16)
+            else:
+                w.add_tensor(gname, t.to(torch.float16).numpy())
+        rope = self._rope(config)
+        if rope.get("rope_type", "").lower() == "llama3" and spec.gguf_arch == "llama":
+            w.add_tensor("rope_freqs.weight", _rope_factors_llama3(rope, self._head_dim(config)))
+        if notes:
+            w.add_array("quantkit.fallbacks", notes)
+        if results:
+            stats = {gguf_name(spec, n + ".weight"): {
+                "type": Q(int(r.extra["gguf_type"])).name, "rel_error": r.loss} for n, r in results.items()}
+            w.add_string("quantkit.stats", json.dumps(stats))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+
+    # ------------------------------------------------------------------ metadata
+    @staticmethod
+    def _rope(config: dict) -> dict:
+        rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+        rope.setdefault("rope_type", rope.get("type", ""))
+        if "rope_theta" not in rope and config.get("rope_theta") is not None:
+            rope["rope_theta"] = config["rope_theta"]
+        return rope
+
+    @staticmethod
+    def _head_dim(config: dict) -> int:
+        return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+
+    def _metadata(self, w: GGUFWriter, spec: ArchSpec, config: dict, ftype: int, meta: dict | None) -> None:
+        w.add_type("model")
+        src = (meta or {}).get("source_model", {})
+        w.add_name(str(config.get("_model_name_or_path") or config.get("_name_or_path")
+                       or src.get("name_or_path") or spec.name))
+        w.add_block_count(config["num_hidden_layers"])
+        w.add_context_length(config.get("max_position_embeddings") or 2048)
+        w.add_embedding_length(config["hidden_size"])
+        w.add_feed_forward_length(config["intermediate_size"])
+        w.add_head_count(config["num_attention_heads"])
+        w.add_head_count_kv(config.get("num_key_value_heads") or config["num_attention_heads"])
+        rope = self._rope(config)
+        if rope.get("rope_theta") is not None:
+            w.add_rope_freq_base(float(rope["rope_theta"]))
+        w.add_layer_norm_rms_eps(float(config.get("rms_norm_eps", 1e-6)))
+        w.add_vocab_size(config["vocab_size"])
+        w.add_rope_dimension_count(self._head_dim(config))
+        if config.get("head_dim"):
+            w.add_key_length(config["head_dim"])
+            w.add_value_length(config["head_dim"])
+        rtype, factor = rope.get("rope_type", "").lower(), rope.get("factor")
+        if rtype == "linear" and factor:
+            w.add_rope_scaling_type(_rope_scaling("LINEAR"))
+            w.add_rope_scaling_factor(float(factor))
+        elif rtype == "yarn" and factor:
+            w.add_rope_scaling_type(_rope_scaling("YARN"))
+            w.add_rope_scaling_factor(float(factor))
+            w.add_rope_scaling_orig_ctx_len(int(rope["original_max_position_embeddings"]))
+        w.add_file_type(ftype)
+        w.add_quantization_version(2)
+        if meta:
+            w.add_string("quantkit.version", str(meta.get("quantkit_version", "")))
+            w.add_string("quantkit.method", str(meta.get("method", "")))
+            w.add_string("quantkit.metadata", json.dumps(meta, default=str))
+
+
+def _rope_scaling(name: str):
+    from gguf import RopeScalingType
+
+    return getattr(RopeScalingType, name)
+
+
+# ---------------------------------------------------------------------- reading
+@dataclass
+class GGUFTensor:
+    name: str
+    qtype: GGMLQuantizationType
+    shape: tuple[int, ...]  # torch order (rows first)
+    data: np.ndarray  # raw bytes, [rows, row_bytes] uint8 (memory-mapped)
+
+
+_SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q",
+           11: "<q", 12: "<d"}
+
+
+def read_gguf(path: str | Path) -> tuple[dict, dict[str, GGUFTensor]]:
+    """(KV metadata, tensors) of a GGUF file. gguf's GGUFReader builds a numpy view per array
+    element (seconds for a 50K-token vocabulary); this reads values straight from the bytes."""
+    buf = np.memmap(path, dtype=np.uint8, mode="r")
+    mv = memoryview(buf)
+    off = 0
+
+    def take(fmt: str):
+        nonlocal off
+        v = struct.unpack_from(fmt, mv, off)
+        off += struct.calcsize(fmt)
+        return v[0]
+
+    def string() -> str:
+        nonlocal off
+        n = take("<Q")
+        s_ = bytes(mv[off:off + n]).decode("utf-8", errors="surrogateescape")
+        off += n
+        return s_
+
+    def value(vtype: int):
+        nonlocal off
+        if vtype == 8:
+            return string()
+        if vtype == 9:
+            etype, n = take("<I"), take("<Q")
+            if etype in _SCALAR and etype not in (7,):
+                dt = np.dtype(_SCALAR[etype])
+                arr = np.frombuffer(mv, dtype=dt, count=n, offset=off)
+                off += n * dt.itemsize
+                return arr.tolist()
+            return [value(etype) for _ in range(n)]
+        return take(_SCALAR[vtype])
+
+    if bytes(mv[:4]) != b"GGUF":
+        raise ValueError(f"{path} is not a GGUF file")
+    off = 4
+    take("<I")
+    n_tensors, n_kv = take("<Q"), take("<Q")
+    kv = {}
+    for _ in range(n_kv):
+        key = string()
+        kv[key] = value(take("<I"))
+    infos = []
+    for _ in range(n_tensors):
+        name = string()
+        dims = [take("<Q") for _ in range(take("<I"))]
+        infos.append((name, dims, take("<I"), take("<Q")))
+    align = int(kv.get("general.alignment", 32))
+    start = (off + align - 1) // align * align
+    tensors = {}
+    for name, dims, qt, toff in infos:
+        qtype = GGMLQuantizationType(qt)
+        block, size = GGML_QUANT_SIZES[qtype]
+        rows = int(np.prod(dims[1:])) if len(dims) > 1 else 1
+        row_bytes = dims[0] // block * size
+        data = buf[start + toff:start + toff + rows * row_bytes].reshape(rows, row_bytes)
+        tensors[name] = GGUFTensor(name, qtype, tuple(reversed(dims)), data)
+    return kv, tensors

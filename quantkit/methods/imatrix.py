@@ -1,0 +1,136 @@
+"""llama.cpp importance matrices: per input column mean of x^2 for every block matmul.
+
+Files are llama-imatrix's: GGUF (general.type = "imatrix", `imatrix.datasets`,
+`imatrix.chunk_count`, `imatrix.chunk_size`, and per weight two F32 tensors
+`<name>.in_sum2` [n_mat, K] and `<name>.counts` [n_mat, 1]) or the legacy binary `.dat`:
+
+  int32 n_entries, then per entry: int32 len, name bytes, int32 ncall, int32 nval,
+  float32[nval] (already divided by the token count and multiplied by ncall);
+  optional trailer: int32 chunk_count, int32 len, dataset bytes.
+
+The quantizer uses `in_sum2 / counts` (float32), as llama-quantize's loader does.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from quantkit.errors import ModelLoadError
+
+__all__ = ["ImatrixData", "load_imatrix", "save_imatrix"]
+
+
+@dataclass
+class ImatrixData:
+    values: dict[str, torch.Tensor]  # GGUF weight name -> float32 [K] (first expert only)
+    datasets: list[str] = field(default_factory=list)
+    chunk_count: int = 0
+    legacy: bool = False
+
+
+def save_imatrix(path: str | Path, entries: dict[str, tuple[torch.Tensor, int]], *,
+                 datasets: list[str], chunk_count: int, chunk_size: int) -> None:
+    """Write {name: (sum of x^2 per column [K], token count)} as a llama.cpp GGUF imatrix."""
+    from gguf import GGUFWriter
+
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    writer = GGUFWriter(str(tmp), arch="imatrix")  # the loader ignores general.architecture
+    writer.add_string("general.type", "imatrix")
+    writer.add_array("imatrix.datasets", list(datasets))
+    writer.add_uint32("imatrix.chunk_count", int(chunk_count))
+    writer.add_uint32("imatrix.chunk_size", int(chunk_size))
+    for name in sorted(entries):
+        sums, count = entries[name]
+        writer.add_tensor(f"{name}.in_sum2", sums.detach().cpu().float().numpy().reshape(1, -1))
+        writer.add_tensor(f"{name}.counts", np.full((1, 1), float(count), dtype=np.float32))
+    try:
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def load_imatrix(path: str | Path) -> ImatrixData:
+    """Read a GGUF or legacy imatrix into per-weight importance vectors."""
+    path = Path(path)
+    if not path.is_file():
+        raise ModelLoadError(f"imatrix file {path} does not exist.")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    try:
+        return _load_gguf(path) if magic == b"GGUF" else _load_legacy(path)
+    except (ValueError, struct.error, KeyError, IndexError) as exc:
+        raise ModelLoadError(f"{path} is not a readable llama.cpp imatrix: {exc}") from exc
+
+
+def _load_gguf(path: Path) -> ImatrixData:
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+    sums, counts = {}, {}
+    for t in reader.tensors:
+        if t.name.endswith(".in_sum2"):
+            sums[t.name[:-len(".in_sum2")]] = np.asarray(t.data, dtype=np.float32)
+        elif t.name.endswith(".counts"):
+            counts[t.name[:-len(".counts")]] = np.asarray(t.data, dtype=np.float32)
+    if set(sums) != set(counts):
+        raise ValueError(f"mismatched sums and counts for {sorted(set(sums) ^ set(counts))[:3]}")
+    for key in ("imatrix.datasets", "imatrix.chunk_count", "imatrix.chunk_size"):
+        if key not in reader.fields:
+            raise ValueError(f"missing imatrix metadata {key}")
+    values = {}
+    for name, s in sums.items():
+        c = np.rint(counts[name].reshape(-1)).astype(np.float32)  # std::lround
+        s = s.reshape(c.shape[0], -1)
+        v = np.where(c[:, None] > 0, s / np.where(c > 0, c, 1)[:, None], np.float32(1))
+        values[name] = torch.from_numpy(np.ascontiguousarray(v[0], dtype=np.float32))
+    ds = reader.fields["imatrix.datasets"]
+    datasets = [bytes(ds.parts[i]).decode("utf-8", "replace") for i in ds.data]
+    cc = reader.fields["imatrix.chunk_count"]
+    return ImatrixData(values, datasets, int(cc.parts[cc.data[0]][0]))
+
+
+def _load_legacy(path: Path) -> ImatrixData:
+    buf = path.read_bytes()
+    off = 0
+
+    def take(fmt: str):
+        nonlocal off
+        out = struct.unpack_from(fmt, buf, off)
+        off += struct.calcsize(fmt)
+        return out
+
+    (n_entries,) = take("<i")
+    if n_entries < 1:
+        raise ValueError("no entries")
+    values = {}
+    for _ in range(n_entries):
+        (n,) = take("<i")
+        name = buf[off:off + n].decode("utf-8")
+        off += n
+        ncall, nval = take("<ii")
+        if nval < 1 or off + 4 * nval > len(buf):
+            raise ValueError(f"bad entry {name!r}")
+        v = np.frombuffer(buf, dtype="<f4", count=nval, offset=off).astype(np.float32)
+        off += 4 * nval
+        if ncall > 0:
+            v = v / np.float32(ncall)
+        values[name] = torch.from_numpy(v.copy())
+    datasets, chunk_count = [], 0
+    if off + 4 <= len(buf):
+        (chunk_count,) = take("<i")
+        if off + 4 <= len(buf):
+            (n,) = take("<i")
+            if n > 0:
+                datasets.append(buf[off:off + n].decode("utf-8", "replace"))
+    return ImatrixData(values, datasets, chunk_count, legacy=True)

@@ -1,0 +1,358 @@
+"""GGUF quantization (`--method gguf`): llama.cpp's per-tensor type mix plus bit-exact encoders.
+
+The type mix of a preset (Q4_K_M, Q5_K_M, ...) is a data table, `PRESETS`, read by
+`plan_types`, which mirrors llama.cpp's `llama_tensor_get_type` for dense decoder models:
+
+  output.weight (and token_embd when tied) -> Q6_K, or Q8_0 when the row width is not a
+                                               multiple of the preset's block (Q8_0 stays Q8_0)
+  attn_v / ffn_down                         -> the preset's rule (e.g. Q6_K where
+                                               use_more_bits(i, n), counted in llama.cpp's
+                                               tensor order: layer, then name)
+  everything else                           -> the preset's base type
+  row width % block != 0                    -> Q4_K->Q5_0, Q5_K->Q5_1, Q6_K->Q8_0, then F16
+
+Methods never import quantkit.formats: the quantizer hands the writer encoded rows in
+`QuantResult.extra["gguf_bytes"]` (HF row order; the writer applies llama's q/k row
+permutation, which commutes with row-wise encoding).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize as _np_dequantize
+
+from quantkit.errors import SchemeMismatch
+from quantkit.methods.imatrix import ImatrixData, load_imatrix, save_imatrix
+from quantkit.methods.kquants_decode import DECODABLE, decode_rows
+from quantkit.methods.kquants_encode import encode_rows
+from quantkit.types import BlockContext, QuantResult, QuantScheme
+
+__all__ = ["PRESETS", "Preset", "TensorPlan", "plan_types", "quantize_tensor", "dequantize_tensor",
+           "use_more_bits", "GGUFQuantizer", "gguf_linear_name"]
+
+Q = GGMLQuantizationType
+log = logging.getLogger("quantkit.gguf")
+
+
+def use_more_bits(i: int, n: int) -> bool:
+    """llama.cpp's layer pattern for the sensitive tensors (first/last eighth, every third)."""
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+
+# rule: (condition, type). Conditions see (i, n): i the tensor's counter, n its total.
+_RULES = {
+    "more_bits": use_more_bits,
+    "first_4": lambda i, n: i < 4,
+    "first_eighth": lambda i, n: i < n // 8,
+}
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    ftype: int  # llama_ftype, written as general.file_type
+    base: Q
+    attn_v: tuple[str, Q] | None = None
+    ffn_down: tuple[str, Q] | None = None
+
+    @property
+    def quantized(self) -> bool:
+        return self.base not in (Q.F16, Q.BF16, Q.F32)
+
+
+PRESETS: dict[str, Preset] = {p.name: p for p in (
+    Preset("q4_k_m", 15, Q.Q4_K, attn_v=("more_bits", Q.Q6_K), ffn_down=("more_bits", Q.Q6_K)),
+    Preset("q4_k_s", 14, Q.Q4_K, attn_v=("first_4", Q.Q5_K), ffn_down=("first_eighth", Q.Q5_K)),
+    Preset("q5_k_m", 17, Q.Q5_K, attn_v=("more_bits", Q.Q6_K), ffn_down=("more_bits", Q.Q6_K)),
+    Preset("q5_k_s", 16, Q.Q5_K),
+    Preset("q6_k", 18, Q.Q6_K),
+    Preset("q8_0", 7, Q.Q8_0),
+    Preset("f16", 1, Q.F16),
+    Preset("bf16", 32, Q.BF16),
+)}
+FALLBACK = {Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0}
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    qtype: Q  # what is written
+    wanted: Q  # what the recipe asked for before the row-width fallback
+
+    @property
+    def note(self) -> str | None:
+        if self.qtype == self.wanted:
+            return None
+        return f"{self.wanted.name} -> {self.qtype.name} (row width not a multiple of " \
+               f"{GGML_QUANT_SIZES[self.wanted][0]})"
+
+
+def _block(t: Q) -> int:
+    return GGML_QUANT_SIZES[t][0]
+
+
+def _layer(name: str) -> int:
+    m = re.match(r"blk\.(\d+)\.", name)
+    return int(m.group(1)) if m else -1
+
+
+def _quantizable(name: str, shape: tuple[int, ...]) -> bool:
+    return len(shape) >= 2 and name.endswith("weight") and "_norm.weight" not in name
+
+
+def plan_types(preset: Preset | str, tensors: dict[str, tuple[int, ...]], n_layer: int, *,
+               is_70b: bool = False) -> dict[str, TensorPlan]:
+    """GGML type of every quantizable tensor, by GGUF name ({name: torch-order shape}).
+
+    Tensors not in the result (norms, biases, 1-D) keep their float type. Counters run in
+    llama.cpp's order (layer number, then name), as its quantizer iterates its weights map.
+    """
+    p = PRESETS[preset] if isinstance(preset, str) else preset
+    names = sorted(tensors, key=lambda s: (_layer(s), s))
+    tied = "output.weight" not in tensors
+    n_attn_v = sum(1 for s in names if "attn_v.weight" in s or "attn_qkv.weight" in s)
+    i_attn_v = i_ffn_down = 0
+    plans = {}
+    for name in names:
+        shape = tuple(tensors[name])
+        if not _quantizable(name, shape):
+            continue
+        t = p.base
+        if p.quantized:
+            ncols = shape[-1]
+            if name == "output.weight" or (tied and name == "token_embd.weight"):
+                t = Q.Q8_0 if ncols % _block(t) else (t if t == Q.Q8_0 else Q.Q6_K)
+            elif name == "token_embd.weight":
+                pass
+            elif "attn_qkv.weight" in name or "attn_v.weight" in name:
+                if p.attn_v and _RULES[p.attn_v[0]](i_attn_v, n_attn_v):
+                    t = p.attn_v[1]
+                if is_70b and t in (Q.Q3_K, Q.Q4_K):
+                    t = Q.Q5_K
+                i_attn_v += 1
+            elif "ffn_down" in name:
+                if p.ffn_down and _RULES[p.ffn_down[0]](i_ffn_down, n_layer):
+                    t = p.ffn_down[1]
+                i_ffn_down += 1
+            wanted = t
+            if ncols % _block(t):
+                t = FALLBACK.get(t, t)
+                if ncols % _block(t):
+                    t = Q.F16
+            plans[name] = TensorPlan(t, wanted)
+        else:
+            plans[name] = TensorPlan(t, t)
+    return plans
+
+
+def quantize_tensor(w: torch.Tensor, qtype: int, imatrix: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows [N, K] -> GGML bytes [N, row_bytes] (F16/BF16/F32 are plain little-endian copies)."""
+    qtype = Q(qtype)
+    if qtype in (Q.F16, Q.BF16, Q.F32):
+        dt = {Q.F16: torch.float16, Q.BF16: torch.bfloat16, Q.F32: torch.float32}[qtype]
+        return w.to(dt).contiguous().view(torch.uint8)
+    return encode_rows(w, qtype, imatrix)
+
+
+def dequantize_tensor(data: torch.Tensor, qtype: int) -> torch.Tensor:
+    """GGML bytes [N, row_bytes] -> float32 [N, K], on data's device for the types we write."""
+    qtype = Q(qtype)
+    if qtype in (Q.F16, Q.BF16, Q.F32):
+        dt = {Q.F16: torch.float16, Q.BF16: torch.bfloat16, Q.F32: torch.float32}[qtype]
+        return data.contiguous().view(dt).float()
+    if qtype in DECODABLE:
+        return decode_rows(data, qtype)
+    arr = _np_dequantize(data.cpu().numpy(), qtype)  # gguf's reference, every other type
+    return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32))
+
+
+def gguf_linear_name(spec, full_name: str) -> str | None:
+    """HF module name -> GGUF weight name ("model.layers.3.mlp.down_proj" -> "blk.3.ffn_down.weight")."""
+    prefix = spec.block_path + "."
+    if full_name.startswith(prefix):
+        bid, _, rel = full_name[len(prefix):].partition(".")
+        tmpl = spec.gguf_names.get(rel)
+        return tmpl.format(bid=int(bid)) + ".weight" if tmpl else None
+    return {spec.embed: "token_embd.weight", spec.lm_head: "output.weight"}.get(full_name)
+
+
+def _is_70b(spec, config) -> bool:
+    """llama.cpp bumps attn_v of 70B models (80 layers; for llama only with GQA)."""
+    get = (lambda k: getattr(config, k, None)) if not isinstance(config, dict) else config.get
+    if get("num_hidden_layers") != 80:
+        return False
+    if spec.gguf_arch == "llama":
+        return get("num_attention_heads") != (get("num_key_value_heads") or get("num_attention_heads"))
+    return spec.gguf_arch == "qwen2"
+
+
+class GGUFQuantizer:
+    """llama.cpp's quantization, in Python: per-tensor type mix + K-quant encoders.
+
+    Options: gguf_type (a PRESETS key), imatrix (None, a llama.cpp imatrix file - GGUF or
+    legacy .dat - or "calib" to collect one from the calibration set through the pipeline's
+    "sq_mean" statistic), imatrix_out (where to save a collected imatrix, GGUF format).
+
+    Memory: extra["dequantized"] (float32, what the pipeline writes back into the block) is
+    dropped from a block's results once the next block starts; it is always recoverable as
+    dequantize_tensor(extra["gguf_bytes"], extra["gguf_type"]). Keeping it for every Linear
+    would hold a float32 copy of the whole model until the file is written.
+    """
+
+    name = "gguf"
+    propagate_quantized = False  # like llama-imatrix: statistics of the float model
+    calib_batch_size = 8  # sums of x^2 do not care how tokens are batched; bigger is faster
+
+    def __init__(self, gguf_type: str = "q4_k_m", imatrix: str | Path | bool | None = None,
+                 imatrix_out: str | Path | None = None, imatrix_dataset: str | None = None, **_):
+        key = str(gguf_type).lower()
+        if key not in PRESETS:
+            raise SchemeMismatch(f"Unknown GGUF type {gguf_type!r}.",
+                                 f"Choose one of: {', '.join(PRESETS)}.")
+        self.preset = PRESETS[key]
+        self.collect = imatrix is True or (isinstance(imatrix, str) and imatrix.lower() == "calib")
+        self.imatrix_path = None if (self.collect or not imatrix) else Path(imatrix)
+        self.imatrix_out = Path(imatrix_out) if imatrix_out else None
+        self.imatrix_dataset = imatrix_dataset
+        if self.imatrix_out and not self.collect:
+            raise SchemeMismatch("imatrix_out needs an imatrix collected from calibration data.",
+                                 "Pass --calib (imatrix='calib') together with the output path.")
+        if self.collect and not self.preset.quantized:
+            raise SchemeMismatch(f"{key} is an unquantized export; an imatrix has no use there.")
+        self.stats: tuple[str, ...] = ("sq_mean",) if self.collect else ()
+        self.needs_calibration = self.collect
+        self.plans: dict[str, TensorPlan] = {}
+        self.spec = None
+        self.imatrix: dict[str, torch.Tensor] = {}
+        self.collected: dict[str, tuple[torch.Tensor, int]] = {}
+        self.chunks = (0, 0)
+        self._applied: list[QuantResult] = []
+
+    # ------------------------------------------------------------------ before any data
+    def check(self, scheme: QuantScheme) -> None:
+        if scheme.kind != "kquant":
+            raise SchemeMismatch(f"--method gguf needs a kquant scheme, not {scheme.kind!r}.")
+        if scheme.gguf_type and scheme.gguf_type.lower() != self.preset.name:
+            raise SchemeMismatch(f"Scheme gguf_type {scheme.gguf_type!r} disagrees with method "
+                                 f"option gguf_type {self.preset.name!r}.")
+
+    def prepare(self, config, spec, shapes: dict[str, tuple[int, int]]) -> None:
+        """Fix every tensor's type from the config alone and validate the imatrix file."""
+        self.spec = spec
+        get = (lambda k: getattr(config, k, None)) if not isinstance(config, dict) else config.get
+        vocab, hidden = get("vocab_size"), get("hidden_size")
+        tensors = {"token_embd.weight": (vocab, hidden)}
+        if not get("tie_word_embeddings"):
+            tensors["output.weight"] = (vocab, hidden)
+        for full, shape in shapes.items():
+            gname = gguf_linear_name(spec, full)
+            if gname is None:
+                raise SchemeMismatch(f"{full} has no GGUF name for architecture {spec.name}.")
+            tensors[gname] = tuple(shape)
+        self.plans = plan_types(self.preset, tensors, int(get("num_hidden_layers")),
+                                is_70b=_is_70b(spec, config))
+        groups: dict[str, list[str]] = {}
+        for name, plan in sorted(self.plans.items(), key=lambda kv: (_layer(kv[0]), kv[0])):
+            if plan.note:
+                log.info("%s: %s", name, plan.note)
+                groups.setdefault(plan.note, []).append(name)
+        for note, names in groups.items():  # per tensor: INFO here, quantkit.fallbacks in the file
+            log.warning("%d tensors fall back %s, e.g. %s", len(names), note, names[0])
+        if self.imatrix_path is not None:
+            self.imatrix = self._checked_imatrix(load_imatrix(self.imatrix_path), tensors)
+
+    def _checked_imatrix(self, data: ImatrixData, tensors: dict[str, tuple]) -> dict[str, torch.Tensor]:
+        """Names and widths must match the model; missing entries fall back to no imatrix."""
+        ours = {n for n in tensors if n.startswith("blk.")}
+        hits = ours & set(data.values)
+        if not hits:
+            raise SchemeMismatch(
+                f"imatrix {self.imatrix_path} has no entry for any tensor of this model "
+                f"(it has e.g. {sorted(data.values)[:3]}; the model has e.g. {sorted(ours)[:3]}).",
+                "Use an imatrix computed for this model (llama-imatrix or --calib).")
+        for name in sorted(hits | ({"output.weight"} & set(data.values) & set(tensors))):
+            if data.values[name].numel() != tensors[name][-1]:
+                raise SchemeMismatch(
+                    f"imatrix entry {name} has {data.values[name].numel()} values but the tensor "
+                    f"has {tensors[name][-1]} input columns.", "The imatrix is for another model.")
+        missing = sorted(ours - hits)
+        if missing:
+            log.warning("imatrix has no entry for %d tensors (e.g. %s); they use the plain "
+                        "reference quantization", len(missing), missing[0])
+        return {n: v for n, v in data.values.items() if n in tensors}
+
+    # ------------------------------------------------------------------ per block
+    def _release(self) -> None:
+        for res in self._applied:
+            res.extra.pop("dequantized", None)
+        self._applied = []
+
+    def quantize_block(self, ctx: BlockContext) -> dict[str, QuantResult]:
+        self._release()  # the previous block's weights are written back by now
+        if not self.preset.quantized:
+            return {}  # f16/bf16 export: the writer stores the dense weights
+        spec = ctx.arch if ctx.arch is not None else self.spec
+        results = {}
+        for name, linear in ctx.linears.items():
+            gname = gguf_linear_name(spec, f"{spec.block_path}.{ctx.index}.{name}")
+            qw = self.imatrix.get(gname)
+            stat = ctx.stats.get(name, {})
+            if self.collect and "sq_mean" in stat and stat.get("tokens"):
+                sums, count = stat["sq_mean"].float(), int(stat["tokens"])
+                self.collected[gname] = (sums.detach().cpu(), count)
+                qw = sums / float(count)  # llama.cpp: in_sum2 / counts, in float32
+                self.chunks = (max(self.chunks[0], len(ctx.inputs)),
+                               count // max(1, len(ctx.inputs)))
+            results[name] = self._quantize(name, gname, linear.weight.data, qw, linear.bias)
+        self._applied = list(results.values())
+        return results
+
+    def _quantize(self, name: str, gname: str, w: torch.Tensor, qw, bias=None) -> QuantResult:
+        t0 = time.perf_counter()
+        plan = self.plans.get(gname)
+        if plan is None:
+            raise SchemeMismatch(f"No GGUF type planned for {gname}; call prepare() first.")
+        w32 = w.detach().float()
+        data = quantize_tensor(w32, plan.qtype, qw)
+        deq = dequantize_tensor(data, plan.qtype)
+        err = float((deq - w32).norm() / w32.norm().clamp_min(1e-30))
+        scheme = QuantScheme(kind="kquant", bits=0, group_size=_block(plan.qtype),
+                             gguf_type=plan.qtype.name.lower())
+        n, k = w32.shape
+        return QuantResult(
+            name=name, scheme=scheme,
+            codes=torch.zeros((), dtype=torch.uint8).expand(n, k),  # codes live packed in gguf_bytes
+            scale=torch.empty(0),
+            bias=None if bias is None else bias.detach().clone(),
+            extra={"gguf_bytes": data.cpu(), "gguf_type": torch.tensor(int(plan.qtype)),
+                   "gguf_wanted_type": torch.tensor(int(plan.wanted)),
+                   "dequantized": deq},
+            loss=err, seconds=time.perf_counter() - t0)
+
+    # ------------------------------------------------------------------ after the blocks
+    def quantize_rest(self, model, spec) -> dict[str, QuantResult]:
+        """token_embd (and output when untied), which live outside the decoder blocks."""
+        self._release()
+        results: dict[str, QuantResult] = {}
+        if self.preset.quantized:
+            mods = dict(model.named_modules())
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+            for full in (spec.embed, spec.lm_head):
+                gname = gguf_linear_name(spec, full)
+                if gname not in self.plans or full not in mods:
+                    continue
+                w = mods[full].weight.data.to(device)
+                res = self._quantize(full, gname, w, self.imatrix.get(gname))
+                res.extra.pop("dequantized")  # never written back: these modules stay float
+                results[full] = res
+        if self.collect and self.imatrix_out is not None and self.collected:
+            save_imatrix(self.imatrix_out, self.collected, datasets=[self.imatrix_dataset or "quantkit"],
+                         chunk_count=self.chunks[0], chunk_size=self.chunks[1])
+        return results

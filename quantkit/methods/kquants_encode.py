@@ -1,0 +1,312 @@
+"""GGML block encoders (Q8_0, Q4_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K), bit-exact with ggml-quants.c.
+
+`encode_rows(w, qtype, qw)` turns float32 rows [N, K] into the bytes llama.cpp writes,
+[N, K / block * block_bytes] uint8. `qw` is the imatrix row ([K], shared by every row);
+without it the `_ref` algorithms run, with it the `_impl` ones (Q8_0 ignores it).
+Block layouts (little endian, byte offsets):
+
+  Q8_0  34 B / 32:  | d f16 | qs[32] int8 |                         x = d*q
+  Q4_0  18 B / 32:  | d f16 | qs[16] |                              x = d*(q-8)
+  Q5_0  22 B / 32:  | d f16 | qh u32 | qs[16] |                     x = d*(q-16)
+  Q5_1  24 B / 32:  | d f16 | m f16 | qh u32 | qs[16] |             x = d*q + m
+        qs[j] = q[j] & 15 | (q[j+16] & 15) << 4; qh bit j = q[j] >> 4, bit j+16 = q[j+16] >> 4
+  Q4_K 144 B / 256: | d f16 | dmin f16 | scales[12] | qs[128] |     x = d*sc*q - dmin*m
+  Q5_K 176 B / 256: | d f16 | dmin f16 | scales[12] | qh[32] | qs[128] |
+        8 sub-blocks of 32, 6-bit sc/m packed as
+          j<4:  scales[j] = sc_j | (sc_{j+4} >> 4) << 6, scales[j+4] = m_j | (m_{j+4} >> 4) << 6
+          j>=4: scales[j+4] = (sc_j & 15) | (m_j & 15) << 4
+        qs byte 32c+l = q[64c+l] & 15 | (q[64c+32+l] & 15) << 4 (c = 0..3)
+        Q5_K qh[l] bit 2c = q[64c+l] >> 4, bit 2c+1 = q[64c+32+l] >> 4
+  Q6_K 210 B / 256: | ql[128] | qh[64] | scales[16] int8 | d f16 |  x = d*sc*(q-32)
+        16 sub-blocks of 16; per half h (128 values, v = q[128h:]):
+          ql[64h+l]    = v[l] & 15    | (v[l+64] & 15) << 4
+          ql[64h+32+l] = v[l+32] & 15 | (v[l+96] & 15) << 4
+          qh[32h+l]    = v[l]>>4 | (v[l+32]>>4) << 2 | (v[l+64]>>4) << 4 | (v[l+96]>>4) << 6
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from quantkit.methods.kquants_math import (
+    GROUP_MAX_EPS,
+    divs,
+    make_qkx,
+    make_qp,
+    make_qx,
+    rdiv,
+    roundf,
+    seq_sum,
+    sqrt32,
+)
+
+__all__ = ["encode_rows", "SUPPORTED", "row_bytes"]
+
+Q = GGMLQuantizationType
+SUPPORTED = (Q.Q8_0, Q.Q4_0, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K)
+_CHUNK = 1 << 16  # values per encoder call on CPU: the [n, G] slices stay in cache
+_CHUNK_GPU = 1 << 24
+_SLAB = 1 << 23  # values per slab for the whole-row / super-block sums
+
+
+def row_bytes(qtype: int, k: int) -> int:
+    block, size = GGML_QUANT_SIZES[Q(qtype)]
+    return k // block * size
+
+
+def _u8(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.int32).to(torch.uint8)
+
+
+def _f16_bytes(t: torch.Tensor) -> torch.Tensor:
+    """[B] float32 -> [B, 2] little-endian fp16 bytes (round to nearest even, as GGML)."""
+    return t.to(torch.float16).contiguous().view(torch.uint8).view(-1, 2)
+
+
+def _groups(x: torch.Tensor, n: int) -> torch.Tensor:
+    """[B, m*n] -> [n, B*m]: element-major layout for the per-group loops."""
+    b = x.shape[0]
+    return x.reshape(b, -1, n).permute(2, 0, 1).reshape(n, -1)
+
+
+def _ungroup(x: torch.Tensor, b: int) -> torch.Tensor:
+    n = x.shape[0]
+    return x.reshape(n, b, -1).permute(1, 2, 0).reshape(b, -1)
+
+
+def _row_sigma2(x: torch.Tensor) -> torch.Tensor:
+    """sum(x^2)/K per row, summed in column order: the legacy types' imatrix weighting."""
+    xt = x.t()
+    return divs(seq_sum(xt * xt), float(x.shape[1]))
+
+
+def _block_sum_x2(x: torch.Tensor) -> torch.Tensor:
+    """sum(x^2) per 256-value super-block, in order: the K-quant imatrix weighting."""
+    xt = x.reshape(-1, 256).t()
+    return seq_sum(xt * xt)
+
+
+def _sq(t: torch.Tensor) -> torch.Tensor:
+    return t * t
+
+
+def _pos_max(t: torch.Tensor) -> torch.Tensor:
+    """Row max of [B, 8] floored at +0: the C `m = 0; if (v > m) m = v` (never -0.0)."""
+    m = t.amax(1)
+    return torch.where(m > 0, m, torch.zeros_like(m))
+
+
+def _nibbles(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    return _u8((lo.to(torch.int32) & 15) | ((hi.to(torch.int32) & 15) << 4))
+
+
+def _qh32(q: torch.Tensor) -> torch.Tensor:
+    """Bit 4 of each of 32 codes -> a little-endian uint32 as 4 bytes, [B, 4]."""
+    bits = (q.to(torch.int64) >> 4) & 1
+    word = (bits << torch.arange(32, device=q.device)).sum(1)
+    return torch.stack([_u8((word >> (8 * i)) & 255) for i in range(4)], dim=1)
+
+
+# ----------------------------------------------------------------- 32-wide blocks
+
+def _q8_0(x: torch.Tensor, qw: torch.Tensor | None, prep=None) -> torch.Tensor:
+    xb = x.reshape(-1, 32)
+    d = divs(xb.abs().amax(1), 127.0)
+    inv = torch.where(d != 0, rdiv(1.0, d), torch.zeros_like(d))
+    q = roundf(xb * inv[:, None]).to(torch.int8).view(torch.uint8)
+    return torch.cat([_f16_bytes(d), q], 1)
+
+
+def _absmax_signed(xb: torch.Tensor) -> torch.Tensor:
+    idx = xb.abs().argmax(1, keepdim=True)
+    return xb.gather(1, idx)[:, 0]
+
+
+def _legacy_sym(x: torch.Tensor, qw: torch.Tensor | None, nmax: int, sigma2=None) -> tuple:
+    """Q4_0 (nmax 8) / Q5_0 (nmax 16): (d [B], q [B, 32] in [0, 2*nmax))."""
+    xb = x.reshape(-1, 32)
+    if qw is None:
+        d = divs(_absmax_signed(xb), float(-nmax))
+        inv = torch.where(d != 0, rdiv(1.0, d), torch.zeros_like(d))
+        q = torch.trunc(xb * inv[:, None] + (nmax + 0.5)).clamp_(max=2 * nmax - 1)
+        return d, q
+    w = qw.reshape(1, -1, 32) * sqrt32(sigma2[:, None, None] + _sq(x.reshape(x.shape[0], -1, 32)))
+    d, q = make_qx(_groups(xb, 32), nmax, _groups(w.reshape(-1, 32), 32))
+    return d, _ungroup(q, xb.shape[0])
+
+
+def _q4_0(x, qw, prep=None):
+    d, q = _legacy_sym(x, qw, 8, prep)
+    return torch.cat([_f16_bytes(d), _nibbles(q[:, :16], q[:, 16:])], 1)
+
+
+def _q5_0(x, qw, prep=None):
+    d, q = _legacy_sym(x, qw, 16, prep)
+    return torch.cat([_f16_bytes(d), _qh32(q), _nibbles(q[:, :16], q[:, 16:])], 1)
+
+
+def _q5_1(x: torch.Tensor, qw: torch.Tensor | None, sigma2=None) -> torch.Tensor:
+    xb = x.reshape(-1, 32)
+    if qw is None:
+        mn, mx = xb.amin(1), xb.amax(1)
+        d = divs(mx - mn, 31.0)
+        inv = torch.where(d != 0, rdiv(1.0, d), torch.zeros_like(d))
+        q = torch.trunc((xb - mn[:, None]) * inv[:, None] + 0.5)
+        m = mn
+    else:
+        w = qw.reshape(1, -1, 32) * sqrt32(sigma2[:, None, None] + _sq(x.reshape(x.shape[0], -1, 32)))
+        d, the_min, q = make_qkx(_groups(xb, 32), _groups(w.reshape(-1, 32), 32), 31, -0.9, 0.05, 36)
+        q, m = _ungroup(q, xb.shape[0]), -the_min
+    return torch.cat([_f16_bytes(d), _f16_bytes(m), _qh32(q), _nibbles(q[:, :16], q[:, 16:])], 1)
+
+
+# ----------------------------------------------------------------- 256-wide K-quants
+
+def _q45_k(x: torch.Tensor, qw: torch.Tensor | None, nmax: int, prep=None) -> torch.Tensor:
+    xb = x.reshape(-1, 256)
+    nb = xb.shape[0]
+    xg = _groups(xb, 32)  # [32, nb*8]
+    if qw is None:
+        av_x = sqrt32(divs(seq_sum(xg * xg), 32.0))
+        w = av_x + xg.abs()
+        rmin, nstep = (-1.0, 20) if nmax == 15 else (-0.5, 15)
+        scales, mins, L = make_qkx(xg, w, nmax, rmin, 0.1, nstep)
+        scales, mins = scales.view(nb, 8), mins.view(nb, 8)
+        max_scale, max_min = _pos_max(scales), _pos_max(mins)
+        inv_s = torch.where(max_scale > 0, rdiv(63.0, max_scale), torch.zeros_like(max_scale))
+        inv_m = torch.where(max_min > 0, rdiv(63.0, max_min), torch.zeros_like(max_min))
+        ls = (torch.round(inv_s[:, None] * scales).to(torch.int32) & 255).clamp_(max=63)
+        lm = (torch.round(inv_m[:, None] * mins).to(torch.int32) & 255).clamp_(max=63)
+        d, dmin = divs(max_scale, 63.0), divs(max_min, 63.0)
+    else:
+        sigma2 = divs(2.0 * prep, 256.0)  # prep: sum(x^2) per super-block, [nb]
+        qwb = qw.reshape(1, -1, 256).expand(x.shape[0], -1, -1).reshape(-1, 256)
+        w = _groups(qwb, 32) * sqrt32(sigma2.repeat_interleave(8)[None, :] + xg * xg)
+        sw = seq_sum(w).view(nb, 8).t()
+        scales, mins, L = make_qkx(xg, w, nmax, -0.9, 0.05, 36)
+        d, ls = make_qp(scales.view(nb, 8).t(), 63, sw)
+        dmin, lm = make_qp(mins.view(nb, 8).t(), 63, sw)
+        ls, lm = ls.t().to(torch.int32).clamp_(max=63), lm.t().to(torch.int32).clamp_(max=63)
+    d16, dmin16 = d.to(torch.float16), dmin.to(torch.float16)
+    dsub = (d16.float()[:, None] * ls.float()).reshape(-1)  # [nb*8], group order
+    dm = (dmin16.float()[:, None] * lm.float()).reshape(-1)
+    requant = torch.round((xg + dm) / dsub).clamp_(0, nmax)
+    L = _ungroup(torch.where(dsub != 0, requant, L), nb).to(torch.int32)  # [nb, 256]
+    sc = torch.zeros(nb, 12, dtype=torch.int32, device=x.device)
+    sc[:, 0:4] = ls[:, 0:4] | ((ls[:, 4:8] >> 4) << 6)
+    sc[:, 4:8] = lm[:, 0:4] | ((lm[:, 4:8] >> 4) << 6)
+    sc[:, 8:12] = (ls[:, 4:8] & 15) | ((lm[:, 4:8] & 15) << 4)
+    q = L.view(nb, 4, 2, 32)  # chunk c, half, lane
+    qs = _nibbles(q[:, :, 0], q[:, :, 1]).reshape(nb, 128)
+    parts = [_f16_bytes(d16.float()), _f16_bytes(dmin16.float()), _u8(sc)]
+    if nmax == 31:
+        hi = (q >> 4) & 1  # [nb, 4, 2, 32]
+        shifts = (torch.arange(4, device=x.device) * 2)[None, :, None, None] + \
+            torch.arange(2, device=x.device)[None, None, :, None]
+        parts.append(_u8((hi << shifts).sum((1, 2))))
+    parts.append(qs)
+    return torch.cat(parts, 1)
+
+
+def _q4_k(x, qw, prep=None):
+    return _q45_k(x, qw, 15, prep)
+
+
+def _q5_k(x, qw, prep=None):
+    return _q45_k(x, qw, 31, prep)
+
+
+def _q6_k(x: torch.Tensor, qw: torch.Tensor | None, prep=None) -> torch.Tensor:
+    xb = x.reshape(-1, 256)
+    nb = xb.shape[0]
+    xg = _groups(xb, 16)  # [16, nb*16]
+    qg = None
+    if qw is not None:
+        qg = _groups(qw.reshape(1, -1, 256).expand(x.shape[0], -1, -1).reshape(-1, 256), 16)
+    scales, L = make_qx(xg, 32, qg)
+    scales = scales.view(nb, 16)
+    idx = scales.abs().argmax(1, keepdim=True)
+    max_scale = scales.gather(1, idx)[:, 0]
+    zero = max_scale.abs() < GROUP_MAX_EPS
+    max_scale = torch.where(zero, torch.ones_like(max_scale), max_scale)
+    iscale = rdiv(-128.0, max_scale)
+    d16 = rdiv(1.0, iscale).to(torch.float16)
+    sc = torch.round(iscale[:, None] * scales).clamp_(max=127)  # [nb, 16], fits int8
+    dsub = (d16.float()[:, None] * sc).reshape(-1)
+    requant = torch.round(xg / dsub).clamp_(-32, 31) + 32
+    L = _ungroup(torch.where(dsub != 0, requant, L), nb).to(torch.int32)
+    v = L.view(nb, 2, 4, 32)  # half, quarter, lane
+    ql = torch.cat([_nibbles(v[:, :, 0], v[:, :, 2]), _nibbles(v[:, :, 1], v[:, :, 3])], 2)
+    shifts = (torch.arange(4, device=x.device) * 2)[None, None, :, None]
+    qh = _u8(((v >> 4) << shifts).sum(2))  # [nb, 2, 32]
+    out = torch.cat([ql.reshape(nb, 128), qh.reshape(nb, 64),
+                     sc.to(torch.int32).to(torch.int8).view(torch.uint8), _f16_bytes(d16.float())], 1)
+    out[zero] = 0
+    return out
+
+
+# imatrix paths that weight by a whole-row / whole-super-block sum of x^2: computed once per
+# slab (a few long sequential loops) instead of per 64K-value chunk (many short ones)
+_PREP = {Q.Q4_0: _row_sigma2, Q.Q5_0: _row_sigma2, Q.Q5_1: _row_sigma2,
+         Q.Q4_K: _block_sum_x2, Q.Q5_K: _block_sum_x2}
+
+_ENCODERS = {Q.Q8_0: _q8_0, Q.Q4_0: _q4_0, Q.Q5_0: _q5_0, Q.Q5_1: _q5_1,
+             Q.Q4_K: _q4_k, Q.Q5_K: _q5_k, Q.Q6_K: _q6_k}
+
+
+def encode_rows(w: torch.Tensor, qtype: int, qw: torch.Tensor | None = None) -> torch.Tensor:
+    """Encode float rows [N, K] (any float dtype, taken as float32) into GGML blocks.
+
+    Returns uint8 [N, row_bytes(qtype, K)] on w's device. K must be a multiple of the
+    type's block size; qw, when given, is a float32 [K] importance vector.
+    The encoders are long chains of small element-wise ops, so on CPU chunks of ~64K values
+    run in parallel Python threads with one intra-op thread each (torch releases the GIL):
+    intra-op threading of such small ops mostly spins, and under load it is 10x slower.
+    """
+    qtype = Q(qtype)
+    enc = _ENCODERS.get(qtype)
+    if enc is None:
+        raise ValueError(f"no encoder for GGML type {qtype.name}")
+    n, k = w.shape
+    block = GGML_QUANT_SIZES[qtype][0]
+    if k % block:
+        raise ValueError(f"row width {k} is not a multiple of {block} ({qtype.name})")
+    w = w.to(torch.float32)
+    if qw is not None:
+        qw = qw.to(device=w.device, dtype=torch.float32).reshape(k)
+    out = torch.empty(n, row_bytes(qtype, k), dtype=torch.uint8, device=w.device)
+    if n == 0:
+        return out
+    cpu = w.device.type == "cpu"
+    rows = max(1, (_CHUNK if cpu else _CHUNK_GPU) // k)
+    slab = max(rows, _SLAB // k // rows * rows)
+    prep_fn = _PREP.get(qtype) if qw is not None else None
+    threads = torch.get_num_threads() if cpu else 1
+    pool = ThreadPoolExecutor(threads) if threads > 1 else None
+    if pool is not None:
+        torch.set_num_threads(1)
+    try:
+        for s0 in range(0, n, slab):
+            ws = w[s0:s0 + slab]
+            prep = prep_fn(ws) if prep_fn is not None else None
+            per_row = None if prep is None else prep.reshape(ws.shape[0], -1)
+
+            def run(r: int, ws=ws, per_row=per_row, s0=s0) -> None:
+                p = None if per_row is None else per_row[r:r + rows].reshape(-1)
+                enc_out = enc(ws[r:r + rows].contiguous(), qw, p)
+                out[s0 + r:s0 + r + rows] = enc_out.reshape(-1, out.shape[1])
+
+            starts = range(0, ws.shape[0], rows)
+            if pool is None:
+                for r in starts:
+                    run(r)
+            else:
+                list(pool.map(run, starts))
+    finally:
+        if pool is not None:
+            pool.shutdown()
+            torch.set_num_threads(threads)
+    return out
