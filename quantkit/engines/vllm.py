@@ -36,7 +36,8 @@ def vllm_python() -> Path:
 
 
 def run_vllm(model_dir: Path, *, generate: list[dict] | None = None,
-             score: list[list[int]] | None = None, dtype: str = "bfloat16",
+             score: list[list[int]] | None = None, speed: dict | None = None,
+             dtype: str = "bfloat16",
              max_model_len: int = 2048, timeout: float = 1800) -> dict:
     """Load `model_dir` in vLLM, greedy-generate and/or score token sequences."""
     python = vllm_python()
@@ -44,7 +45,7 @@ def run_vllm(model_dir: Path, *, generate: list[dict] | None = None,
         req, resp = Path(tmp) / "req.json", Path(tmp) / "resp.json"
         req.write_text(json.dumps({"model": str(Path(model_dir).resolve()), "dtype": dtype,
                                    "max_model_len": max_model_len, "generate": generate or [],
-                                   "score": score or []}))
+                                   "score": score or [], "speed": speed}))
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
                "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
                "TOKENIZERS_PARALLELISM": "false"}

@@ -41,7 +41,7 @@ def main(req_path: str, resp_path: str) -> None:
         res = llm.generate([{"prompt_token_ids": ids} for ids in req["score"]], params,
                            use_tqdm=False)
         scored = []
-        for r, ids in zip(res, req["score"]):
+        for r, ids in zip(res, req["score"], strict=True):
             lps, top1 = [], []
             for pos, entry in enumerate(r.prompt_logprobs):
                 if entry is None:
@@ -54,7 +54,58 @@ def main(req_path: str, resp_path: str) -> None:
                 top1.append(int(best[0]) if best else None)
             scored.append({"logprobs": lps, "top1": top1})
         out["score"] = scored
+    if req.get("speed"):
+        out["speed"] = _speed(llm, SamplingParams, req["speed"])
     json.dump(out, open(resp_path, "w"))
+
+
+def _speed(llm, SamplingParams, cfg: dict) -> dict:
+    """Prefill / decode tokens/s and time to first token, per batch size, median of repeats."""
+    import random
+    import statistics
+    import threading
+
+    import psutil
+
+    peak = [0]
+    stop = threading.Event()
+
+    def watch():  # RSS of this process and the engine core it spawned
+        me = psutil.Process()
+        while not stop.is_set():
+            try:
+                rss = me.memory_info().rss + sum(c.memory_info().rss for c in me.children(True))
+                peak[0] = max(peak[0], rss)
+            except psutil.Error:
+                pass
+            stop.wait(0.1)
+
+    threading.Thread(target=watch, daemon=True).start()
+    rng = random.Random(0)
+    p_len, g_len = cfg["prompt_tokens"], cfg["gen_tokens"]
+    result = {}
+    for batch in cfg["batches"]:
+        prompts = [{"prompt_token_ids": [rng.randrange(100, 20000) for _ in range(p_len)]}
+                   for _ in range(batch)]
+        first = SamplingParams(max_tokens=1, temperature=0.0)
+        full = SamplingParams(max_tokens=g_len, min_tokens=g_len, ignore_eos=True, temperature=0.0)
+        llm.generate(prompts, first, use_tqdm=False)  # warm-up
+        ttft, total = [], []
+        for _ in range(cfg["repeats"]):
+            t0 = time.perf_counter()
+            llm.generate(prompts, first, use_tqdm=False)
+            ttft.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            llm.generate(prompts, full, use_tqdm=False)
+            total.append(time.perf_counter() - t0)
+        pre = [batch * p_len / t for t in ttft]
+        dec = [batch * (g_len - 1) / max(tt - t1, 1e-9) for tt, t1 in zip(total, ttft, strict=True)]
+        result[f"batch_{batch}"] = {
+            name: {"median": statistics.median(v), "min": min(v), "max": max(v), "values": v}
+            for name, v in (("prefill_tok_s", pre), ("decode_tok_s", dec), ("ttft_s", ttft))}
+    stop.set()
+    result["peak_rss_bytes"] = peak[0]
+    return result
 
 
 if __name__ == "__main__":

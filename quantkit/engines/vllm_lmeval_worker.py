@@ -1,0 +1,38 @@
+"""Runs lm-eval's vLLM model inside vLLM's virtualenv (imports nothing from quantkit).
+
+Usage: python vllm_lmeval_worker.py REQUEST.json RESPONSE.json
+Writes {"results": {...}, "samples": {task: [{"doc_id", "acc"}...]}}.
+"""
+
+import json
+import os
+import sys
+
+# this folder holds quantkit/engines/vllm.py; keep it from shadowing the real vllm package
+_here = os.path.dirname(os.path.abspath(__file__))
+sys.path = [p for p in sys.path if os.path.abspath(p or ".") != _here]
+
+
+def main(req_path: str, resp_path: str) -> None:
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    req = json.load(open(req_path))
+    model_args = {"pretrained": req["model"], "dtype": "bfloat16", "enforce_eager": True,
+                  "gpu_memory_utilization": 0.3, "max_model_len": 2048, "seed": req["seed"],
+                  "trust_remote_code": False}
+    res = lm_eval.simple_evaluate(
+        model="vllm", model_args=model_args, tasks=req["tasks"],
+        num_fewshot=req["num_fewshot"], limit=req["limit"], batch_size="auto",
+        task_manager=TaskManager(include_path=req["include_path"]), log_samples=True,
+        random_seed=req["seed"], numpy_random_seed=req["seed"], torch_random_seed=req["seed"],
+        fewshot_random_seed=req["seed"], apply_chat_template=req["chat_template"],
+        bootstrap_iters=100)
+    samples = {t: [{"doc_id": int(r["doc_id"]), "acc": float(r["acc"])} for r in rows if "acc" in r]
+               for t, rows in (res.get("samples") or {}).items()}
+    out = {"results": res["results"], "samples": samples}
+    json.dump(out, open(resp_path, "w"), default=str)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

@@ -1,0 +1,128 @@
+"""lm-evaluation-harness tasks through three backends, with per-sample results for flips.
+
+  hf        quantkit's loader (stored weights dequantized) wrapped in lm-eval's HFLM
+  llamacpp  an lm-eval LM over llama-cpp-python (GGUF files)
+  vllm      lm-eval's own vLLM model, run inside vLLM's virtualenv (engines/vllm_lmeval_worker.py)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+
+from quantkit.errors import EngineError, QuantkitError
+from quantkit.eval.tasks import offline_task_dir, resolve_tasks, task_manager
+
+__all__ = ["run_tasks", "flips", "BACKENDS"]
+
+BACKENDS = ("hf", "vllm", "llamacpp")
+_PRIMARY = ("acc", "acc_norm", "word_perplexity", "exact_match", "bits_per_byte")
+
+
+def _summarise(results: dict) -> tuple[dict, dict]:
+    """{task: {metric: {value, stderr}}} and {task: [per-sample acc]} from lm-eval's output."""
+    tasks = {}
+    for task, res in results["results"].items():
+        metrics = {}
+        for key, value in res.items():
+            if "," not in key or "_stderr" in key or not isinstance(value, (int, float)):
+                continue
+            name = key.split(",")[0]
+            se = res.get(f"{name}_stderr,{key.split(',', 1)[1]}")
+            metrics[name] = {"value": float(value),
+                             "stderr": float(se) if isinstance(se, (int, float)) and not math.isnan(se) else None}
+        tasks[task] = metrics
+    samples = {}
+    for task, rows in (results.get("samples") or {}).items():
+        if rows and "acc" in rows[0]:
+            samples[task] = [{"doc_id": int(r["doc_id"]), "acc": float(r["acc"])} for r in rows]
+    return tasks, samples
+
+
+def _evaluate_lm(lm, tasks: list[str], *, num_fewshot: int, limit: int | None, seed: int,
+                 chat: bool) -> dict:
+    import lm_eval
+
+    manager = task_manager()
+    resolve_tasks(tasks, manager)
+    return lm_eval.simple_evaluate(model=lm, tasks=tasks, num_fewshot=num_fewshot, limit=limit,
+                                   task_manager=manager, log_samples=True, random_seed=seed,
+                                   numpy_random_seed=seed, torch_random_seed=seed,
+                                   fewshot_random_seed=seed, apply_chat_template=chat,
+                                   bootstrap_iters=100)
+
+
+def run_tasks(artifact: str, tasks: list[str], *, backend: str = "hf", num_fewshot: int = 0,
+              limit: int | None = None, batch_size: int = 8, seed: int = 1234,
+              chat: bool = False) -> dict:
+    """Run lm-eval `tasks` on `artifact`; returns metrics, per-sample accs and the settings."""
+    settings = {"backend": backend, "num_fewshot": num_fewshot, "limit": limit,
+                "batch_size": batch_size, "seed": seed, "chat_template": chat}
+    if backend == "hf":
+        from lm_eval.models.huggingface import HFLM
+
+        from quantkit.loader import load_artifact
+
+        loaded = load_artifact(artifact)
+        lm = HFLM(pretrained=loaded.model, tokenizer=loaded.tokenizer, batch_size=batch_size,
+                  max_length=2048)  # same window as the llama.cpp and vLLM backends
+        raw = _evaluate_lm(lm, tasks, num_fewshot=num_fewshot, limit=limit, seed=seed, chat=chat)
+    elif backend == "llamacpp":
+        from quantkit.eval.llamacpp_lm import LlamaCppLM
+
+        lm = LlamaCppLM(str(artifact))
+        raw = _evaluate_lm(lm, tasks, num_fewshot=num_fewshot, limit=limit, seed=seed, chat=chat)
+    elif backend == "vllm":
+        resolve_tasks(tasks, task_manager())
+        raw = _run_vllm_lmeval(artifact, tasks, settings)
+    else:
+        raise QuantkitError(f"Unknown backend {backend!r}.", f"Choose one of {', '.join(BACKENDS)}.")
+    metrics, samples = _summarise(raw)
+    return {"tasks": metrics, "samples": samples, "settings": settings,
+            "lm_eval_version": _lm_eval_version()}
+
+
+def _lm_eval_version() -> str:
+    from importlib.metadata import version
+
+    return version("lm_eval")
+
+
+def _run_vllm_lmeval(artifact: str, tasks: list[str], settings: dict) -> dict:
+    from quantkit.engines.vllm import _root_cause, vllm_python
+
+    worker = Path(__file__).parents[1] / "engines" / "vllm_lmeval_worker.py"
+    with tempfile.TemporaryDirectory(prefix="quantkit-lmeval-") as tmp:
+        req, resp = Path(tmp) / "req.json", Path(tmp) / "resp.json"
+        req.write_text(json.dumps({"model": str(Path(artifact).resolve()), "tasks": tasks,
+                                   "include_path": str(offline_task_dir()), **settings}))
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+               "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+               "TOKENIZERS_PARALLELISM": "false"}
+        env.pop("PYTHONPATH", None)
+        proc = subprocess.run([str(vllm_python()), str(worker), str(req), str(resp)], env=env,
+                              capture_output=True, text=True, cwd=tmp)
+        if proc.returncode != 0 or not resp.is_file():
+            log = proc.stderr + proc.stdout
+            err = EngineError(f"lm-eval in vLLM failed on {artifact}: {_root_cause(log) or proc.returncode}")
+            err.log = log
+            raise err
+        return json.loads(resp.read_text())
+
+
+def flips(base: dict, other: dict) -> dict:
+    """Share of per-sample answers that changed correct<->incorrect (Dutta et al. 2024)."""
+    out = {}
+    for task, rows in other.get("samples", {}).items():
+        ref = {r["doc_id"]: r["acc"] for r in base.get("samples", {}).get(task, [])}
+        pairs = [(ref[r["doc_id"]], r["acc"]) for r in rows if r["doc_id"] in ref]
+        if pairs:
+            changed = sum((a >= 0.5) != (b >= 0.5) for a, b in pairs)
+            out[task] = {"value": changed / len(pairs), "n": len(pairs),
+                         "correct_to_wrong": sum(a >= 0.5 > b for a, b in pairs) / len(pairs),
+                         "wrong_to_correct": sum(b >= 0.5 > a for a, b in pairs) / len(pairs)}
+    return out

@@ -1,0 +1,167 @@
+"""Speed and memory of an artifact in the engine it is meant for.
+
+Definitions (the same for every engine; recorded with the numbers):
+  ttft_s          wall time of a request for 1 new token after a prompt of `prompt_tokens`
+  prefill_tok_s   batch * prompt_tokens / ttft_s
+  decode_tok_s    batch * (gen_tokens - 1) / (time for gen_tokens new tokens - ttft_s)
+Random prompt token ids (seeded), greedy, EOS ignored; one warm-up run, then `repeats` runs:
+median, min, max and all values are kept. Peak memory is the resident set size of the engine's
+process tree, sampled every 0.1 s.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+from quantkit.errors import QuantkitError
+
+__all__ = ["measure_speed", "default_engine", "ENGINES"]
+
+ENGINES = ("vllm", "llamacpp", "transformers")
+
+
+def default_engine(artifact: str) -> str:
+    if str(artifact).endswith(".gguf"):
+        return "llamacpp"
+    return "vllm"
+
+
+class _PeakRSS:
+    def __init__(self):
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def _watch(self):
+        me = psutil.Process()
+        while not self._stop.is_set():
+            try:
+                self.peak = max(self.peak, me.memory_info().rss + sum(
+                    c.memory_info().rss for c in me.children(recursive=True)))
+            except psutil.Error:
+                pass
+            self._stop.wait(0.1)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+
+def _stats(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values),
+            "values": values}
+
+
+def _time_runs(run_first, run_full, batch: int, p_len: int, g_len: int, repeats: int) -> dict:
+    run_full()  # warm-up
+    ttft, total = [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        run_first()
+        ttft.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        run_full()
+        total.append(time.perf_counter() - t0)
+    return {"prefill_tok_s": _stats([batch * p_len / t for t in ttft]),
+            "decode_tok_s": _stats([batch * (g_len - 1) / max(tt - t1, 1e-9)
+                                    for tt, t1 in zip(total, ttft, strict=True)]),
+            "ttft_s": _stats(ttft)}
+
+
+def _prompts(batch: int, p_len: int) -> list[list[int]]:
+    rng = random.Random(0)
+    return [[rng.randrange(100, 20000) for _ in range(p_len)] for _ in range(batch)]
+
+
+def _llamacpp(artifact: str, p_len: int, g_len: int, batches: list[int], repeats: int) -> dict:
+    import llama_cpp
+
+    with _PeakRSS() as mem:
+        t0 = time.perf_counter()
+        llm = llama_cpp.Llama(model_path=artifact, n_ctx=p_len + g_len + 8, verbose=False, seed=0)
+        load = time.perf_counter() - t0
+        out = {"load_seconds": load}
+        eos = llm.token_eos()
+        for batch in batches:
+            if batch != 1:
+                out[f"batch_{batch}"] = None  # llama-cpp-python runs one sequence at a time
+                continue
+            (prompt,) = _prompts(1, p_len)
+
+            def first(prompt=prompt):
+                llm.reset()
+                llm.create_completion(prompt, max_tokens=1, temperature=0.0)
+
+            def full(prompt=prompt):
+                llm.reset()
+                llm.create_completion(prompt, max_tokens=g_len, temperature=0.0,
+                                      logit_bias={eos: -1e9})
+
+            out[f"batch_{batch}"] = _time_runs(first, full, 1, p_len, g_len, repeats)
+    out["peak_rss_bytes"] = mem.peak
+    return out
+
+
+def _transformers(artifact: str, p_len: int, g_len: int, batches: list[int], repeats: int) -> dict:
+    import torch
+
+    from quantkit.loader import load_artifact
+
+    with _PeakRSS() as mem:
+        t0 = time.perf_counter()
+        lm = load_artifact(artifact)
+        out = {"load_seconds": time.perf_counter() - t0}
+        for batch in batches:
+            ids = torch.tensor(_prompts(batch, p_len))
+
+            def gen(n, ids=ids):
+                with torch.no_grad():
+                    lm.model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                      pad_token_id=lm.tokenizer.pad_token_id)
+
+            out[f"batch_{batch}"] = _time_runs(lambda: gen(1), lambda: gen(g_len), batch, p_len,
+                                               g_len, repeats)
+    out["peak_rss_bytes"] = mem.peak
+    return out
+
+
+def measure_speed(artifact: str, engine: str | None = None, *, prompt_tokens: int = 256,
+                  gen_tokens: int = 32, batches: tuple[int, ...] = (1, 8), repeats: int = 3) -> dict:
+    """Speed/memory record for `artifact` in `engine` (default: the artifact's own engine)."""
+    engine = engine or default_engine(artifact)
+    settings = {"engine": engine, "prompt_tokens": prompt_tokens, "gen_tokens": gen_tokens,
+                "batches": list(batches), "repeats": repeats, "warmup": 1,
+                "definitions": __doc__.split("Definitions")[1].split("\n\n")[0].strip()}
+    if engine == "llamacpp":
+        import llama_cpp
+
+        res = _llamacpp(str(artifact), prompt_tokens, gen_tokens, list(batches), repeats)
+        version = llama_cpp.__version__
+    elif engine == "transformers":
+        import transformers
+
+        res = _transformers(str(artifact), prompt_tokens, gen_tokens, list(batches), repeats)
+        version = transformers.__version__
+    elif engine == "vllm":
+        from quantkit.engines.vllm import run_vllm
+
+        with _PeakRSS() as mem:
+            raw = run_vllm(Path(artifact), speed={"prompt_tokens": prompt_tokens,
+                                                  "gen_tokens": gen_tokens,
+                                                  "batches": list(batches), "repeats": repeats})
+        res = {**raw["speed"], "load_seconds": raw["load_seconds"]}
+        res["peak_rss_bytes"] = max(res.get("peak_rss_bytes", 0), mem.peak)
+        version = raw["vllm_version"]
+    else:
+        raise QuantkitError(f"Unknown engine {engine!r}.", f"Choose one of {', '.join(ENGINES)}.")
+    return {"engine": engine, "engine_version": version, "settings": settings, **res}
