@@ -87,7 +87,8 @@ def main() -> None:
               help="Artifact format: compressed-tensors, gptq, awq, fp8, modelopt, gguf.")
 @click.option("--gguf-type", default=None, help="GGUF: f16, bf16, q8_0, q6_k, q5_k_m, q4_k_m, q4_k_s.")
 @click.option("--imatrix", type=click.Path(dir_okay=False), default=None,
-              help="GGUF: importance matrix file (llama.cpp's or quantkit's).")
+              help="GGUF: importance matrix file (llama.cpp's or quantkit's); or give --calib to "
+                   "collect one from calibration data.")
 @click.option("--scheme", "fp8_scheme", default=None, help="FP8: dynamic, static or block.")
 @click.option("--calib", default="mixed", show_default=True,
               help="Calibration data: built-in set (mixed, prose, code, techdoc), a .txt/.jsonl/"
@@ -115,10 +116,19 @@ def quantize(model, method, bits, group_size, sym, act_order, damp, fmt, gguf_ty
     if method == "gguf":
         kind = "kquant"
         fmt = "gguf" if fmt == "compressed-tensors" else fmt
-        options.update(gguf_type=gguf_type or "q4_k_m", imatrix=imatrix)
+        # --calib given explicitly (not --imatrix): collect the imatrix from that data
+        calib_given = (click.get_current_context().get_parameter_source("calib")
+                       != click.core.ParameterSource.DEFAULT)
+        options.update(gguf_type=gguf_type or "q4_k_m",
+                       imatrix=imatrix or ("calib" if calib_given else None))
+    if method == "awq" and fmt == "modelopt":  # TensorRT-LLM reads pre_quant_scale (GQA o_proj)
+        options["pre_quant_scale"] = True
     if method == "fp8":
+        from quantkit.methods.fp8 import fp8_scheme as _fp8_scheme
+
         kind = "fp8"
         options["scheme"] = fp8_scheme or "dynamic"
+        bits, group_size = 8, _fp8_scheme(options["scheme"]).group_size  # what quantkit.json records
     scheme = QuantScheme(kind=kind, bits=bits, group_size=group_size, symmetric=sym,
                          act_order=act_order, gguf_type=gguf_type)
     req = QuantizeRequest(model=model, method=method, scheme=scheme, out=Path(output), format=fmt,
@@ -136,24 +146,56 @@ def quantize(model, method, bits, group_size, sym, act_order, damp, fmt, gguf_ty
 
 @main.command("eval")
 @click.argument("artifact")
-@click.option("--base", default=None, help="Unquantized model for KLD / top-1 (alias, dir or Hub id).")
+@click.option("--base", default=None, help="Unquantized model for KLD / top-1 / flips (alias, dir or Hub id).")
 @click.option("--heldout", default="mixed", show_default=True,
               help="Held-out text: a built-in set's heldout split or a local file.")
 @click.option("--ctx", type=int, default=512, show_default=True, help="Window length in tokens.")
 @click.option("--max-windows", type=int, default=32, show_default=True,
               help="Windows scored (ctx-1 tokens each).")
 @click.option("--batch-size", type=int, default=4, show_default=True)
+@click.option("--ppl/--no-ppl", default=True, show_default=True, help="Held-out PPL / KLD.")
+@click.option("--tasks", default=None,
+              help="lm-eval tasks, comma-separated (offline: quantkit_cloze_mixed, "
+                   "quantkit_heldout_mixed, ... ; Hub tasks when online).")
+@click.option("--backend", type=click.Choice(["hf", "vllm", "llamacpp"]), default=None,
+              help="Engine for --tasks (default: llamacpp for .gguf, else hf).")
+@click.option("--num-fewshot", type=int, default=0, show_default=True)
+@click.option("--limit", type=int, default=None, help="Samples per task (default: all).")
+@click.option("--chat-template", is_flag=True, help="Apply the model's chat template to tasks.")
+@click.option("--seed", type=int, default=1234, show_default=True)
+@click.option("--speed", is_flag=True, help="Prefill/decode tokens/s, TTFT and peak memory.")
+@click.option("--speed-engine", type=click.Choice(["vllm", "llamacpp", "transformers"]),
+              default=None, help="Engine for --speed (default: llamacpp for .gguf, else vllm).")
+@click.option("--speed-prompt", type=int, default=256, show_default=True)
+@click.option("--speed-gen", type=int, default=32, show_default=True)
+@click.option("--speed-batch", default="1,8", show_default=True, help="Batch sizes.")
+@click.option("--repeats", type=int, default=3, show_default=True)
 @click.option("--json", "json_out", type=click.Path(), default=None,
               help="Results file (default: ARTIFACT/quantkit_eval.json for directories).")
-def eval_cmd(artifact, base, heldout, ctx, max_windows, batch_size, json_out) -> None:
-    """Perplexity on held-out text and, with --base, KL divergence and top-1 agreement."""
-    from quantkit.eval.harness import evaluate
+def eval_cmd(artifact, base, heldout, ctx, max_windows, batch_size, ppl, tasks, backend,
+             num_fewshot, limit, chat_template, seed, speed, speed_engine, speed_prompt,
+             speed_gen, speed_batch, repeats, json_out) -> None:
+    """Accuracy of an artifact: held-out PPL, KLD / top-1 vs --base, lm-eval tasks and flips."""
+    from quantkit.eval.harness import evaluate, task_record
     from quantkit.eval.logits import PPLConvention
 
+    command = "quantkit " + shlex.join(sys.argv[1:])
     conv = PPLConvention(ctx=ctx, max_windows=max_windows, batch_size=batch_size)
     with _Progress() as progress:
         record = evaluate([artifact], base, heldout=heldout, conv=conv, on_progress=progress,
-                          command="quantkit " + shlex.join(sys.argv[1:]))[0]
+                          command=command, ppl=ppl)[0]
+    if tasks:
+        names = [t.strip() for t in tasks.split(",") if t.strip()]
+        backend = backend or ("llamacpp" if str(artifact).endswith(".gguf") else "hf")
+        task_record(record, artifact, base, names, backend=backend, num_fewshot=num_fewshot,
+                    limit=limit, batch_size=batch_size, seed=seed, chat=chat_template)
+    if speed:
+        from quantkit.eval.speed import measure_speed
+
+        record["speed"] = measure_speed(
+            artifact if Path(artifact).exists() else record["artifact"]["path"], speed_engine,
+            prompt_tokens=speed_prompt, gen_tokens=speed_gen, repeats=repeats,
+            batches=tuple(int(b) for b in speed_batch.split(",")))
     target = Path(json_out) if json_out else (
         Path(artifact) / "quantkit_eval.json" if Path(artifact).is_dir() else None)
     if target is not None and os.access(target.parent if target.parent.exists() else ".", os.W_OK):
@@ -173,25 +215,42 @@ def _fmt(metric: dict | None, key: str = "value", digits: int = 4) -> str:
 
 def _print_eval(record: dict) -> None:
     m = record["metrics"]
-    c = record["convention"]
+    c = record.get("convention") or {}
     table = Table(title=f"quantkit eval: {record['artifact']['path']}")
     table.add_column("metric")
     table.add_column("value", justify="right")
     if "base_ppl" in m:
         table.add_row("PPL (base)", _fmt(m["base_ppl"], digits=3))
-    table.add_row("PPL (artifact)", _fmt(m["ppl"], digits=3))
+    table.add_row("PPL (artifact)", _fmt(m.get("ppl"), digits=3))
     if "kld" in m:
         k = m["kld"]
         table.add_row("KLD mean", _fmt(k, "mean", 5))
         table.add_row("KLD median / p99 / max", f"{k['median']:.5f} / {k['p99']:.5f} / {k['max']:.3f}")
         table.add_row("top-1 agreement", f"{100 * m['top1_agreement']['value']:.2f} %")
         table.add_row("RMS Δp", f"{100 * m['rms_delta_p']['value']:.3f} %")
+    for task, metrics in (m.get("tasks") or {}).items():
+        for name, val in metrics.items():
+            table.add_row(f"{task} {name}", _fmt(val, digits=4))
+        if task in (m.get("flips") or {}):
+            table.add_row(f"{task} flips vs base", f"{100 * m['flips'][task]['value']:.1f} %")
+    sp = record.get("speed") or {}
+    for key, val in sp.items():
+        if key.startswith("batch_") and val:
+            for name, label in (("prefill_tok_s", "prefill tok/s"), ("decode_tok_s", "decode tok/s"),
+                                ("ttft_s", "TTFT s")):
+                v = val[name]
+                table.add_row(f"{label} ({sp['engine']}, {key.replace('_', ' ')})",
+                              f"{v['median']:.3g} [{v['min']:.3g}, {v['max']:.3g}]")
+    if sp.get("peak_rss_bytes"):
+        table.add_row(f"peak RSS ({sp['engine']})", f"{sp['peak_rss_bytes'] / 2**30:.2f} GiB")
     a = record["artifact"]
     table.add_row("format / method", f"{a['format']} / {a['method']}")
     if a.get("bits_per_weight_quantized"):
         table.add_row("bits/weight (quantized Linears)", f"{a['bits_per_weight_quantized']:.3f}")
     table.add_row("size on disk", f"{a['size_bytes'] / 2**20:.1f} MiB")
     out.print(table)
+    if not c:
+        return
     out.print(f"[dim]convention: {c['corpus']} {c['split']}, {c['windows']} windows x {c['ctx']} tokens, "
               f"no overlap, {c['bos']}, {c['scored_tokens']} scored tokens; engine "
               f"{record['engine']['name']} ({record['engine']['dtype']})[/]")
@@ -231,6 +290,81 @@ def info(artifact, as_json) -> None:
         out.print_json(json.dumps(artifact_info(artifact)))
     else:
         _print_info(artifact)
+
+
+@main.command()
+@click.argument("artifacts", nargs=-1, required=True)
+@click.option("--base", default=None,
+              help="Unquantized model (alias, dir or Hub id); default: the artifacts' source model.")
+@click.option("--report", "report", type=click.Path(dir_okay=False), default=None,
+              help="Write FILE.html (self-contained) plus FILE.md and FILE.json.")
+@click.option("--heldout", default=None, help="Held-out text for missing evals (default: mixed).")
+@click.option("--ctx", type=int, default=None, help="Window length for missing evals (default 512).")
+@click.option("--max-windows", type=int, default=None,
+              help="Windows for missing evals (default 32, or what stored results used).")
+@click.option("--batch-size", type=int, default=4, show_default=True)
+@click.option("--fresh", is_flag=True, help="Re-evaluate every artifact, ignoring stored results.")
+@click.option("--title", default=None, help="Report title.")
+def compare(artifacts, base, report, heldout, ctx, max_windows, batch_size, fresh, title) -> None:
+    """Compare artifacts (dirs, GGUF files or results JSON) against one base model."""
+    from quantkit.eval.logits import PPLConvention
+    from quantkit.report import collect, write_report
+
+    conv = None
+    if ctx is not None or max_windows is not None:
+        conv = PPLConvention(ctx=ctx or 512, max_windows=max_windows or 32, batch_size=batch_size)
+    with _Progress() as progress:
+        summary = collect(list(artifacts), base, conv=conv, heldout=heldout, fresh=fresh,
+                          on_progress=progress, title=title,
+                          command="quantkit " + shlex.join(sys.argv[1:]))
+    if report:
+        paths = write_report(summary, report)
+        console.print("report: " + ", ".join(str(p) for p in paths.values()))
+    else:
+        _print_compare(summary)
+
+
+def _print_compare(summary: dict) -> None:
+    from quantkit.report.table import cells, omitted
+
+    cols, rows = cells(summary)
+    # piped to a file or a PR comment: do not wrap cells at the default 80 columns
+    con = out if out.is_terminal else Console(width=max(out.width, 240))
+    table = Table(title=escape(summary["title"]))
+    for c in cols:
+        table.add_column(escape(c.label), justify="right" if c.numeric else "left")
+    for r, line in zip(summary["rows"], rows, strict=True):
+        style = "dim" if r["role"] == "base" else None
+        table.add_row(*[f"[bold green]{escape(x['text'])} ★[/]" if x["best"] else
+                        (f"[italic]{escape(x['text'])}[/]" if x["missing"] else escape(x["text"]))
+                        for x in line], style=style)
+    con.print(table)
+    if omitted(summary["rows"]):
+        con.print("[dim]not measured for any row: " + ", ".join(omitted(summary["rows"])) + "[/]")
+    for w in summary["warnings"]:
+        con.print(f"[yellow]warning:[/] {escape(w)}", soft_wrap=True)
+    for c in summary["conventions"]:
+        v = c["convention"]
+        con.print(f"[dim]{c['id']}: {escape(str(v.get('corpus')))} {escape(str(v.get('split')))}, "
+                  f"{v.get('windows')} windows x {v.get('ctx')} tokens, {v.get('scored_tokens')} "
+                  "scored tokens[/]")
+
+
+@main.command()
+@click.argument("artifact")
+@click.option("--engine", type=click.Choice(["trtllm"]), default="trtllm", show_default=True,
+              help="Whose loader rules to check (TensorRT-LLM cannot run here).")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def verify(artifact, engine, as_json) -> None:
+    """Check ARTIFACT against an engine's loader rules; exit 0 = conformant, 1 = not."""
+    from quantkit.verify import verify as run_verify
+
+    report = run_verify(artifact, engine)
+    if as_json:
+        out.print_json(json.dumps(report.to_dict()))
+    else:
+        out.print(escape(report.render()), soft_wrap=True, highlight=False)
+    sys.exit(0 if report.conformant else 1)
 
 
 if __name__ == "__main__":

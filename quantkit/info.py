@@ -42,6 +42,8 @@ def artifact_info(path: str | Path) -> dict:
     fmt = detect_format(path)
     size = path.stat().st_size if path.is_file() else sum(
         f.stat().st_size for f in path.rglob("*") if f.is_file())
+    if fmt == "gguf":
+        return _gguf_info(path, size)
     meta = artifact_meta(path) if path.is_dir() else {}
     info = {"path": str(path), "format": fmt, "size_bytes": size,
             "method": meta.get("method", "none" if fmt == "dense" else "unknown"),
@@ -52,8 +54,9 @@ def artifact_info(path: str | Path) -> dict:
     if path.is_dir():
         qcfg = json.loads((path / "config.json").read_text()).get("quantization_config") or {}
         info.update(_bits_per_weight(path, int(qcfg.get("bits") or 4)))
-        info["quantization_config"] = {k: qcfg.get(k) for k in ("quant_method", "format", "bits",
-                                                              "group_size", "sym") if k in qcfg}
+        info["quantization_config"] = {k: qcfg.get(k) for k in (
+            "quant_method", "format", "bits", "group_size", "sym", "quant_algo",
+            "activation_scheme", "weight_block_size") if k in qcfg}
     return info
 
 
@@ -73,7 +76,11 @@ def _bits_per_weight(path: Path, bits: int) -> dict:
         nbytes = h["data_offsets"][1] - h["data_offsets"][0]
         all_bytes += nbytes
         base = next((name[: -len(s)] for s in _QUANT_SUFFIXES if name.endswith(s)), None)
-        if base is not None:
+        if h["dtype"] in ("F8_E4M3", "F8_E5M2") and name.endswith(".weight"):  # FP8 Linears
+            q_bytes += nbytes
+            q_params += _numel(h["shape"])
+            all_params += _numel(h["shape"])
+        elif base is not None:
             q_bytes += nbytes
             if name.endswith((".weight_packed", ".qweight")):
                 shape = shapes.get(base) or [h["shape"][0] * 32 // bits, h["shape"][1]]
@@ -87,3 +94,27 @@ def _bits_per_weight(path: Path, bits: int) -> dict:
         out["quantized_parameters"] = q_params
     return out
 
+
+
+def _gguf_info(path: Path, size: int) -> dict:
+    """A GGUF file: quantkit's provenance from its `quantkit.metadata` key (when quantkit wrote
+    it), the tensor types it holds and bits per weight over every tensor."""
+    from collections import Counter
+
+    from quantkit.formats.gguf import read_gguf
+
+    kv, tensors = read_gguf(path)
+    meta = json.loads(kv["quantkit.metadata"]) if "quantkit.metadata" in kv else {}
+    params = sum(_numel(t.shape) for t in tensors.values())
+    tensor_bytes = sum(int(t.data.nbytes) for t in tensors.values())
+    types = Counter(t.qtype.name for t in tensors.values())
+    return {"path": str(path), "format": "gguf", "size_bytes": size,
+            "method": meta.get("method", "unknown"), "scheme": meta.get("scheme"),
+            "engines": ["llama.cpp"],
+            "source_model": (meta.get("source_model") or {}).get("name_or_path")
+            or kv.get("general.name"),
+            "calibration": (meta.get("calibration") or {}).get("name")
+            or (meta.get("calibration") or {}).get("source"),
+            "architecture": kv.get("general.architecture"),
+            "tensor_types": dict(types.most_common()),
+            "bits_per_weight_model": 8 * tensor_bytes / max(params, 1)}

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from quantkit.formats import detect_format, read_dense_state
+from quantkit.formats import detect_format, prepare_model, read_dense_state
 from quantkit.model_io import load_config, load_model, load_tokenizer, resolve_model
 
 __all__ = ["LoadedModel", "load_artifact", "artifact_meta"]
@@ -60,6 +60,7 @@ def load_artifact(spec: str | Path, dtype: torch.dtype = torch.float32) -> Loade
                          f"unexpected {unexpected[:5]}")
     model.tie_weights()
     _rebuild_meta_buffers(model)
+    prepare_model(model, path, fmt)  # e.g. FP8: inputs rounded to E4M3 as the engine does
     model.eval()
     return LoadedModel(model, tok, path, fmt, artifact_meta(path))
 

@@ -14,20 +14,37 @@ import torch
 
 from quantkit.errors import ModelLoadError, SchemeMismatch
 
-__all__ = ["get_writer", "detect_format", "read_dense_state", "WRITERS"]
+__all__ = ["get_writer", "detect_format", "read_dense_state", "prepare_model", "WRITERS"]
 
-WRITERS = ("compressed-tensors", "gptq")
+WRITERS = ("compressed-tensors", "gptq", "gguf", "fp8", "modelopt", "awq")
 
 
 def get_writer(name: str):
-    if name == "compressed-tensors":
+    if name == "compressed-tensors":  # pack-quantized for int schemes, float-quantized for fp8
         from quantkit.formats.compressed_tensors import CompressedTensorsWriter
+        from quantkit.formats.fp8 import FP8CompressedTensorsWriter, KindDispatch
 
-        return CompressedTensorsWriter()
+        return KindDispatch(name, {"fp8": FP8CompressedTensorsWriter}, CompressedTensorsWriter)
+    if name == "fp8":  # vLLM's native quant_method "fp8"
+        from quantkit.formats.fp8 import VllmFP8Writer
+
+        return VllmFP8Writer()
+    if name == "modelopt":  # TensorRT-LLM: FP8 here, W4A16_AWQ in formats/modelopt.py
+        from quantkit.formats.modelopt_fp8 import ModelOptDispatch
+
+        return ModelOptDispatch()
     if name == "gptq":
         from quantkit.formats.gptq_v1 import GPTQv1Writer
 
         return GPTQv1Writer()
+    if name == "gguf":
+        from quantkit.formats.gguf import GGUFFileWriter
+
+        return GGUFFileWriter()
+    if name == "awq":  # AutoAWQ GEMM (vLLM awq / awq_marlin)
+        from quantkit.formats.awq_gemm import AWQGemmWriter
+
+        return AWQGemmWriter()
     raise SchemeMismatch(f"Unknown format {name!r}.", f"Choose one of: {', '.join(WRITERS)}.")
 
 
@@ -40,6 +57,8 @@ def detect_format(path: Path) -> str:
     if not cfg_file.is_file():
         raise ModelLoadError(f"{path} is not a quantkit artifact or model directory (no config.json).",
                              "Pass the directory written by `quantkit quantize -o`.")
+    if (path / "hf_quant_config.json").is_file():  # ModelOpt; TensorRT-LLM checks it first too
+        return "modelopt"
     qcfg = json.loads(cfg_file.read_text()).get("quantization_config")
     if not qcfg:
         return "dense"
@@ -48,17 +67,50 @@ def detect_format(path: Path) -> str:
         return "compressed-tensors"
     if method == "gptq":
         return "gptq"
+    if method in ("fp8", "modelopt"):
+        return method
+    if method == "awq":
+        return "awq"
     raise ModelLoadError(f"{path}: quantization_config quant_method {method!r} is not readable yet.",
                          f"quantkit reads: dense, {', '.join(WRITERS)}.")
 
 
 def read_dense_state(path: Path, fmt: str, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     if fmt == "compressed-tensors":
+        from quantkit.formats.common import read_config
         from quantkit.formats.compressed_tensors import read_compressed_tensors
 
+        if read_config(path)["quantization_config"].get("format") == "float-quantized":
+            from quantkit.formats.fp8 import read_float_quantized
+
+            return read_float_quantized(path, dtype)
         return read_compressed_tensors(path, dtype)
+    if fmt in ("fp8", "modelopt"):
+        from quantkit.formats.fp8 import read_vllm_fp8
+        from quantkit.formats.modelopt_fp8 import read_modelopt
+
+        return (read_vllm_fp8 if fmt == "fp8" else read_modelopt)(path, dtype)
     if fmt == "gptq":
         from quantkit.formats.gptq_v1 import read_gptq_v1
 
         return read_gptq_v1(path, dtype)
+    if fmt == "awq":
+        from quantkit.formats.awq_gemm import read_awq_gemm
+
+        return read_awq_gemm(path, dtype)
     raise ModelLoadError(f"No dense reader for format {fmt!r}.")
+
+
+def prepare_model(model: torch.nn.Module, path: Path, fmt: str) -> None:
+    """Run-time behaviour beyond the stored weights: FP8 artifacts round Linear inputs to E4M3
+    the way the engine does (dynamic or static scales), so CPU eval measures W8A8."""
+    if fmt == "compressed-tensors":
+        from quantkit.formats.common import read_config
+
+        if read_config(path)["quantization_config"].get("format") != "float-quantized":
+            return
+    elif fmt not in ("fp8", "modelopt"):
+        return
+    from quantkit.formats.fp8 import prepare_fp8_model
+
+    prepare_fp8_model(model, path, fmt)

@@ -7,7 +7,7 @@ from quantkit.types import Quantizer
 
 __all__ = ["get_quantizer", "METHODS"]
 
-METHODS = ("rtn",)
+METHODS = ("rtn", "gptq", "gguf", "fp8", "awq")
 
 
 def get_quantizer(name: str, **options) -> Quantizer:
@@ -16,4 +16,20 @@ def get_quantizer(name: str, **options) -> Quantizer:
         from quantkit.methods.rtn import RTNQuantizer
 
         return RTNQuantizer(**options)
+    if name == "gptq":
+        from quantkit.methods.gptq import GPTQQuantizer
+
+        return GPTQQuantizer(**options)
+    if name == "gguf":
+        from quantkit.methods.kquants import GGUFQuantizer
+
+        return GGUFQuantizer(**options)
+    if name == "fp8":
+        from quantkit.methods.fp8 import FP8Quantizer
+
+        return FP8Quantizer(**options)
+    if name == "awq":
+        from quantkit.methods.awq import AWQQuantizer
+
+        return AWQQuantizer(**options)
     raise SchemeMismatch(f"Unknown method {name!r}.", f"Choose one of: {', '.join(METHODS)}.")

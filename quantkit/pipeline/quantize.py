@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
-import sys
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -50,6 +49,24 @@ class QuantizeRequest:
     device: str | None = None
     method_options: dict = field(default_factory=dict)
     command: str = ""
+
+    def cli_equivalent(self) -> str:
+        """The `quantkit quantize` command that makes this request (for API callers)."""
+        import shlex
+
+        s = self.scheme
+        args = [self.model, "--method", self.method, "--format", self.format]
+        if self.method == "gguf":
+            args += ["--gguf-type", str(self.method_options.get("gguf_type") or s.gguf_type)]
+        elif self.method == "fp8":
+            args += ["--scheme", str(self.method_options.get("scheme", "dynamic"))]
+        else:
+            args += ["--bits", str(s.bits), "--group-size", str(s.group_size),
+                     "--sym" if s.symmetric else "--asym"] + (["--act-order"] if s.act_order else [])
+        if self.method != "rtn":
+            args += ["--calib", self.calib, "--calib-samples", str(self.calib_samples),
+                     "--calib-seqlen", str(self.calib_seqlen), "--seed", str(self.seed)]
+        return "quantkit quantize " + shlex.join(args + ["-o", str(self.out)])
 
 
 def linear_shapes(config, spec: ArchSpec) -> dict[str, tuple[int, int]]:
@@ -109,6 +126,10 @@ def quantize(req: QuantizeRequest, on_progress: ProgressFn | None = None) -> dic
     problems = writer.check(req.scheme, shapes)
     if problems:
         raise SchemeMismatch(f"Format {writer.name} cannot store this: " + "; ".join(problems) + ".")
+    if hasattr(writer, "check_source"):  # writers that embed tokenizer/config (GGUF) check them now
+        writer.check_source(source.path, config)
+    if hasattr(quantizer, "prepare"):  # per-tensor plans (GGUF type mix) from the config alone
+        quantizer.prepare(config=config, spec=spec, shapes=shapes)
     tokenizer = load_tokenizer(source.path, trust_remote_code=req.trust_remote_code)
 
     calib = None
@@ -121,11 +142,15 @@ def quantize(req: QuantizeRequest, on_progress: ProgressFn | None = None) -> dic
     compute_dtype = torch.float32 if device == "cpu" else torch.bfloat16
     model = load_model(source.path, dtype=torch.float32 if device == "cpu" else torch.bfloat16,
                        allow_pickle=req.allow_pickle, trust_remote_code=req.trust_remote_code)
-    batches = list(calib.batches(1)) if calib is not None else None
+    # methods may ask for larger calibration batches (fewer, bigger ops: much faster on CPU)
+    batch = getattr(quantizer, "calib_batch_size", 1)
+    batches = list(calib.batches(batch)) if calib is not None else None
     t_quant = time.perf_counter()
     results = quantize_blocks(model, spec, quantizer, req.scheme, batches, device=device,
                               compute_dtype=compute_dtype, options=req.method_options,
                               on_progress=on_progress)
+    if hasattr(quantizer, "quantize_rest"):  # tensors outside the blocks (GGUF embeddings)
+        results.update(quantizer.quantize_rest(model, spec))
     quant_seconds = time.perf_counter() - t_quant
 
     store_dtype = _storage_dtype(raw_config)
@@ -144,12 +169,20 @@ def quantize(req: QuantizeRequest, on_progress: ProgressFn | None = None) -> dic
         "method_options": req.method_options,
         "device": device,
         "seconds": {"quantize": round(quant_seconds, 3)},
-        "command": req.command or " ".join(sys.argv),
+        "command": req.command or req.cli_equivalent(),
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
+    if getattr(writer, "single_file", False):  # one file (GGUF): metadata goes inside it
+        meta["seconds"]["total"] = round(time.perf_counter() - t_start, 3)
+        with atomic_output(out, req.force, is_dir=False) as tmp:
+            writer.write(tmp, config=raw_config, dense=dense, results=results,
+                         ignore=[spec.lm_head], dtype=store_dtype, scheme=req.scheme, meta=meta,
+                         source_dir=source.path)
+        return meta
     with atomic_output(out, req.force) as tmp:
         writer.write(tmp, config=raw_config, dense=dense, results=results,
                      ignore=[spec.lm_head], dtype=store_dtype)
+        meta["engines"] = list(writer.engines)  # a writer may narrow them by what it wrote (FP8)
         for name in TOKENIZER_FILES:
             if (source.path / name).is_file():
                 shutil.copy2(source.path / name, tmp / name)

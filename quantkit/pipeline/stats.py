@@ -4,6 +4,8 @@ Each statistic is a running sum plus a token count, so batches can come in any s
   hessian   sum_x x^T x           [K, K] float32  (GPTQ)
   sq_mean   sum_x x^2 per column  [K]    float32  (llama.cpp imatrix)
   absmean   sum_x |x| per column  [K]    float32  (AWQ)
+  absmax    max_x |x| per column  [K]    float32  (FP8 static input scales, max observer)
+  token_absmax  max |x| of every token, concatenated [T] float32 (FP8 percentile observer)
 """
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ import torch
 
 __all__ = ["StatCollector", "STATS"]
 
-STATS = ("hessian", "sq_mean", "absmean")
+STATS = ("hessian", "sq_mean", "absmean", "absmax", "token_absmax")
+# how a new batch joins the running value (default: sum)
+_COMBINE = {"absmax": torch.maximum, "token_absmax": lambda a, b: torch.cat([a, b])}
 
 
 class _AllFired(Exception):
@@ -46,13 +50,19 @@ class StatCollector:
                         upd = x.T @ x
                     elif stat == "sq_mean":
                         upd = (x * x).sum(0)
+                    elif stat == "absmax":
+                        upd = x.abs().amax(0)
+                    elif stat == "token_absmax":
+                        upd = x.abs().amax(1)
                     else:
                         upd = x.abs().sum(0)
                     self._last_updates[stat] = upd
             rec = self.results[name]
             rec["tokens"] += args[0].numel() // args[0].shape[-1]
             for stat, upd in self._last_updates.items():
-                if stat in rec:
+                if stat in rec and stat in _COMBINE:
+                    rec[stat] = _COMBINE[stat](rec[stat], upd)
+                elif stat in rec:
                     rec[stat].add_(upd)
                 else:
                     rec[stat] = upd.clone()
