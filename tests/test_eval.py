@@ -43,7 +43,7 @@ def test_int8_kld_far_below_int4(rtn4_artifact, rtn8_artifact):
 
 
 def test_schema_rejects_a_zero_for_missing_metric():
-    bad = {"schema": "quantkit.eval/v1", "metrics": {"ppl": {"value": 1.0}}}
+    bad = {"schema": "quantkit.eval/v1", "metrics": {"ppl": {"stderr": 1.0}}}
     try:
         jsonschema.validate(bad, SCHEMA)
     except jsonschema.ValidationError:

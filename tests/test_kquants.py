@@ -1,0 +1,353 @@
+"""K-quant encoders, the per-tensor type mix and imatrix files, bit for bit against llama.cpp.
+
+Reference = llama.cpp itself through llama-cpp-python: `ggml_quantize_chunk` from its
+libggml-base for single tensors, `llama_model_quantize` (llama-quantize's engine) for whole
+files. No mocks: every expected byte comes from the C code.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf import GGUFWriter
+from gguf.quants import dequantize as gguf_dequantize
+
+from quantkit.errors import SchemeMismatch
+from quantkit.formats.gguf import read_gguf
+from quantkit.methods.imatrix import load_imatrix, save_imatrix
+from quantkit.methods.kquants import (
+    GGUFQuantizer,
+    dequantize_tensor,
+    plan_types,
+    quantize_tensor,
+    use_more_bits,
+)
+from quantkit.methods.kquants_encode import encode_rows, row_bytes
+
+llama_cpp = pytest.importorskip("llama_cpp")
+from quantkit.engines.llamacpp import llama_quantize  # noqa: E402
+
+TYPES = [Q.Q8_0, Q.Q4_0, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+
+
+def _ggml():
+    lib = ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libggml-base.so"))
+    lib.ggml_quantize_chunk.restype = ctypes.c_size_t
+    lib.ggml_quantize_chunk.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                                        ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    lib.ggml_quantize_init.argtypes = [ctypes.c_int]
+    return lib
+
+
+def ggml_quantize(w: np.ndarray, qtype: Q, qw: np.ndarray | None = None) -> np.ndarray:
+    """llama.cpp's ggml_quantize_chunk on float32 rows (what llama-quantize calls per tensor)."""
+    lib = _ggml()
+    w = np.ascontiguousarray(w, dtype=np.float32)
+    out = np.zeros((w.shape[0], row_bytes(qtype, w.shape[1])), dtype=np.uint8)
+    qw = None if qw is None else np.ascontiguousarray(qw, dtype=np.float32)
+    lib.ggml_quantize_init(int(qtype))
+    lib.ggml_quantize_chunk(int(qtype), w.ctypes.data, out.ctypes.data, 0, w.shape[0], w.shape[1],
+                            None if qw is None else qw.ctypes.data)
+    return out
+
+
+def _hard_weights(n: int, k: int, seed: int) -> torch.Tensor:
+    """bf16-representable rows with the cases that break naive ports: zero and constant
+    blocks, one-sided blocks, outliers, heavy tails, tiny values."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * 0.02
+    w[1] = torch.distributions.StudentT(2.0).sample((k,)) * 0.01
+    w[2, : k // 2] = 0
+    w[3] = 0.25
+    w[4] = torch.rand(k, generator=g) * 0.1
+    w[5] = -torch.rand(k, generator=g) * 0.1 - 0.05
+    w[6, 7] = 2.0
+    w[7] *= 1e-5
+    w[8, ::5] = 0
+    return w.to(torch.bfloat16).float()
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_encoder_bytes_equal_ggml(qtype):
+    w = _hard_weights(48, 768, seed=int(qtype))
+    imatrices = [None, torch.rand(768) ** 4 + 1e-3,
+                 torch.where(torch.rand(768) < 0.3, torch.zeros(768), torch.rand(768) * 50)]
+    for qw in imatrices:
+        ours = encode_rows(w, qtype, qw).numpy()
+        ref = ggml_quantize(w.numpy(), qtype, None if qw is None else qw.numpy())
+        bad = np.nonzero((ours != ref).any(1))[0]
+        assert bad.size == 0, f"{qtype.name} imatrix={qw is not None}: rows {bad[:8]} differ"
+    # our torch decoder = gguf's reference dequantizer, value for value
+    assert np.array_equal(dequantize_tensor(torch.from_numpy(ours), qtype).numpy(),
+                          gguf_dequantize(ours, qtype))
+    plain = torch.from_numpy(encode_rows(w, qtype).numpy()[9:])  # the ordinary gaussian rows
+    rel = float((dequantize_tensor(plain, qtype) - w[9:]).norm() / w[9:].norm())
+    assert rel < {Q.Q8_0: 0.01, Q.Q6_K: 0.03, Q.Q5_K: 0.05, Q.Q5_0: 0.06, Q.Q5_1: 0.06}.get(qtype, 0.12)
+
+
+def test_encoder_rejects_bad_width():
+    with pytest.raises(ValueError, match="multiple of 256"):
+        encode_rows(torch.zeros(2, 320), Q.Q4_K)
+
+
+# ---------------------------------------------------------------- the per-tensor type mix
+
+def _write_plain_gguf(path: Path, arch: str, n_layer: int, hidden: int, ffn: int, vocab: int,
+                      tied: bool, n_head: int = 4, n_kv: int = 2) -> dict[str, tuple[int, ...]]:
+    """A weightless (all-zero F16) dense model: enough for llama-quantize's type choice."""
+    w = GGUFWriter(str(path), arch)
+    hd = hidden // n_head
+    w.add_block_count(n_layer)
+    w.add_context_length(256)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_kv)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_dimension_count(hd)
+    w.add_vocab_size(vocab)
+    w.add_file_type(1)
+    shapes = {"token_embd.weight": (vocab, hidden), "output_norm.weight": (hidden,)}
+    if not tied:
+        shapes["output.weight"] = (vocab, hidden)
+    for i in range(n_layer):
+        shapes.update({f"blk.{i}.attn_norm.weight": (hidden,), f"blk.{i}.ffn_norm.weight": (hidden,),
+                       f"blk.{i}.attn_q.weight": (hidden, hidden), f"blk.{i}.attn_k.weight": (n_kv * hd, hidden),
+                       f"blk.{i}.attn_v.weight": (n_kv * hd, hidden), f"blk.{i}.attn_output.weight": (hidden, hidden),
+                       f"blk.{i}.ffn_gate.weight": (ffn, hidden), f"blk.{i}.ffn_up.weight": (ffn, hidden),
+                       f"blk.{i}.ffn_down.weight": (hidden, ffn)})
+    for name, shape in shapes.items():
+        w.add_tensor(name, np.zeros(shape, dtype=np.float32 if len(shape) == 1 else np.float16))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return shapes
+
+
+def _types(path: Path) -> dict[str, Q]:
+    return {n: t.qtype for n, t in read_gguf(path)[1].items()}
+
+
+@pytest.mark.parametrize("n_layer,hidden,ffn,tied", [
+    (8, 256, 256, True), (28, 256, 512, False), (32, 256, 256, False), (32, 320, 256, True),
+    (80, 256, 256, False)])  # 80 layers with GQA: llama.cpp's "70B" attn_v bump
+def test_q4_k_m_type_mix_equals_llama_cpp(tmp_path, n_layer, hidden, ffn, tied):
+    src = tmp_path / "f16.gguf"
+    shapes = _write_plain_gguf(src, "llama", n_layer, hidden, ffn, vocab=512, tied=tied)
+    llama_quantize(src, tmp_path / "q.gguf", "q4_k_m")
+    theirs = _types(tmp_path / "q.gguf")
+    plans = plan_types("q4_k_m", shapes, n_layer, is_70b=n_layer == 80)
+    ours = {n: (plans[n].qtype if n in plans else Q.F32) for n in shapes}
+    assert ours == theirs
+
+
+@pytest.mark.parametrize("preset", ["q4_k_s", "q5_k_m", "q5_k_s", "q6_k", "q8_0"])
+def test_other_presets_type_mix_equals_llama_cpp(tmp_path, preset):
+    src = tmp_path / "f16.gguf"
+    shapes = _write_plain_gguf(src, "qwen2", 16, 256, 288, vocab=256, tied=False)  # ffn_down: fallbacks
+    llama_quantize(src, tmp_path / "q.gguf", preset)
+    plans = plan_types(preset, shapes, 16)
+    assert {n: (plans[n].qtype if n in plans else Q.F32) for n in shapes} == _types(tmp_path / "q.gguf")
+
+
+def test_use_more_bits_worked_example():
+    picked = [i for i in range(32) if use_more_bits(i, 32)]
+    assert picked == [0, 1, 2, 3, 6, 9, 12, 15, 18, 21, 24, 27, 28, 29, 30, 31]
+
+
+# ---------------------------------------------------------------- whole models, bit for bit
+
+def _gguf_tensors(path: Path) -> dict[str, tuple[Q, np.ndarray]]:
+    return {n: (t.qtype, t.data) for n, t in read_gguf(path)[1].items()}
+
+
+def _float_rows(qtype: Q, data: np.ndarray) -> torch.Tensor:
+    """Raw F32/F16/BF16 row bytes -> float32 rows (what llama-quantize converts them to)."""
+    raw = torch.from_numpy(np.array(data, dtype=np.uint8))
+    dt = {Q.BF16: torch.bfloat16, Q.F16: torch.float16, Q.F32: torch.float32}[qtype]
+    return raw.view(dt).float()
+
+
+def _base_gguf(root: Path, arch: str, dtype: torch.dtype, tie: bool) -> dict:
+    """A tiny random model exported by quantkit as a 16-bit GGUF, plus a synthetic imatrix."""
+    from tiny_models import make_tiny_model
+
+    from quantkit.pipeline.quantize import QuantizeRequest, quantize
+    from quantkit.types import QuantScheme
+
+    model = make_tiny_model(root / arch, arch, tie=tie, dtype=dtype)
+    float_type = "bf16" if dtype == torch.bfloat16 else "f16"
+    base = root / f"base.{float_type}.gguf"
+    quantize(QuantizeRequest(model=str(model), method="gguf", format="gguf", out=base,
+                             scheme=QuantScheme(kind="kquant", gguf_type=float_type),
+                             method_options={"gguf_type": float_type}))
+    rng = np.random.default_rng(0)
+    imatrix = {}
+    for name, t in read_gguf(base)[1].items():
+        if name.startswith("blk.") and len(t.shape) == 2:
+            imatrix[name] = (torch.from_numpy(rng.random(t.shape[1], dtype=np.float32) ** 3 * 40),
+                             int(rng.integers(100, 5000)))
+    save_imatrix(root / "imatrix.gguf", imatrix, datasets=["synthetic"], chunk_count=3, chunk_size=64)
+    return {"root": root, "model": model, "base": base, "imatrix": root / "imatrix.gguf", "cache": {}}
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    """llama, bf16 checkpoint, tied embeddings (token_embd takes the output's Q6_K/Q8_0)."""
+    return _base_gguf(tmp_path_factory.mktemp("kq_llama"), "llama", torch.bfloat16, tie=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen2_gguf(tmp_path_factory):
+    """qwen2, f16 checkpoint, untied: token_embd keeps the base type, output.weight exists."""
+    return _base_gguf(tmp_path_factory.mktemp("kq_qwen2"), "qwen2", torch.float16, tie=False)
+
+
+def _compare_file(tiny, preset: str, with_imatrix: bool) -> set[Q]:
+    """llama.cpp quantizes the base GGUF; quantkit must produce the same bytes for every tensor."""
+    root, cache = tiny["root"], tiny["cache"]
+    values = load_imatrix(tiny["imatrix"]).values if with_imatrix else None
+    ref = root / f"ref.{preset}.{int(with_imatrix)}.gguf"
+    llama_quantize(tiny["base"], ref, preset, imatrix={k: v.numpy() for k, v in values.items()}
+                   if values else None)
+    base = _gguf_tensors(tiny["base"])
+    seen = set()
+    for name, (qtype, data) in _gguf_tensors(ref).items():
+        btype, bdata = base[name]
+        if qtype in (Q.F32, Q.F16, Q.BF16):
+            assert qtype == btype and np.array_equal(data, bdata), name
+            continue
+        qw = values.get(name) if values else None
+        key = (name, qtype, qw is not None)
+        if key not in cache:
+            cache[key] = quantize_tensor(_float_rows(btype, bdata), qtype, qw).numpy()
+        ours = cache[key]
+        bad = np.nonzero((ours != data.reshape(ours.shape)).any(1))[0]
+        assert bad.size == 0, f"{preset} {name} {qtype.name}: {bad.size} rows differ, first {bad[:5]}"
+        seen.add(qtype)
+    return seen
+
+
+@pytest.mark.parametrize("model,preset,imat,expect", [
+    ("tiny_gguf", "q4_k_m", False, {Q.Q4_K, Q.Q6_K}), ("tiny_gguf", "q5_k_m", False, {Q.Q5_K, Q.Q6_K}),
+    ("tiny_gguf", "q6_k", False, {Q.Q6_K}), ("tiny_gguf", "q8_0", False, {Q.Q8_0}),
+    ("tiny_gguf", "q4_k_m", True, {Q.Q4_K, Q.Q6_K}), ("tiny_gguf", "q6_k", True, {Q.Q6_K}),
+    ("tiny_qwen2_gguf", "q4_k_m", False, {Q.Q4_K, Q.Q6_K}),
+    ("tiny_qwen2_gguf", "q4_k_m", True, {Q.Q4_K, Q.Q6_K}),
+    ("tiny_qwen2_gguf", "q6_k", True, {Q.Q6_K})])
+def test_every_tensor_bit_exact_vs_llama_quantize(request, model, preset, imat, expect):
+    assert _compare_file(request.getfixturevalue(model), preset, imat) == expect
+
+
+def test_pipeline_with_imatrix_file_equals_llama_quantize(tiny_gguf):
+    """The whole path: HF model -> quantize(method=gguf, imatrix=FILE) -> one GGUF file."""
+    from quantkit.pipeline.quantize import QuantizeRequest, quantize
+    from quantkit.types import QuantScheme
+
+    out = tiny_gguf["root"] / "ours.q4_k_m.imat.gguf"
+    quantize(QuantizeRequest(model=str(tiny_gguf["model"]), method="gguf", format="gguf", out=out,
+                             scheme=QuantScheme(kind="kquant", gguf_type="q4_k_m"),
+                             method_options={"gguf_type": "q4_k_m", "imatrix": str(tiny_gguf["imatrix"])}))
+    ref = tiny_gguf["root"] / "ref.pipeline.gguf"
+    values = load_imatrix(tiny_gguf["imatrix"]).values
+    llama_quantize(tiny_gguf["base"], ref, "q4_k_m", imatrix={k: v.numpy() for k, v in values.items()})
+    ours, theirs = _gguf_tensors(out), _gguf_tensors(ref)
+    assert set(ours) == set(theirs)
+    for name, (qtype, data) in theirs.items():
+        assert ours[name][0] == qtype, name
+        assert np.array_equal(ours[name][1], data), name
+    meta = {k for k in read_gguf(out)[0] if k.startswith("quantkit.")}
+    assert {"quantkit.version", "quantkit.metadata", "quantkit.stats"} <= meta
+    assert not list(out.parent.glob(f".{out.name}.tmp-*"))
+
+
+# ---------------------------------------------------------------- imatrix files and collection
+
+def test_imatrix_gguf_and_legacy_roundtrip(tmp_path):
+    sums = {"blk.0.attn_q.weight": (torch.rand(256) * 10, 300), "blk.0.ffn_down.weight": (torch.rand(512), 7)}
+    save_imatrix(tmp_path / "m.gguf", sums, datasets=["calib"], chunk_count=2, chunk_size=150)
+    data = load_imatrix(tmp_path / "m.gguf")
+    assert data.datasets == ["calib"] and data.chunk_count == 2 and not data.legacy
+    for name, (s, c) in sums.items():
+        assert torch.equal(data.values[name], s / float(c))
+    # legacy .dat as llama-imatrix wrote it: values stored as mean * ncall
+    import struct
+
+    buf = struct.pack("<i", 1)
+    name, ncall, vals = b"blk.3.attn_v.weight", 5, np.arange(1, 257, dtype=np.float32)
+    buf += struct.pack("<i", len(name)) + name + struct.pack("<ii", ncall, vals.size) + vals.tobytes()
+    buf += struct.pack("<i", 12) + struct.pack("<i", 4) + b"wiki"
+    (tmp_path / "old.dat").write_bytes(buf)
+    old = load_imatrix(tmp_path / "old.dat")
+    assert old.legacy and old.datasets == ["wiki"] and old.chunk_count == 12
+    assert torch.equal(old.values["blk.3.attn_v.weight"], torch.from_numpy(vals / np.float32(5)))
+
+
+def _ctx(index: int, linears: dict, stats: dict):
+    from quantkit.arch import ARCHS
+    from quantkit.types import BlockContext, QuantScheme
+
+    return BlockContext(index=index, block=torch.nn.Module(), linears=linears, stats=stats,
+                        scheme=QuantScheme(kind="kquant", gguf_type="q4_k_m"), inputs=[torch.zeros(1)] * 4,
+                        rerun=lambda: [], arch=ARCHS[0])
+
+
+def test_imatrix_from_pipeline_stats_equals_file_path(tmp_path):
+    """sq_mean statistics (what the shared calibration loop gathers) -> the same bytes as the
+    imatrix file they are saved to, and a file llama.cpp's loader format accepts."""
+    from quantkit.arch import ARCHS
+
+    spec = ARCHS[0]
+    torch.manual_seed(0)
+    lin = {"self_attn.q_proj": torch.nn.Linear(256, 256, bias=False),
+           "mlp.down_proj": torch.nn.Linear(512, 256, bias=False)}
+    shapes = {f"model.layers.0.{n}": tuple(m.weight.shape) for n, m in lin.items()}
+    cfg = {"vocab_size": 512, "hidden_size": 256, "num_hidden_layers": 1, "tie_word_embeddings": True}
+    stats = {n: {"sq_mean": torch.rand(m.in_features) * 100, "tokens": 1000} for n, m in lin.items()}
+    collect = GGUFQuantizer("q4_k_m", imatrix="calib", imatrix_out=tmp_path / "im.gguf")
+    assert collect.stats == ("sq_mean",) and collect.needs_calibration
+    collect.prepare(cfg, spec, shapes)
+    a = collect.quantize_block(_ctx(0, lin, stats))
+    for r in a.values():  # what the pipeline writes back = the bytes, decoded
+        assert torch.equal(r.extra["dequantized"], dequantize_tensor(r.extra["gguf_bytes"],
+                                                                     int(r.extra["gguf_type"])))
+    collect.quantize_rest(torch.nn.Module(), spec)
+    assert all("dequantized" not in r.extra for r in a.values())  # released after use
+    from_file = GGUFQuantizer("q4_k_m", imatrix=tmp_path / "im.gguf")
+    assert not from_file.needs_calibration and from_file.stats == ()
+    from_file.prepare(cfg, spec, shapes)
+    b = from_file.quantize_block(_ctx(0, lin, {}))
+    plain = GGUFQuantizer("q4_k_m")
+    plain.prepare(cfg, spec, shapes)
+    c = plain.quantize_block(_ctx(0, lin, {}))
+    for n in lin:
+        assert torch.equal(a[n].extra["gguf_bytes"], b[n].extra["gguf_bytes"])
+        assert not torch.equal(a[n].extra["gguf_bytes"], c[n].extra["gguf_bytes"])
+        w = lin[n].weight.data
+        qw = stats[n]["sq_mean"] / 1000.0
+        ref = ggml_quantize(w.numpy(), Q(int(a[n].extra["gguf_type"])), qw.numpy())
+        assert np.array_equal(a[n].extra["gguf_bytes"].numpy(), ref)
+
+
+def test_imatrix_for_another_model_is_refused(tmp_path):
+    from quantkit.arch import ARCHS
+
+    save_imatrix(tmp_path / "other.gguf", {"blk.0.attn_q.weight": (torch.ones(128), 1)},
+                 datasets=["x"], chunk_count=1, chunk_size=1)
+    shapes = {"model.layers.0.self_attn.q_proj": (256, 256)}
+    cfg = {"vocab_size": 512, "hidden_size": 256, "num_hidden_layers": 1, "tie_word_embeddings": True}
+    q = GGUFQuantizer("q4_k_m", imatrix=tmp_path / "other.gguf")
+    with pytest.raises(SchemeMismatch, match="128 values but the tensor has 256"):
+        q.prepare(cfg, ARCHS[0], shapes)
+    save_imatrix(tmp_path / "none.gguf", {"blk.0.unrelated.weight": (torch.ones(256), 1)},
+                 datasets=["x"], chunk_count=1, chunk_size=1)
+    with pytest.raises(SchemeMismatch, match="no entry for any tensor"):
+        GGUFQuantizer("q4_k_m", imatrix=tmp_path / "none.gguf").prepare(cfg, ARCHS[0], shapes)
+    with pytest.raises(SchemeMismatch, match="Unknown GGUF type"):
+        GGUFQuantizer("q3_k_xl")
