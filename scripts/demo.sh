@@ -1,11 +1,21 @@
 #!/usr/bin/env bash
 # Set up (idempotent), then the main job on the built-in real model (SmolLM2-135M-Instruct):
-# quantize with RTN int4, evaluate against the unquantized model, print the results table.
+# quantize it with every backend, evaluate each against the unquantized model, and write the
+# comparison as reports/demo.html (+ .md and .json twins).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 Q=.venv/bin/quantkit
-mkdir -p out
-$Q quantize smollm2-135m --method rtn --bits 4 --group-size 64 -o out/smollm2-rtn-w4g64 --force
-$Q info out/smollm2-rtn-w4g64
-$Q eval out/smollm2-rtn-w4g64 --base smollm2-135m --json out/smollm2-rtn-w4g64.eval.json
+M=smollm2-135m
+O=out/demo
+mkdir -p "$O" reports
+CAL=(--calib mixed --calib-samples 64 --calib-seqlen 512)
+$Q quantize $M --method rtn  --bits 4 --group-size 64 -o "$O/rtn-w4g64" --force
+$Q quantize $M --method gptq --bits 4 --group-size 64 "${CAL[@]}" -o "$O/gptq-w4g64" --force
+$Q quantize $M --method awq  --bits 4 --group-size 64 --format awq "${CAL[@]}" -o "$O/awq-w4g64" --force
+$Q quantize $M --method fp8  --scheme dynamic -o "$O/fp8-dynamic" --force
+$Q quantize $M --method gguf --gguf-type q4_k_m -o "$O/q4_k_m.gguf" --force
+$Q eval "$O/gptq-w4g64" --base $M
+$Q compare "$O/rtn-w4g64" "$O/gptq-w4g64" "$O/awq-w4g64" "$O/fp8-dynamic" "$O/q4_k_m.gguf" \
+  --base $M --title "quantkit demo: SmolLM2-135M-Instruct" --report reports/demo.html
+echo "open reports/demo.html in a browser"
