@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from quantkit.errors import BadWeights, CalibrationError, SchemeMismatch
+from quantkit.methods import gptq_triton
 from quantkit.methods.intquant import (
     check_int_scheme,
     group_qparams,
@@ -167,8 +168,18 @@ def _gptq(weight: torch.Tensor, hessian: torch.Tensor, scheme: QuantScheme, damp
     # a block holds whole groups, so a group's parameters come from fully updated columns
     bs = block_size if fixed else (block_size // g * g if g <= block_size else g)
     grp = -1
+    fast = gptq_triton.available(w.device)
+    if fast:
+        col_group_t = torch.tensor(col_group, dtype=torch.int32, device=w.device)
     for i1 in range(0, k, bs):
         i2 = min(i1 + bs, k)
+        if fast:  # the same column loop, one kernel launch per block
+            q1, err1 = gptq_triton.gptq_block(
+                w[:, i1:i2], hinv[i1:i2, i1:i2], scale, zero, col_group_t[i1:i2],
+                bits=scheme.bits, symmetric=scheme.symmetric, group_size=g, fixed=fixed)
+            codes[:, i1:i2] = q1
+            w[:, i2:].addmm_(err1, hinv[i1:i2, i2:], alpha=-1.0)
+            continue
         w1 = w[:, i1:i2].clone()
         err1 = torch.empty_like(w1)
         hinv1 = hinv[i1:i2, i1:i2]

@@ -19,6 +19,18 @@ STATS = ("hessian", "sq_mean", "absmean", "absmax", "token_absmax")
 _COMBINE = {"absmax": torch.maximum, "token_absmax": lambda a, b: torch.cat([a, b])}
 
 
+def _gram(x_in: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """x^T x in float32. Half-precision CUDA inputs go through tensor cores with float32
+    accumulation and output (exact products of the same values as x.float(), ~10x faster
+    than a float32 GEMM: on Llama-8B shapes the float32 Hessians took seconds per block)."""
+    if x_in.is_cuda and x_in.dtype in (torch.bfloat16, torch.float16):
+        try:
+            return torch.mm(x_in.T, x_in, out_dtype=torch.float32)
+        except (TypeError, RuntimeError):  # torch without mm(out_dtype=)
+            pass
+    return x.T @ x
+
+
 class _AllFired(Exception):
     """Raised by a hook to end a block forward early (private: only StatCollector.run catches it)."""
 
@@ -43,11 +55,12 @@ class StatCollector:
     def _hook(self, name: str):
         def hook(_module, args, _output):
             if args[0] is not self._last_input:
-                x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
+                x_in = args[0].detach().reshape(-1, args[0].shape[-1])
+                x = x_in.float()
                 self._last_input, self._last_updates = args[0], {}
                 for stat in self.stats:
                     if stat == "hessian":
-                        upd = x.T @ x
+                        upd = _gram(x_in, x)
                     elif stat == "sq_mean":
                         upd = (x * x).sum(0)
                     elif stat == "absmax":
