@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import json
-import struct
 from pathlib import Path
 
 from quantkit.formats import detect_format
+from quantkit.formats.common import read_safetensors_headers
 from quantkit.loader import artifact_meta
 
 __all__ = ["artifact_info"]
@@ -16,17 +16,6 @@ _BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2,
 _QUANT_SUFFIXES = (".weight_packed", ".weight_scale", ".weight_zero_point", ".weight_g_idx",
                    ".weight_shape", ".qweight", ".qzeros", ".scales", ".g_idx",
                    ".weight_scale_inv", ".input_scale", ".pre_quant_scale")
-
-
-def _headers(path: Path) -> dict[str, dict]:
-    out = {}
-    for file in sorted(path.glob("*.safetensors")):
-        with open(file, "rb") as f:
-            n = struct.unpack("<Q", f.read(8))[0]
-            header = json.loads(f.read(n))
-        header.pop("__metadata__", None)
-        out.update(header)
-    return out
 
 
 def _numel(shape) -> int:
@@ -62,7 +51,7 @@ def artifact_info(path: str | Path) -> dict:
 
 def _bits_per_weight(path: Path, bits: int) -> dict:
     """Bits on disk per original weight, counting scales/zeros/indices of quantized Linears."""
-    headers = _headers(path)
+    headers = read_safetensors_headers(path)
     q_bytes = q_params = all_bytes = all_params = 0
     from safetensors import safe_open
 

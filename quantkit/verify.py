@@ -20,11 +20,11 @@ import fnmatch
 import json
 import math
 import re
-import struct
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from quantkit.errors import ModelLoadError, QuantkitError
+from quantkit.formats.common import read_safetensors_headers
 
 __all__ = ["verify", "VerifyReport", "Problem", "ENGINES", "NOTE"]
 
@@ -107,17 +107,6 @@ class VerifyReport:
             lines.append(f"RESULT: NOT conformant, {len(self.problems)} problem(s):")
             lines += [p.render() for p in self.problems]
         return "\n".join(lines)
-
-
-def _headers(path: Path) -> dict[str, dict]:
-    out: dict[str, dict] = {}
-    for file in sorted(path.glob("*.safetensors")):
-        with open(file, "rb") as f:
-            n = struct.unpack("<Q", f.read(8))[0]
-            header = json.loads(f.read(n))
-        header.pop("__metadata__", None)
-        out.update(header)
-    return out
 
 
 # ------------------------------------------------------------------ detection ----
@@ -397,7 +386,7 @@ def verify(artifact: str | Path, engine: str = "trtllm") -> VerifyReport:
         return rep
     algo = rep.quant_algo = found["algo"]
     rep.exclude_modules = found["exclude"]
-    headers = _headers(path)
+    headers = read_safetensors_headers(path)
     linears = _linears(path, config, headers)
     if algo is None:
         fp8 = [k for k, h in headers.items() if h["dtype"] == FP8]

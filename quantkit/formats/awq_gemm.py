@@ -29,7 +29,13 @@ from pathlib import Path
 
 import torch
 
-from quantkit.formats.common import load_tensors, read_config, save_tensors, write_config
+from quantkit.formats.common import (
+    linear_tensors,
+    load_tensors,
+    read_config,
+    save_tensors,
+    write_config,
+)
 from quantkit.types import QuantResult, QuantScheme
 
 __all__ = ["AWQGemmWriter", "AWQ_ORDER", "pack_awq", "unpack_awq", "pack_awq_gemm",
@@ -104,12 +110,7 @@ class AWQGemmWriter:
     def write(self, out_dir: Path, *, config: dict, dense: dict[str, torch.Tensor],
               results: dict[str, QuantResult], ignore: list[str], dtype: torch.dtype) -> None:
         scheme = next(iter(results.values())).scheme
-        tensors = dict(dense)
-        for name, r in results.items():
-            for key, t in pack_awq_gemm(r).items():
-                tensors[f"{name}.{key}"] = t
-            if r.bias is not None:
-                tensors[f"{name}.bias"] = r.bias.to(torch.float16)
+        tensors = linear_tensors(dense, results, pack_awq_gemm, torch.float16)
         save_tensors(out_dir, tensors)
         write_config(out_dir, {**config, "quantization_config": quantization_config(scheme, ignore)})
 

@@ -9,7 +9,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-__all__ = ["save_tensors", "load_tensors", "read_config", "write_config", "SHARD_BYTES"]
+__all__ = ["save_tensors", "load_tensors", "read_config", "write_config", "read_safetensors_headers",
+           "linear_tensors", "SHARD_BYTES"]
 
 SHARD_BYTES = 4 * 1024**3
 
@@ -60,3 +61,30 @@ def read_config(path: Path) -> dict:
 
 def write_config(out_dir: Path, config: dict) -> None:
     (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def read_safetensors_headers(path: Path) -> dict[str, dict]:
+    """dtype / shape / offsets of every tensor in a directory's shards, without reading data."""
+    import struct
+
+    out: dict[str, dict] = {}
+    for file in sorted(Path(path).glob("*.safetensors")):
+        with open(file, "rb") as f:
+            n = struct.unpack("<Q", f.read(8))[0]
+            header = json.loads(f.read(n))
+        header.pop("__metadata__", None)
+        out.update(header)
+    return out
+
+
+def linear_tensors(dense: dict[str, torch.Tensor], results: dict, pack, bias_dtype: torch.dtype
+                   ) -> dict[str, torch.Tensor]:
+    """`dense` plus, for every quantized Linear, the tensors `pack(result)` names (suffix ->
+    tensor) and its bias in `bias_dtype`: the tensor map of one artifact."""
+    tensors = dict(dense)
+    for name, r in results.items():
+        for key, t in pack(r).items():
+            tensors[f"{name}.{key}"] = t
+        if r.bias is not None:
+            tensors[f"{name}.bias"] = r.bias.to(bias_dtype)
+    return tensors

@@ -32,7 +32,13 @@ from pathlib import Path
 
 import torch
 
-from quantkit.formats.common import load_tensors, read_config, save_tensors, write_config
+from quantkit.formats.common import (
+    linear_tensors,
+    load_tensors,
+    read_config,
+    save_tensors,
+    write_config,
+)
 from quantkit.types import QuantResult, QuantScheme
 
 __all__ = ["GPTQv1Writer", "pack_int32", "unpack_int32", "pack_gptq_v1", "unpack_gptq_v1",
@@ -133,12 +139,7 @@ class GPTQv1Writer:
     def write(self, out_dir: Path, *, config: dict, dense: dict[str, torch.Tensor],
               results: dict[str, QuantResult], ignore: list[str], dtype: torch.dtype) -> None:
         scheme = next(iter(results.values())).scheme
-        tensors = dict(dense)
-        for name, r in results.items():
-            for key, t in pack_gptq_v1(r).items():
-                tensors[f"{name}.{key}"] = t
-            if r.bias is not None:
-                tensors[f"{name}.bias"] = r.bias.to(dtype)
+        tensors = linear_tensors(dense, results, pack_gptq_v1, dtype)
         save_tensors(out_dir, tensors)
         qcfg = quantization_config(scheme, desc_act=_has_dynamic_g_idx(results))
         write_config(out_dir, {**config, "quantization_config": qcfg})
