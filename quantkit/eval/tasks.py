@@ -6,9 +6,9 @@ text), generated deterministically at run time, so their provenance is exactly t
 
   quantkit_heldout_<set>  loglikelihood_rolling over held-out documents of ~2000 characters (like lm-eval's
                           wikitext): word_perplexity, byte_perplexity, bits_per_byte.
-  quantkit_cloze_<set>    multiple choice: the first words of a paragraph, then which of four
+  quantkit_cloze_<set>    multiple choice: 40 words of held-out text, then which of four 12-word
                           spans really continues it (three distractor spans come from other
-                          paragraphs of the same split): acc, acc_norm. Chance is 25 %.
+                          passages of the same split): acc, acc_norm. Chance is 25 %.
 Task YAMLs point at absolute JSONL paths, so they are written next to the data in the cache.
 """
 
@@ -27,12 +27,16 @@ __all__ = ["offline_task_dir", "task_manager", "OFFLINE_TASKS", "resolve_tasks"]
 CLOZE_ITEMS = 300
 CONTEXT_WORDS = 40
 CHOICE_WORDS = 12
-_VERSION = 2
+_VERSION = 3
 DOC_CHARS = 2000
 
 
-def _paragraphs(text: str) -> list[str]:
-    return [" ".join(p.split()) for p in text.split("\n\n") if len(p.split()) >= CONTEXT_WORDS + CHOICE_WORDS]
+def _passages(text: str) -> list[str]:
+    """Consecutive, non-overlapping windows of context + answer words; a window runs on over
+    paragraph breaks (verse and code have short paragraphs), so the held-out text gives ~500."""
+    size = CONTEXT_WORDS + CHOICE_WORDS
+    words = text.split()
+    return [" ".join(words[i:i + size]) for i in range(0, len(words) - size + 1, size)]
 
 
 def _pack(text: str, chars: int = DOC_CHARS) -> list[str]:
@@ -47,10 +51,10 @@ def _pack(text: str, chars: int = DOC_CHARS) -> list[str]:
     return docs + ([cur] if cur else [])
 
 
-def _cloze_items(paragraphs: list[str], seed: int = 1234) -> list[dict]:
+def _cloze_items(passages: list[str], seed: int = 1234) -> list[dict]:
     rng = random.Random(seed)
     spans = []
-    for p in paragraphs:
+    for p in passages:
         w = p.split()
         spans.append((" ".join(w[:CONTEXT_WORDS]), " ".join(w[CONTEXT_WORDS:CONTEXT_WORDS + CHOICE_WORDS])))
     order = list(range(len(spans)))
@@ -80,7 +84,7 @@ def offline_task_dir(sets: tuple[str, ...] | None = None) -> Path:
     for name, (text, info) in texts.items():
         docs = [{"text": d} for d in _pack(text)]
         (root / f"heldout_{name}.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
-        items = _cloze_items(_paragraphs(text))
+        items = _cloze_items(_passages(text))
         (root / f"cloze_{name}.jsonl").write_text("".join(json.dumps(d) + "\n" for d in items))
         provenance = f"held-out split of quantkit built-in set '{name}' ({', '.join(info.get('licences', []))})"
         (root / f"quantkit_heldout_{name}.yaml").write_text(_yaml_rolling(name, root, provenance))
@@ -110,7 +114,7 @@ metadata:
 
 
 def _yaml_cloze(name: str, root: Path, provenance: str) -> str:
-    return f"""# {provenance}; distractors from other paragraphs of the same split
+    return f"""# {provenance}; distractors from other passages of the same split
 task: quantkit_cloze_{name}
 dataset_path: json
 dataset_kwargs:
