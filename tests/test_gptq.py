@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from vllm_checks import agreement, heldout_ids, loader_greedy
 
 from quantkit.errors import BadWeights, CalibrationError, SchemeMismatch
 from quantkit.formats.gptq_v1 import (
@@ -430,10 +431,10 @@ def smollm2_gptq_artifacts(tmp_path_factory) -> dict[str, Path]:
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["gptq", "compressed-tensors"])
 def test_vllm_runs_smollm2_gptq(smollm2_gptq_artifacts, fmt):
-    """Both exports in real vLLM: "Paris", and >= 95 % next-token agreement with quantkit's
-    loader. vLLM's CPU int4 kernel exists only in its AVX512-BF16 build; elsewhere the artifact
-    must be accepted up to the first kernel call (config, tensors, kernel choice)."""
-    from quantkit.calibration import load_heldout_text
+    """Both exports in real vLLM: the same greedy answer as quantkit's loader, and >= 95 %
+    next-token agreement with it. (At 4 bits the 135M model answers "the largest city in Europe"
+    here, through both.) vLLM's CPU int4 kernel exists only in its AVX512-BF16 build; elsewhere the
+    artifact must be accepted up to the first kernel call (config, tensors, kernel choice)."""
     from quantkit.engines.vllm import run_vllm
     from quantkit.errors import EngineError
     from quantkit.loader import load_artifact
@@ -449,13 +450,8 @@ def test_vllm_runs_smollm2_gptq(smollm2_gptq_artifacts, fmt):
         assert f"Using CPUWNA16LinearKernel for {method}" in log
         assert "Loading safetensors checkpoint shards: 100% Completed" in log
         return
-    loaded = load_artifact(art)
-    text, _ = load_heldout_text("mixed")
-    ids = loaded.tokenizer(text, add_special_tokens=False)["input_ids"][:512]
+    ids = heldout_ids(load_artifact(art).tokenizer)
     resp = run_vllm(art, generate=prompt, score=[ids])
-    assert "Paris" in resp["generate"][0], resp["generate"][0]
-    with torch.no_grad():
-        ours = loaded.model(torch.tensor([ids])).logits[0].argmax(-1)
-    pairs = [(v, int(ours[i - 1])) for i, v in enumerate(resp["score"][0]["top1"])
-             if i > 0 and v is not None]
-    assert sum(a == b for a, b in pairs) / len(pairs) >= 0.95
+    ours = loader_greedy(art, prompt[0]["prompt"], 8)
+    assert resp["generate"][0].split()[:3] == ours.split()[:3], (resp["generate"][0], ours)
+    assert agreement(art, resp["score"][0]["top1"], ids) >= 0.95

@@ -1,0 +1,35 @@
+"""Helpers shared by the tests that compare vLLM's predictions with quantkit's loader."""
+
+from __future__ import annotations
+
+import torch
+
+
+def heldout_ids(tokenizer, n_tokens: int = 512) -> list[int]:
+    from quantkit.calibration import load_heldout_text
+
+    text, _ = load_heldout_text("mixed")
+    return tokenizer(text, add_special_tokens=False)["input_ids"][:n_tokens]
+
+
+def agreement(artifact_path, vllm_top1, ids) -> float:
+    """Share of positions where vLLM's top-1 next token equals quantkit's loader's."""
+    from quantkit.loader import load_artifact
+
+    lm = load_artifact(artifact_path)
+    with torch.no_grad():
+        ours = lm.model(torch.tensor([ids])).logits[0].argmax(-1)
+    # vLLM position i holds argmax p(. | ids[:i]); ours position i-1 predicts the same token
+    pairs = [(v, int(ours[i - 1])) for i, v in enumerate(vllm_top1) if i > 0 and v is not None]
+    return sum(a == b for a, b in pairs) / len(pairs)
+
+
+def loader_greedy(artifact_path, prompt: str, max_tokens: int) -> str:
+    """quantkit's loader's greedy continuation of `prompt` (what vLLM should also write)."""
+    from quantkit.loader import load_artifact
+
+    lm = load_artifact(artifact_path)
+    ids = lm.tokenizer(prompt, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        out = lm.model.generate(ids, max_new_tokens=max_tokens, do_sample=False)
+    return lm.tokenizer.decode(out[0, ids.shape[1]:])
