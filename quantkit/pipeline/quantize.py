@@ -33,6 +33,7 @@ from quantkit.pipeline.checkpoint import (
     request_key,
 )
 from quantkit.pipeline.output import atomic_output, check_output
+from quantkit.pipeline.plan import MemoryPlan, check_memory, estimate
 from quantkit.pipeline.streaming import (
     ShardReader,
     StreamingSource,
@@ -43,7 +44,7 @@ from quantkit.pipeline.streaming import (
 )
 from quantkit.types import ProgressFn, QuantResult, QuantScheme
 
-__all__ = ["QuantizeRequest", "quantize", "linear_shapes", "check_group_size"]
+__all__ = ["QuantizeRequest", "quantize", "plan", "linear_shapes", "check_group_size"]
 
 
 @dataclass
@@ -121,6 +122,31 @@ def check_group_size(scheme: QuantScheme, shapes: dict[str, tuple[int, int]]) ->
         f"layers: {shown}{more}.", hint + ".")
 
 
+def plan_request(req: QuantizeRequest, config, spec: ArchSpec, quantizer,
+                 raw_config: dict) -> MemoryPlan:
+    """The memory / disk / time plan of `req` (quantkit plan; quantize's early memory check)."""
+    return estimate(config, spec, method=req.method, scheme=req.scheme,
+                    calib_samples=req.calib_samples, calib_seqlen=req.calib_seqlen,
+                    calibrated=quantizer.needs_calibration, device=_device(req.device),
+                    calib_batch=getattr(quantizer, "calib_batch_size", 1),
+                    store_dtype=_storage_dtype(raw_config), streaming=req.stream is not False)
+
+
+def plan(req: QuantizeRequest) -> tuple[MemoryPlan, dict]:
+    """Cheap checks as in quantize(), then the plan; no weights or calibration are read."""
+    quantizer = get_quantizer(req.method, **req.method_options)
+    quantizer.check(req.scheme)
+    source = resolve_model(req.model, allow_pickle=req.allow_pickle)
+    raw_config = json.loads((source.path / "config.json").read_text())
+    spec = spec_for_config(raw_config)
+    config = load_config(source.path, trust_remote_code=req.trust_remote_code)
+    info = {"model": str(source.path), "architecture": spec.name, "method": req.method,
+            "scheme": req.scheme.describe(), "device": _device(req.device),
+            "calib_samples": req.calib_samples if quantizer.needs_calibration else 0,
+            "calib_seqlen": req.calib_seqlen if quantizer.needs_calibration else 0}
+    return plan_request(req, config, spec, quantizer, raw_config), info
+
+
 def _device(requested: str | None) -> str:
     if requested:
         return requested
@@ -148,6 +174,9 @@ def quantize(req: QuantizeRequest, on_progress: ProgressFn | None = None) -> dic
         writer.check_source(source.path, config)
     if hasattr(quantizer, "prepare"):  # per-tensor plans (GGUF type mix) from the config alone
         quantizer.prepare(config=config, spec=spec, shapes=shapes)
+    device = _device(req.device)
+    if req.memory_check:
+        check_memory(plan_request(req, config, spec, quantizer, raw_config))
     tokenizer = load_tokenizer(source.path, trust_remote_code=req.trust_remote_code)
 
     calib = None
@@ -156,7 +185,6 @@ def quantize(req: QuantizeRequest, on_progress: ProgressFn | None = None) -> dic
 
         calib = load_calibration(req.calib, tokenizer, n_samples=req.calib_samples,
                                  seqlen=req.calib_seqlen, seed=req.seed, chat=req.chat)
-    device = _device(req.device)
     compute_dtype = torch.float32 if device == "cpu" else torch.bfloat16
     load_dtype = compute_dtype  # the dtype load_model gives; streaming loads blocks the same way
     store_dtype = _storage_dtype(raw_config)
