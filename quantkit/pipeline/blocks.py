@@ -94,7 +94,8 @@ def quantize_blocks(
     `dense` (when given) receives each block's unquantized tensors in `dense_dtype`: a
     streaming source frees the block, so they must be kept here. `checkpoint`
     (quantkit.pipeline.checkpoint.BlockCheckpoint) saves each finished block and, when it
-    holds earlier blocks of the same request, the loop starts after them.
+    holds earlier blocks of the same request, the loop starts after them; the results then
+    come back as a mapping that reads them from the checkpoint on access.
     """
     source = source or BlockSource()
     blocks = get_blocks(model, spec)
@@ -108,9 +109,10 @@ def quantize_blocks(
     total = len(blocks)
     start = 0
     resumed = checkpoint.resume(total) if checkpoint is not None else None
+    if resumed is not None and inputs is not None and resumed.hidden is None:
+        resumed = None  # no hidden states to continue from: start over
     if resumed is not None:
         start = resumed.start
-        results.update(resumed.results)
         if dense is not None:
             dense.update(resumed.dense)
         if inputs is not None:
@@ -157,12 +159,14 @@ def quantize_blocks(
         kept = block_dense(block, prefix, mine, dense_dtype)
         if dense is not None:
             dense.update(kept)
-        if checkpoint is not None:
+        if checkpoint is not None:  # from here on the results live in the checkpoint only
             checkpoint.save(i, total, mine, kept, inputs.hidden if inputs is not None else None)
+            for k in mine:
+                del results[k]
         source.release(i, block)
         if on_progress:
             on_progress(f"quantizing blocks ({quantizer.name})", i + 1, total)
-    return results
+    return checkpoint.results(total) if checkpoint is not None else results
 
 
 def _collect(block, names, stats, inputs) -> dict:

@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import shutil
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -52,9 +53,32 @@ def model_fingerprint(path: Path) -> dict:
 @dataclass
 class Resumed:
     start: int
-    results: dict[str, QuantResult]
     dense: dict[str, torch.Tensor]
     hidden: list[torch.Tensor] | None
+
+
+class SavedResults(Mapping):
+    """The QuantResults of finished blocks, read from the checkpoint one at a time on access.
+
+    Holding every block's uint8 codes in RAM would cost 1 byte per weight (half the bf16
+    model); writers pack result by result, so only one unpacked result lives at a time.
+    """
+
+    def __init__(self, ckpt: BlockCheckpoint, blocks: int):
+        self.ckpt = ckpt
+        self.where: dict[str, int] = {}
+        for i in range(blocks):
+            meta = json.loads((ckpt.dir / f"block-{i:05d}.json").read_text())
+            self.where.update(dict.fromkeys(meta["results"], i))
+
+    def __getitem__(self, name: str) -> QuantResult:
+        return self.ckpt.read_result(self.where[name], name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.where)
+
+    def __len__(self) -> int:
+        return len(self.where)
 
 
 def _atomic_write(path: Path, write) -> None:
@@ -81,18 +105,18 @@ class BlockCheckpoint:
             self._reset()
             return None
         start = min(done, total)
-        results: dict[str, QuantResult] = {}
         dense: dict[str, torch.Tensor] = {}
         for i in range(start):
-            r, d = self._read_block(i)
-            results.update(r)
-            dense.update(d)
+            dense.update(self._read_dense(i))
         hidden = None
         hfile = self.dir / f"hidden-{start - 1:05d}.safetensors"
         if start > 0 and hfile.is_file():
             with safe_open(str(hfile), framework="pt") as f:
                 hidden = [f.get_tensor(f"h.{j}") for j in range(len(list(f.keys())))]
-        return Resumed(start, results, dense, hidden) if start > 0 else None
+        return Resumed(start, dense, hidden) if start > 0 else None
+
+    def results(self, total: int) -> SavedResults:
+        return SavedResults(self, total)
 
     def _done(self) -> int | None:
         try:
@@ -103,19 +127,19 @@ class BlockCheckpoint:
         except (OSError, ValueError, KeyError):
             return None
 
-    def _read_block(self, i: int) -> tuple[dict[str, QuantResult], dict[str, torch.Tensor]]:
+    def _read_dense(self, i: int) -> dict[str, torch.Tensor]:
         meta = json.loads((self.dir / f"block-{i:05d}.json").read_text())
         with safe_open(str(self.dir / f"block-{i:05d}.safetensors"), framework="pt") as f:
-            t = {k: f.get_tensor(k) for k in f.keys()}
-        results = {}
-        for name, m in meta["results"].items():
-            results[name] = QuantResult(
-                name=name, scheme=QuantScheme(**m["scheme"]),
-                **{a: t.get(f"r:{name}:{a}") for a in _TENSORS},
-                extra={k: t[f"x:{name}:{k}"] for k in m["extra"]},
-                loss=m["loss"], seconds=m["seconds"])
-        dense = {n: t[f"d:{n}"] for n in meta["dense"]}
-        return results, dense
+            return {n: f.get_tensor(f"d:{n}") for n in meta["dense"]}
+
+    def read_result(self, i: int, name: str) -> QuantResult:
+        m = json.loads((self.dir / f"block-{i:05d}.json").read_text())["results"][name]
+        with safe_open(str(self.dir / f"block-{i:05d}.safetensors"), framework="pt") as f:
+            keys = set(f.keys())
+            t = {a: f.get_tensor(f"r:{name}:{a}") for a in _TENSORS if f"r:{name}:{a}" in keys}
+            extra = {k: f.get_tensor(f"x:{name}:{k}") for k in m["extra"]}
+        return QuantResult(name=name, scheme=QuantScheme(**m["scheme"]), **t, extra=extra,
+                           loss=m["loss"], seconds=m["seconds"])
 
     # ---------------------------------------------------------------- writing
     def _reset(self) -> None:

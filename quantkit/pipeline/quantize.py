@@ -37,6 +37,7 @@ from quantkit.pipeline.plan import MemoryPlan, check_memory, estimate
 from quantkit.pipeline.streaming import (
     ShardReader,
     StreamingSource,
+    keep_heap_small,
     materialise,
     skeleton,
     stream_plan_ok,
@@ -271,6 +272,7 @@ def _open_model(req: QuantizeRequest, path: Path, config, load_dtype: torch.dtyp
         reader = ShardReader(path)
         model = skeleton(config, load_dtype, trust_remote_code=req.trust_remote_code)
         if stream_plan_ok(model, reader):
+            keep_heap_small()
             return True, reader, model
         if req.stream:
             raise ModelLoadError(

@@ -7,6 +7,7 @@ about one block instead of the whole model (see quantkit.pipeline.plan for the n
 
 from __future__ import annotations
 
+import ctypes
 import json
 from pathlib import Path
 
@@ -35,22 +36,19 @@ class ShardReader:
             for file in sorted(self.path.glob("*.safetensors")):
                 with safe_open(str(file), framework="pt") as f:
                     self.files.update(dict.fromkeys(f.keys(), file))
-        self._open: dict[Path, object] = {}
 
     def __contains__(self, name: str) -> bool:
         return name in self.files
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._handle(name).get_slice(name).get_shape())
+        with safe_open(str(self.files[name]), framework="pt") as f:
+            return tuple(f.get_slice(name).get_shape())
 
     def get(self, name: str) -> torch.Tensor:
-        return self._handle(name).get_tensor(name)
-
-    def _handle(self, name: str):
-        file = self.files[name]
-        if file not in self._open:
-            self._open[file] = safe_open(str(file), framework="pt")
-        return self._open[file]
+        """A copy in RAM. The shard is opened per call: a handle kept open keeps its mmap, and
+        every page read through it stays in this process's RSS (measured: +1 block per block)."""
+        with safe_open(str(self.files[name]), framework="pt") as f:
+            return f.get_tensor(name)
 
 
 def skeleton(config, dtype: torch.dtype, trust_remote_code: bool = False):
@@ -105,6 +103,27 @@ def to_meta(module: torch.nn.Module) -> None:
         _set(module, name, torch.empty_like(t, device="meta"))
 
 
+def _trim_heap() -> None:
+    """Give freed heap pages back to the OS (glibc keeps them in its arenas otherwise)."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
+def keep_heap_small() -> None:
+    """Serve every allocation >= 256 KiB by its own mmap, returned to the OS when freed.
+
+    glibc raises its mmap threshold (up to 32 MiB) each time a large chunk is freed, after
+    which tensors of a freed block come from the heap and stay in RSS: measured +30 MB per
+    block, and +1.3 GB while writing 70 results, on a 1.2 GB model. Process-wide, harmless.
+    """
+    try:
+        ctypes.CDLL(None).mallopt(-3, 256 * 2**10)  # M_MMAP_THRESHOLD (fixed: no dynamic growth)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
 class StreamingSource(BlockSource):
     """Blocks come from the shards in `dtype` (the in-memory path's load dtype) and go back to meta."""
 
@@ -117,6 +136,7 @@ class StreamingSource(BlockSource):
 
     def release(self, index: int, block: torch.nn.Module) -> None:
         to_meta(block)
+        _trim_heap()
 
     def embedding(self) -> EmbeddingCast:
         return EmbeddingCast(self.model, self.spec, self.reader, self.dtype)
