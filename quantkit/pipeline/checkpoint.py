@@ -24,6 +24,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from quantkit.pipeline.heap import trim_heap
 from quantkit.types import QuantResult, QuantScheme
 
 __all__ = ["BlockCheckpoint", "Resumed", "checkpoint_dir", "request_key"]
@@ -72,6 +73,7 @@ class SavedResults(Mapping):
             self.where.update(dict.fromkeys(meta["results"], i))
 
     def __getitem__(self, name: str) -> QuantResult:
+        trim_heap()  # the previous result's (and the writer's) temporaries
         return self.ckpt.read_result(self.where[name], name)
 
     def __iter__(self) -> Iterator[str]:
@@ -151,6 +153,7 @@ class BlockCheckpoint:
     def save(self, index: int, total: int, results: dict[str, QuantResult],
              dense: dict[str, torch.Tensor], hidden: list[torch.Tensor] | None) -> None:
         """Block `index` is finished: its results, unquantized tensors and output hidden states."""
+        trim_heap()  # the method's temporaries, before the copies below
         if not (self.dir / "request.json").is_file():
             self._reset()
         tensors: dict[str, torch.Tensor] = {}

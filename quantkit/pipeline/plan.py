@@ -5,8 +5,9 @@ the peak is the largest phase plus a measured constant for Python + torch + tran
   capture  embedding table (stored dtype) + block-0 inputs
   blocks   one block in the load dtype (+ the largest tensor as read from the shard)
            + hidden states in and out + per-method statistics + one batch's activations
-           + the quantized results of all earlier blocks (uint8 codes: 1 byte per weight)
-  write    all results + their packed form + the unquantized tensors in the stored dtype
+           (+ all earlier blocks' results, 1 byte per weight, when checkpoints are off)
+  write    the packed results + the unquantized tensors in the stored dtype (results are
+           read back from the checkpoint one at a time)
 With `--device cuda` the block, hidden states and statistics live on the GPU instead.
 """
 
@@ -27,8 +28,8 @@ __all__ = ["MemoryPlan", "estimate", "available_memory", "check_memory", "BASELI
            "MEMORY_LIMIT_ENV"]
 
 # RSS of `python -m quantkit.cli quantize` before any weights load: interpreter, torch,
-# transformers, compressed-tensors, tokenizer (measured 0.71-0.73 GiB for the CLI on CPU, torch 2.13)
-BASELINE_BYTES = 720 * 2**20
+# transformers, compressed-tensors, tokenizer (measured 0.55-0.6 GiB on CPU, torch 2.13)
+BASELINE_BYTES = 600 * 2**20
 MEMORY_LIMIT_ENV = "QUANTKIT_MEMORY_LIMIT_BYTES"
 _GIB = 2**30
 # rough sustained throughput of the block forward + method math (FLOP/s); time is a hint only
@@ -90,7 +91,8 @@ def _param_counts(config, spec: ArchSpec):
 
 def estimate(config, spec: ArchSpec, *, method: str, scheme: QuantScheme, calib_samples: int,
              calib_seqlen: int, calibrated: bool, device: str = "cpu", calib_batch: int = 1,
-             store_dtype: torch.dtype = torch.bfloat16, streaming: bool = True) -> MemoryPlan:
+             store_dtype: torch.dtype = torch.bfloat16, streaming: bool = True,
+             resume: bool = True) -> MemoryPlan:
     """Expected peaks for `quantize` with these settings (see the module docstring)."""
     per_block, linears, outside, largest = _param_counts(config, spec)
     cuda = str(device).startswith("cuda")
@@ -125,22 +127,25 @@ def estimate(config, spec: ArchSpec, *, method: str, scheme: QuantScheme, calib_
             + 2 * block_params * 4
     elif method == "gguf":
         stats = 2 * block_params * 4
-    result_per_weight = 1  # uint8 codes
-    results_all = quantized * result_per_weight + scales * 8  # fp32 scale + int32 zero
+    # uint8 codes + fp32 scale + int32 zero; with checkpoints (resume) finished blocks' results
+    # live on disk and are read back one at a time by the writer
+    results_all = quantized + scales * 8
+    results_ram = 0 if resume else results_all
     packed = quantized * scheme.bits // 8 if scheme.kind == "int" else quantized
-    embed_bytes = 0
-    if hasattr(config, "vocab_size"):
-        embed_bytes = int(config.vocab_size) * hidden * sb
-
+    largest_linear = max((n * k for lin in linears for n, k in lin.values()), default=0)
+    embed_bytes = int(getattr(config, "vocab_size", 0) or 0) * hidden * sb
     dense_outside = outside * sb
-    block_ram = block_params * (2 if cuda else load_bytes) + largest * sb  # + shard read buffer
-    gpu_block = block_params * load_bytes + hidden_io + stats + forward if cuda else None
+    # one block in the load dtype, the tensor being read (stored dtype), the method's
+    # temporaries (~4 fp32 copies of the largest Linear: scales, rounding, dequantize)
+    block_ram = (0 if cuda else block_params * load_bytes) + largest * sb + 4 * largest_linear * 4
+    gpu_block = block_params * load_bytes + hidden_io + stats + forward + 4 * largest_linear * 4
     phases = {
-        "capture": embed_bytes + tokens * hidden * act_bytes * (0 if cuda else 1),
-        "blocks": (block_ram if not cuda else largest * sb)
-        + (0 if cuda else hidden_io + stats + forward)
-        + (results_all - first_block_q),
-        "write": results_all + packed + dense_outside,
+        "capture": embed_bytes + (0 if cuda else tokens * hidden * act_bytes),
+        "blocks": block_ram + (0 if cuda else hidden_io + stats + forward) + results_ram
+        + first_block_q,  # the block's own results and their checkpoint copy
+        # packed results + scales + unquantized tensors + one result unpacked (uint8 codes,
+        # int32 reshaped and shifted copies while packing)
+        "write": packed + scales * sb + dense_outside + results_ram + 9 * largest_linear,
     }
     if not streaming:
         model_load = (sum(per_block.values()) + outside) * load_bytes

@@ -32,12 +32,12 @@ from quantkit.pipeline.checkpoint import (
     model_fingerprint,
     request_key,
 )
+from quantkit.pipeline.heap import keep_heap_small
 from quantkit.pipeline.output import atomic_output, check_output
 from quantkit.pipeline.plan import MemoryPlan, check_memory, estimate
 from quantkit.pipeline.streaming import (
     ShardReader,
     StreamingSource,
-    keep_heap_small,
     materialise,
     skeleton,
     stream_plan_ok,
@@ -130,7 +130,8 @@ def plan_request(req: QuantizeRequest, config, spec: ArchSpec, quantizer,
                     calib_samples=req.calib_samples, calib_seqlen=req.calib_seqlen,
                     calibrated=quantizer.needs_calibration, device=_device(req.device),
                     calib_batch=getattr(quantizer, "calib_batch_size", 1),
-                    store_dtype=_storage_dtype(raw_config), streaming=req.stream is not False)
+                    store_dtype=_storage_dtype(raw_config), streaming=req.stream is not False,
+                    resume=req.resume and not hasattr(quantizer, "quantize_rest"))
 
 
 def plan(req: QuantizeRequest) -> tuple[MemoryPlan, dict]:
@@ -157,6 +158,8 @@ def _device(requested: str | None) -> str:
 def quantize(req: QuantizeRequest, on_progress: ProgressFn | None = None) -> dict:
     """Run a quantization; returns the artifact's metadata (also written as quantkit.json)."""
     t_start = time.perf_counter()
+    if req.stream is not False:
+        keep_heap_small()  # before torch's threads make their malloc arenas
     out = Path(req.out)
     check_output(out, req.force)
     quantizer = get_quantizer(req.method, **req.method_options)
@@ -272,7 +275,6 @@ def _open_model(req: QuantizeRequest, path: Path, config, load_dtype: torch.dtyp
         reader = ShardReader(path)
         model = skeleton(config, load_dtype, trust_remote_code=req.trust_remote_code)
         if stream_plan_ok(model, reader):
-            keep_heap_small()
             return True, reader, model
         if req.stream:
             raise ModelLoadError(
