@@ -34,6 +34,9 @@ MEMORY_LIMIT_ENV = "QUANTKIT_MEMORY_LIMIT_BYTES"
 _GIB = 2**30
 # rough sustained throughput of the block forward + method math (FLOP/s); time is a hint only
 _FLOPS = {"cpu": 5e10, "cuda": 1.5e14}
+# per quantized weight: rounding, packing, checkpoint and artifact writes (RTN of a 0.5 B
+# weight model took 30 s on 2 CPU cores)
+_PER_WEIGHT_S = {"cpu": 5.5e-8, "cuda": 5e-9}
 _BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
 # GGUF bits per weight of the quantized tensors (llama.cpp's numbers, mixes averaged)
 _GGUF_BPW = {"f16": 16, "bf16": 16, "q8_0": 8.5, "q6_k": 6.5625, "q5_k_m": 5.7, "q4_k_m": 4.9,
@@ -168,9 +171,9 @@ def estimate(config, spec: ArchSpec, *, method: str, scheme: QuantScheme, calib_
     flops = 2 * quantized * tokens * passes
     if method == "gptq":
         flops += sum(n * k * k * 2 + k**3 for lin in linears for n, k in lin.values())
-    flops += quantized * 40  # grid search / rounding per weight
-    io = (total_params * sb) / (1.5e9)  # reading the shards
-    seconds = flops / _FLOPS["cuda" if cuda else "cpu"] + io + 5.0
+    dev = "cuda" if cuda else "cpu"
+    io = (total_params * sb) / 1.5e9  # reading the shards
+    seconds = flops / _FLOPS[dev] + quantized * _PER_WEIGHT_S[dev] + io + 5.0
     return MemoryPlan(peak_ram_bytes=int(peak), peak_gpu_bytes=int(gpu_block) if cuda else None,
                       disk_bytes=int(disk), seconds=round(seconds, 1), phase_bytes=phases,
                       model_bytes=int(total_params * sb), block_params=int(block_params),
