@@ -31,6 +31,7 @@ __all__ = ["MemoryPlan", "estimate", "available_memory", "check_memory", "BASELI
 # transformers, compressed-tensors, tokenizer (measured 0.55-0.6 GiB on CPU, torch 2.13)
 BASELINE_BYTES = 600 * 2**20
 MEMORY_LIMIT_ENV = "QUANTKIT_MEMORY_LIMIT_BYTES"
+_CUDA_CONTEXT_BYTES = 512 * 2**20  # CUDA context + cuBLAS workspaces, not measured here
 _GIB = 2**30
 # rough sustained throughput of the block forward + method math (FLOP/s); time is a hint only
 _FLOPS = {"cpu": 5e10, "cuda": 1.5e14}
@@ -141,7 +142,8 @@ def estimate(config, spec: ArchSpec, *, method: str, scheme: QuantScheme, calib_
     # one block in the load dtype, the tensor being read (stored dtype), the method's
     # temporaries (~4 fp32 copies of the largest Linear: scales, rounding, dequantize)
     block_ram = (0 if cuda else block_params * load_bytes) + largest * sb + 4 * largest_linear * 4
-    gpu_block = block_params * load_bytes + hidden_io + stats + forward + 4 * largest_linear * 4
+    gpu_block = (_CUDA_CONTEXT_BYTES + block_params * load_bytes + hidden_io + stats + forward
+                 + 4 * largest_linear * 4)
     phases = {
         "capture": embed_bytes + (0 if cuda else tokens * hidden * act_bytes),
         "blocks": block_ram + (0 if cuda else hidden_io + stats + forward) + results_ram
