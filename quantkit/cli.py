@@ -62,7 +62,9 @@ class _Group(click.Group):
         except QuantkitError as exc:
             _fail(exc)
         except KeyboardInterrupt:
-            console.print("[red]interrupted[/]: nothing was written to the output path")
+            console.print("[red]interrupted[/]: nothing was written to the output path; "
+                          "finished blocks are kept in its hidden .NAME.partial checkpoint: run "
+                          "the same command to resume, or delete it")
             sys.exit(130)
 
 
