@@ -40,6 +40,9 @@ class _Progress:
         self.progress.__exit__(*exc)
 
     def __call__(self, stage: str, done: int, total: int) -> None:
+        if stage.startswith("resuming"):  # a one-off event, not a bar
+            self.progress.console.print(f"[cyan]{escape(stage)}[/] (checkpoint of an earlier run)")
+            return
         if stage not in self.tasks:
             self.tasks[stage] = self.progress.add_task(stage, total=total)
         self.progress.update(self.tasks[stage], completed=done, total=total)
@@ -59,7 +62,9 @@ class _Group(click.Group):
         except QuantkitError as exc:
             _fail(exc)
         except KeyboardInterrupt:
-            console.print("[red]interrupted[/]: nothing was written to the output path")
+            console.print("[red]interrupted[/]: nothing was written to the output path; "
+                          "finished blocks are kept in its hidden .NAME.partial checkpoint: run "
+                          "the same command to resume, or delete it")
             sys.exit(130)
 
 
@@ -72,42 +77,52 @@ def main() -> None:
     """
 
 
-@main.command()
-@click.argument("model")
-@click.option("--method", type=click.Choice(["rtn", "gptq", "awq", "fp8", "gguf"]), required=True,
-              help="Quantization algorithm.")
-@click.option("--bits", type=int, default=_DEFAULT.bits, show_default=True, help="Weight bits.")
-@click.option("--group-size", type=int, default=_DEFAULT.group_size, show_default=True,
-              help="Columns per scale group (-1: one group per row).")
-@click.option("--sym/--asym", default=_DEFAULT.symmetric, show_default=True,
-              help="Symmetric (no zero point) or asymmetric grid.")
-@click.option("--act-order", is_flag=True, help="GPTQ: quantize columns in activation order.")
-@click.option("--damp", type=float, default=None, help="GPTQ: Hessian dampening (share of mean diag).")
-@click.option("--format", "fmt", default="compressed-tensors", show_default=True,
-              help="Artifact format: compressed-tensors, gptq, awq, fp8, modelopt, gguf.")
-@click.option("--gguf-type", default=None, help="GGUF: f16, bf16, q8_0, q6_k, q5_k_m, q4_k_m, q4_k_s.")
-@click.option("--imatrix", type=click.Path(dir_okay=False), default=None,
-              help="GGUF: importance matrix file (llama.cpp's or quantkit's); or give --calib to "
-                   "collect one from calibration data.")
-@click.option("--scheme", "fp8_scheme", default=None, help="FP8: dynamic, static or block.")
-@click.option("--calib", default="mixed", show_default=True,
-              help="Calibration data: built-in set (mixed, prose, code, techdoc), a .txt/.jsonl/"
-                   ".parquet file, or hf:DATASET[:CONFIG][:SPLIT][:COLUMN].")
-@click.option("--calib-samples", type=int, default=128, show_default=True)
-@click.option("--calib-seqlen", type=int, default=512, show_default=True)
-@click.option("--chat", is_flag=True, help="Render calibration text through the chat template.")
-@click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--device", default=None, help="cpu or cuda (default: cuda when present).")
-@click.option("-o", "--output", "output", required=True, type=click.Path(), help="Artifact path.")
-@click.option("--force", is_flag=True, help="Replace an existing output.")
-@click.option("--allow-pickle", is_flag=True, help="Allow loading pickle (.bin) weights.")
-@click.option("--trust-remote-code", is_flag=True, help="Allow the model's own Python code.")
-def quantize(model, method, bits, group_size, sym, act_order, damp, fmt, gguf_type, imatrix,
-             fp8_scheme, calib, calib_samples, calib_seqlen, chat, seed, device, output, force,
-             allow_pickle, trust_remote_code) -> None:
-    """Quantize MODEL with METHOD and write an engine-ready artifact to -o."""
+def _method_options(f):
+    """The flags `quantize` and `plan` share (one definition, so they cannot drift apart)."""
+    opts = [
+        click.argument("model"),
+        click.option("--method", type=click.Choice(["rtn", "gptq", "awq", "fp8", "gguf"]),
+                     required=True, help="Quantization algorithm."),
+        click.option("--bits", type=int, default=_DEFAULT.bits, show_default=True,
+                     help="Weight bits."),
+        click.option("--group-size", type=int, default=_DEFAULT.group_size, show_default=True,
+                     help="Columns per scale group (-1: one group per row)."),
+        click.option("--sym/--asym", default=_DEFAULT.symmetric, show_default=True,
+                     help="Symmetric (no zero point) or asymmetric grid."),
+        click.option("--act-order", is_flag=True, help="GPTQ: quantize columns in activation order."),
+        click.option("--damp", type=float, default=None,
+                     help="GPTQ: Hessian dampening (share of mean diag)."),
+        click.option("--format", "fmt", default="compressed-tensors", show_default=True,
+                     help="Artifact format: compressed-tensors, gptq, awq, fp8, modelopt, gguf."),
+        click.option("--gguf-type", default=None,
+                     help="GGUF: f16, bf16, q8_0, q6_k, q5_k_m, q4_k_m, q4_k_s."),
+        click.option("--imatrix", type=click.Path(dir_okay=False), default=None,
+                     help="GGUF: importance matrix file (llama.cpp's or quantkit's); or give "
+                          "--calib to collect one from calibration data."),
+        click.option("--scheme", "fp8_scheme", default=None, help="FP8: dynamic, static or block."),
+        click.option("--calib", default="mixed", show_default=True,
+                     help="Calibration data: built-in set (mixed, prose, code, techdoc), a "
+                          ".txt/.jsonl/.parquet file, or hf:DATASET[:CONFIG][:SPLIT][:COLUMN]."),
+        click.option("--calib-samples", type=int, default=128, show_default=True),
+        click.option("--calib-seqlen", type=int, default=512, show_default=True),
+        click.option("--chat", is_flag=True, help="Render calibration text through the chat template."),
+        click.option("--seed", type=int, default=0, show_default=True),
+        click.option("--device", default=None, help="cpu or cuda (default: cuda when present)."),
+        click.option("--allow-pickle", is_flag=True, help="Allow loading pickle (.bin) weights."),
+        click.option("--trust-remote-code", is_flag=True, help="Allow the model's own Python code."),
+        click.option("--stream/--no-stream", default=None,
+                     help="Read one decoder block at a time from the shards (default: whenever "
+                          "the checkpoint allows it) or load the whole model."),
+    ]
+    for opt in reversed(opts):
+        f = opt(f)
+    return f
+
+
+def _request(model, method, bits, group_size, sym, act_order, damp, fmt, gguf_type, imatrix,
+             fp8_scheme, calib, calib_samples, calib_seqlen, chat, seed, device, allow_pickle,
+             trust_remote_code, stream, output=".", force=False, **extra):
     from quantkit.pipeline.quantize import QuantizeRequest
-    from quantkit.pipeline.quantize import quantize as run
 
     options: dict = {}
     kind = "int"
@@ -131,17 +146,68 @@ def quantize(model, method, bits, group_size, sym, act_order, damp, fmt, gguf_ty
         bits, group_size = 8, _fp8_scheme(options["scheme"]).group_size  # what quantkit.json records
     scheme = QuantScheme(kind=kind, bits=bits, group_size=group_size, symmetric=sym,
                          act_order=act_order, gguf_type=gguf_type)
-    req = QuantizeRequest(model=model, method=method, scheme=scheme, out=Path(output), format=fmt,
-                          force=force, calib=calib, calib_samples=calib_samples,
-                          calib_seqlen=calib_seqlen, seed=seed, chat=chat,
-                          allow_pickle=allow_pickle, trust_remote_code=trust_remote_code,
-                          device=device, method_options=options,
-                          command="quantkit " + shlex.join(sys.argv[1:]))
+    return QuantizeRequest(model=model, method=method, scheme=scheme, out=Path(output), format=fmt,
+                           force=force, calib=calib, calib_samples=calib_samples,
+                           calib_seqlen=calib_seqlen, seed=seed, chat=chat,
+                           allow_pickle=allow_pickle, trust_remote_code=trust_remote_code,
+                           device=device, method_options=options, stream=stream,
+                           command="quantkit " + shlex.join(sys.argv[1:]), **extra)
+
+
+@main.command()
+@_method_options
+@click.option("-o", "--output", "output", required=True, type=click.Path(), help="Artifact path.")
+@click.option("--force", is_flag=True, help="Replace an existing output.")
+@click.option("--resume/--no-resume", default=True, show_default=True,
+              help="Checkpoint every finished block in .OUTPUT.partial/ and continue from it "
+                   "when the same command runs again.")
+@click.option("--no-memory-check", "no_memory_check", is_flag=True,
+              help="Skip the early refusal when the planned peak RAM exceeds what is available "
+                   "($QUANTKIT_MEMORY_LIMIT_BYTES caps what counts as available).")
+def quantize(resume, no_memory_check, **kw) -> None:
+    """Quantize MODEL with METHOD and write an engine-ready artifact to -o."""
+    from quantkit.pipeline.quantize import quantize as run
+
+    req = _request(**kw, resume=resume, memory_check=not no_memory_check)
     with _Progress() as progress:
         meta = run(req, on_progress=progress)
-    console.print(f"[green]wrote[/] {output} ({meta['format']}, {meta['method']}, "
-                  f"{scheme.describe()}) in {meta['seconds']['total']:.1f} s")
-    _print_info(output)
+    console.print(f"[green]wrote[/] {req.out} ({meta['format']}, {meta['method']}, "
+                  f"{req.scheme.describe()}) in {meta['seconds']['total']:.1f} s")
+    _print_info(str(req.out))
+
+
+@main.command("plan")
+@_method_options
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+def plan_cmd(as_json, **kw) -> None:
+    """Expected peak RAM / GPU memory, artifact size and time of `quantize`, before any work."""
+    from quantkit.pipeline.plan import available_memory
+    from quantkit.pipeline.quantize import plan
+
+    p, info = plan(_request(**kw))
+    avail, why = available_memory()
+    record = {**info, **p.to_dict(), "available_ram_bytes": avail, "available_ram_source": why}
+    if as_json:
+        out.print_json(json.dumps(record))
+        return
+    gib = 2**30
+    table = Table(title=f"quantkit plan: {escape(kw['model'])} ({info['method']}, {info['scheme']})")
+    table.add_column("item")
+    table.add_column("estimate", justify="right")
+    rows = [("model weights (stored dtype)", f"{p.model_bytes / gib:.2f} GiB"),
+            ("largest block", f"{p.block_params / 1e6:.1f} M params"),
+            ("peak RAM", f"{p.peak_ram_bytes / gib:.2f} GiB"
+             + ("" if p.streaming else " (whole model in memory)")),
+            *((f"  phase: {k}", f"{v / gib:.2f} GiB + baseline") for k, v in p.phase_bytes.items()),
+            ("available RAM", f"{avail / gib:.2f} GiB ({why})"),
+            ("peak GPU memory", f"{p.peak_gpu_bytes / gib:.2f} GiB" if p.peak_gpu_bytes else "-"),
+            ("artifact on disk", f"{p.disk_bytes / gib:.2f} GiB"),
+            ("time (rough)", f"{p.seconds / 60:.1f} min on {info['device']}")]
+    for k, v in rows:
+        table.add_row(k, v)
+    out.print(table)
+    if p.peak_ram_bytes > avail:
+        console.print("[yellow]warning:[/] the peak exceeds available RAM; quantize would refuse")
 
 
 @main.command("eval")

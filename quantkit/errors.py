@@ -11,6 +11,7 @@ __all__ = [
     "ModelLoadError",
     "BadWeights",
     "EngineError",
+    "NotEnoughMemory",
 ]
 
 
@@ -52,3 +53,7 @@ class BadWeights(QuantkitError):
 
 class EngineError(QuantkitError):
     """An inference engine (vLLM, llama.cpp) is missing or refused the artifact."""
+
+
+class NotEnoughMemory(QuantkitError):
+    """The planned peak memory of a run exceeds what this machine or process may use."""

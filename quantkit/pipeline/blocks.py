@@ -4,9 +4,13 @@ For each decoder block: gather the statistics the quantizer asked for (per seque
 Linears when the quantizer wants true-sequential order), let it quantize, write the
 dequantized weights back into the block, and hand the block's outputs to the next block.
 The loop never names a method: methods declare what they need as attributes.
+Where block weights come from (already in memory, or read from the shards one block at a time)
+is a `BlockSource`; an optional checkpoint saves every finished block so a run can resume.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -16,7 +20,37 @@ from quantkit.pipeline.capture import BlockInputs, capture_block_inputs, run_blo
 from quantkit.pipeline.stats import StatCollector
 from quantkit.types import BlockContext, ProgressFn, Quantizer, QuantResult, QuantScheme
 
-__all__ = ["get_blocks", "quantize_blocks"]
+__all__ = ["get_blocks", "quantize_blocks", "BlockSource", "dense_tensor", "block_dense"]
+
+
+class BlockSource:
+    """Block weights already in the model (the in-memory path): nothing to load or free.
+
+    A streaming source reads block i in `load` and drops it in `release`; `embedding()` is the
+    context in which the modules before block 0 hold real weights (for input capture).
+    """
+
+    def load(self, index: int, block: torch.nn.Module) -> None:
+        pass
+
+    def release(self, index: int, block: torch.nn.Module) -> None:
+        pass
+
+    def embedding(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+
+def dense_tensor(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """How every unquantized tensor is stored: on CPU, floats in the checkpoint's dtype."""
+    return t.detach().to("cpu", dtype if t.is_floating_point() else t.dtype).contiguous()
+
+
+def block_dense(block: torch.nn.Module, prefix: str, results: dict[str, QuantResult],
+                dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The block's tensors that are not quantized Linear weights (norms, possibly AWQ-scaled)."""
+    skip = {f"{n}.weight" for n in results} | {f"{n}.bias" for n in results}
+    return {prefix + n: dense_tensor(t, dtype) for n, t in block.state_dict().items()
+            if prefix + n not in skip}
 
 
 def get_blocks(model, spec: ArchSpec) -> torch.nn.ModuleList:
@@ -50,19 +84,47 @@ def quantize_blocks(
     compute_dtype: torch.dtype = torch.float32,
     options: dict | None = None,
     on_progress: ProgressFn | None = None,
+    source: BlockSource | None = None,
+    checkpoint=None,
+    dense: dict[str, torch.Tensor] | None = None,
+    dense_dtype: torch.dtype = torch.bfloat16,
 ) -> dict[str, QuantResult]:
-    """Quantize every block Linear of `model` in place; return results keyed by full name."""
+    """Quantize every block Linear of `model` in place; return results keyed by full name.
+
+    `dense` (when given) receives each block's unquantized tensors in `dense_dtype`: a
+    streaming source frees the block, so they must be kept here. `checkpoint`
+    (quantkit.pipeline.checkpoint.BlockCheckpoint) saves each finished block and, when it
+    holds earlier blocks of the same request, the loop starts after them; the results then
+    come back as a mapping that reads them from the checkpoint on access.
+    """
+    source = source or BlockSource()
     blocks = get_blocks(model, spec)
     results: dict[str, QuantResult] = {}
     inputs: BlockInputs | None = None
     if quantizer.needs_calibration:
         if not batches:
             raise ValueError("this method needs calibration batches")
-        inputs = capture_block_inputs(model, blocks, batches, compute_dtype).to(device)
-    groups = spec.sequential if getattr(quantizer, "true_sequential", False) else (spec.block_linears,)
+        with source.embedding():
+            inputs = capture_block_inputs(model, blocks, batches, compute_dtype).to(device)
     total = len(blocks)
+    start = 0
+    resumed = checkpoint.resume(total) if checkpoint is not None else None
+    if resumed is not None and inputs is not None and resumed.hidden is None:
+        resumed = None  # no hidden states to continue from: start over
+    if resumed is not None:
+        start = resumed.start
+        if dense is not None:
+            dense.update(resumed.dense)
+        if inputs is not None:
+            inputs = BlockInputs([h.to(device) for h in resumed.hidden], inputs.kwargs)
+        if on_progress:
+            on_progress(f"resuming at block {start + 1}/{total}", start, total)
+    groups = spec.sequential if getattr(quantizer, "true_sequential", False) else (spec.block_linears,)
     for i, block in enumerate(blocks):
+        if i < start:
+            continue
         prefix = f"{spec.block_path}.{i}."
+        source.load(i, block)
         check_finite((prefix + n, p) for n, p in block.named_parameters())
         orig_dtype = next(block.parameters()).dtype
         block.to(device=device, dtype=compute_dtype)
@@ -93,9 +155,18 @@ def quantize_blocks(
             outs = outputs_fp if outputs_fp is not None else run_block(block, inputs)
             inputs = BlockInputs(outs, inputs.kwargs)
         block.to(device="cpu", dtype=orig_dtype)
+        mine = {k: r for k, r in results.items() if k.startswith(prefix)}
+        kept = block_dense(block, prefix, mine, dense_dtype)
+        if dense is not None:
+            dense.update(kept)
+        if checkpoint is not None:  # from here on the results live in the checkpoint only
+            checkpoint.save(i, total, mine, kept, inputs.hidden if inputs is not None else None)
+            for k in mine:
+                del results[k]
+        source.release(i, block)
         if on_progress:
             on_progress(f"quantizing blocks ({quantizer.name})", i + 1, total)
-    return results
+    return checkpoint.results(total) if checkpoint is not None else results
 
 
 def _collect(block, names, stats, inputs) -> dict:

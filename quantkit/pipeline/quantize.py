@@ -14,21 +14,38 @@ import torch
 
 import quantkit
 from quantkit.arch import ArchSpec, spec_for_config
-from quantkit.errors import SchemeMismatch
+from quantkit.errors import ModelLoadError, SchemeMismatch
 from quantkit.formats import get_writer
 from quantkit.methods import get_quantizer
 from quantkit.model_io import (
     TOKENIZER_FILES,
+    check_finite,
     load_config,
     load_model,
     load_tokenizer,
     resolve_model,
 )
-from quantkit.pipeline.blocks import get_blocks, quantize_blocks
+from quantkit.pipeline.blocks import dense_tensor, get_blocks, quantize_blocks
+from quantkit.pipeline.checkpoint import (
+    BlockCheckpoint,
+    checkpoint_dir,
+    model_fingerprint,
+    request_key,
+)
+from quantkit.pipeline.heap import keep_heap_small
 from quantkit.pipeline.output import atomic_output, check_output
+from quantkit.pipeline.plan import MemoryPlan, check_memory, estimate
+from quantkit.pipeline.streaming import (
+    ShardReader,
+    StreamingSource,
+    materialise,
+    skeleton,
+    stream_plan_ok,
+    to_meta,
+)
 from quantkit.types import ProgressFn, QuantResult, QuantScheme
 
-__all__ = ["QuantizeRequest", "quantize", "linear_shapes", "check_group_size"]
+__all__ = ["QuantizeRequest", "quantize", "plan", "linear_shapes", "check_group_size"]
 
 
 @dataclass
@@ -49,6 +66,9 @@ class QuantizeRequest:
     device: str | None = None
     method_options: dict = field(default_factory=dict)
     command: str = ""
+    stream: bool | None = None  # None: block-at-a-time from the shards whenever they allow it
+    resume: bool = True  # per-block checkpoints in .OUT.partial/, resumed by the same request
+    memory_check: bool = True  # refuse early when the plan's peak RAM exceeds what is available
 
     def cli_equivalent(self) -> str:
         """The `quantkit quantize` command that makes this request (for API callers)."""
@@ -103,6 +123,32 @@ def check_group_size(scheme: QuantScheme, shapes: dict[str, tuple[int, int]]) ->
         f"layers: {shown}{more}.", hint + ".")
 
 
+def plan_request(req: QuantizeRequest, config, spec: ArchSpec, quantizer,
+                 raw_config: dict) -> MemoryPlan:
+    """The memory / disk / time plan of `req` (quantkit plan; quantize's early memory check)."""
+    return estimate(config, spec, method=req.method, scheme=req.scheme,
+                    calib_samples=req.calib_samples, calib_seqlen=req.calib_seqlen,
+                    calibrated=quantizer.needs_calibration, device=_device(req.device),
+                    calib_batch=getattr(quantizer, "calib_batch_size", 1),
+                    store_dtype=_storage_dtype(raw_config), streaming=req.stream is not False,
+                    resume=req.resume and not hasattr(quantizer, "quantize_rest"))
+
+
+def plan(req: QuantizeRequest) -> tuple[MemoryPlan, dict]:
+    """Cheap checks as in quantize(), then the plan; no weights or calibration are read."""
+    quantizer = get_quantizer(req.method, **req.method_options)
+    quantizer.check(req.scheme)
+    source = resolve_model(req.model, allow_pickle=req.allow_pickle)
+    raw_config = json.loads((source.path / "config.json").read_text())
+    spec = spec_for_config(raw_config)
+    config = load_config(source.path, trust_remote_code=req.trust_remote_code)
+    info = {"model": str(source.path), "architecture": spec.name, "method": req.method,
+            "scheme": req.scheme.describe(), "device": _device(req.device),
+            "calib_samples": req.calib_samples if quantizer.needs_calibration else 0,
+            "calib_seqlen": req.calib_seqlen if quantizer.needs_calibration else 0}
+    return plan_request(req, config, spec, quantizer, raw_config), info
+
+
 def _device(requested: str | None) -> str:
     if requested:
         return requested
@@ -112,6 +158,8 @@ def _device(requested: str | None) -> str:
 def quantize(req: QuantizeRequest, on_progress: ProgressFn | None = None) -> dict:
     """Run a quantization; returns the artifact's metadata (also written as quantkit.json)."""
     t_start = time.perf_counter()
+    if req.stream is not False:
+        keep_heap_small()  # before torch's threads make their malloc arenas
     out = Path(req.out)
     check_output(out, req.force)
     quantizer = get_quantizer(req.method, **req.method_options)
@@ -130,6 +178,9 @@ def quantize(req: QuantizeRequest, on_progress: ProgressFn | None = None) -> dic
         writer.check_source(source.path, config)
     if hasattr(quantizer, "prepare"):  # per-tensor plans (GGUF type mix) from the config alone
         quantizer.prepare(config=config, spec=spec, shapes=shapes)
+    device = _device(req.device)
+    if req.memory_check:
+        check_memory(plan_request(req, config, spec, quantizer, raw_config))
     tokenizer = load_tokenizer(source.path, trust_remote_code=req.trust_remote_code)
 
     calib = None
@@ -138,23 +189,43 @@ def quantize(req: QuantizeRequest, on_progress: ProgressFn | None = None) -> dic
 
         calib = load_calibration(req.calib, tokenizer, n_samples=req.calib_samples,
                                  seqlen=req.calib_seqlen, seed=req.seed, chat=req.chat)
-    device = _device(req.device)
     compute_dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    model = load_model(source.path, dtype=torch.float32 if device == "cpu" else torch.bfloat16,
-                       allow_pickle=req.allow_pickle, trust_remote_code=req.trust_remote_code)
+    load_dtype = compute_dtype  # the dtype load_model gives; streaming loads blocks the same way
+    store_dtype = _storage_dtype(raw_config)
+    streaming, reader, model = _open_model(req, source.path, config, load_dtype)
+    ckpt = None
+    if req.resume and not hasattr(quantizer, "quantize_rest"):  # GGUF keeps cross-block state
+        describe = {"model": str(source.path), "model_files": model_fingerprint(source.path),
+                    "method": req.method, "format": writer.name,
+                    "scheme": dataclasses.asdict(req.scheme), "options": req.method_options,
+                    "calibration": calib.provenance if calib is not None else None,
+                    "device": device, "quantkit": quantkit.__version__}
+        ckpt = BlockCheckpoint(checkpoint_dir(out), request_key(describe), describe)
     # methods may ask for larger calibration batches (fewer, bigger ops: much faster on CPU)
     batch = getattr(quantizer, "calib_batch_size", 1)
     batches = list(calib.batches(batch)) if calib is not None else None
     t_quant = time.perf_counter()
+    kept: dict[str, torch.Tensor] = {}
     results = quantize_blocks(model, spec, quantizer, req.scheme, batches, device=device,
                               compute_dtype=compute_dtype, options=req.method_options,
-                              on_progress=on_progress)
+                              on_progress=on_progress, checkpoint=ckpt, dense=kept,
+                              dense_dtype=store_dtype,
+                              source=StreamingSource(model, reader, spec, load_dtype)
+                              if streaming else None)
     if hasattr(quantizer, "quantize_rest"):  # tensors outside the blocks (GGUF embeddings)
+        outside = [m for m in (spec.embed, spec.lm_head) if streaming]
+        for name in outside:
+            materialise(model.get_submodule(name), name + ".", reader, load_dtype, root=model)
         results.update(quantizer.quantize_rest(model, spec))
+        for name in outside:
+            to_meta(model.get_submodule(name))
     quant_seconds = time.perf_counter() - t_quant
 
-    store_dtype = _storage_dtype(raw_config)
-    dense = _dense_tensors(model, results, store_dtype)
+    if streaming:
+        dense = _streamed_dense(model, reader, spec, results, kept, load_dtype, store_dtype)
+    else:
+        dense = _dense_tensors(model, results, store_dtype)
+        dense.update(kept)
     meta = {
         "quantkit_version": quantkit.__version__,
         "method": req.method,
@@ -178,6 +249,8 @@ def quantize(req: QuantizeRequest, on_progress: ProgressFn | None = None) -> dic
             writer.write(tmp, config=raw_config, dense=dense, results=results,
                          ignore=[spec.lm_head], dtype=store_dtype, scheme=req.scheme, meta=meta,
                          source_dir=source.path)
+        if ckpt is not None:
+            ckpt.remove()
         return meta
     with atomic_output(out, req.force) as tmp:
         writer.write(tmp, config=raw_config, dense=dense, results=results,
@@ -189,7 +262,51 @@ def quantize(req: QuantizeRequest, on_progress: ProgressFn | None = None) -> dic
         (tmp / "quantkit_stats.json").write_text(json.dumps(_stats(results), indent=1))
         meta["seconds"]["total"] = round(time.perf_counter() - t_start, 3)
         (tmp / "quantkit.json").write_text(json.dumps(meta, indent=2))
+    if ckpt is not None:
+        ckpt.remove()
     return meta
+
+
+def _open_model(req: QuantizeRequest, path: Path, config, load_dtype: torch.dtype):
+    """(streaming, reader, model): a meta skeleton when the shards allow block-at-a-time
+    loading (the default), else the whole model in memory (`stream=False`, pickle weights,
+    checkpoint names that differ from the module names)."""
+    if req.stream is not False and any(path.glob("*.safetensors")):
+        reader = ShardReader(path)
+        model = skeleton(config, load_dtype, trust_remote_code=req.trust_remote_code)
+        if stream_plan_ok(model, reader):
+            return True, reader, model
+        if req.stream:
+            raise ModelLoadError(
+                f"Cannot stream {path}: its tensor names or shapes differ from the model's.",
+                "Drop --stream to load the whole model into memory.")
+    model = load_model(path, dtype=load_dtype, allow_pickle=req.allow_pickle,
+                       trust_remote_code=req.trust_remote_code)
+    return False, None, model
+
+
+def _streamed_dense(model, reader: ShardReader, spec: ArchSpec, results: dict[str, QuantResult],
+                    kept: dict[str, torch.Tensor], load_dtype: torch.dtype,
+                    dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """_dense_tensors for a meta skeleton: block tensors from the loop, the rest from the shards
+    (through the load dtype when that could round, so both paths store the same bytes)."""
+    blocks = spec.block_path + "."
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    skip = {f"{n}.weight" for n in results} | {f"{n}.bias" for n in results}
+    out = {}
+    for name in model.state_dict():
+        if name.startswith(blocks):
+            if name in kept:
+                out[name] = kept[name]
+            continue
+        if name in skip or (tied and name == "lm_head.weight"):
+            continue
+        t = reader.get(name)
+        check_finite([(name, t)])
+        if t.is_floating_point() and load_dtype != torch.float32 and t.dtype != load_dtype:
+            t = t.to(load_dtype)
+        out[name] = dense_tensor(t, dtype)
+    return out
 
 
 def _storage_dtype(raw_config: dict) -> torch.dtype:
@@ -206,7 +323,7 @@ def _dense_tensors(model, results: dict[str, QuantResult], dtype: torch.dtype) -
     for name, t in model.state_dict().items():
         if name in skip or (tied and name == "lm_head.weight"):
             continue
-        out[name] = t.detach().to("cpu", dtype if t.is_floating_point() else t.dtype).contiguous()
+        out[name] = dense_tensor(t, dtype)
     return out
 
 

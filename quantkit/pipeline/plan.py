@@ -1,0 +1,241 @@
+"""`quantkit plan`: peak RAM / GPU memory, artifact size and time, from config.json alone.
+
+The memory model follows the streaming path (quantkit.pipeline.streaming), phase by phase;
+the peak is the largest phase plus a measured constant for Python + torch + transformers:
+  capture  embedding table (stored dtype) + block-0 inputs
+  blocks   one block in the load dtype (+ the largest tensor as read from the shard)
+           + hidden states in and out + per-method statistics + one batch's activations
+           (+ all earlier blocks' results, 1 byte per weight, when checkpoints are off)
+  write    the packed results + the unquantized tensors in the stored dtype (results are
+           read back from the checkpoint one at a time)
+With `--device cuda` the block, hidden states and statistics live on the GPU instead.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from quantkit.arch import ArchSpec
+from quantkit.errors import NotEnoughMemory
+from quantkit.types import QuantScheme
+
+__all__ = ["MemoryPlan", "estimate", "available_memory", "check_memory", "BASELINE_BYTES",
+           "MEMORY_LIMIT_ENV"]
+
+# RSS of `python -m quantkit.cli quantize` before any weights load: interpreter, torch,
+# transformers, compressed-tensors, tokenizer (measured 0.55-0.6 GiB on CPU, torch 2.13)
+BASELINE_BYTES = 600 * 2**20
+MEMORY_LIMIT_ENV = "QUANTKIT_MEMORY_LIMIT_BYTES"
+_CUDA_CONTEXT_BYTES = 512 * 2**20  # CUDA context + cuBLAS workspaces, not measured here
+_GIB = 2**30
+# rough sustained throughput of the block forward + method math (FLOP/s); time is a hint only
+_FLOPS = {"cpu": 5e10, "cuda": 1.5e14}
+# per quantized weight: rounding, packing, checkpoint and artifact writes (RTN of a 0.5 B
+# weight model took 30 s on 2 CPU cores)
+_PER_WEIGHT_S = {"cpu": 5.5e-8, "cuda": 5e-9}
+_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
+# GGUF bits per weight of the quantized tensors (llama.cpp's numbers, mixes averaged)
+_GGUF_BPW = {"f16": 16, "bf16": 16, "q8_0": 8.5, "q6_k": 6.5625, "q5_k_m": 5.7, "q4_k_m": 4.9,
+             "q4_k_s": 4.6}
+
+
+@dataclass
+class MemoryPlan:
+    peak_ram_bytes: int
+    peak_gpu_bytes: int | None
+    disk_bytes: int
+    seconds: float
+    phase_bytes: dict[str, int]
+    model_bytes: int  # the source checkpoint's weights in its stored dtype
+    block_params: int
+    total_params: int
+    streaming: bool = True
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _param_counts(config, spec: ArchSpec):
+    """(per-block param counts, per-block linear shapes, non-block params) from a meta model."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(config)
+    blocks_prefix = spec.block_path + "."
+    per_block: dict[int, int] = {}
+    outside = 0
+    largest = 0
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    seen: set[int] = set()
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if tied and name == spec.lm_head + ".weight":
+            continue
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        largest = max(largest, p.numel())
+        if name.startswith(blocks_prefix):
+            i = int(name[len(blocks_prefix):].split(".")[0])
+            per_block[i] = per_block.get(i, 0) + p.numel()
+        else:
+            outside += p.numel()
+    blocks = list(model.get_submodule(spec.block_path))
+    linears = []
+    for block in blocks:
+        mods = dict(block.named_modules())
+        linears.append({n: tuple(mods[n].weight.shape) for n in spec.block_linears if n in mods})
+    return per_block, linears, outside, largest
+
+
+def estimate(config, spec: ArchSpec, *, method: str, scheme: QuantScheme, calib_samples: int,
+             calib_seqlen: int, calibrated: bool, device: str = "cpu", calib_batch: int = 1,
+             store_dtype: torch.dtype = torch.bfloat16, streaming: bool = True,
+             resume: bool = True) -> MemoryPlan:
+    """Expected peaks for `quantize` with these settings (see the module docstring)."""
+    per_block, linears, outside, largest = _param_counts(config, spec)
+    cuda = str(device).startswith("cuda")
+    load_bytes = 2 if cuda else 4
+    sb = _BYTES.get(store_dtype, 2)
+    hidden = int(config.hidden_size)
+    inter = int(getattr(config, "intermediate_size", 4 * hidden) or 4 * hidden)
+    heads = int(getattr(config, "num_attention_heads", 1) or 1)
+    tokens = calib_samples * calib_seqlen if calibrated else 0
+    act_bytes = 2 if cuda else 4
+    hidden_io = 2 * tokens * hidden * act_bytes  # inputs + outputs of the current block
+    batch_tokens = min(calib_batch, max(calib_samples, 1)) * calib_seqlen if calibrated else 0
+    # one batch through a block: MLP intermediates (gate, up, act) + attention scores
+    forward = batch_tokens * (3 * inter + 4 * hidden) * act_bytes + \
+        (min(calib_batch, calib_samples) * heads * calib_seqlen**2 * act_bytes if calibrated else 0)
+
+    block_params = max(per_block.values(), default=0)
+    quantized = sum(n * k for lin in linears for n, k in lin.values())
+    first_block_q = sum(n * k for n, k in linears[0].values()) if linears else 0
+    groups = scheme.groups
+    scales = sum(n * groups(k) for lin in linears for n, k in lin.values())
+
+    stats = 0
+    if method == "gptq":  # K x K fp32 per Linear of a sequential group, + ~3 K^2 of working set
+        for seq in spec.sequential:
+            ks = [linears[0][n][1] for n in seq if linears and n in linears[0]]
+            rows = sum(linears[0][n][0] for n in seq if linears and n in linears[0])
+            if ks:
+                stats = max(stats, (len(ks) + 3) * ks[0] ** 2 * 4 + rows * ks[0] * 4)
+    elif method == "awq":  # cached inputs of a group + scaled weight copies during the search
+        stats = 2 * tokens * max(hidden, inter) * act_bytes // max(1, calib_samples // 8) \
+            + 2 * block_params * 4
+    elif method == "gguf":
+        stats = 2 * block_params * 4
+    # uint8 codes + fp32 scale + int32 zero; with checkpoints (resume) finished blocks' results
+    # live on disk and are read back one at a time by the writer
+    results_all = quantized + scales * 8
+    results_ram = 0 if resume else results_all
+    packed = quantized * scheme.bits // 8 if scheme.kind == "int" else quantized
+    largest_linear = max((n * k for lin in linears for n, k in lin.values()), default=0)
+    embed_bytes = int(getattr(config, "vocab_size", 0) or 0) * hidden * sb
+    dense_outside = outside * sb
+    # one block in the load dtype, the tensor being read (stored dtype), the method's
+    # temporaries (~4 fp32 copies of the largest Linear: scales, rounding, dequantize)
+    block_ram = (0 if cuda else block_params * load_bytes) + largest * sb + 4 * largest_linear * 4
+    gpu_block = (_CUDA_CONTEXT_BYTES + block_params * load_bytes + hidden_io + stats + forward
+                 + 4 * largest_linear * 4)
+    phases = {
+        "capture": embed_bytes + (0 if cuda else tokens * hidden * act_bytes),
+        "blocks": block_ram + (0 if cuda else hidden_io + stats + forward) + results_ram
+        + first_block_q,  # the block's own results and their checkpoint copy
+        # packed results + scales + unquantized tensors + one result unpacked (uint8 codes,
+        # int32 reshaped and shifted copies while packing)
+        "write": packed + scales * sb + dense_outside + results_ram + 9 * largest_linear,
+    }
+    if not streaming:
+        model_load = (sum(per_block.values()) + outside) * load_bytes
+        phases = {k: v + model_load for k, v in phases.items()}
+    peak = BASELINE_BYTES + max(phases.values())
+
+    if method == "gguf":
+        bpw = _GGUF_BPW.get(str(scheme.gguf_type or "q4_k_m"), 5.0)
+        disk = int(quantized * bpw / 8 + outside * 2)
+    elif method == "fp8":
+        disk = quantized + scales * 4 + dense_outside
+    else:
+        disk = packed + scales * sb + (scales * scheme.bits // 8 if not scheme.symmetric else 0) \
+            + dense_outside
+    total_params = sum(per_block.values()) + outside
+    block_norms = (sum(per_block.values()) - quantized) * sb
+    disk += block_norms
+
+    passes = {"gptq": 3.5, "awq": 8, "fp8": 1, "gguf": 1}.get(method, 0)
+    flops = 2 * quantized * tokens * passes
+    if method == "gptq":
+        flops += sum(n * k * k * 2 + k**3 for lin in linears for n, k in lin.values())
+    dev = "cuda" if cuda else "cpu"
+    io = (total_params * sb) / 1.5e9  # reading the shards
+    seconds = flops / _FLOPS[dev] + quantized * _PER_WEIGHT_S[dev] + io + 5.0
+    return MemoryPlan(peak_ram_bytes=int(peak), peak_gpu_bytes=int(gpu_block) if cuda else None,
+                      disk_bytes=int(disk), seconds=round(seconds, 1), phase_bytes=phases,
+                      model_bytes=int(total_params * sb), block_params=int(block_params),
+                      total_params=int(total_params), streaming=streaming)
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        v = Path(path).read_text().strip()
+        return None if v in ("max", "") else int(v)
+    except (OSError, ValueError):
+        return None
+
+
+def _proc_status(key: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def available_memory() -> tuple[int, str]:
+    """Bytes this process may grow to (its RSS now + what it can still get), and why.
+
+    The tightest of: $QUANTKIT_MEMORY_LIMIT_BYTES, MemAvailable, the cgroup limit, RLIMIT_AS.
+    """
+    rss = _proc_status("VmRSS")
+    options: list[tuple[int, str]] = []
+    env = os.environ.get(MEMORY_LIMIT_ENV)
+    if env:
+        options.append((int(env), f"${MEMORY_LIMIT_ENV}"))
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                options.append((rss + int(line.split()[1]) * 1024, "MemAvailable"))
+    except OSError:
+        pass
+    for limit, usage in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                         ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                          "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        lim, used = _read_int(limit), _read_int(usage)
+        if lim is not None and used is not None and lim < 2**60:
+            options.append((rss + max(0, lim - used), "cgroup memory limit"))
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft != resource.RLIM_INFINITY:
+        options.append((rss + max(0, soft - _proc_status("VmSize")), "RLIMIT_AS (ulimit -v)"))
+    if not options:
+        return 2**62, "unknown"
+    return min(options)
+
+
+def check_memory(plan: MemoryPlan) -> None:
+    """Refuse before any work when the plan's peak RAM does not fit."""
+    avail, why = available_memory()
+    if plan.peak_ram_bytes <= avail:
+        return
+    raise NotEnoughMemory(
+        f"Quantizing needs about {plan.peak_ram_bytes / _GIB:.2f} GiB of RAM at peak "
+        f"(model {plan.model_bytes / _GIB:.2f} GiB, largest phase: "
+        f"{max(plan.phase_bytes, key=plan.phase_bytes.get)}), but only "
+        f"{avail / _GIB:.2f} GiB is available ({why}).",
+        "Lower --calib-samples / --calib-seqlen, use --device cuda, free memory, or pass "
+        "--no-memory-check to try anyway; `quantkit plan` shows the breakdown.")
