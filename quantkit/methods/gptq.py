@@ -142,8 +142,10 @@ def _gptq(weight: torch.Tensor, hessian: torch.Tensor, scheme: QuantScheme, damp
 
     # Columns whose input was always zero carry no information: decouple them (H_kk = 1) and
     # keep their weight (rounded like RTN) instead of zeroing it as reference GPTQ does.
+    # (masked_fill_ on the diagonal view: the same entries as h[dead, dead] = 1.0, without the
+    # boolean-index nonzero() that waits for the GPU)
     dead = h.diagonal() == 0
-    h[dead, dead] = 1.0
+    h.diagonal().masked_fill_(dead, 1.0)
 
     # per-group parameters, stored [NG, N] so one group's row is contiguous in the loop
     scale = torch.empty(n_groups, n, device=w.device)

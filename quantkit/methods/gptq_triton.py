@@ -16,6 +16,8 @@ import torch
 
 __all__ = ["available", "gptq_block"]
 
+_ROWS_PER_PROGRAM = 16
+
 try:  # triton ships with CUDA builds of torch; the CPU wheel has none
     import triton
     import triton.language as tl
@@ -100,10 +102,11 @@ def gptq_block(w1: torch.Tensor, hinv1: torch.Tensor, scale: torch.Tensor, zero:
     codes = torch.empty(n, bs, device=w1.device, dtype=torch.float32)
     err = torch.empty_like(codes)
     qmax = 2**bits - 1
-    # rows per program: at most two [bn, bs] fp32 tiles in registers, and enough programs to
-    # fill the GPU (~4 per SM) when N is small (down_proj: N = 4096)
-    sms = torch.cuda.get_device_properties(w1.device).multi_processor_count
-    bn = max(1, min(64, 8192 // bs, triton.next_power_of_2(max(1, n // (4 * sms)))))
+    # rows per program: at most two [bn, bs] fp32 tiles in registers. One fixed value for
+    # every N (was 8/16/64 by N): each distinct BN is a separate JIT compile (~0.5 s each on
+    # a fresh machine, paid inside the first block), and 16 rows still give >= 256 programs
+    # for N = 4096. Rows are independent, so BN never changes the results.
+    bn = max(1, min(_ROWS_PER_PROGRAM, 8192 // bs))
     grid = (triton.cdiv(n, bn),)
     _gptq_block_kernel[grid](
         w1, hinv_pad, codes, err, scale, zero, col_group, n, b, w1.stride(0),
