@@ -71,6 +71,7 @@ def run_quantkit(method: str, args) -> dict:
            "seqlen": args.seqlen, "seconds": round(dt, 2),
            "seconds_per_layer": round(dt / args.layers, 2),
            "seconds_per_layer_after_first": round(sum(blocks[1:]) / max(len(blocks) - 1, 1), 2),
+           "seconds_per_block": [round(b, 2) for b in blocks],  # the first holds input capture
            "projected_32_layers_s": round(dt / args.layers * 32, 1),
            "peak_gpu_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
            "mean_rel_error": round(sum(errs) / max(len(errs), 1), 5),
