@@ -29,15 +29,24 @@ def _sha(t: torch.Tensor) -> str:
 
 
 def run(root: str, layers: int, samples: int, seqlen: int) -> dict:
-    sys.path.insert(0, str(Path(root).resolve()))
+    root_dir = Path(root).resolve()
+    for m in [m for m in sys.modules if m.split(".")[0] == "quantkit"]:
+        del sys.modules[m]
+    sys.path.insert(0, str(root_dir))
     sys.path.insert(1, str(Path(__file__).resolve().parent))
-    from gpu_quantkit_vs_llmcompressor import synthetic_llama_8b
-
     import quantkit
+
+    if not Path(quantkit.__file__).resolve().is_relative_to(root_dir):
+        sys.exit(f"quantkit came from {quantkit.__file__}, not {root_dir}: the comparison "
+                 f"would not test the code under --root (sys.path[:4]: {sys.path[:4]})")
     from quantkit.arch import spec_for_config
     from quantkit.methods import get_quantizer
     from quantkit.pipeline.blocks import quantize_blocks
     from quantkit.types import QuantScheme
+
+    # only after quantkit: that module puts its own checkout first on sys.path (importing it
+    # first made both sides of the 2026-11-23 H100 comparison load the same, new code)
+    synthetic_llama_8b = __import__("gpu_quantkit_vs_llmcompressor").synthetic_llama_8b
 
     out = {"quantkit_file": quantkit.__file__}
     for method in ("gptq", "awq"):
