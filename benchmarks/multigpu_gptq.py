@@ -84,8 +84,21 @@ def worker(args) -> None:
             sync()
             marks.append(time.perf_counter())
 
+        quantizer = get_quantizer("gptq")
+        solve = [0.0]
+        inner = quantizer.quantize_block
+
+        def timed_solve(ctx, inner=inner, solve=solve):  # GPTQ's own work (rank 0 only)
+            sync()
+            t = time.perf_counter()
+            out = inner(ctx)
+            sync()
+            solve[0] += time.perf_counter() - t
+            return out
+
+        quantizer.quantize_block = timed_solve
         t0 = time.perf_counter()
-        results = quantize_blocks(model, spec, get_quantizer("gptq"), scheme, mine,
+        results = quantize_blocks(model, spec, quantizer, scheme, mine,
                                   device=device,
                                   compute_dtype=torch.bfloat16 if cuda else torch.float32,
                                   on_progress=progress, dp=dp)
@@ -95,6 +108,7 @@ def worker(args) -> None:
         row = {"run": f"{world}gpu", "config": tag, "rank": rank, "world_size": world,
                "layers": args.layers, "samples": args.samples, "seqlen": args.seqlen,
                "batch": batch, "batches_this_rank": len(mine), "seconds": round(dt, 3),
+               "gptq_solve_s": round(solve[0], 3),
                "seconds_per_block": [round(x, 3) for x in per_block],
                "peak_gpu_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else 0,
                "model_build_s": round(build_s, 1),
@@ -188,6 +202,7 @@ def main() -> None:
         r0 = next(r for r in many if r["rank"] == 0)
         s = {"seconds_1gpu": one[0]["seconds"], f"seconds_{multi}": r0["seconds"],
              "speedup": round(one[0]["seconds"] / r0["seconds"], 3),
+             "gptq_solve_s_1gpu": one[0]["gptq_solve_s"], f"gptq_solve_s_{multi}": r0["gptq_solve_s"],
              "s_per_block_after_first_1gpu": round(
                  sum(one[0]["seconds_per_block"][1:]) / max(args.layers - 1, 1), 3),
              f"s_per_block_after_first_{multi}": round(
