@@ -192,6 +192,8 @@ def main() -> None:
         print(proc.stdout[-6000:], proc.stderr[-6000:], flush=True)
         rows += [json.loads(line[7:]) for line in proc.stdout.splitlines()
                  if line.startswith("RESULT ")]
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({"partial": True, "rows": rows}, indent=2))
     summary = {}
     multi = f"{args.gpus}gpu"
     for tag in ("timed", "exact"):
