@@ -67,8 +67,13 @@ def worker(args) -> None:
     build_s = time.perf_counter() - t_build
     ids = torch.randint(0, model.config.vocab_size, (args.samples, args.seqlen),
                         generator=torch.Generator().manual_seed(0))
-    scheme = QuantScheme(bits=4, group_size=128, symmetric=True)
-    for tag, batch in (("timed", args.batch), ("exact", args.samples // 2)):
+    configs = [("gptq", "timed", args.batch), ("gptq", "exact", args.samples // 2)]
+    if args.awq:
+        configs.append(("awq", "timed", args.batch))
+    for method, tag, batch in configs:
+        tag = f"{method}_{tag}"
+        # the peer recipes of gpu_quantkit_vs_llmcompressor.py: GPTQ W4A16 sym, AWQ asym
+        scheme = QuantScheme(bits=4, group_size=128, symmetric=method == "gptq")
         for b, sd in zip(blocks, original, strict=True):
             b.load_state_dict(sd)
         batches = list(ids.split(batch))
@@ -84,11 +89,11 @@ def worker(args) -> None:
             sync()
             marks.append(time.perf_counter())
 
-        quantizer = get_quantizer("gptq")
+        quantizer = get_quantizer(method)
         solve = [0.0]
         inner = quantizer.quantize_block
 
-        def timed_solve(ctx, inner=inner, solve=solve):  # GPTQ's own work (rank 0 only)
+        def timed_solve(ctx, inner=inner, solve=solve):  # the method's own work (rank 0 only)
             sync()
             t = time.perf_counter()
             out = inner(ctx)
@@ -108,7 +113,7 @@ def worker(args) -> None:
         row = {"run": f"{world}gpu", "config": tag, "rank": rank, "world_size": world,
                "layers": args.layers, "samples": args.samples, "seqlen": args.seqlen,
                "batch": batch, "batches_this_rank": len(mine), "seconds": round(dt, 3),
-               "gptq_solve_s": round(solve[0], 3),
+               "method_solve_s": round(solve[0], 3),
                "seconds_per_block": [round(x, 3) for x in per_block],
                "peak_gpu_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else 0,
                "model_build_s": round(build_s, 1),
@@ -162,6 +167,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8, help="calibration samples per forward")
     p.add_argument("--save-dir", default="/tmp/quantkit_multigpu")
     p.add_argument("--device", default="cuda", help="cpu (gloo) for a smoke test")
+    p.add_argument("--awq", action="store_true", help="also time AWQ (W4A16 g128 asym)")
     p.add_argument("--tiny", action="store_true", help="small widths: a CPU smoke test")
     p.add_argument("--threads", type=int, default=None,
                    help="OMP threads per rank (default: cores / gpus; torchrun would say 1)")
@@ -176,7 +182,8 @@ def main() -> None:
         env.pop(k, None)
     common = ["--worker", "--layers", str(args.layers), "--samples", str(args.samples),
               "--seqlen", str(args.seqlen), "--batch", str(args.batch),
-              "--save-dir", args.save_dir, "--device", args.device] + (["--tiny"] if args.tiny else [])
+              "--save-dir", args.save_dir, "--device", args.device] + (
+                  ["--tiny"] if args.tiny else []) + (["--awq"] if args.awq else [])
     me = str(Path(__file__).resolve())
     threads = args.threads or max((os.cpu_count() or 2) // args.gpus, 1)
     runs = {"1gpu": [sys.executable, me, *common],
@@ -196,7 +203,7 @@ def main() -> None:
         Path(args.out).write_text(json.dumps({"partial": True, "rows": rows}, indent=2))
     summary = {}
     multi = f"{args.gpus}gpu"
-    for tag in ("timed", "exact"):
+    for tag in ("gptq_timed", "gptq_exact", "awq_timed"):
         one = [r for r in rows if r["run"] == "1gpu" and r["config"] == tag]
         many = [r for r in rows if r["run"] == multi and r["config"] == tag]
         if not one or not many:
@@ -204,7 +211,8 @@ def main() -> None:
         r0 = next(r for r in many if r["rank"] == 0)
         s = {"seconds_1gpu": one[0]["seconds"], f"seconds_{multi}": r0["seconds"],
              "speedup": round(one[0]["seconds"] / r0["seconds"], 3),
-             "gptq_solve_s_1gpu": one[0]["gptq_solve_s"], f"gptq_solve_s_{multi}": r0["gptq_solve_s"],
+             "method_solve_s_1gpu": one[0]["method_solve_s"],
+             f"method_solve_s_{multi}": r0["method_solve_s"],
              "s_per_block_after_first_1gpu": round(
                  sum(one[0]["seconds_per_block"][1:]) / max(args.layers - 1, 1), 3),
              f"s_per_block_after_first_{multi}": round(
@@ -218,7 +226,7 @@ def main() -> None:
             s["artifact_match"] = compare(a, b)
         summary[tag] = s
     record = {"setup": {k: v for k, v in vars(args).items() if k != "worker"},
-              "what": "quantkit GPTQ W4A16 g128 sym, synthetic Llama-3.1-8B-shaped blocks; "
+              "what": "quantkit GPTQ W4A16 g128 sym (AWQ: asym), synthetic Llama-3.1-8B-shaped blocks; "
                       "quantize_blocks only (calibration capture + all blocks), not model "
                       "build or artifact writing",
               "process_wall_s": wall, "summary": summary, "rows": rows}

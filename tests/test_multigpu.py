@@ -66,6 +66,52 @@ def test_two_ranks_gloo_gptq_artifact_identical(tiny_model_factory, tmp_path, mo
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".dp")) == []
 
 
+AWQ_SCRIPT = """
+import sys
+from pathlib import Path
+
+import torch.distributed as dist
+
+from quantkit.pipeline.quantize import QuantizeRequest, quantize
+from quantkit.types import QuantScheme
+
+dist.init_process_group("gloo")  # already initialised: quantize() joins it, does not end it
+quantize(QuantizeRequest(model=sys.argv[1], method="awq", out=Path(sys.argv[2]),
+                         scheme=QuantScheme(bits=4, group_size=64, symmetric=False),
+                         calib_samples=2, calib_seqlen=256, device="cpu", resume=False,
+                         method_options={"search_tokens": 256}))
+dist.destroy_process_group()
+"""
+
+
+def test_two_ranks_gloo_awq_artifact_identical(tiny_model_factory, tmp_path):
+    """AWQ: x_mean from the summed absmean of both ranks; the scale and clip searches read
+    the first search_tokens tokens (256 = sample 0), which rank 0's share starts with, so
+    the artifact is again bitwise identical (one sample per rank: the same float sums)."""
+    from safetensors.torch import load_file
+
+    from quantkit.pipeline.quantize import QuantizeRequest, quantize
+    from quantkit.types import QuantScheme
+
+    model = tiny_model_factory("llama", hidden=128, intermediate=256)
+    single, dp = tmp_path / "single", tmp_path / "dp"
+    quantize(QuantizeRequest(model=str(model), method="awq", out=single,
+                             scheme=QuantScheme(bits=4, group_size=64, symmetric=False),
+                             calib_samples=2, calib_seqlen=256, device="cpu", resume=False,
+                             method_options={"search_tokens": 256}))
+    script = tmp_path / "awq_dp.py"
+    script.write_text(AWQ_SCRIPT)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(script), str(model), str(dp)],
+        cwd=REPO, env=_env(), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    a, b = load_file(single / "model.safetensors"), load_file(dp / "model.safetensors")
+    assert a.keys() == b.keys()
+    differ = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not differ, differ
+
+
 def test_shard_is_contiguous_and_covers_every_batch():
     from quantkit.pipeline.distributed import DataParallel
 
@@ -87,5 +133,6 @@ def test_methods_without_data_parallel_support_are_refused():
     dp = DataParallel(rank=0, world=2, local_rank=0, backend="gloo")
     dp.check_method(get_quantizer("gptq"))
     dp.check_method(get_quantizer("rtn"))
+    dp.check_method(get_quantizer("awq"))
     with pytest.raises(SchemeMismatch, match="data-parallel"):
-        dp.check_method(get_quantizer("awq"))
+        dp.check_method(get_quantizer("fp8", scheme="dynamic"))

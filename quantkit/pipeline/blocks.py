@@ -162,7 +162,9 @@ def quantize_blocks(
                 for name, res in quantizer.quantize_block(ctx).items():
                     _set_weight(linears[name], res)
                     results[prefix + name] = _to_cpu(res, prefix + name)
-            if dp is not None:
+            if dp is not None and getattr(quantizer, "data_parallel", None) == "block":
+                dp.broadcast_module(block)  # the method also changed other tensors (AWQ norms)
+            elif dp is not None:
                 dp.broadcast_linears(linears)
         if inputs is not None:
             outs = outputs_fp if outputs_fp is not None else run_block(block, inputs)

@@ -12,9 +12,13 @@ CUDA, gloo on CPU) and every rank then runs the ordinary block-by-block loop wit
   * the method run on rank 0 only, whose quantized (dequantized) weights are then broadcast
     (`broadcast_linears`), so every rank propagates its shard through bit-identical weights;
   * only rank 0 writing the artifact.
-Methods opt in with `data_parallel = True` (GPTQ, RTN): their only use of the calibration
-data is through summed statistics. AWQ's grid search reads the block's inputs and outputs
-directly, so it is refused here rather than silently calibrated on one shard.
+Methods opt in with `data_parallel = True` (GPTQ, RTN: the calibration data reaches them only
+through summed statistics) or `data_parallel = "block"` (AWQ: x_mean from the summed absmean;
+its scale and clip searches read the first `search_tokens` calibration tokens, which rank 0's
+contiguous share starts with, so rank 0 searches on the same tokens as a single process as
+long as its share covers that budget -- 65536 tokens on a GPU, e.g. 128 x 2048 samples on up
+to 4 GPUs; rank 0 then broadcasts the whole block, folded norms too). Others (FP8, GGUF) are
+refused rather than silently calibrated on one share.
 """
 
 from __future__ import annotations
@@ -65,7 +69,7 @@ class DataParallel:
                 f"--method {quantizer.name} does not support data-parallel runs "
                 f"(WORLD_SIZE={self.world}): its search reads calibration activations "
                 "directly, not through summed statistics.",
-                "Run it in one process (no torchrun), or use --method gptq / rtn.")
+                "Run it in one process (no torchrun), or use --method gptq / awq / rtn.")
         unsupported = set(quantizer.stats) - set(_SUM) - set(_MAX)
         if unsupported:
             raise SchemeMismatch(f"statistics {sorted(unsupported)} cannot be reduced across ranks.")
@@ -132,24 +136,33 @@ class DataParallel:
 
     def broadcast_linears(self, linears: dict[str, torch.nn.Module]) -> None:
         """Rank 0's (quantized) weights and biases into every rank's Linears, in place."""
-        import torch.distributed as dist
-
         for n in linears:
-            for p in (linears[n].weight, linears[n].bias):
-                if p is None:
-                    continue
-                if p.data.is_contiguous():
-                    dist.broadcast(p.data, src=0)
-                else:
-                    t = p.data.contiguous()
-                    dist.broadcast(t, src=0)
-                    p.data.copy_(t)
+            _broadcast([linears[n].weight, linears[n].bias])
+
+    def broadcast_module(self, module: torch.nn.Module) -> None:
+        """Every parameter and buffer of rank 0's `module` (a block whose norms a method such
+        as AWQ rescaled) into every rank's, in place."""
+        _broadcast([*module.parameters(), *module.buffers()])
 
     def close(self) -> None:
         import torch.distributed as dist
 
         if self.owns_group and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _broadcast(tensors) -> None:
+    import torch.distributed as dist
+
+    for p in tensors:
+        if p is None:
+            continue
+        if p.data.is_contiguous():
+            dist.broadcast(p.data, src=0)
+        else:
+            t = p.data.contiguous()
+            dist.broadcast(t, src=0)
+            p.data.copy_(t)
 
 
 def _same(a: dict, b: dict, wanted: tuple[str, ...]) -> bool:
