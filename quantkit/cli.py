@@ -169,6 +169,9 @@ def quantize(resume, no_memory_check, **kw) -> None:
     from quantkit.pipeline.quantize import quantize as run
 
     req = _request(**kw, resume=resume, memory_check=not no_memory_check)
+    if os.environ.get("RANK", "0") != "0":  # a data-parallel worker (torchrun): rank 0 reports
+        run(req)
+        return
     with _Progress() as progress:
         meta = run(req, on_progress=progress)
     console.print(f"[green]wrote[/] {req.out} ({meta['format']}, {meta['method']}, "

@@ -232,6 +232,10 @@ class AWQQuantizer:
     name = "awq"
     stats: tuple[str, ...] = ("absmean",)
     needs_calibration = True
+    # data-parallel (quantkit.pipeline.distributed): x_mean comes from the summed absmean of
+    # every rank; the search and clip read the FIRST search batches, which rank 0's
+    # contiguous share starts with; rank 0 then broadcasts the whole block (folded norms too)
+    data_parallel = "block"
     true_sequential = False  # every group of a block is searched on the unmodified block
 
     def __init__(self, n_grid: int = DEFAULT_GRID, duo_scaling: bool = True, clip: bool = True,

@@ -229,6 +229,9 @@ class GPTQQuantizer:
     # 8 samples per forward: the same sums as batch 1, but 8x fewer small ops (on 2 busy CPU
     # cores a SmolLM2 block ran 2.8x faster with 8 x 512 tokens per call than with 1 x 512)
     calib_batch_size = 8
+    # reads calibration data only through the summed Hessians: data-parallel ranks can each
+    # sum their shard (quantkit.pipeline.distributed)
+    data_parallel = True
 
     def __init__(self, damp: float = DEFAULT_DAMP, block_size: int = DEFAULT_BLOCK_SIZE,
                  static_groups: bool = True):

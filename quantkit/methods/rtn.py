@@ -15,6 +15,7 @@ class RTNQuantizer:
     stats: tuple[str, ...] = ()
     propagate_quantized = False  # RTN reads no activations, so nothing needs propagating
     needs_calibration = False
+    data_parallel = True  # nothing to split: rank 0 rounds, the others receive the weights
 
     def check(self, scheme: QuantScheme) -> None:
         check_int_scheme(scheme)

@@ -89,6 +89,7 @@ def quantize_blocks(
     checkpoint=None,
     dense: dict[str, torch.Tensor] | None = None,
     dense_dtype: torch.dtype = torch.bfloat16,
+    dp=None,
 ) -> dict[str, QuantResult]:
     """Quantize every block Linear of `model` in place; return results keyed by full name.
 
@@ -97,7 +98,14 @@ def quantize_blocks(
     (quantkit.pipeline.checkpoint.BlockCheckpoint) saves each finished block and, when it
     holds earlier blocks of the same request, the loop starts after them; the results then
     come back as a mapping that reads them from the checkpoint on access.
+    `dp` (quantkit.pipeline.distributed.DataParallel) makes this one rank of a data-parallel
+    run: `batches` are this rank's share, statistics are summed onto rank 0, which alone runs
+    the method; its weights are broadcast, and only rank 0 returns results.
     """
+    if dp is not None:
+        dp.check_method(quantizer)
+        if checkpoint is not None:
+            raise ValueError("per-block checkpoints are not supported in data-parallel runs")
     source = source or BlockSource()
     blocks = get_blocks(model, spec)
     results: dict[str, QuantResult] = {}
@@ -139,6 +147,8 @@ def quantize_blocks(
                 with StatCollector(linears, quantizer.stats) as collector:
                     collector.run(block, inputs)
                 stats = collector.results
+                if dp is not None:
+                    dp.reduce_stats(stats, linears, quantizer.stats, device)
 
             def rerun(block=block, inputs=inputs):
                 return run_block(block, inputs) if inputs is not None else []
@@ -149,16 +159,21 @@ def quantize_blocks(
                 options=dict(options or {}),
                 collect=lambda names, st, block=block, inputs=inputs: _collect(block, names, st, inputs),
             )
-            for name, res in quantizer.quantize_block(ctx).items():
-                _set_weight(linears[name], res)
-                res.name = prefix + name
-                results[prefix + name] = res  # still on the device: fetched once per block
+            if dp is None or dp.is_main:
+                for name, res in quantizer.quantize_block(ctx).items():
+                    _set_weight(linears[name], res)
+                    res.name = prefix + name
+                    results[prefix + name] = res  # still on the device: fetched once per block
+            if dp is not None and getattr(quantizer, "data_parallel", None) == "block":
+                dp.broadcast_module(block)  # the method also changed other tensors (AWQ norms)
+            elif dp is not None:
+                dp.broadcast_linears(linears)
         if inputs is not None:
             outs = outputs_fp if outputs_fp is not None else run_block(block, inputs)
             inputs = BlockInputs(outs, inputs.kwargs)
         mine = {k: r for k, r in results.items() if k.startswith(prefix)}
         _block_and_results_to_cpu(block, orig_dtype, list(mine.values()))
-        kept = block_dense(block, prefix, mine, dense_dtype)
+        kept = block_dense(block, prefix, mine, dense_dtype) if dp is None or dp.is_main else {}
         if dense is not None:
             dense.update(kept)
         if checkpoint is not None:  # from here on the results live in the checkpoint only

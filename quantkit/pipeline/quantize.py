@@ -156,7 +156,25 @@ def _device(requested: str | None) -> str:
 
 
 def quantize(req: QuantizeRequest, on_progress: ProgressFn | None = None) -> dict:
-    """Run a quantization; returns the artifact's metadata (also written as quantkit.json)."""
+    """Run a quantization; returns the artifact's metadata (also written as quantkit.json).
+
+    Under torchrun (WORLD_SIZE > 1) this is one rank of a data-parallel run
+    (quantkit.pipeline.distributed): rank 0 writes the artifact and returns its metadata,
+    the other ranks return {"rank": r, "world_size": N} and write nothing.
+    """
+    from quantkit.pipeline.distributed import from_env, world_size_from_env
+
+    if world_size_from_env() <= 1:
+        return _quantize(req, on_progress, None)
+    dp, device = from_env(_device(req.device))
+    try:
+        return _quantize(req, on_progress if dp.is_main else None, (dp, device))
+    finally:
+        dp.close()
+
+
+def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dict:
+    dp, dp_device = dist if dist is not None else (None, None)
     t_start = time.perf_counter()
     if req.stream is not False:
         keep_heap_small()  # before torch's threads make their malloc arenas
@@ -164,6 +182,8 @@ def quantize(req: QuantizeRequest, on_progress: ProgressFn | None = None) -> dic
     check_output(out, req.force)
     quantizer = get_quantizer(req.method, **req.method_options)
     quantizer.check(req.scheme)
+    if dp is not None:
+        dp.check_method(quantizer)
     writer = get_writer(req.format)
     source = resolve_model(req.model, allow_pickle=req.allow_pickle, on_progress=on_progress)
     raw_config = json.loads((source.path / "config.json").read_text())
@@ -178,7 +198,7 @@ def quantize(req: QuantizeRequest, on_progress: ProgressFn | None = None) -> dic
         writer.check_source(source.path, config)
     if hasattr(quantizer, "prepare"):  # per-tensor plans (GGUF type mix) from the config alone
         quantizer.prepare(config=config, spec=spec, shapes=shapes)
-    device = _device(req.device)
+    device = dp_device or _device(req.device)
     if req.memory_check:
         check_memory(plan_request(req, config, spec, quantizer, raw_config))
     tokenizer = load_tokenizer(source.path, trust_remote_code=req.trust_remote_code)
@@ -194,7 +214,8 @@ def quantize(req: QuantizeRequest, on_progress: ProgressFn | None = None) -> dic
     store_dtype = _storage_dtype(raw_config)
     streaming, reader, model = _open_model(req, source.path, config, load_dtype)
     ckpt = None
-    if req.resume and not hasattr(quantizer, "quantize_rest"):  # GGUF keeps cross-block state
+    # data-parallel ranks hold only their shard's hidden states: no per-block checkpoints
+    if req.resume and dp is None and not hasattr(quantizer, "quantize_rest"):  # GGUF keeps cross-block state
         describe = {"model": str(source.path), "model_files": model_fingerprint(source.path),
                     "method": req.method, "format": writer.name,
                     "scheme": dataclasses.asdict(req.scheme), "options": req.method_options,
@@ -204,6 +225,8 @@ def quantize(req: QuantizeRequest, on_progress: ProgressFn | None = None) -> dic
     # methods may ask for larger calibration batches (fewer, bigger ops: much faster on CPU)
     batch = getattr(quantizer, "calib_batch_size", 1)
     batches = list(calib.batches(batch)) if calib is not None else None
+    if dp is not None and batches is not None:
+        batches = dp.shard(batches)
     t_quant = time.perf_counter()
     kept: dict[str, torch.Tensor] = {}
     results = quantize_blocks(model, spec, quantizer, req.scheme, batches, device=device,
@@ -211,7 +234,9 @@ def quantize(req: QuantizeRequest, on_progress: ProgressFn | None = None) -> dic
                               on_progress=on_progress, checkpoint=ckpt, dense=kept,
                               dense_dtype=store_dtype,
                               source=StreamingSource(model, reader, spec, load_dtype)
-                              if streaming else None)
+                              if streaming else None, dp=dp)
+    if dp is not None and not dp.is_main:  # rank 0 alone writes the artifact
+        return {"rank": dp.rank, "world_size": dp.world}
     if hasattr(quantizer, "quantize_rest"):  # tensors outside the blocks (GGUF embeddings)
         outside = [m for m in (spec.embed, spec.lm_head) if streaming]
         for name in outside:
@@ -240,6 +265,7 @@ def quantize(req: QuantizeRequest, on_progress: ProgressFn | None = None) -> dic
         "method_options": req.method_options,
         "device": device,
         "seconds": {"quantize": round(quant_seconds, 3)},
+        **({"data_parallel": dp.describe()} if dp is not None else {}),
         "command": req.command or req.cli_equivalent(),
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
