@@ -197,6 +197,62 @@ def test_shared_input_linears_are_quantized_as_one_stack(layer):
         assert 0 < res[n].loss < 0.5 and res[n].seconds >= 0
 
 
+def test_one_pass_true_sequential_is_bitwise_the_replay_path(tiny_llama):
+    """The staged pipeline (one block forward per batch, paused at each sequential group)
+    gives exactly the replay path's codes, scales and next-block inputs, with 1 block call
+    per batch instead of one per group plus one."""
+    from quantkit.arch import spec_for_config
+    from quantkit.model_io import load_model
+    from quantkit.pipeline.blocks import get_blocks, quantize_blocks
+
+    scheme = QuantScheme(bits=4, group_size=64, act_order=True)
+    gen = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, 49152, (2, 64), generator=gen) for _ in range(3)]
+    runs = {}
+    for staged in (False, True):
+        model = load_model(tiny_llama)
+        spec = spec_for_config(model.config)
+        calls = []
+        for i, blk in enumerate(get_blocks(model, spec)):
+            blk.register_forward_pre_hook(lambda *_a, i=i, calls=calls: calls.append(i))
+        results = quantize_blocks(model, spec, GPTQQuantizer(), scheme, batches, staged=staged)
+        runs[staged] = (results, calls, model)
+    (ref, ref_calls, ref_model), (new, new_calls, new_model) = runs[False], runs[True]
+    assert ref.keys() == new.keys() and len(new) == 14
+    for name in ref:
+        for attr in ("codes", "scale", "zero"):
+            assert torch.equal(getattr(ref[name], attr), getattr(new[name], attr)), (name, attr)
+    n = len(batches)  # block 0 also sees the n calls that capture its inputs
+    assert [new_calls.count(0) - n, new_calls.count(1)] == [n, n]
+    assert ref_calls.count(0) - n > 2 * n and ref_calls.count(1) > 2 * n
+    ids = batches[0]
+    with torch.no_grad():
+        assert torch.equal(ref_model(input_ids=ids).logits, new_model(input_ids=ids).logits)
+
+
+def test_staged_forward_names_a_group_that_does_not_share_its_input():
+    from quantkit.pipeline.capture import BlockInputs
+    from quantkit.pipeline.staged import StagedForward
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+        def forward(self, h):
+            return self.b(self.a(h))  # b reads a's output, not a's input
+
+    blk = Block()
+    xs = [torch.randn(1, 3, 8) for _ in range(2)]
+    with StagedForward(blk, [("a", "b")], BlockInputs(xs, [{}, {}])) as run:
+        assert [x is y for x, y in zip(run.advance(0), xs, strict=True)] == [True, True]
+        with pytest.raises(RuntimeError, match="must share one input"):
+            run.finish()
+    with StagedForward(blk, [("b",), ("a",)], BlockInputs(xs, [{}, {}])) as run:
+        with pytest.raises(RuntimeError, match="does not match"):
+            run.advance(0)
+
+
 def test_stat_collector_shares_and_stops_early():
     from quantkit.pipeline.capture import BlockInputs
     from quantkit.pipeline.stats import StatCollector

@@ -112,6 +112,9 @@ def estimate(config, spec: ArchSpec, *, method: str, scheme: QuantScheme, calib_
     # one batch through a block: MLP intermediates (gate, up, act) + attention scores
     forward = batch_tokens * (3 * inter + 4 * hidden) * act_bytes + \
         (min(calib_batch, calib_samples) * heads * calib_seqlen**2 * act_bytes if calibrated else 0)
+    if method == "gptq" and not cuda:  # one-pass true-sequential (CPU): every batch paused mid-block
+        # (residual + normed hidden + the down_proj input, or q/k/v/attention at o_proj)
+        forward += tokens * (2 * hidden + max(inter, 3 * hidden)) * act_bytes
 
     block_params = max(per_block.values(), default=0)
     quantized = sum(n * k for lin in linears for n, k in lin.values())
@@ -169,7 +172,7 @@ def estimate(config, spec: ArchSpec, *, method: str, scheme: QuantScheme, calib_
     block_norms = (sum(per_block.values()) - quantized) * sb
     disk += block_norms
 
-    passes = {"gptq": 3.5, "awq": 8, "fp8": 1, "gguf": 1}.get(method, 0)
+    passes = {"gptq": 3.5 if cuda else 1, "awq": 8, "fp8": 1, "gguf": 1}.get(method, 0)
     flops = 2 * quantized * tokens * passes
     if method == "gptq":
         flops += sum(n * k * k * 2 + k**3 for lin in linears for n, k in lin.values())

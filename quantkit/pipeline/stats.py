@@ -43,9 +43,12 @@ class _AllFired(Exception):
 
 
 class StatCollector:
-    """Hooks `stats` onto `modules`; `.results[name][stat]` and `.results[name]["tokens"]`."""
+    """Hooks `stats` onto `modules`; `.results[name][stat]` and `.results[name]["tokens"]`.
 
-    def __init__(self, modules: dict[str, torch.nn.Module], stats: tuple[str, ...]):
+    With `hook=False` nothing is hooked: the caller hands inputs to `observe` itself.
+    """
+
+    def __init__(self, modules: dict[str, torch.nn.Module], stats: tuple[str, ...], hook: bool = True):
         unknown = set(stats) - set(STATS)
         if unknown:
             raise ValueError(f"unknown statistics {sorted(unknown)}; known: {STATS}")
@@ -57,43 +60,48 @@ class StatCollector:
         self._last_updates: dict[str, torch.Tensor] = {}
         self._fired: set[str] = set()
         self._stop_when_all_fired = False
-        self._handles = [m.register_forward_hook(self._hook(n)) for n, m in modules.items()]
+        self._handles = [m.register_forward_hook(self._hook(n)) for n, m in modules.items()] \
+            if hook else []
 
     def _hook(self, name: str):
         def hook(_module, args, _output):
-            if args[0] is not self._last_input:
-                x_in = args[0].detach().reshape(-1, args[0].shape[-1])
-                self._last_input, self._last_updates = args[0], {}
-                x = None
-                for stat in self.stats:
-                    # float32 copy only when a statistic reads it: the half-precision GPU
-                    # Hessian does not (down_proj: 0.9 GiB per 8 x 2048-token batch saved)
-                    if x is None and not (stat == "hessian" and _gram_reads_half(x_in)):
-                        x = x_in.float()
-                    if stat == "hessian":
-                        upd = _gram(x_in, x)
-                    elif stat == "sq_mean":
-                        upd = (x * x).sum(0)
-                    elif stat == "absmax":
-                        upd = x.abs().amax(0)
-                    elif stat == "token_absmax":
-                        upd = x.abs().amax(1)
-                    else:
-                        upd = x.abs().sum(0)
-                    self._last_updates[stat] = upd
-            rec = self.results[name]
-            rec["tokens"] += args[0].numel() // args[0].shape[-1]
-            for stat, upd in self._last_updates.items():
-                if stat in rec and stat in _COMBINE:
-                    rec[stat] = _COMBINE[stat](rec[stat], upd)
-                elif stat in rec:
-                    rec[stat].add_(upd)
-                else:
-                    rec[stat] = upd.clone()
-            self._fired.add(name)
+            self.observe(name, args[0])
             if self._stop_when_all_fired and len(self._fired) == len(self.results):
                 raise _AllFired
         return hook
+
+    def observe(self, name: str, x_any: torch.Tensor) -> None:
+        """Add one input of Linear `name` (any leading shape, features last) to its sums."""
+        if x_any is not self._last_input:
+            x_in = x_any.detach().reshape(-1, x_any.shape[-1])
+            self._last_input, self._last_updates = x_any, {}
+            x = None
+            for stat in self.stats:
+                # float32 copy only when a statistic reads it: the half-precision GPU
+                # Hessian does not (down_proj: 0.9 GiB per 8 x 2048-token batch saved)
+                if x is None and not (stat == "hessian" and _gram_reads_half(x_in)):
+                    x = x_in.float()
+                if stat == "hessian":
+                    upd = _gram(x_in, x)
+                elif stat == "sq_mean":
+                    upd = (x * x).sum(0)
+                elif stat == "absmax":
+                    upd = x.abs().amax(0)
+                elif stat == "token_absmax":
+                    upd = x.abs().amax(1)
+                else:
+                    upd = x.abs().sum(0)
+                self._last_updates[stat] = upd
+        rec = self.results[name]
+        rec["tokens"] += x_any.numel() // x_any.shape[-1]
+        for stat, upd in self._last_updates.items():
+            if stat in rec and stat in _COMBINE:
+                rec[stat] = _COMBINE[stat](rec[stat], upd)
+            elif stat in rec:
+                rec[stat].add_(upd)
+            else:
+                rec[stat] = upd.clone()
+        self._fired.add(name)
 
     def run(self, block: torch.nn.Module, inputs) -> None:
         """Run each cached batch (BlockInputs) through `block`, stopping a batch as soon as
