@@ -110,8 +110,12 @@ def estimate(config, spec: ArchSpec, *, method: str, scheme: QuantScheme, calib_
     hidden_io = 2 * tokens * hidden * act_bytes  # inputs + outputs of the current block
     batch_tokens = min(calib_batch, max(calib_samples, 1)) * calib_seqlen if calibrated else 0
     # one batch through a block: MLP intermediates (gate, up, act) + attention scores
+    # attention scores: materialised by the CPU path; CUDA's SDPA kernels (flash / memory-
+    # efficient) never hold them (measured on the H100: GPTQ 8.8 GiB peak, 2 GiB below the
+    # plan that counted them)
     forward = batch_tokens * (3 * inter + 4 * hidden) * act_bytes + \
-        (min(calib_batch, calib_samples) * heads * calib_seqlen**2 * act_bytes if calibrated else 0)
+        (min(calib_batch, calib_samples) * heads * calib_seqlen**2 * act_bytes
+         if calibrated and not cuda else 0)
     if method == "gptq" and not cuda:  # one-pass true-sequential (CPU): every batch paused mid-block
         # (residual + normed hidden + the down_proj input, or q/k/v/attention at o_proj)
         forward += tokens * (2 * hidden + max(inter, 3 * hidden)) * act_bytes
