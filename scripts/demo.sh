@@ -11,11 +11,13 @@ O=out/demo
 mkdir -p "$O" reports
 CAL=(--calib mixed --calib-samples 64 --calib-seqlen 512)
 $Q quantize $M --method rtn  --bits 4 --group-size 64 -o "$O/rtn-w4g64" --force
-$Q quantize $M --method gptq --bits 4 --group-size 64 "${CAL[@]}" -o "$O/gptq-w4g64" --force
+$Q quantize $M --method gptq --bits 4 --group-size 64 --act-order "${CAL[@]}" -o "$O/gptq-w4g64" --force
 $Q quantize $M --method awq  --bits 4 --group-size 64 --format awq "${CAL[@]}" -o "$O/awq-w4g64" --force
 $Q quantize $M --method fp8  --scheme dynamic -o "$O/fp8-dynamic" --force
 $Q quantize $M --method gguf --gguf-type q4_k_m -o "$O/q4_k_m.gguf" --force
 $Q eval "$O/gptq-w4g64" --base $M
-$Q compare "$O/rtn-w4g64" "$O/gptq-w4g64" "$O/awq-w4g64" "$O/fp8-dynamic" "$O/q4_k_m.gguf" \
+# + prefill/decode tokens/s in llama.cpp; a single-file artifact's results go to --json
+$Q eval "$O/q4_k_m.gguf" --base $M --speed --json "$O/q4_k_m.eval.json"
+$Q compare "$O/rtn-w4g64" "$O/gptq-w4g64" "$O/awq-w4g64" "$O/fp8-dynamic" "$O/q4_k_m.eval.json" \
   --base $M --title "quantkit demo: SmolLM2-135M-Instruct" --report reports/demo.html
 echo "open reports/demo.html in a browser"
