@@ -46,11 +46,11 @@ def run(root: str, layers: int, samples: int, seqlen: int) -> dict:
 
     # only after quantkit: that module puts its own checkout first on sys.path (importing it
     # first made both sides of the 2026-11-23 H100 comparison load the same, new code)
-    synthetic_llama_8b = __import__("gpu_quantkit_vs_llmcompressor").synthetic_llama_8b
+    synthetic_llama = __import__("gpu_quantkit_vs_llmcompressor").synthetic_llama
 
     out = {"quantkit_file": quantkit.__file__}
     for method in ("gptq", "awq"):
-        model = synthetic_llama_8b(layers)
+        model = synthetic_llama(layers)
         spec = spec_for_config(model.config)
         ids = torch.randint(0, 128000, (samples, seqlen), generator=torch.Generator().manual_seed(0))
         scheme = QuantScheme(bits=4, group_size=128, symmetric=method == "gptq")

@@ -25,15 +25,25 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def synthetic_llama_8b(n_layers: int):
+# Llama-3.x layer shapes (hidden, intermediate, heads, kv heads); the peer script knows only 8b.
+SHAPES = {"llama-3.1-8b": (4096, 14336, 32, 8), "llama-3.2-3b": (3072, 8192, 24, 8)}
+
+
+def synthetic_llama(n_layers: int, shape: str = "llama-3.1-8b"):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
-                      num_key_value_heads=8, num_hidden_layers=n_layers, vocab_size=128256,
+    hidden, inter, heads, kv = SHAPES[shape]
+    cfg = LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_attention_heads=heads,
+                      num_key_value_heads=kv, num_hidden_layers=n_layers, vocab_size=128256,
                       max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5,
                       tie_word_embeddings=False, architectures=["LlamaForCausalLM"])
     torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).to(torch.bfloat16)  # on CPU: quantkit streams blocks to the GPU
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # 32 blocks of 8B in fp32 would be 32 GB to init
+    try:
+        model = LlamaForCausalLM(cfg)  # on CPU: quantkit streams blocks to the GPU
+    finally:
+        torch.set_default_dtype(default)
     model.eval()
     return model
 
@@ -44,7 +54,7 @@ def run_quantkit(method: str, args) -> dict:
     from quantkit.pipeline.blocks import quantize_blocks
     from quantkit.types import QuantScheme
 
-    model = synthetic_llama_8b(args.layers)
+    model = synthetic_llama(args.layers, args.shape)
     spec = spec_for_config(model.config)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 128000, (args.samples, args.seqlen), generator=g)
@@ -67,7 +77,8 @@ def run_quantkit(method: str, args) -> dict:
     dt = time.perf_counter() - t0
     blocks = [b - a for a, b in zip([t0] + per_block[:-1], per_block, strict=True)]
     errs = [r.loss for r in results.values() if r.loss is not None]
-    row = {"tool": "quantkit", "method": method, "layers": args.layers, "samples": args.samples,
+    row = {"tool": "quantkit", "method": method, "shape": args.shape, "layers": args.layers,
+           "samples": args.samples,
            "seqlen": args.seqlen, "seconds": round(dt, 2),
            "seconds_per_layer": round(dt / args.layers, 2),
            "seconds_per_layer_after_first": round(sum(blocks[1:]) / max(len(blocks) - 1, 1), 2),
@@ -96,6 +107,7 @@ def run_peer(methods: list[str], args) -> list[dict]:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--shape", choices=sorted(SHAPES), default="llama-3.1-8b")
     p.add_argument("--samples", type=int, default=128)
     p.add_argument("--seqlen", type=int, default=2048)
     p.add_argument("--batch", type=int, default=8, help="calibration samples per forward")
@@ -105,15 +117,23 @@ def main() -> None:
     p.add_argument("--out", default="benchmarks/results/gpu_quantkit_vs_llmcompressor.json")
     args = p.parse_args()
     methods = args.methods.split(",")
-    rows = []
+    if "llm-compressor" in args.tools and args.shape != "llama-3.1-8b":
+        p.error("the peer script builds Llama-3.1-8B shapes only")
+    rows: list[dict] = []
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save(new: list[dict]) -> None:  # after every row: a run cut at its time limit keeps them
+        for r in new:
+            r.setdefault("tool", r.get("peer", "llm-compressor"))
+        rows.extend(new)
+        out.write_text(json.dumps({"setup": vars(args), "rows": rows}, indent=2))
+
     if "quantkit" in args.tools:
-        rows += [run_quantkit(m, args) for m in methods]
+        for m in methods:
+            save([run_quantkit(m, args)])
     if "llm-compressor" in args.tools:
-        rows += run_peer(methods, args)
-    for r in rows:
-        r.setdefault("tool", r.get("peer", "llm-compressor"))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"setup": vars(args), "rows": rows}, indent=2))
+        save(run_peer(methods, args))
     print(f"{'tool':15s} {'method':6s} {'s/layer':>8s} {'peak GiB':>9s}")
     for r in rows:
         print(f"{r['tool']:15s} {r['method']:6s} {r['seconds_per_layer']:8.2f} {r['peak_gpu_gib']:9.2f}")

@@ -15,7 +15,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gpu_quantkit_vs_llmcompressor import synthetic_llama_8b  # noqa: E402
+from gpu_quantkit_vs_llmcompressor import synthetic_llama  # noqa: E402
 
 from quantkit.arch import spec_for_config  # noqa: E402
 from quantkit.methods import get_quantizer  # noqa: E402
@@ -28,7 +28,7 @@ def main() -> None:
     p.add_argument("--method", default="gptq")
     p.add_argument("--layers", type=int, default=2)
     args = p.parse_args()
-    model = synthetic_llama_8b(args.layers)
+    model = synthetic_llama(args.layers)
     spec = spec_for_config(model.config)
     ids = torch.randint(0, 128000, (128, 2048), generator=torch.Generator().manual_seed(0))
     scheme = QuantScheme(bits=4, group_size=128, symmetric=args.method == "gptq")
