@@ -92,6 +92,10 @@ def _method_options(f):
         click.option("--act-order", is_flag=True, help="GPTQ: quantize columns in activation order."),
         click.option("--damp", type=float, default=None,
                      help="GPTQ: Hessian dampening (share of mean diag)."),
+        click.option("--true-sequential/--no-true-sequential", default=None,
+                     help="GPTQ: calibrate q/k/v -> o -> gate/up -> down each on the previous "
+                          "ones' quantized outputs (default), or all on the unquantized block "
+                          "(fewer forwards on a GPU, slightly less accurate)."),
         click.option("--format", "fmt", default="compressed-tensors", show_default=True,
                      help="Artifact format: compressed-tensors, gptq, awq, fp8, modelopt, gguf."),
         click.option("--gguf-type", default=None,
@@ -119,15 +123,20 @@ def _method_options(f):
     return f
 
 
-def _request(model, method, bits, group_size, sym, act_order, damp, fmt, gguf_type, imatrix,
-             fp8_scheme, calib, calib_samples, calib_seqlen, chat, seed, device, allow_pickle,
-             trust_remote_code, stream, output=".", force=False, **extra):
+def _request(model, method, bits, group_size, sym, act_order, damp, true_sequential, fmt,
+             gguf_type, imatrix, fp8_scheme, calib, calib_samples, calib_seqlen, chat, seed,
+             device, allow_pickle, trust_remote_code, stream, output=".", force=False, **extra):
     from quantkit.pipeline.quantize import QuantizeRequest
 
     options: dict = {}
     kind = "int"
-    if method == "gptq" and damp is not None:
+    if method != "gptq" and (damp is not None or true_sequential is not None):
+        raise click.UsageError("--damp and --true-sequential/--no-true-sequential are GPTQ "
+                               f"options; --method {method} has no use for them.")
+    if damp is not None:
         options["damp"] = damp
+    if true_sequential is False:
+        options["true_sequential"] = False
     if method == "gguf":
         kind = "kquant"
         fmt = "gguf" if fmt == "compressed-tensors" else fmt

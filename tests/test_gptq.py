@@ -230,6 +230,35 @@ def test_one_pass_true_sequential_is_bitwise_the_replay_path(tiny_llama):
         assert torch.equal(ref_model(input_ids=ids).logits, new_model(input_ids=ids).logits)
 
 
+def test_layer_sequential_calibrates_every_group_on_the_unquantized_block(tiny_llama):
+    """--no-true-sequential: one statistics forward + one output forward per block (not one
+    per group); q/k/v see the same inputs either way, o_proj no longer sees quantized
+    attention outputs, so its codes differ from the true-sequential run's."""
+    from quantkit.arch import spec_for_config
+    from quantkit.model_io import load_model
+    from quantkit.pipeline.blocks import get_blocks, quantize_blocks
+
+    gen = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, 49152, (2, 64), generator=gen) for _ in range(3)]
+    runs = {}
+    for true_seq in (True, False):
+        model = load_model(tiny_llama)
+        spec = spec_for_config(model.config)
+        calls = []
+        for i, blk in enumerate(get_blocks(model, spec)):
+            blk.register_forward_pre_hook(lambda *_a, i=i, calls=calls: calls.append(i))
+        quantizer = GPTQQuantizer(true_sequential=true_seq)
+        runs[true_seq] = (quantize_blocks(model, spec, quantizer, G64, batches, staged=False), calls)
+    (seq, seq_calls), (layer, layer_calls) = runs[True], runs[False]
+    n = len(batches)
+    assert layer_calls.count(1) == 2 * n and seq_calls.count(1) > 2 * n
+    first = "model.layers.0."
+    for proj in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
+        assert torch.equal(seq[first + proj].codes, layer[first + proj].codes), proj
+    assert not torch.equal(seq[first + "self_attn.o_proj"].codes, layer[first + "self_attn.o_proj"].codes)
+    assert all(0 < r.loss < 0.5 for r in layer.values())
+
+
 def test_staged_forward_names_a_group_that_does_not_share_its_input():
     from quantkit.pipeline.capture import BlockInputs
     from quantkit.pipeline.staged import StagedForward

@@ -96,8 +96,13 @@ def _param_counts(config, spec: ArchSpec):
 def estimate(config, spec: ArchSpec, *, method: str, scheme: QuantScheme, calib_samples: int,
              calib_seqlen: int, calibrated: bool, device: str = "cpu", calib_batch: int = 1,
              store_dtype: torch.dtype = torch.bfloat16, streaming: bool = True,
-             resume: bool = True) -> MemoryPlan:
-    """Expected peaks for `quantize` with these settings (see the module docstring)."""
+             resume: bool = True, true_sequential: bool = True) -> MemoryPlan:
+    """Expected peaks for `quantize` with these settings (see the module docstring).
+
+    `true_sequential` (GPTQ) sets the block forwards per block: on a GPU the replay runs
+    ~2.5 partial forwards for the groups + 1 for the outputs, or 1 + 1 without it; on the
+    CPU the true-sequential groups share one forward, and without them it is 1 + 1.
+    """
     per_block, linears, outside, largest = _param_counts(config, spec)
     cuda = str(device).startswith("cuda")
     load_bytes = 2 if cuda else 4
@@ -176,7 +181,8 @@ def estimate(config, spec: ArchSpec, *, method: str, scheme: QuantScheme, calib_
     block_norms = (sum(per_block.values()) - quantized) * sb
     disk += block_norms
 
-    passes = {"gptq": 3.5 if cuda else 1, "awq": 8, "fp8": 1, "gguf": 1}.get(method, 0)
+    gptq_passes = (3.5 if cuda else 1) if true_sequential else 2
+    passes = {"gptq": gptq_passes, "awq": 8, "fp8": 1, "gguf": 1}.get(method, 0)
     flops = 2 * quantized * tokens * passes
     if method == "gptq":
         flops += sum(n * k * k * 2 + k**3 for lin in linears for n, k in lin.values())

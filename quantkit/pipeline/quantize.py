@@ -83,6 +83,10 @@ class QuantizeRequest:
         else:
             args += ["--bits", str(s.bits), "--group-size", str(s.group_size),
                      "--sym" if s.symmetric else "--asym"] + (["--act-order"] if s.act_order else [])
+        if "damp" in self.method_options:
+            args += ["--damp", str(self.method_options["damp"])]
+        if self.method_options.get("true_sequential") is False:
+            args += ["--no-true-sequential"]
         if self.method != "rtn":
             args += ["--calib", self.calib, "--calib-samples", str(self.calib_samples),
                      "--calib-seqlen", str(self.calib_seqlen), "--seed", str(self.seed)]
@@ -131,7 +135,8 @@ def plan_request(req: QuantizeRequest, config, spec: ArchSpec, quantizer,
                     calibrated=quantizer.needs_calibration, device=_device(req.device),
                     calib_batch=getattr(quantizer, "calib_batch_size", 1),
                     store_dtype=_storage_dtype(raw_config), streaming=req.stream is not False,
-                    resume=req.resume and not hasattr(quantizer, "quantize_rest"))
+                    resume=req.resume and not hasattr(quantizer, "quantize_rest"),
+                    true_sequential=getattr(quantizer, "true_sequential", False))
 
 
 def plan(req: QuantizeRequest) -> tuple[MemoryPlan, dict]:
