@@ -26,7 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 # Llama-3.x layer shapes (hidden, intermediate, heads, kv heads); the peer script knows only 8b.
-SHAPES = {"llama-3.1-8b": (4096, 14336, 32, 8), "llama-3.2-3b": (3072, 8192, 24, 8)}
+SHAPES = {"llama-3.1-8b": (4096, 14336, 32, 8), "llama-3.2-3b": (3072, 8192, 24, 8),
+          "llama-2-13b": (5120, 13824, 40, 40)}
 
 
 def synthetic_llama(n_layers: int, shape: str = "llama-3.1-8b"):

@@ -13,9 +13,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from transformers import LlamaConfig
-
 from gpu_quantkit_vs_llmcompressor import SHAPES
+from transformers import LlamaConfig
 
 from quantkit.arch import spec_for_config
 from quantkit.pipeline.plan import estimate
@@ -23,8 +22,9 @@ from quantkit.types import QuantScheme
 
 RESULTS = Path(__file__).with_name("results")
 MEASURED = [RESULTS / "gptq_awq_h100_quantkit_replay_cold_triton_cache.json",
-            RESULTS / "gptq_32_layers_h100_quantkit_vs_llmcompressor.json",
-            RESULTS / "gptq_awq_h100_quantkit_3b_shapes.json"]
+            RESULTS / "gptq_32_layers_h100_both_modes_vs_llmcompressor.json",
+            RESULTS / "gptq_awq_h100_quantkit_3b_shapes.json",
+            RESULTS / "gptq_awq_h100_quantkit_13b_shapes.json"]  # after the model was fitted: a check
 CONTEXT_GIB = 0.5
 
 

@@ -62,7 +62,7 @@ DEFAULT_GRID = 20  # alpha points in [0, 1) (AutoAWQ / llm-compressor: 20)
 DEFAULT_CLIP_GRID = 20
 DEFAULT_MAX_SHRINK = 0.5  # clip max|w| down to at most half (AutoAWQ)
 MIN_CALIB_TOKENS = 256  # below this x_mean is noise: refuse rather than scale on it
-_AUTO_SEARCH_TOKENS = {"cpu": 4096, "accel": 65536}  # AutoAWQ's default is 128 x 512 = 65536
+AUTO_SEARCH_TOKENS = {"cpu": 4096, "accel": 65536}  # AutoAWQ's default is 128 x 512 = 65536
 _MAX_CHUNK_ELEMS = 1 << 25  # bounds temporaries of the vectorised searches (128 MiB fp32)
 
 
@@ -388,7 +388,7 @@ class AWQQuantizer:
         return plans
 
     def _search_batches(self, ctx: BlockContext, dev: torch.device) -> int:
-        budget = self.search_tokens or _AUTO_SEARCH_TOKENS["cpu" if dev.type == "cpu" else "accel"]
+        budget = self.search_tokens or AUTO_SEARCH_TOKENS["cpu" if dev.type == "cpu" else "accel"]
         n, used = 0, 0
         for h in ctx.inputs:
             if n and used + h.shape[0] * h.shape[1] > budget:

@@ -22,6 +22,7 @@ import torch
 
 from quantkit.arch import ArchSpec
 from quantkit.errors import NotEnoughMemory
+from quantkit.methods.awq import AUTO_SEARCH_TOKENS as AWQ_SEARCH_TOKENS
 from quantkit.types import QuantScheme
 
 __all__ = ["MemoryPlan", "estimate", "available_memory", "check_memory", "BASELINE_BYTES",
@@ -132,15 +133,28 @@ def estimate(config, spec: ArchSpec, *, method: str, scheme: QuantScheme, calib_
     scales = sum(n * groups(k) for lin in linears for n, k in lin.values())
 
     stats = 0
+    gram_phase = 0  # GPU GPTQ: Hessians alive while the forward accumulates them
     if method == "gptq":  # K x K fp32 per Linear of a sequential group, + ~3 K^2 of working set
+        hessians = []
         for seq in spec.sequential:
             ks = [linears[0][n][1] for n in seq if linears and n in linears[0]]
             rows = sum(linears[0][n][0] for n in seq if linears and n in linears[0])
             if ks:
                 stats = max(stats, (len(ks) + 3) * ks[0] ** 2 * 4 + rows * ks[0] * 4)
-    elif method == "awq":  # cached inputs of a group + scaled weight copies during the search
-        stats = 2 * tokens * max(hidden, inter) * act_bytes // max(1, calib_samples // 8) \
-            + 2 * block_params * 4
+                hessians.append(ks[0] ** 2 * 4)
+        if hessians:
+            # true-sequential: one group's Hessian at a time; otherwise all of the block's
+            # (+ one gram temporary of the widest either way)
+            others = sum(hessians) - max(hessians)
+            gram_phase = (max(hessians) if true_sequential else sum(hessians)) + max(hessians)
+            stats += 0 if true_sequential else others
+    elif method == "awq":
+        # the scale search holds every Linear's input over its search tokens (q/k/v, o,
+        # gate/up: hidden wide; down: intermediate), the attention and MLP outputs, x / s
+        # copies of the norm-fed inputs, and fp32 copies of one group's weights (measured on
+        # the H100: 13.7 GiB for Llama-3.1-8B shapes, 9.1 GiB for 3.2-3B)
+        search = min(tokens, AWQ_SEARCH_TOKENS["accel" if cuda else "cpu"])
+        stats = search * (7 * hidden + inter) * act_bytes + 2 * block_params * 4
     elif method == "gguf":
         stats = 2 * block_params * 4
     # uint8 codes + fp32 scale + int32 zero; with checkpoints (resume) finished blocks' results
@@ -154,8 +168,13 @@ def estimate(config, spec: ArchSpec, *, method: str, scheme: QuantScheme, calib_
     # one block in the load dtype, the tensor being read (stored dtype), the method's
     # temporaries (~4 fp32 copies of the largest Linear: scales, rounding, dequantize)
     block_ram = (0 if cuda else block_params * load_bytes) + largest * sb + 4 * largest_linear * 4
-    gpu_block = (_CUDA_CONTEXT_BYTES + block_params * load_bytes + hidden_io + stats + forward
-                 + 4 * largest_linear * 4)
+    if method == "gptq":
+        # the forward (Hessians accumulating) and the solve (Hessian, inverse factor, fp32
+        # weight copies) come one after the other: the larger of the two
+        work = max(forward + gram_phase, stats + 4 * largest_linear * 4)
+    else:
+        work = stats + forward + 4 * largest_linear * 4
+    gpu_block = _CUDA_CONTEXT_BYTES + block_params * load_bytes + hidden_io + work
     phases = {
         "capture": embed_bytes + (0 if cuda else tokens * hidden * act_bytes),
         "blocks": block_ram + (0 if cuda else hidden_io + stats + forward) + results_ram
