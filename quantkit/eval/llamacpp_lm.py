@@ -25,26 +25,33 @@ class LlamaCppLM(LM):
     def _tok(self, text: str, bos: bool = False) -> list[int]:
         return self.llm.tokenize(text.encode(), add_bos=bos, special=False) if text else []
 
-    def _logprobs(self, tokens: list[int]) -> np.ndarray:
-        """log p(token_i | tokens_<i) rows for positions 0..n-2 (next-token distributions)."""
-        self.llm.reset()
-        self.llm.eval(tokens)
-        logits = np.asarray(self.llm.scores[: len(tokens)], dtype=np.float64)
-        logits -= logits.max(-1, keepdims=True)
-        return logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    def _eval_reusing_prefix(self, tokens: list[int]) -> None:
+        """Bring llama.cpp's state to `tokens`, keeping the KV cache (and logits rows) of the
+        longest prefix shared with the previous call: a multiple-choice item's continuations
+        share its context, so the context is evaluated once instead of once per choice."""
+        llm = self.llm
+        limit = min(llm.n_tokens, len(tokens) - 1)  # at least the last token is evaluated
+        same = np.asarray(llm.input_ids[:limit]) == np.asarray(tokens[:limit], dtype=np.intc)
+        common = int(limit if same.all() else same.argmin())
+        llm.n_tokens = common  # eval() drops the cache from here on
+        llm.eval(tokens[common:])
 
     def _score(self, context: list[int], continuation: list[int]) -> tuple[float, bool]:
+        """Sum of log p(continuation | context) and whether greedy decoding would produce it.
+        Only the continuation's rows are normalised (log-sum-exp), not the whole sequence's."""
         whole = (context + continuation)[-self.n_ctx:]
         n_cont = len(continuation)
-        lp = self._logprobs(whole)
-        start = len(whole) - n_cont
-        rows = lp[start - 1: len(whole) - 1]
-        picked = rows[np.arange(n_cont), continuation]
+        self._eval_reusing_prefix(whole)
+        end = len(whole)
+        rows = np.asarray(self.llm.scores[end - n_cont - 1: end - 1], dtype=np.float64)
+        top = rows.max(-1, keepdims=True)
+        lse = top[:, 0] + np.log(np.exp(rows - top).sum(-1))
+        picked = rows[np.arange(n_cont), continuation] - lse
         greedy = bool((rows.argmax(-1) == np.asarray(continuation)).all())
         return float(picked.sum()), greedy
 
     def loglikelihood(self, requests) -> list[tuple[float, bool]]:
-        out = []
+        pairs = []
         for req in requests:
             context, continuation = req.args
             ctx = self._tok(context, bos=self.add_bos)
@@ -52,7 +59,12 @@ class LlamaCppLM(LM):
             cont = whole[len(ctx):] if whole[: len(ctx)] == ctx else self._tok(continuation)
             if not ctx:
                 ctx = [self.llm.token_bos()]
-            out.append(self._score(ctx, cont))
+            pairs.append((ctx, cont))
+        # in token order, so that requests sharing a context follow each other (prefix reuse)
+        order = sorted(range(len(pairs)), key=lambda i: pairs[i][0] + pairs[i][1])
+        out: list[tuple[float, bool]] = [(0.0, False)] * len(pairs)
+        for i in order:
+            out[i] = self._score(*pairs[i])
         return out
 
     def loglikelihood_rolling(self, requests) -> list[float]:

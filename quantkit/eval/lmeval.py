@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import tempfile
 from pathlib import Path
@@ -93,18 +92,14 @@ def _lm_eval_version() -> str:
 
 
 def _run_vllm_lmeval(artifact: str, tasks: list[str], settings: dict) -> dict:
-    from quantkit.engines.vllm import _root_cause, vllm_python
+    from quantkit.engines.vllm import _root_cause, vllm_env, vllm_python
 
     worker = Path(__file__).parents[1] / "engines" / "vllm_lmeval_worker.py"
     with tempfile.TemporaryDirectory(prefix="quantkit-lmeval-") as tmp:
         req, resp = Path(tmp) / "req.json", Path(tmp) / "resp.json"
         req.write_text(json.dumps({"model": str(Path(artifact).resolve()), "tasks": tasks,
                                    "include_path": str(offline_task_dir()), **settings}))
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-               "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
-               "TOKENIZERS_PARALLELISM": "false"}
-        env.pop("PYTHONPATH", None)
-        proc = subprocess.run([str(vllm_python()), str(worker), str(req), str(resp)], env=env,
+        proc = subprocess.run([str(vllm_python()), str(worker), str(req), str(resp)], env=vllm_env(),
                               capture_output=True, text=True, cwd=tmp)
         if proc.returncode != 0 or not resp.is_file():
             log = proc.stderr + proc.stdout
