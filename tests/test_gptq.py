@@ -197,26 +197,35 @@ def test_shared_input_linears_are_quantized_as_one_stack(layer):
         assert 0 < res[n].loss < 0.5 and res[n].seconds >= 0
 
 
-def test_one_pass_true_sequential_is_bitwise_the_replay_path(tiny_llama):
-    """The staged pipeline (one block forward per batch, paused at each sequential group)
-    gives exactly the replay path's codes, scales and next-block inputs, with 1 block call
-    per batch instead of one per group plus one."""
+def _random_batches() -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randint(0, 49152, (2, 64), generator=gen) for _ in range(3)]
+
+
+def _quantize_counting_block_calls(model_dir, quantizer, scheme, batches, staged):
+    """quantize_blocks on a fresh load of `model_dir`: (results, block index of every block
+    forward call, the quantized model)."""
     from quantkit.arch import spec_for_config
     from quantkit.model_io import load_model
     from quantkit.pipeline.blocks import get_blocks, quantize_blocks
 
+    model = load_model(model_dir)
+    spec = spec_for_config(model.config)
+    calls: list[int] = []
+    for i, blk in enumerate(get_blocks(model, spec)):
+        blk.register_forward_pre_hook(lambda *_a, i=i: calls.append(i))
+    results = quantize_blocks(model, spec, quantizer, scheme, batches, staged=staged)
+    return results, calls, model
+
+
+def test_one_pass_true_sequential_is_bitwise_the_replay_path(tiny_llama):
+    """The staged pipeline (one block forward per batch, paused at each sequential group)
+    gives exactly the replay path's codes, scales and next-block inputs, with 1 block call
+    per batch instead of one per group plus one."""
     scheme = QuantScheme(bits=4, group_size=64, act_order=True)
-    gen = torch.Generator().manual_seed(0)
-    batches = [torch.randint(0, 49152, (2, 64), generator=gen) for _ in range(3)]
-    runs = {}
-    for staged in (False, True):
-        model = load_model(tiny_llama)
-        spec = spec_for_config(model.config)
-        calls = []
-        for i, blk in enumerate(get_blocks(model, spec)):
-            blk.register_forward_pre_hook(lambda *_a, i=i, calls=calls: calls.append(i))
-        results = quantize_blocks(model, spec, GPTQQuantizer(), scheme, batches, staged=staged)
-        runs[staged] = (results, calls, model)
+    batches = _random_batches()
+    runs = {staged: _quantize_counting_block_calls(tiny_llama, GPTQQuantizer(), scheme, batches,
+                                                   staged) for staged in (False, True)}
     (ref, ref_calls, ref_model), (new, new_calls, new_model) = runs[False], runs[True]
     assert ref.keys() == new.keys() and len(new) == 14
     for name in ref:
@@ -234,22 +243,10 @@ def test_layer_sequential_calibrates_every_group_on_the_unquantized_block(tiny_l
     """--no-true-sequential: one statistics forward + one output forward per block (not one
     per group); q/k/v see the same inputs either way, o_proj no longer sees quantized
     attention outputs, so its codes differ from the true-sequential run's."""
-    from quantkit.arch import spec_for_config
-    from quantkit.model_io import load_model
-    from quantkit.pipeline.blocks import get_blocks, quantize_blocks
-
-    gen = torch.Generator().manual_seed(0)
-    batches = [torch.randint(0, 49152, (2, 64), generator=gen) for _ in range(3)]
-    runs = {}
-    for true_seq in (True, False):
-        model = load_model(tiny_llama)
-        spec = spec_for_config(model.config)
-        calls = []
-        for i, blk in enumerate(get_blocks(model, spec)):
-            blk.register_forward_pre_hook(lambda *_a, i=i, calls=calls: calls.append(i))
-        quantizer = GPTQQuantizer(true_sequential=true_seq)
-        runs[true_seq] = (quantize_blocks(model, spec, quantizer, G64, batches, staged=False), calls)
-    (seq, seq_calls), (layer, layer_calls) = runs[True], runs[False]
+    batches = _random_batches()
+    runs = {ts: _quantize_counting_block_calls(tiny_llama, GPTQQuantizer(true_sequential=ts), G64,
+                                               batches, staged=False) for ts in (True, False)}
+    (seq, seq_calls, _), (layer, layer_calls, _) = runs[True], runs[False]
     n = len(batches)
     assert layer_calls.count(1) == 2 * n and seq_calls.count(1) > 2 * n
     first = "model.layers.0."
