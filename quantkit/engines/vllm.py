@@ -40,7 +40,7 @@ def vllm_env() -> dict[str, str]:
 
     vLLM's defaults on a CPU start an engine process and a worker process (each re-imports
     vLLM and torch) and pin the worker to all cores but one: measured here, a one-prompt run
-    took 45 s with them and 19 s with the engine in the worker's process
+    took 45 s with them and 19-21 s with the engine in the worker's process
     (VLLM_ENABLE_V1_MULTIPROCESSING=0 + the "uni" executor, set by the workers) and every
     core given to torch (OMP_NUM_THREADS). Values already in the environment win.
     """
