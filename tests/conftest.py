@@ -52,3 +52,14 @@ def tiny_model_factory(tmp_path):
     def make(arch: str = "llama", name: str | None = None, **kw) -> Path:
         return make_tiny_model(tmp_path / (name or arch), arch, **kw)
     return make
+
+
+# The longest files first: the test command runs files on parallel workers (pytest-xdist,
+# --dist loadfile), and a long file that starts last would finish alone at the end.
+_LONGEST_FIRST = ("test_lmeval.py", "test_awq.py", "test_gptq.py", "test_gguf.py",
+                  "test_engines_vllm.py", "test_fp8.py", "test_eval.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(_LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import random
+import shutil
 from pathlib import Path
 
 from quantkit.calibration import builtin_sets, load_heldout_text
@@ -80,16 +82,28 @@ def offline_task_dir(sets: tuple[str, ...] | None = None) -> Path:
     root = cache_dir() / "lmeval-tasks" / key
     if (root / "done").is_file():
         return root
-    root.mkdir(parents=True, exist_ok=True)
+    # built in a private folder and renamed: a second process (parallel tests, two evals)
+    # never reads a file another one is still writing
+    build = root.with_name(f"{key}.tmp-{os.getpid()}")
+    shutil.rmtree(build, ignore_errors=True)
+    build.mkdir(parents=True)
     for name, (text, info) in texts.items():
         docs = [{"text": d} for d in _pack(text)]
-        (root / f"heldout_{name}.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+        (build / f"heldout_{name}.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
         items = _cloze_items(_passages(text))
-        (root / f"cloze_{name}.jsonl").write_text("".join(json.dumps(d) + "\n" for d in items))
+        (build / f"cloze_{name}.jsonl").write_text("".join(json.dumps(d) + "\n" for d in items))
         provenance = f"held-out split of quantkit built-in set '{name}' ({', '.join(info.get('licences', []))})"
-        (root / f"quantkit_heldout_{name}.yaml").write_text(_yaml_rolling(name, root, provenance))
-        (root / f"quantkit_cloze_{name}.yaml").write_text(_yaml_cloze(name, root, provenance))
-    (root / "done").write_text("ok")
+        (build / f"quantkit_heldout_{name}.yaml").write_text(_yaml_rolling(name, root, provenance))
+        (build / f"quantkit_cloze_{name}.yaml").write_text(_yaml_cloze(name, root, provenance))
+    (build / "done").write_text("ok")
+    try:
+        build.rename(root)
+    except OSError:  # another process finished first (or a stale partial folder from an old version)
+        if not (root / "done").is_file():
+            shutil.rmtree(root, ignore_errors=True)
+            build.rename(root)
+            return root
+        shutil.rmtree(build, ignore_errors=True)
     return root
 
 
