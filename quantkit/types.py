@@ -132,7 +132,13 @@ class BlockContext:
 
 
 class Quantizer(Protocol):
-    """A quantization method: math only, no file formats."""
+    """A quantization method: math only, no file formats.
+
+    Optional hooks the pipeline calls when a method has them: check(scheme) before any work,
+    prepare(config=, spec=, shapes=) once the config is read, warm_up(scheme, device) before
+    the calibration inputs are captured (e.g. start compiling a GPU kernel), and
+    quantize_rest(model, spec) after the blocks.
+    """
 
     name: str
     stats: tuple[str, ...]  # statistics the pipeline gathers per Linear, e.g. ("hessian",)

@@ -155,6 +155,19 @@ def test_dampening_escalates_on_singular_hessian(layer):
         inverse_hessian_factor(torch.full((8, 8), float("nan")), 0.01)
 
 
+def test_inverse_hessian_factor_is_the_upper_cholesky_factor_of_the_inverse(layer):
+    """The reversed-order route (one Cholesky + one triangular solve) gives the same U as
+    Cholesky -> inverse -> Cholesky in float64, and U^T U is the damped H^-1."""
+    _, _, h = layer
+    upper, used = inverse_hessian_factor(h, 0.01)
+    damped = h.double() + used * h.diagonal().double().abs().mean() * torch.eye(h.shape[0], dtype=torch.float64)
+    ref = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(damped)), upper=True)
+    assert torch.equal(upper.triu(), upper) and (upper.diagonal() > 0).all()
+    assert float((upper.double() - ref).norm() / ref.norm()) < 1e-5
+    eye = torch.eye(h.shape[0], dtype=torch.float64)
+    assert float((upper.double().T @ upper.double() @ damped - eye).abs().max()) < 1e-3
+
+
 def test_default_damp_is_quiet_on_a_good_hessian(layer):
     _, w, h = layer
     with warnings.catch_warnings():

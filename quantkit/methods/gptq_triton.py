@@ -12,9 +12,11 @@ update of the later columns); only the summation order of float ops may differ.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
-__all__ = ["available", "gptq_block"]
+__all__ = ["available", "gptq_block", "warm_up"]
 
 _ROWS_PER_PROGRAM = 16
 
@@ -85,15 +87,59 @@ if triton is not None:
         tl.store(err_ptr + out, errs, mask=tile)
 
 
+_warming: threading.Thread | None = None
+
+
+def warm_up(device: torch.device, *, bits: int, symmetric: bool, group_size: int, fixed: bool,
+            block_width: int) -> None:
+    """Compile the kernel for these settings in a background thread, now.
+
+    Why: on a machine with an empty Triton cache the first launch compiles the kernel and its
+    C launcher (~3 s on the H100 machine), all inside the first block. Started before the
+    calibration inputs are captured, it overlaps the capture and the first block's
+    statistics. The tiny launch has the same specialization (constexprs, dtypes, sizes
+    divisible by 16) as the real ones; gptq_block waits for it, so nothing compiles twice.
+    Failures are ignored here: the real call compiles again and reports them.
+    """
+    global _warming
+    if not available(device) or _warming is not None or group_size <= 0:
+        return
+
+    def compile_once() -> None:
+        try:
+            with torch.cuda.device(device):
+                rows = 16
+                groups = triton.cdiv(block_width, group_size)
+                gptq_block(torch.zeros(rows, block_width, device=device),
+                           torch.eye(block_width, device=device),
+                           torch.ones(groups, rows, device=device), torch.zeros(groups, rows, device=device),
+                           torch.arange(block_width, device=device, dtype=torch.int32) // group_size,
+                           bits=bits, symmetric=symmetric, group_size=group_size, fixed=fixed,
+                           _wait=False)
+                torch.cuda.current_stream().synchronize()
+        except Exception:  # noqa: BLE001 - the real launch reports it
+            pass
+
+    _warming = threading.Thread(target=compile_once, name="quantkit-gptq-triton-warm-up", daemon=True)
+    _warming.start()
+
+
+def _wait_for_warm_up() -> None:
+    if _warming is not None and _warming is not threading.current_thread():
+        _warming.join()
+
+
 def gptq_block(w1: torch.Tensor, hinv1: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
                col_group: torch.Tensor, *, bits: int, symmetric: bool, group_size: int,
-               fixed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+               fixed: bool, _wait: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize the columns of `w1` [N, b] in order; returns (codes, err) [N, b] float32.
 
     `hinv1` is the [b, b] diagonal block of the upper Cholesky factor of H^-1; `scale`/`zero`
     are the [n_groups, N] tables (read when `fixed`, else written at each group start);
     `col_group[i]` is column i's group (int32, on the GPU).
     """
+    if _wait:
+        _wait_for_warm_up()
     w1 = w1.contiguous()
     n, b = w1.shape
     bs = triton.next_power_of_2(b)

@@ -117,6 +117,9 @@ def quantize_blocks(
     blocks = get_blocks(model, spec)
     results: dict[str, QuantResult] = {}
     inputs: BlockInputs | None = None
+    warm_up = getattr(quantizer, "warm_up", None)
+    if warm_up is not None:  # e.g. compile a GPU kernel while the inputs are captured
+        warm_up(scheme, torch.device(device))
     if quantizer.needs_calibration:
         if not batches:
             raise ValueError("this method needs calibration batches")
