@@ -241,6 +241,9 @@ def plan_cmd(as_json, **kw) -> None:
 @click.option("--limit", type=int, default=None, help="Samples per task (default: all).")
 @click.option("--chat-template", is_flag=True, help="Apply the model's chat template to tasks.")
 @click.option("--seed", type=int, default=1234, show_default=True)
+@click.option("--fresh-base", is_flag=True,
+              help="Run the base's lm-eval tasks again instead of reusing stored results of the "
+                   "same model files, tasks and settings (built-in tasks only).")
 @click.option("--speed", is_flag=True, help="Prefill/decode tokens/s, TTFT and peak memory.")
 @click.option("--speed-engine", type=click.Choice(["vllm", "llamacpp", "transformers"]),
               default=None, help="Engine for --speed (default: llamacpp for .gguf, else vllm).")
@@ -251,7 +254,7 @@ def plan_cmd(as_json, **kw) -> None:
 @click.option("--json", "json_out", type=click.Path(), default=None,
               help="Results file (default: ARTIFACT/quantkit_eval.json for directories).")
 def eval_cmd(artifact, base, heldout, ctx, max_windows, batch_size, ppl, tasks, backend,
-             num_fewshot, limit, chat_template, seed, speed, speed_engine, speed_prompt,
+             num_fewshot, limit, chat_template, seed, fresh_base, speed, speed_engine, speed_prompt,
              speed_gen, speed_batch, repeats, json_out) -> None:
     """Accuracy of an artifact: held-out PPL, KLD / top-1 vs --base, lm-eval tasks and flips."""
     from quantkit.eval.harness import evaluate, task_record
@@ -266,7 +269,8 @@ def eval_cmd(artifact, base, heldout, ctx, max_windows, batch_size, ppl, tasks, 
         names = [t.strip() for t in tasks.split(",") if t.strip()]
         backend = backend or ("llamacpp" if str(artifact).endswith(".gguf") else "hf")
         task_record(record, artifact, base, names, backend=backend, num_fewshot=num_fewshot,
-                    limit=limit, batch_size=batch_size, seed=seed, chat=chat_template)
+                    limit=limit, batch_size=batch_size, seed=seed, chat=chat_template,
+                    reuse_base=not fresh_base)
     if speed:
         from quantkit.eval.speed import measure_speed
 

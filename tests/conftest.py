@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# lm-eval results are reused within one test session only: a rerun never passes on old results
+os.environ["QUANTKIT_LMEVAL_CACHE"] = tempfile.mkdtemp(prefix="quantkit-test-lmeval-")
 
 from tiny_models import make_tiny_model  # noqa: E402
 
@@ -53,13 +56,3 @@ def tiny_model_factory(tmp_path):
         return make_tiny_model(tmp_path / (name or arch), arch, **kw)
     return make
 
-
-# The longest files first: the test command runs files on parallel workers (pytest-xdist,
-# --dist loadfile), and a long file that starts last would finish alone at the end.
-_LONGEST_FIRST = ("test_lmeval.py", "test_awq.py", "test_gptq.py", "test_gguf.py",
-                  "test_engines_vllm.py", "test_fp8.py", "test_eval.py")
-
-
-def pytest_collection_modifyitems(config, items):
-    rank = {name: i for i, name in enumerate(_LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))

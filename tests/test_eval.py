@@ -49,3 +49,27 @@ def test_schema_rejects_a_zero_for_missing_metric():
     except jsonschema.ValidationError:
         return
     raise AssertionError("schema accepted an incomplete record")
+
+
+def test_lmeval_results_cache_key_follows_model_files_tasks_and_settings(tiny_model_factory, tmp_path):
+    """Stored base results are found again only for the same model files, tasks and settings."""
+    import os
+
+    from quantkit.eval.lmeval import results_cache_path
+
+    model = tiny_model_factory("llama")
+    settings = {"backend": "hf", "num_fewshot": 0, "limit": 5, "batch_size": 8, "seed": 1234,
+                "chat_template": False}
+    task = ["quantkit_cloze_mixed"]
+    first = results_cache_path(str(model), task, settings)
+    assert first is not None and first == results_cache_path(str(model), task, dict(settings))
+    assert Path(os.environ["QUANTKIT_LMEVAL_CACHE"]) in first.parents  # the session's folder
+    assert results_cache_path(str(model), task, {**settings, "limit": 6}) != first
+    assert results_cache_path(str(model), ["quantkit_cloze_code"], settings) != first
+    weights = next(model.glob("*.safetensors"))
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))
+    assert results_cache_path(str(model), task, settings) != first  # re-written weights
+    assert results_cache_path(str(model), ["hellaswag"], settings) is None  # Hub data can change
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    assert results_cache_path(str(gguf), task, settings) is None

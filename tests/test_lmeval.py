@@ -24,7 +24,9 @@ CLOZE_DOCS = 120  # of the task's 300 items: enough to sit far from chance, 2.5x
 
 @pytest.fixture(scope="module")
 def hf_base():
-    res = run_tasks("smollm2-135m", [CLOZE], backend="hf", limit=CLOZE_DOCS, batch_size=8)
+    # stored in the session's results cache: the CLI eval's base run below reuses it
+    res = run_tasks("smollm2-135m", [CLOZE], backend="hf", limit=CLOZE_DOCS, batch_size=8, reuse=True)
+    assert "cached" not in res
     rolling = run_tasks("smollm2-135m", [ROLLING], backend="hf", limit=ROLLING_DOCS, batch_size=8)
     res["tasks"].update(rolling["tasks"])
     return res
@@ -81,13 +83,16 @@ def test_llamacpp_prefix_reuse_scores_like_a_fresh_context():
     assert reused[0][0] > reused[1][0] and reused[0][1]  # " Paris" is the greedy answer
 
 
-def test_rtn_flips_and_vllm(rtn4_artifact, tmp_path):
+def test_rtn_flips_and_vllm(rtn4_artifact, hf_base, tmp_path):
     out = tmp_path / "r.json"
     res = CliRunner().invoke(main, ["eval", str(rtn4_artifact), "--base", "smollm2-135m",
                                     "--no-ppl", "--tasks", CLOZE, "--limit", str(CLOZE_DOCS),
-                                    "--json", str(out)])
+                                    "--batch-size", "8", "--json", str(out)])
     assert res.exit_code == 0, res.output
     record = json.loads(out.read_text())
+    # the base's run was the hf_base fixture's, read back from the results cache
+    assert record["lm_eval"]["base_results"].endswith(".json")
+    assert record["metrics"]["base_tasks"][CLOZE]["acc"]["value"] == _acc(hf_base)
     flips = record["metrics"]["flips"][CLOZE]
     assert flips["n"] == CLOZE_DOCS and 0 < flips["value"] < 0.5
     assert "flips vs base" in res.output

@@ -163,8 +163,10 @@ def _artifact_path(spec) -> Path:
 
 
 def task_record(record: dict, artifact: str, base: str | None, tasks: list[str], *,
-                backend: str, **settings) -> dict:
-    """Add lm-eval task metrics (and flips vs `base`, run on the same backend) to a record."""
+                backend: str, reuse_base: bool = True, **settings) -> dict:
+    """Add lm-eval task metrics (and flips vs `base`, run on the same backend) to a record.
+    The base's results come from the results cache when an identical run is stored there
+    (`reuse_base`): evaluating several quantized versions runs the base once."""
     from quantkit.eval.lmeval import flips, run_tasks
 
     res = run_tasks(str(_artifact_path(artifact)), tasks, backend=backend, **settings)
@@ -173,7 +175,9 @@ def task_record(record: dict, artifact: str, base: str | None, tasks: list[str],
     record["samples"] = res["samples"]
     if base:
         base_backend = "hf" if backend == "llamacpp" else backend
-        ref = run_tasks(str(_artifact_path(base)), tasks, backend=base_backend, **settings)
+        ref = run_tasks(str(_artifact_path(base)), tasks, backend=base_backend, reuse=reuse_base,
+                        **settings)
+        record["lm_eval"]["base_results"] = ref.get("cached", "computed")
         record["metrics"]["base_tasks"] = ref["tasks"]
         record["metrics"]["flips"] = flips(ref, res)
     return record

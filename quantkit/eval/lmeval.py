@@ -7,16 +7,18 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import os
 import subprocess
 import tempfile
 from pathlib import Path
 
 from quantkit.errors import EngineError, QuantkitError
-from quantkit.eval.tasks import offline_task_dir, resolve_tasks, task_manager
+from quantkit.eval.tasks import OFFLINE_TASKS, offline_task_dir, resolve_tasks, task_manager
 
-__all__ = ["run_tasks", "flips", "BACKENDS"]
+__all__ = ["run_tasks", "results_cache_path", "flips", "BACKENDS"]
 
 BACKENDS = ("hf", "vllm", "llamacpp")
 _PRIMARY = ("acc", "acc_norm", "word_perplexity", "exact_match", "bits_per_byte")
@@ -57,10 +59,58 @@ def _evaluate_lm(lm, tasks: list[str], *, num_fewshot: int, limit: int | None, s
 
 def run_tasks(artifact: str, tasks: list[str], *, backend: str = "hf", num_fewshot: int = 0,
               limit: int | None = None, batch_size: int = 8, seed: int = 1234,
-              chat: bool = False) -> dict:
-    """Run lm-eval `tasks` on `artifact`; returns metrics, per-sample accs and the settings."""
+              chat: bool = False, reuse: bool = False) -> dict:
+    """Run lm-eval `tasks` on `artifact`; returns metrics, per-sample accs and the settings.
+
+    reuse=True: results of the same unchanged model directory, tasks and settings are read
+    from (and saved to) the results cache (`results_cache_path`); the returned dict then
+    names the file under "cached". Meant for the base model, which every eval of its
+    quantized versions runs again.
+    """
     settings = {"backend": backend, "num_fewshot": num_fewshot, "limit": limit,
                 "batch_size": batch_size, "seed": seed, "chat_template": chat}
+    stored = results_cache_path(artifact, tasks, settings) if reuse else None
+    if stored is not None and stored.is_file():
+        return {**json.loads(stored.read_text()), "cached": str(stored)}
+    out = _run_uncached(artifact, tasks, settings)
+    if stored is not None:
+        stored.parent.mkdir(parents=True, exist_ok=True)
+        tmp = stored.with_name(f"{stored.name}.tmp-{os.getpid()}")
+        tmp.write_text(json.dumps(out))
+        tmp.replace(stored)
+    return out
+
+
+def results_cache_path(artifact: str, tasks: list[str], settings: dict) -> Path | None:
+    """Where the results of a model directory for these tasks and settings are kept, or None
+    where they cannot be keyed safely: only Hugging Face directories (config hash + each
+    weight file's name, size and mtime) and quantkit's built-in tasks (their data is hashed
+    into the task folder's name); Hub tasks read datasets that may change underneath.
+    Folder: $QUANTKIT_LMEVAL_CACHE, else <quantkit cache>/lmeval-results."""
+    from quantkit import __version__
+    from quantkit.model_io import cache_dir, resolve_model
+    from quantkit.pipeline.checkpoint import model_fingerprint
+
+    if not set(tasks) <= set(OFFLINE_TASKS):
+        return None
+    path = Path(artifact)
+    if not path.exists():
+        try:
+            path = resolve_model(str(artifact)).path
+        except QuantkitError:
+            return None
+    if not (path / "config.json").is_file() or not any(path.glob("*.safetensors")):
+        return None
+    key = json.dumps({"model": model_fingerprint(path), "path": str(path.resolve()),
+                      "tasks": sorted(tasks), "settings": settings, "task_data": offline_task_dir().name,
+                      "lm_eval": _lm_eval_version(), "quantkit": __version__}, sort_keys=True)
+    root = Path(os.environ.get("QUANTKIT_LMEVAL_CACHE") or cache_dir() / "lmeval-results")
+    return root / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
+
+
+def _run_uncached(artifact: str, tasks: list[str], settings: dict) -> dict:
+    backend, num_fewshot, limit = settings["backend"], settings["num_fewshot"], settings["limit"]
+    batch_size, seed, chat = settings["batch_size"], settings["seed"], settings["chat_template"]
     if backend == "hf":
         from lm_eval.models.huggingface import HFLM
 
