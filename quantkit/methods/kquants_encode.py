@@ -47,7 +47,12 @@ __all__ = ["encode_rows", "SUPPORTED", "row_bytes"]
 
 Q = GGMLQuantizationType
 SUPPORTED = (Q.Q8_0, Q.Q4_0, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K)
-_CHUNK = 1 << 16  # values per encoder call on CPU: the [n, G] slices stay in cache
+# values per encoder call on CPU: small enough that an encoder's temporaries stay in cache,
+# large enough to amortise the per-op cost of its long op chains. Measured on 2 cores
+# (benchmarks/kquant_encoder_speed.py): Q6_K's 19-candidate [16, 19, G] arrays want 64K,
+# Q4_K 128K, the 32-wide legacy types 256K.
+_CHUNK = 1 << 16
+_CHUNK_BY_TYPE = {Q.Q4_K: 1 << 17, Q.Q8_0: 1 << 18, Q.Q4_0: 1 << 18, Q.Q5_0: 1 << 18, Q.Q5_1: 1 << 18}
 _CHUNK_GPU = 1 << 24
 _SLAB = 1 << 23  # values per slab for the whole-row / super-block sums
 
@@ -281,7 +286,7 @@ def encode_rows(w: torch.Tensor, qtype: int, qw: torch.Tensor | None = None) -> 
     if n == 0:
         return out
     cpu = w.device.type == "cpu"
-    rows = max(1, (_CHUNK if cpu else _CHUNK_GPU) // k)
+    rows = max(1, (_CHUNK_BY_TYPE.get(qtype, _CHUNK) if cpu else _CHUNK_GPU) // k)
     slab = max(rows, _SLAB // k // rows * rows)
     prep_fn = _PREP.get(qtype) if qw is not None else None
     threads = torch.get_num_threads() if cpu else 1
