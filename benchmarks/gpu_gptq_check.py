@@ -13,27 +13,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from reference_gptq import naive_gptq  # noqa: E402
 
 from quantkit.methods import gptq_triton  # noqa: E402
 from quantkit.methods.gptq import GPTQQuantizer, gptq_quantize  # noqa: E402
-from quantkit.methods.intquant import group_qparams, quantize_to_codes  # noqa: E402
 from quantkit.types import QuantScheme  # noqa: E402
-
-
-def textbook(w, h, scheme, damp=0.01):
-    """One column at a time, float64, no lazy blocks, no act-order (the reference)."""
-    w = w.clone().double()
-    h = h.double() + damp * h.diagonal().mean() * torch.eye(h.shape[0], dtype=torch.float64, device=h.device)
-    hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
-    g = scheme.effective_group(w.shape[1])
-    codes = torch.empty_like(w)
-    for i in range(w.shape[1]):
-        if i % g == 0:
-            s, z = group_qparams(w[:, i:i + g].float(), scheme.bits, scheme.symmetric)
-        q = quantize_to_codes(w[:, i].float(), s, z, scheme.bits).double()
-        w[:, i:] -= ((w[:, i] - (q - z) * s) / hinv[i, i])[:, None] * hinv[i, i:][None, :]
-        codes[:, i] = q
-    return codes
 
 
 def main() -> int:
@@ -51,7 +37,7 @@ def main() -> int:
         for gs in (64, 128):
             scheme = QuantScheme(bits=4, group_size=gs, symmetric=sym)
             out = gptq_quantize(w, h, scheme)
-            agree = (out.codes.double() == textbook(w, h, scheme)).double().mean().item()
+            agree = (out.codes.double() == naive_gptq(w, h, scheme)).double().mean().item()
             good = agree > 0.99
             ok &= good
             print(f"sym={sym} g={gs}: codes agree with textbook float64 GPTQ {agree:.4f} {'ok' if good else 'FAIL'}")

@@ -390,7 +390,8 @@ def smol_awq(tmp_path_factory) -> dict:
         meta = quantize(QuantizeRequest(
             model="smollm2-135m", method=method, format=fmt, out=root / key,
             scheme=QuantScheme(bits=4, group_size=64, symmetric=sym),
-            method_options={"search_tokens": 1024} if method == "awq" else {}, **SMOL_CALIB))
+            # 512 search tokens: KLD 0.2416 vs 0.2356 with 1024 (RTN 0.3988), 20 s less per run
+            method_options={"search_tokens": 512} if method == "awq" else {}, **SMOL_CALIB))
         out[key] = {"path": root / key, "meta": meta, "seconds": time.perf_counter() - t0}
     return out
 
