@@ -125,7 +125,7 @@ def warm_up(device: torch.device, *, bits: int, symmetric: bool, group_size: int
 
 
 def _wait_for_warm_up() -> None:
-    if _warming is not None and _warming is not threading.current_thread():
+    if _warming is not None:  # the warm-up itself calls gptq_block with _wait=False
         _warming.join()
 
 
