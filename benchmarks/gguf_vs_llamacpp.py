@@ -1,6 +1,6 @@
 """quantkit's HF -> GGUF K-quant path vs llama.cpp's quantizer, on the same model, in one run.
 
-  python benchmarks/gguf_vs_llamacpp.py [--model smollm2-135m] [--gguf-type q4_k_m]
+  python benchmarks/gguf_vs_llamacpp.py [--model smollm2-135m] [--gguf-type q4_k_m] [--repeats 3]
                                         [--threads 2] [--quality] [--out FILE.json]
   python benchmarks/gguf_vs_llamacpp.py --synthetic 4 --tokenizer DIR --device cuda
         (random weights in Llama-3.1-8B shapes, 4 layers: quantkit's speed on a GPU machine,
@@ -10,6 +10,9 @@ Timed (wall clock, same process, same CPU):
   quantkit  convert: HF checkpoint -> BF16/F16 GGUF (the input llama-quantize needs)
   quantkit  quantize: HF checkpoint -> Q4_K_M GGUF in one call (load, plan, encode, write)
   llama.cpp quantize: llama_model_quantize(BF16 GGUF -> Q4_K_M), `--threads` threads
+Each side runs `--repeats` times; the ratio compares medians. Both sides' code is loaded
+before their timed calls except quantkit's first call ("cold"), which also pays numba's
+loading of the compiled encoders (reported separately: ratio_cold).
 Both Q4_K_M files are compared tensor by tensor (bit_exact). With --quality, an imatrix is
 collected through quantkit's calibration loop, both tools quantize with it (compared again),
 and perplexity (llama.cpp convention: n_ctx windows, second half scored) and KL divergence
@@ -23,6 +26,7 @@ import json
 import os
 import platform
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -117,22 +121,32 @@ def _run(args, work: Path, res: dict) -> None:
     raw = json.loads((_model_dir(args.model) / "config.json").read_text())
     float_type = "f16" if raw.get("dtype", raw.get("torch_dtype")) == "float16" else "bf16"
     t_conv, _ = _quantkit(args.model, work / "base.gguf", float_type, device=args.device)
-    t_qk, meta = _quantkit(args.model, work / "qk.gguf", args.gguf_type, device=args.device)
+    runs = [_quantkit(args.model, work / "qk.gguf", args.gguf_type, device=args.device)
+            for _ in range(args.repeats + 1)]
+    t_cold, meta = runs[0]
+    t_qk = statistics.median(t for t, _ in runs[1:])
     res["quantkit_device"] = meta["device"]
     res["seconds"] = {"quantkit_convert_16bit": round(t_conv, 2),
                       "quantkit_convert_and_quantize": round(t_qk, 2),
-                      "quantkit_quantize_step": meta["seconds"]["quantize"]}
+                      "quantkit_convert_and_quantize_runs": [round(t, 2) for t, _ in runs[1:]],
+                      "quantkit_convert_and_quantize_cold": round(t_cold, 2),
+                      "quantkit_quantize_step": runs[-1][1]["seconds"]["quantize"]}
     res["sizes_mb"] = {p.stem: round(p.stat().st_size / 2**20, 2) for p in (work / "base.gguf", work / "qk.gguf")}
     engine = _llama_cpp()
     if engine is None:
         res["llama_cpp"] = "llama-cpp-python not installed: llama.cpp side skipped"
         return
     llama_model, llama_quantize = engine
-    t = time.perf_counter()
-    llama_quantize(work / "base.gguf", work / "ref.gguf", args.gguf_type, nthread=args.threads)
-    t_ll = time.perf_counter() - t
+    t_lls = []
+    for _ in range(args.repeats):
+        t = time.perf_counter()
+        llama_quantize(work / "base.gguf", work / "ref.gguf", args.gguf_type, nthread=args.threads)
+        t_lls.append(time.perf_counter() - t)
+    t_ll = statistics.median(t_lls)
     res["seconds"]["llama_cpp_quantize"] = round(t_ll, 2)
+    res["seconds"]["llama_cpp_quantize_runs"] = [round(t, 2) for t in t_lls]
     res["ratio_quantkit_vs_llama_cpp_quantize"] = round(t_qk / t_ll, 2)
+    res["ratio_cold"] = round(t_cold / t_ll, 2)
     res["ratio_quantkit_vs_quantkit_convert_plus_llama_cpp_quantize"] = round(t_qk / (t_conv + t_ll), 2)
     res["bit_exact"] = _same_tensors(work / "qk.gguf", work / "ref.gguf")
     if not args.quality:
@@ -161,6 +175,7 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--gguf-type", default="q4_k_m")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3, help="timed runs per side (median)")
     ap.add_argument("--device", default=None, help="quantkit's device (default: cuda if present)")
     ap.add_argument("--quality", action="store_true")
     ap.add_argument("--calib-samples", type=int, default=64)

@@ -125,6 +125,25 @@ def load_config(path: Path, *, trust_remote_code: bool = False):
                              "Architectures with custom code need --trust-remote-code.") from exc
 
 
+_META_MODEL: tuple[str, object] | None = None
+
+
+def meta_model(config):
+    """The model of `config` with every tensor on the meta device, built once per config.
+
+    For reading shapes and parameter counts only (callers must not change it): building one
+    runs transformers' whole init (~0.15 s), and quantize needs the shapes twice.
+    """
+    global _META_MODEL
+    from transformers import AutoModelForCausalLM
+
+    key = config.to_json_string() if hasattr(config, "to_json_string") else repr(config)
+    if _META_MODEL is None or _META_MODEL[0] != key:
+        with torch.device("meta"):
+            _META_MODEL = (key, AutoModelForCausalLM.from_config(config))
+    return _META_MODEL[1]
+
+
 def load_tokenizer(path: Path, *, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
@@ -160,9 +179,15 @@ def load_model(path: Path, *, dtype: torch.dtype = torch.float32, allow_pickle: 
 def check_finite(named_tensors) -> None:
     """Refuse NaN/Inf weights, naming the first bad tensor (quantizing them spreads garbage)."""
     for name, t in named_tensors:
-        if t.is_floating_point() and not torch.isfinite(t).all():
-            bad = int((~torch.isfinite(t)).sum())
-            raise BadWeights(
-                f"Tensor {name} contains {bad} NaN/Inf values; refusing to quantize.",
-                "The checkpoint is damaged or was saved after a diverged step; fix it first.",
-            )
+        if not t.is_floating_point() or t.numel() == 0:
+            continue
+        # NaN or Inf anywhere makes the float32 sum non-finite: one fast reduction per tensor
+        # (isfinite on bf16 runs ~10x slower on CPU); only a non-finite sum, which finite
+        # values can also give by overflowing, needs the exact element check.
+        if torch.isfinite(t.sum(dtype=torch.float32)) or torch.isfinite(t).all():
+            continue
+        bad = int((~torch.isfinite(t)).sum())
+        raise BadWeights(
+            f"Tensor {name} contains {bad} NaN/Inf values; refusing to quantize.",
+            "The checkpoint is damaged or was saved after a diverged step; fix it first.",
+        )

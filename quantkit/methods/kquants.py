@@ -32,7 +32,7 @@ from gguf.quants import dequantize as _np_dequantize
 from quantkit.errors import SchemeMismatch
 from quantkit.methods.imatrix import ImatrixData, load_imatrix, save_imatrix
 from quantkit.methods.kquants_decode import DECODABLE, decode_rows
-from quantkit.methods.kquants_encode import encode_rows
+from quantkit.methods.kquants_encode import encode_rows, preload_compiled
 from quantkit.types import BlockContext, QuantResult, QuantScheme
 
 __all__ = ["PRESETS", "Preset", "TensorPlan", "plan_types", "quantize_tensor", "dequantize_tensor",
@@ -152,13 +152,20 @@ def plan_types(preset: Preset | str, tensors: dict[str, tuple[int, ...]], n_laye
     return plans
 
 
-def quantize_tensor(w: torch.Tensor, qtype: int, imatrix: torch.Tensor | None = None) -> torch.Tensor:
-    """Rows [N, K] -> GGML bytes [N, row_bytes] (F16/BF16/F32 are plain little-endian copies)."""
+def quantize_tensor(w: torch.Tensor, qtype: int, imatrix: torch.Tensor | None = None,
+                    errors: bool = False):
+    """Rows [N, K] -> GGML bytes [N, row_bytes] (F16/BF16/F32 are plain little-endian copies).
+
+    errors=True returns (bytes, float64 [N] squared reconstruction error per row).
+    """
     qtype = Q(qtype)
     if qtype in (Q.F16, Q.BF16, Q.F32):
         dt = {Q.F16: torch.float16, Q.BF16: torch.bfloat16, Q.F32: torch.float32}[qtype]
-        return w.to(dt).contiguous().view(torch.uint8)
-    return encode_rows(w, qtype, imatrix)
+        data = w.to(dt).contiguous().view(torch.uint8)
+        if not errors:
+            return data
+        return data, (w.to(dt).double() - w.double()).square().sum(-1)
+    return encode_rows(w, qtype, imatrix, errors=errors)
 
 
 def dequantize_tensor(data: torch.Tensor, qtype: int) -> torch.Tensor:
@@ -200,10 +207,10 @@ class GGUFQuantizer:
     legacy .dat - or "calib" to collect one from the calibration set through the pipeline's
     "sq_mean" statistic), imatrix_out (where to save a collected imatrix, GGUF format).
 
-    Memory: extra["dequantized"] (float32, what the pipeline writes back into the block) is
-    dropped from a block's results once the next block starts; it is always recoverable as
-    dequantize_tensor(extra["gguf_bytes"], extra["gguf_type"]). Keeping it for every Linear
-    would hold a float32 copy of the whole model until the file is written.
+    Results carry only the GGML bytes (extra["gguf_bytes"]), no dequantized weight: the
+    imatrix is a statistic of the float model (propagate_quantized False), so nothing reads
+    quantized weights back, and a float32 copy per Linear would cost memory and a decode.
+    The per-Linear error comes from the encoder itself (encode_rows(errors=True)).
     """
 
     name = "gguf"
@@ -233,7 +240,6 @@ class GGUFQuantizer:
         self.imatrix: dict[str, torch.Tensor] = {}
         self.collected: dict[str, tuple[torch.Tensor, int]] = {}
         self.chunks = (0, 0)
-        self._applied: list[QuantResult] = []
 
     # ------------------------------------------------------------------ before any data
     def check(self, scheme: QuantScheme) -> None:
@@ -242,6 +248,14 @@ class GGUFQuantizer:
         if scheme.gguf_type and scheme.gguf_type.lower() != self.preset.name:
             raise SchemeMismatch(f"Scheme gguf_type {scheme.gguf_type!r} disagrees with method "
                                  f"option gguf_type {self.preset.name!r}.")
+        if self.preset.quantized and not torch.cuda.is_available():
+            preload_compiled(self._possible_types())  # CPU encoders load while the model opens
+
+    def _possible_types(self) -> set[Q]:
+        """Every type this preset can write: its rules, output/embeddings, row-width fallbacks."""
+        p = self.preset
+        types = {p.base, Q.Q6_K, Q.Q8_0} | {rule[1] for rule in (p.attn_v, p.ffn_down) if rule}
+        return types | {FALLBACK[t] for t in types if t in FALLBACK}
 
     def prepare(self, config, spec, shapes: dict[str, tuple[int, int]]) -> None:
         """Fix every tensor's type from the config alone and validate the imatrix file."""
@@ -289,13 +303,7 @@ class GGUFQuantizer:
         return {n: v for n, v in data.values.items() if n in tensors}
 
     # ------------------------------------------------------------------ per block
-    def _release(self) -> None:
-        for res in self._applied:
-            res.extra.pop("dequantized", None)
-        self._applied = []
-
     def quantize_block(self, ctx: BlockContext) -> dict[str, QuantResult]:
-        self._release()  # the previous block's weights are written back by now
         if not self.preset.quantized:
             return {}  # f16/bf16 export: the writer stores the dense weights
         spec = ctx.arch if ctx.arch is not None else self.spec
@@ -311,7 +319,6 @@ class GGUFQuantizer:
                 self.chunks = (max(self.chunks[0], len(ctx.inputs)),
                                count // max(1, len(ctx.inputs)))
             results[name] = self._quantize(name, gname, linear.weight.data, qw, linear.bias)
-        self._applied = list(results.values())
         return results
 
     def _quantize(self, name: str, gname: str, w: torch.Tensor, qw, bias=None) -> QuantResult:
@@ -320,9 +327,8 @@ class GGUFQuantizer:
         if plan is None:
             raise SchemeMismatch(f"No GGUF type planned for {gname}; call prepare() first.")
         w32 = w.detach().float()
-        data = quantize_tensor(w32, plan.qtype, qw)
-        deq = dequantize_tensor(data, plan.qtype)
-        err = float((deq - w32).norm() / w32.norm().clamp_min(1e-30))
+        data, sq_err = quantize_tensor(w32, plan.qtype, qw, errors=True)
+        err = float(sq_err.sum().sqrt() / w32.norm().double().clamp_min(1e-30))
         scheme = QuantScheme(kind="kquant", bits=0, group_size=_block(plan.qtype),
                              gguf_type=plan.qtype.name.lower())
         n, k = w32.shape
@@ -332,14 +338,12 @@ class GGUFQuantizer:
             scale=torch.empty(0),
             bias=None if bias is None else bias.detach().clone(),
             extra={"gguf_bytes": data.cpu(), "gguf_type": torch.tensor(int(plan.qtype)),
-                   "gguf_wanted_type": torch.tensor(int(plan.wanted)),
-                   "dequantized": deq},
+                   "gguf_wanted_type": torch.tensor(int(plan.wanted))},
             loss=err, seconds=time.perf_counter() - t0)
 
     # ------------------------------------------------------------------ after the blocks
     def quantize_rest(self, model, spec) -> dict[str, QuantResult]:
         """token_embd (and output when untied), which live outside the decoder blocks."""
-        self._release()
         results: dict[str, QuantResult] = {}
         if self.preset.quantized:
             mods = dict(model.named_modules())
@@ -349,9 +353,7 @@ class GGUFQuantizer:
                 if gname not in self.plans or full not in mods:
                     continue
                 w = mods[full].weight.data.to(device)
-                res = self._quantize(full, gname, w, self.imatrix.get(gname))
-                res.extra.pop("dequantized")  # never written back: these modules stay float
-                results[full] = res
+                results[full] = self._quantize(full, gname, w, self.imatrix.get(gname))
         if self.collect and self.imatrix_out is not None and self.collected:
             save_imatrix(self.imatrix_out, self.collected, datasets=[self.imatrix_dataset or "quantkit"],
                          chunk_count=self.chunks[0], chunk_size=self.chunks[1])

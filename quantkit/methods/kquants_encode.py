@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
@@ -43,7 +44,7 @@ from quantkit.methods.kquants_math import (
     sqrt32,
 )
 
-__all__ = ["encode_rows", "SUPPORTED", "row_bytes"]
+__all__ = ["encode_rows", "SUPPORTED", "row_bytes", "BACKENDS", "preload_compiled"]
 
 Q = GGMLQuantizationType
 SUPPORTED = (Q.Q8_0, Q.Q4_0, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K)
@@ -262,14 +263,18 @@ _ENCODERS = {Q.Q8_0: _q8_0, Q.Q4_0: _q4_0, Q.Q5_0: _q5_0, Q.Q5_1: _q5_1,
              Q.Q4_K: _q4_k, Q.Q5_K: _q5_k, Q.Q6_K: _q6_k}
 
 
-def encode_rows(w: torch.Tensor, qtype: int, qw: torch.Tensor | None = None) -> torch.Tensor:
+BACKENDS = ("compiled", "torch")
+
+
+def encode_rows(w: torch.Tensor, qtype: int, qw: torch.Tensor | None = None,
+                backend: str | None = None, errors: bool = False):
     """Encode float rows [N, K] (any float dtype, taken as float32) into GGML blocks.
 
-    Returns uint8 [N, row_bytes(qtype, K)] on w's device. K must be a multiple of the
+    Returns uint8 [N, row_bytes(qtype, K)] on w's device; with errors=True the pair
+    (bytes, float64 [N] sum over each row of (decoded - w)^2). K must be a multiple of the
     type's block size; qw, when given, is a float32 [K] importance vector.
-    The encoders are long chains of small element-wise ops, so on CPU chunks of ~64K values
-    run in parallel Python threads with one intra-op thread each (torch releases the GIL):
-    intra-op threading of such small ops mostly spins, and under load it is 10x slower.
+    backend: "compiled" (numba loops, CPU tensors only; the default there) or "torch" (the
+    vectorised encoders here; the default on a GPU). Both give the same bytes.
     """
     qtype = Q(qtype)
     enc = _ENCODERS.get(qtype)
@@ -279,12 +284,94 @@ def encode_rows(w: torch.Tensor, qtype: int, qw: torch.Tensor | None = None) -> 
     block = GGML_QUANT_SIZES[qtype][0]
     if k % block:
         raise ValueError(f"row width {k} is not a multiple of {block} ({qtype.name})")
+    cpu = w.device.type == "cpu"
+    backend = backend or ("compiled" if cpu else "torch")
+    if backend not in BACKENDS or (backend == "compiled" and not cpu):
+        raise ValueError(f"encoder backend {backend!r} is not available for {w.device.type} "
+                         f"tensors (choose from {BACKENDS}; 'compiled' runs on the CPU)")
     w = w.to(torch.float32)
     if qw is not None:
         qw = qw.to(device=w.device, dtype=torch.float32).reshape(k)
     out = torch.empty(n, row_bytes(qtype, k), dtype=torch.uint8, device=w.device)
-    if n == 0:
-        return out
+    if backend == "compiled":
+        sq_err = _encode_compiled(w, qtype, qw, out)
+    else:
+        if n:
+            _encode_torch(w, qtype, qw, out, enc)
+        sq_err = None
+        if errors:
+            from quantkit.methods.kquants_decode import decode_rows
+
+            sq_err = (decode_rows(out, qtype).double() - w.double()).square().sum(1)
+    return (out, sq_err) if errors else out
+
+
+def _encode_compiled(w: torch.Tensor, qtype: Q, qw: torch.Tensor | None,
+                     out: torch.Tensor) -> torch.Tensor:
+    """numba encoders (kquants_cpu) over row ranges in torch.get_num_threads() threads.
+
+    Returns each row's squared reconstruction error, which the encoders add up as they go.
+    """
+    from quantkit.methods.kquants_cpu import ENCODERS
+
+    enc = ENCODERS[int(qtype)]
+    x = w.contiguous().numpy()
+    q = np.empty(0, np.float32) if qw is None else qw.contiguous().numpy()
+    o = out.numpy()
+    err = np.zeros(x.shape[0], np.float64)
+    n = x.shape[0]
+    threads = min(torch.get_num_threads(), n)
+    if threads <= 1 or x.size < (1 << 16):
+        if n:
+            enc(x, q, o, err)
+        return torch.from_numpy(err)
+    step = -(-n // (threads * 4))  # a few ranges per thread evens out uneven rows
+    list(_pool(threads).map(lambda r: enc(x[r:r + step], q, o[r:r + step], err[r:r + step]),
+                            range(0, n, step)))
+    return torch.from_numpy(err)
+
+
+def preload_compiled(qtypes) -> None:
+    """Load the compiled encoders of `qtypes` in a background thread (no waiting).
+
+    numba loads an encoder's cached machine code at its first call (~0.5 s in a fresh
+    process, more when it compiles); done while the caller reads the tokenizer and the
+    model, the first tensor does not wait for it. An encoder called before its load has
+    finished waits on numba's compile lock, so nothing runs twice.
+    """
+    import threading
+
+    ids = sorted({int(Q(t)) for t in qtypes if Q(t) in _ENCODERS})
+
+    def load() -> None:
+        from quantkit.methods.kquants_cpu import ENCODERS
+
+        for t in ids:
+            x = np.zeros((1, 256), np.float32)
+            ENCODERS[t](x, np.empty(0, np.float32), np.zeros((1, row_bytes(t, 256)), np.uint8),
+                        np.zeros(1))
+
+    if ids:
+        threading.Thread(target=load, name="quantkit-kquant-preload", daemon=True).start()
+
+
+_POOLS: dict[int, ThreadPoolExecutor] = {}
+
+
+def _pool(threads: int) -> ThreadPoolExecutor:
+    """One long-lived pool per thread count: starting threads per tensor cost ~2 ms each."""
+    if threads not in _POOLS:
+        _POOLS[threads] = ThreadPoolExecutor(threads, thread_name_prefix="quantkit-kquant")
+    return _POOLS[threads]
+
+
+def _encode_torch(w: torch.Tensor, qtype: Q, qw: torch.Tensor | None, out: torch.Tensor,
+                  enc) -> torch.Tensor:
+    """The vectorised torch encoders. They are long chains of small element-wise ops, so on
+    CPU chunks of ~64K values run in parallel Python threads with one intra-op thread each
+    (torch releases the GIL): intra-op threading of such small ops mostly spins.
+    """
+    n, k = w.shape
     cpu = w.device.type == "cpu"
     rows = max(1, (_CHUNK_BY_TYPE.get(qtype, _CHUNK) if cpu else _CHUNK_GPU) // k)
     slab = max(rows, _SLAB // k // rows * rows)

@@ -67,11 +67,18 @@ def _linears(block: torch.nn.Module, names: tuple[str, ...]) -> dict[str, torch.
     return {n: mods[n] for n in names if n in mods}
 
 
-def _set_weight(linear: torch.nn.Linear, result: QuantResult) -> None:
+def _set_weight(linear: torch.nn.Linear, result: QuantResult, propagate: bool) -> None:
+    """Write the quantized weight back into the block (what later groups and blocks see).
+
+    A method that calibrates on the float model (propagate False) may leave out the
+    dequantized weight (GGUF does: decoding every tensor again cost a third of its run).
+    """
     if result.scheme.kind == "int":
         w = result.dequantize(linear.weight.dtype)
-    else:
+    elif "dequantized" in result.extra or propagate:
         w = result.extra["dequantized"].to(linear.weight.dtype)
+    else:
+        return
     linear.weight.data.copy_(w.to(linear.weight.device))
 
 
@@ -174,7 +181,7 @@ def quantize_blocks(
                 )
                 if dp is None or dp.is_main:
                     for name, res in quantizer.quantize_block(ctx).items():
-                        _set_weight(linears[name], res)
+                        _set_weight(linears[name], res, quantizer.propagate_quantized)
                         res.name = prefix + name
                         results[prefix + name] = res  # still on the device: fetched once per block
                 if dp is not None and getattr(quantizer, "data_parallel", None) == "block":

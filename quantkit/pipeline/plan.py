@@ -63,11 +63,9 @@ class MemoryPlan:
 
 def _param_counts(config, spec: ArchSpec):
     """(per-block param counts, per-block linear shapes, non-block params) from a meta model."""
-    from accelerate import init_empty_weights
-    from transformers import AutoModelForCausalLM
+    from quantkit.model_io import meta_model
 
-    with init_empty_weights():
-        model = AutoModelForCausalLM.from_config(config)
+    model = meta_model(config)
     blocks_prefix = spec.block_path + "."
     per_block: dict[int, int] = {}
     outside = 0

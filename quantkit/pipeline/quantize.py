@@ -23,6 +23,7 @@ from quantkit.model_io import (
     load_config,
     load_model,
     load_tokenizer,
+    meta_model,
     resolve_model,
 )
 from quantkit.pipeline.blocks import dense_tensor, get_blocks, quantize_blocks
@@ -95,10 +96,7 @@ class QuantizeRequest:
 
 def linear_shapes(config, spec: ArchSpec) -> dict[str, tuple[int, int]]:
     """[N, K] of every block Linear, from the config alone (a meta-device model, no weights)."""
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+    model = meta_model(config)
     shapes = {}
     for i, block in enumerate(get_blocks(model, spec)):
         mods = dict(block.named_modules())
@@ -206,7 +204,11 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
     device = dp_device or _device(req.device)
     if req.memory_check:
         check_memory(plan_request(req, config, spec, quantizer, raw_config))
-    tokenizer = load_tokenizer(source.path, trust_remote_code=req.trust_remote_code)
+    # before any work, so a broken tokenizer fails fast; a writer that embeds the tokenizer
+    # (GGUF) has loaded and checked it in check_source, and only calibration needs it again
+    tokenizer = None
+    if quantizer.needs_calibration or not hasattr(writer, "check_source"):
+        tokenizer = load_tokenizer(source.path, trust_remote_code=req.trust_remote_code)
 
     calib = None
     if quantizer.needs_calibration:

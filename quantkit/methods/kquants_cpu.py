@@ -1,0 +1,686 @@
+"""GGML block encoders compiled for the CPU (numba), bit-exact with ggml-quants.c.
+
+The torch encoders (kquants_encode.py) vectorise across blocks and so run on a GPU, but on a
+CPU each value goes through ~300 array passes. Here the loops are compiled once by numba
+(cached on disk) and the same bytes come out 5-50x faster.
+
+The scale searches (make_qkx / make_qx) walk each sub-block's 16 or 32 values with float32
+sums whose order must stay the C order, so one sub-block is one serial chain. Different
+sub-blocks are independent, so the searches take a whole row at once, transposed to
+[element, sub-block]: the innermost loop runs across sub-blocks ("lanes") and compiles to
+SIMD, while each lane still adds its values in element order.
+
+Float rules that keep the bytes equal to llama.cpp's (the C is built without FMA):
+* every value is float32 and every literal a float32 constant (an int or a Python float in
+  an expression would promote it to float64 and change the rounding);
+* sums run in element order, products left to right, as the C loops write them;
+* `nearest_int` is C's float trick: round half to even, -2^22 for +-inf, 0 for NaN (`_nint`);
+  Q8_0's `roundf` is half away from zero;
+* C's uint8_t / int8_t stores wrap (`& 255`), which matters only in degenerate blocks.
+
+Each encoder also adds every row's squared reconstruction error (decoded as
+dequantize_row_* does) to `err`, so callers get the error without decoding the bytes again.
+Block layouts are drawn in kquants_encode.py.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit
+
+__all__ = ["ENCODERS", "fp16_bits"]
+
+F32 = np.float32
+EPS = F32(1e-15)  # GROUP_MAX_EPS
+_JIT = {"cache": True, "nogil": True, "error_model": "numpy", "boundscheck": False}
+
+
+@njit(**_JIT)
+def fp16_bits(v):
+    """float32 -> (IEEE half bits, its float32 value), round to nearest even (as F16C)."""
+    if v != v:
+        return 0x7E00, F32(np.nan)
+    a = abs(float(v))
+    sign = 0x8000 if math.copysign(1.0, v) < 0 else 0
+    if a >= 65520.0:
+        bits = 0x7C00
+    elif a < 6.103515625e-05:  # 2**-14: subnormal halves, steps of 2**-24
+        bits = int(np.rint(a * 16777216.0))
+    else:
+        e = math.frexp(a)[1] - 1  # a = m * 2**e, 1 <= m < 2
+        q = int(np.rint(math.ldexp(a, 10 - e)))  # 1024..2048 (2048 carries into e + 1)
+        bits = ((e + 15) << 10) + q - 1024
+    ex, mant = bits >> 10, bits & 1023
+    if ex == 31:
+        val = math.inf
+    elif ex == 0:
+        val = mant * 5.960464477539063e-08
+    else:
+        val = math.ldexp(1024 + mant, ex - 25)
+    return bits | sign, F32(-val if sign else val)
+
+
+@njit(**_JIT)
+def _put_f16(o, at, v):
+    """Write v as fp16 at o[at:at+2]; returns the float32 value of that half."""
+    bits, val = fp16_bits(v)
+    o[at] = bits & 255
+    o[at + 1] = bits >> 8
+    return val
+
+
+@njit(**_JIT)
+def _nint(v):
+    """C's nearest_int as a float32: round half to even; -2^22 for +-inf, 0 for NaN.
+
+    Selects, not branches, so the lane loops stay SIMD; |v| > 2^22 never occurs here.
+    """
+    r = np.rint(v)
+    r = r if abs(v) <= F32(4194303) else F32(-4194304)
+    return r if v == v else F32(0)
+
+
+@njit(**_JIT)
+def _clamp(v, lo, hi):
+    return min(max(v, lo), hi)
+
+
+@njit(**_JIT)
+def _sq_diff(y, x):
+    """(y - x)^2 in float64: one value's share of a row's squared reconstruction error."""
+    e = float(y) - float(x)
+    return e * e
+
+
+@njit(**_JIT)
+def _roundf(v):
+    """C roundf: half away from zero (v - trunc(v) is exact in float32)."""
+    t = np.trunc(v)
+    return int(t) + (0 if abs(v - t) < F32(0.5) else (1 if v > 0 else -1))
+
+
+@njit(**_JIT)
+def _lanes(x, n, out):
+    """out[i, g] = x[g*n + i]: a row's sub-blocks of n values as lanes."""
+    for g in range(out.shape[1]):
+        for i in range(n):
+            out[i, g] = x[g * n + i]
+
+
+# ----------------------------------------------------------------- scale searches, per lane
+
+
+@njit(**_JIT)
+def _make_qkx(xt, wt, nmax, rmin, rdelta, nstep, scale, the_min, Lt):
+    """make_qkx2_quants / make_qkx3_quants (the same when weights are given), every lane.
+
+    xt, wt [n, G]: values and weights of G sub-blocks. Writes scale[G], the_min[G] (= -min)
+    and Lt [n, G] codes in [0, nmax]. A candidate inverse scale replaces the best only when
+    its weighted error is strictly smaller, and the running min feeds the next candidate, as
+    in C; the winner's codes are recomputed at the end from its (iscale, min).
+    """
+    n, G = xt.shape
+    mn = np.empty(G, np.float32)
+    mx = np.empty(G, np.float32)
+    sum_w = np.empty(G, np.float32)
+    sum_x = np.empty(G, np.float32)
+    best = np.zeros(G, np.float32)
+    iscale = np.empty(G, np.float32)
+    best_is = np.empty(G, np.float32)
+    best_mn = np.empty(G, np.float32)
+    s_l = np.empty(G, np.float32)
+    s_l2 = np.empty(G, np.float32)
+    s_xl = np.empty(G, np.float32)
+    t_scale = np.empty(G, np.float32)
+    t_min = np.empty(G, np.float32)
+    take = np.empty(G, np.bool_)
+    flat = np.empty(G, np.bool_)
+    laux = np.empty((n, G), np.float32)
+    fnmax = F32(nmax)
+    for g in range(G):
+        mn[g] = xt[0, g]
+        mx[g] = xt[0, g]
+        sum_w[g] = wt[0, g]
+        sum_x[g] = wt[0, g] * xt[0, g]
+    for i in range(1, n):
+        for g in range(G):
+            v = xt[i, g]
+            mn[g] = v if v < mn[g] else mn[g]
+            mx[g] = v if v > mx[g] else mx[g]
+            sum_w[g] += wt[i, g]
+            sum_x[g] += wt[i, g] * v
+    for g in range(G):
+        mn[g] = F32(0) if mn[g] > 0 else mn[g]
+        span = mx[g] - mn[g]
+        flat[g] = not (span > 0)  # max == min: C returns scale 0, codes 0, -min at once
+        iscale[g] = fnmax / (span if span > 0 else F32(1))
+        scale[g] = F32(1) / iscale[g]
+        best_is[g] = iscale[g]
+        best_mn[g] = mn[g]
+    for i in range(n):
+        for g in range(G):
+            li = _clamp(_nint(iscale[g] * (xt[i, g] - mn[g])), F32(0), fnmax)
+            diff = scale[g] * li + mn[g] - xt[i, g]
+            best[g] += wt[i, g] * (diff * diff)
+    for step in range(nstep + 1):
+        num = rmin + rdelta * F32(step) + fnmax
+        for g in range(G):
+            iscale[g] = num / (mx[g] - mn[g])
+            s_l[g] = F32(0)
+            s_l2[g] = F32(0)
+            s_xl[g] = F32(0)
+        for i in range(n):
+            for g in range(G):
+                li = _clamp(_nint(iscale[g] * (xt[i, g] - mn[g])), F32(0), fnmax)
+                laux[i, g] = li
+                wl = wt[i, g] * li
+                s_l[g] += wl
+                s_l2[g] += wl * li
+                s_xl[g] += wl * xt[i, g]
+        for g in range(G):
+            D = sum_w[g] * s_l2[g] - s_l[g] * s_l[g]
+            this_scale = (sum_w[g] * s_xl[g] - sum_x[g] * s_l[g]) / D
+            this_min = (s_l2[g] * sum_x[g] - s_l[g] * s_xl[g]) / D
+            pos = this_min > 0
+            t_scale[g] = s_xl[g] / s_l2[g] if pos else this_scale
+            t_min[g] = F32(0) if pos else this_min
+            take[g] = D > 0
+            s_l[g] = F32(0)  # reused as the candidate's error
+        for i in range(n):
+            for g in range(G):
+                diff = t_scale[g] * laux[i, g] + t_min[g] - xt[i, g]
+                s_l[g] += wt[i, g] * (diff * diff)
+        for g in range(G):
+            if take[g] and s_l[g] < best[g]:
+                best[g] = s_l[g]
+                scale[g] = t_scale[g]
+                best_is[g] = iscale[g]
+                best_mn[g] = mn[g]
+                mn[g] = t_min[g]
+    for i in range(n):
+        for g in range(G):
+            Lt[i, g] = _clamp(_nint(best_is[g] * (xt[i, g] - best_mn[g])), F32(0), fnmax)
+    for g in range(G):
+        the_min[g] = -(best_mn[g] if flat[g] else mn[g])
+        if flat[g]:
+            scale[g] = F32(0)
+            for i in range(n):
+                Lt[i, g] = F32(0)
+
+
+@njit(**_JIT)
+def _make_qx(xt, wt, use_w, nmax, scale, Lt):
+    """make_qx_quants, rmse_type 1 (weights wt when use_w, else x^2), every lane.
+
+    Writes scale[G] and Lt [n, G] codes in [0, 2*nmax); an all-zero lane gets 0 and L = 0.
+    The 19 candidates are independent; only the choice among them is sequential.
+    """
+    n, G = xt.shape
+    amax = np.zeros(G, np.float32)
+    mx = np.zeros(G, np.float32)
+    iscale = np.empty(G, np.float32)
+    best_is = np.empty(G, np.float32)
+    best = np.empty(G, np.float32)
+    sumlx = np.empty(G, np.float32)
+    suml2 = np.empty(G, np.float32)
+    fnmax = F32(nmax)
+    for i in range(n):
+        for g in range(G):
+            ax = abs(xt[i, g])
+            big = ax > amax[g]
+            amax[g] = ax if big else amax[g]
+            mx[g] = xt[i, g] if big else mx[g]
+    for g in range(G):
+        mx[g] = mx[g] if amax[g] >= EPS else F32(1)  # all-zero lanes: finished below
+    for c in range(19):
+        step = c - 10 if c <= 9 else c - 9  # c = 0: the plain -nmax/max; then -9..-1, 1..9
+        for g in range(G):
+            if c == 0:
+                iscale[g] = -fnmax / mx[g]
+            else:
+                iscale[g] = -(fnmax + F32(0.1) * F32(step)) / mx[g]
+            sumlx[g] = F32(0)
+            suml2[g] = F32(0)
+        for i in range(n):
+            for g in range(G):
+                x = xt[i, g]
+                w = wt[i, g] if use_w else x * x
+                li = _clamp(_nint(iscale[g] * x), -fnmax, fnmax - F32(1))
+                sumlx[g] += w * x * li
+                suml2[g] += w * li * li
+        for g in range(G):
+            if c == 0:
+                scale[g] = sumlx[g] / suml2[g] if suml2[g] != 0 else F32(0)
+                best[g] = scale[g] * sumlx[g]
+                best_is[g] = iscale[g]
+            elif suml2[g] > 0 and sumlx[g] * sumlx[g] > best[g] * suml2[g]:
+                best_is[g] = iscale[g]
+                scale[g] = sumlx[g] / suml2[g]
+                best[g] = scale[g] * sumlx[g]
+    for i in range(n):
+        for g in range(G):
+            li = _clamp(_nint(best_is[g] * xt[i, g]), -fnmax, fnmax - F32(1)) + fnmax
+            Lt[i, g] = li if amax[g] >= EPS else F32(0)
+    for g in range(G):
+        scale[g] = scale[g] if amax[g] >= EPS else F32(0)
+
+
+@njit(**_JIT)
+def _make_qp(x, w, nmax, L):
+    """make_qp_quants: non-negative x ~ scale * L, L a uint8 in [0, nmax]; returns the scale."""
+    n = x.shape[0]
+    mx = F32(0)
+    for i in range(n):
+        mx = max(mx, x[i])
+    if mx < EPS:
+        for i in range(n):
+            L[i] = 0
+        return F32(0)
+    fnmax = F32(nmax)
+    iscale = fnmax / mx
+    for i in range(n):
+        L[i] = int(_nint(iscale * x[i])) & 255
+    scale = F32(1) / iscale
+    best = F32(0)
+    for i in range(n):
+        diff = x[i] - scale * F32(L[i])
+        best += w[i] * diff * diff
+    for step in range(-4, 5):
+        if step == 0:
+            continue
+        iscale_is = (F32(0.1) * F32(step) + fnmax) / mx
+        scale_is = F32(1) / iscale_is
+        mse = F32(0)
+        for i in range(n):
+            li = min(fnmax, _nint(iscale_is * x[i]))
+            diff = x[i] - scale_is * li
+            mse += w[i] * diff * diff
+        if mse < best:
+            best = mse
+            iscale = iscale_is
+    sumlx = F32(0)
+    suml2 = F32(0)
+    for i in range(n):
+        li = min(fnmax, _nint(iscale * x[i]))
+        L[i] = int(li) & 255  # uint8_t store; the sums use the int
+        sumlx += w[i] * x[i] * li
+        suml2 += w[i] * li * li
+    for _ in range(5):
+        changed = 0
+        for i in range(n):
+            fl = F32(L[i])
+            slx = sumlx - w[i] * x[i] * fl
+            sl2 = suml2 - w[i] * fl * fl
+            if slx > 0 and sl2 > 0:
+                new_l = min(fnmax, _nint(x[i] * sl2 / slx))
+                if new_l != fl:
+                    slx += w[i] * x[i] * new_l
+                    sl2 += w[i] * new_l * new_l
+                    if slx * slx * suml2 > sumlx * sumlx * sl2:
+                        L[i] = int(new_l) & 255
+                        sumlx = slx
+                        suml2 = sl2
+                        changed += 1
+        if changed == 0:
+            break
+    return sumlx / suml2 if suml2 > 0 else F32(0)
+
+
+@njit(**_JIT)
+def _row_sigma2(x):
+    """sum(x^2) / K of one row, in column order (the legacy types' imatrix weighting)."""
+    s = F32(0)
+    for j in range(x.shape[0]):
+        s += x[j] * x[j]
+    return s / F32(x.shape[0])
+
+
+@njit(**_JIT)
+def _imatrix_lanes(xt, qw, sigma2, wt):
+    """wt[i, g] = qw[g*n + i] * sqrt(sigma2 + x^2): the legacy types' imatrix weights."""
+    n, G = xt.shape
+    for g in range(G):
+        for i in range(n):
+            wt[i, g] = qw[g * n + i] * np.sqrt(sigma2 + xt[i, g] * xt[i, g])
+
+
+@njit(**_JIT)
+def _put_qh_qs(o, at, L):
+    """Q5_0/Q5_1 tail: qh (bit 4 of 32 codes, little-endian u32) then 16 nibble bytes."""
+    qh = 0
+    for j in range(16):
+        a, b = L[j] & 255, L[j + 16] & 255
+        o[at + 4 + j] = (a & 15) | ((b & 15) << 4)
+        qh |= ((a & 16) >> 4) << j
+        qh |= ((b & 16) >> 4) << (j + 16)
+    for k in range(4):
+        o[at + k] = (qh >> (8 * k)) & 255
+
+
+# ----------------------------------------------------------------- 32-wide blocks
+
+
+@njit(**_JIT)
+def _q8_0(x2, qw, out, err):
+    rows, k = x2.shape
+    for r in range(rows):
+        e = 0.0  # the row's squared error, summed in a register (not through err[r])
+        for b in range(k // 32):
+            x = x2[r, 32 * b:32 * b + 32]
+            o = out[r, 34 * b:34 * b + 34]
+            amax = F32(0)
+            for j in range(32):
+                amax = max(amax, abs(x[j]))
+            d = amax / F32(127)
+            inv = F32(1) / d if d != 0 else F32(0)
+            d16 = _put_f16(o, 0, d)
+            for j in range(32):
+                o[2 + j] = _roundf(x[j] * inv) & 255
+            for j in range(32):  # its own loop: fused with the one above, neither is SIMD
+                e += _sq_diff(F32(np.int8(o[2 + j])) * d16, x[j])
+        err[r] += e
+    return out
+
+
+@njit(**_JIT)
+def _legacy_sym(x2, qw, out, err, nmax, size):
+    """Q4_0 (nmax 8, 18 B) / Q5_0 (nmax 16, 22 B): d = max / -nmax, codes in [0, 2*nmax)."""
+    rows, k = x2.shape
+    nb = k // 32
+    use_w = qw.shape[0] > 0
+    L = np.empty(32, np.int64)
+    xt = np.empty((32, nb), np.float32)
+    wt = np.empty((32, nb), np.float32)
+    Lt = np.empty((32, nb), np.float32)
+    ds = np.empty(nb, np.float32)
+    fnmax = F32(nmax)
+    half = fnmax + F32(0.5)
+    for r in range(rows):
+        e = 0.0
+        xr = x2[r]
+        if use_w:  # quantize_row_q*_0_impl: make_qx_quants per block, weighted
+            _lanes(xr, 32, xt)
+            _imatrix_lanes(xt, qw, _row_sigma2(xr), wt)
+            _make_qx(xt, wt, True, nmax, ds, Lt)
+        for b in range(nb):
+            x = xr[32 * b:32 * b + 32]
+            o = out[r, size * b:size * b + size]
+            if use_w:
+                d = ds[b]
+                for j in range(32):
+                    L[j] = int(Lt[j, b])
+            else:
+                amax = F32(0)
+                mx = F32(0)
+                for j in range(32):
+                    if amax < abs(x[j]):
+                        amax = abs(x[j])
+                        mx = x[j]
+                d = mx / -fnmax
+                inv = F32(1) / d if d != 0 else F32(0)
+                for j in range(32):
+                    L[j] = min(2 * nmax - 1, int(x[j] * inv + half))  # (int8_t) truncates
+            d16 = _put_f16(o, 0, d)
+            for j in range(32):
+                e += _sq_diff(F32(L[j] - nmax) * d16, x[j])
+            if nmax == 8:
+                for j in range(16):
+                    o[2 + j] = (L[j] & 15) | ((L[j + 16] & 15) << 4)
+            else:
+                _put_qh_qs(o, 2, L)
+        err[r] += e
+    return out
+
+
+@njit(**_JIT)
+def _q4_0(x2, qw, out, err):
+    return _legacy_sym(x2, qw, out, err, 8, 18)
+
+
+@njit(**_JIT)
+def _q5_0(x2, qw, out, err):
+    return _legacy_sym(x2, qw, out, err, 16, 22)
+
+
+@njit(**_JIT)
+def _q5_1(x2, qw, out, err):
+    rows, k = x2.shape
+    nb = k // 32
+    use_w = qw.shape[0] > 0
+    L = np.empty(32, np.int64)
+    xt = np.empty((32, nb), np.float32)
+    wt = np.empty((32, nb), np.float32)
+    Lt = np.empty((32, nb), np.float32)
+    ds = np.empty(nb, np.float32)
+    mins = np.empty(nb, np.float32)
+    for r in range(rows):
+        e = 0.0
+        xr = x2[r]
+        if use_w:  # quantize_row_q5_1_impl: make_qkx3_quants(-0.9, 0.05, 36) per block
+            _lanes(xr, 32, xt)
+            _imatrix_lanes(xt, qw, _row_sigma2(xr), wt)
+            _make_qkx(xt, wt, 31, F32(-0.9), F32(0.05), 36, ds, mins, Lt)
+        for b in range(nb):
+            x = xr[32 * b:32 * b + 32]
+            o = out[r, 24 * b:24 * b + 24]
+            if use_w:
+                d, m = ds[b], -mins[b]
+                for j in range(32):
+                    L[j] = int(Lt[j, b])
+            else:
+                mn = F32(np.inf)
+                mx = F32(-np.inf)
+                for j in range(32):
+                    if x[j] < mn:
+                        mn = x[j]
+                    if x[j] > mx:
+                        mx = x[j]
+                d = (mx - mn) / F32(31)
+                inv = F32(1) / d if d != 0 else F32(0)
+                for j in range(32):
+                    L[j] = int((x[j] - mn) * inv + F32(0.5))  # (uint8_t) truncates
+                m = mn
+            d16 = _put_f16(o, 0, d)
+            m16 = _put_f16(o, 2, m)
+            _put_qh_qs(o, 4, L)
+            for j in range(32):
+                e += _sq_diff(F32(L[j] & 31) * d16 + m16, x[j])
+        err[r] += e
+    return out
+
+
+# ----------------------------------------------------------------- 256-wide K-quants
+
+
+@njit(**_JIT)
+def _q45_k(x2, qw, out, err, nmax, size):
+    """Q4_K (nmax 15, 144 B) / Q5_K (nmax 31, 176 B): the _ref path, or _impl with qw."""
+    rows, k = x2.shape
+    nb = k // 256
+    ng = 8 * nb  # sub-blocks of 32 per row: the lanes of the scale search
+    use_w = qw.shape[0] > 0
+    xt = np.empty((32, ng), np.float32)
+    wt = np.empty((32, ng), np.float32)
+    Lt = np.empty((32, ng), np.float32)
+    scales = np.empty(ng, np.float32)
+    mins = np.empty(ng, np.float32)
+    sw = np.empty(8, np.float32)
+    L = np.empty(256, np.int64)
+    ls = np.empty(8, np.int64)
+    lm = np.empty(8, np.int64)
+    sc = np.empty(12, np.int64)
+    rmin = F32(-1.0) if nmax == 15 else F32(-0.5)
+    nstep = 20 if nmax == 15 else 15
+    fnmax = F32(nmax)
+    for r in range(rows):
+        e = 0.0
+        xr = x2[r]
+        _lanes(xr, 32, xt)
+        if use_w:  # quantize_row_q*_K_impl: sigma2 per super-block, imatrix weights
+            for b in range(nb):
+                sum_x2 = F32(0)
+                for j in range(256):
+                    sum_x2 += xr[256 * b + j] * xr[256 * b + j]
+                sigma2 = F32(2) * sum_x2 / F32(256)
+                for g in range(8 * b, 8 * b + 8):
+                    for i in range(32):
+                        wt[i, g] = qw[32 * g + i] * np.sqrt(sigma2 + xt[i, g] * xt[i, g])
+            _make_qkx(xt, wt, nmax, F32(-0.9), F32(0.05), 36, scales, mins, Lt)
+        else:  # quantize_row_q*_K_ref: w = sqrt(mean x^2) + |x| per sub-block
+            for g in range(ng):
+                s = F32(0)
+                for i in range(32):
+                    s += xt[i, g] * xt[i, g]
+                av_x = np.sqrt(s / F32(32))
+                for i in range(32):
+                    wt[i, g] = av_x + abs(xt[i, g])
+            _make_qkx(xt, wt, nmax, rmin, F32(0.1), nstep, scales, mins, Lt)
+        for b in range(nb):
+            xs = xr[256 * b:256 * b + 256]
+            o = out[r, size * b:size * b + size]
+            for j in range(8):
+                for i in range(32):
+                    L[32 * j + i] = int(Lt[i, 8 * b + j])
+            bs = scales[8 * b:8 * b + 8]
+            bm = mins[8 * b:8 * b + 8]
+            if use_w:
+                for j in range(8):
+                    s = F32(0)
+                    for i in range(32):
+                        s += wt[i, 8 * b + j]
+                    sw[j] = s
+                d = _make_qp(bs, sw, 63, ls)
+                dmin = _make_qp(bm, sw, 63, lm)
+            else:
+                max_scale = F32(0)
+                max_min = F32(0)
+                for j in range(8):
+                    if bs[j] > max_scale:
+                        max_scale = bs[j]
+                    if bm[j] > max_min:
+                        max_min = bm[j]
+                inv_s = F32(63) / max_scale if max_scale > 0 else F32(0)
+                inv_m = F32(63) / max_min if max_min > 0 else F32(0)
+                for j in range(8):
+                    ls[j] = min(63, int(_nint(inv_s * bs[j])) & 255)
+                    lm[j] = min(63, int(_nint(inv_m * bm[j])) & 255)
+                d = max_scale / F32(63)
+                dmin = max_min / F32(63)
+            for j in range(4):  # pack as the C does (uint8 stores), then read back
+                sc[j] = ls[j] & 255
+                sc[j + 4] = lm[j] & 255
+            for j in range(4, 8):
+                sc[j + 4] = ((ls[j] & 15) | ((lm[j] & 15) << 4)) & 255
+                sc[j - 4] = (sc[j - 4] | ((ls[j] >> 4) << 6)) & 255
+                sc[j] = (sc[j] | ((lm[j] >> 4) << 6)) & 255
+            d16 = _put_f16(o, 0, d)
+            dmin16 = _put_f16(o, 2, dmin)
+            for j in range(12):
+                o[4 + j] = sc[j]
+            for j in range(8):
+                if j < 4:
+                    s6, m6 = sc[j] & 63, sc[j + 4] & 63
+                else:
+                    s6 = (sc[j + 4] & 15) | ((sc[j - 4] >> 6) << 4)
+                    m6 = (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4)
+                dq = d16 * F32(s6)
+                dm = dmin16 * F32(m6)
+                if dq != 0:
+                    for i in range(32):
+                        q = _nint((xs[32 * j + i] + dm) / dq)
+                        L[32 * j + i] = int(_clamp(q, F32(0), fnmax))
+                for i in range(32):
+                    e += _sq_diff(dq * F32(L[32 * j + i] & nmax) - dm, xs[32 * j + i])
+            qs = 16
+            if nmax == 31:
+                for i in range(32):
+                    o[16 + i] = 0
+                qs = 48
+            for c in range(4):
+                for i in range(32):
+                    lo, hi = L[64 * c + i], L[64 * c + 32 + i]
+                    o[qs + 32 * c + i] = (lo & 15) | ((hi & 15) << 4)
+                    if nmax == 31:
+                        o[16 + i] |= ((lo >> 4) << (2 * c)) | ((hi >> 4) << (2 * c + 1))
+        err[r] += e
+    return out
+
+
+@njit(**_JIT)
+def _q4_k(x2, qw, out, err):
+    return _q45_k(x2, qw, out, err, 15, 144)
+
+
+@njit(**_JIT)
+def _q5_k(x2, qw, out, err):
+    return _q45_k(x2, qw, out, err, 31, 176)
+
+
+@njit(**_JIT)
+def _q6_k(x2, qw, out, err):
+    rows, k = x2.shape
+    nb = k // 256
+    ng = 16 * nb  # sub-blocks of 16 per row: the lanes of make_qx
+    use_w = qw.shape[0] > 0
+    xt = np.empty((16, ng), np.float32)
+    wt = np.empty((16, ng), np.float32)
+    Lt = np.empty((16, ng), np.float32)
+    scales = np.empty(ng, np.float32)
+    if use_w:
+        _lanes(qw, 16, wt)  # the imatrix is the same for every row
+    L = np.empty(256, np.int64)
+    sc = np.empty(16, np.int64)
+    for r in range(rows):
+        e = 0.0
+        xr = x2[r]
+        _lanes(xr, 16, xt)
+        _make_qx(xt, wt, use_w, 32, scales, Lt)
+        for b in range(nb):
+            xs = xr[256 * b:256 * b + 256]
+            o = out[r, 210 * b:210 * b + 210]
+            max_scale = F32(0)
+            max_abs = F32(0)
+            for j in range(16):
+                s = scales[16 * b + j]
+                if abs(s) > max_abs:
+                    max_abs = abs(s)
+                    max_scale = s
+            if max_abs < EPS:
+                for j in range(210):
+                    o[j] = 0
+                for j in range(256):
+                    e += _sq_diff(F32(0), xs[j])
+                continue
+            for j in range(16):
+                for i in range(16):
+                    L[16 * j + i] = int(Lt[i, 16 * b + j])
+            iscale = F32(-128) / max_scale
+            d16 = _put_f16(o, 208, F32(1) / iscale)
+            for j in range(16):
+                v = min(127, int(_nint(iscale * scales[16 * b + j])))
+                sc[j] = ((v + 128) & 255) - 128  # int8_t store
+                o[192 + j] = v & 255
+            for j in range(16):
+                dq = d16 * F32(sc[j])
+                if dq != 0:
+                    for i in range(16):
+                        q = _clamp(_nint(xs[16 * j + i] / dq), F32(-32), F32(31))
+                        L[16 * j + i] = int(q) + 32
+                for i in range(16):
+                    e += _sq_diff(dq * F32((L[16 * j + i] & 63) - 32), xs[16 * j + i])
+            for h in range(2):
+                v = L[128 * h:128 * h + 128]
+                for i in range(32):
+                    o[64 * h + i] = (v[i] & 15) | ((v[i + 64] & 15) << 4)
+                    o[64 * h + 32 + i] = (v[i + 32] & 15) | ((v[i + 96] & 15) << 4)
+                    o[128 + 32 * h + i] = ((v[i] >> 4) | ((v[i + 32] >> 4) << 2)
+                                           | ((v[i + 64] >> 4) << 4) | ((v[i + 96] >> 4) << 6))
+        err[r] += e
+    return out
+
+
+# GGML type id -> encoder(x [rows, K] float32 C-contiguous, qw [K] float32 or empty,
+# out [rows, row_bytes] uint8, err [rows] float64 += sum over the row of (decoded - x)^2)
+ENCODERS = {8: _q8_0, 2: _q4_0, 6: _q5_0, 7: _q5_1, 12: _q4_k, 13: _q5_k, 14: _q6_k}
