@@ -26,6 +26,8 @@ Block layouts (little endian, byte offsets):
 
 from __future__ import annotations
 
+import functools
+import logging
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -47,6 +49,7 @@ from quantkit.methods.kquants_math import (
 __all__ = ["encode_rows", "SUPPORTED", "row_bytes", "BACKENDS", "preload_compiled"]
 
 Q = GGMLQuantizationType
+log = logging.getLogger("quantkit.gguf")
 SUPPORTED = (Q.Q8_0, Q.Q4_0, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K)
 # values per encoder call on CPU: small enough that an encoder's temporaries stay in cache,
 # large enough to amortise the per-op cost of its long op chains. Measured on 2 cores
@@ -285,7 +288,7 @@ def encode_rows(w: torch.Tensor, qtype: int, qw: torch.Tensor | None = None,
     if k % block:
         raise ValueError(f"row width {k} is not a multiple of {block} ({qtype.name})")
     cpu = w.device.type == "cpu"
-    backend = backend or ("compiled" if cpu else "torch")
+    backend = backend or ("compiled" if cpu and compiled_available() else "torch")
     if backend not in BACKENDS or (backend == "compiled" and not cpu):
         raise ValueError(f"encoder backend {backend!r} is not available for {w.device.type} "
                          f"tensors (choose from {BACKENDS}; 'compiled' runs on the CPU)")
@@ -331,6 +334,18 @@ def _encode_compiled(w: torch.Tensor, qtype: Q, qw: torch.Tensor | None,
     return torch.from_numpy(err)
 
 
+@functools.cache
+def compiled_available() -> bool:
+    """numba importable (a core dependency, but it lags new Python releases): else torch."""
+    try:
+        import numba  # noqa: F401
+    except ImportError as exc:
+        log.warning("numba is not importable (%s): GGUF encoding on the CPU falls back to the "
+                    "torch encoders, ~3-30x slower", exc)
+        return False
+    return True
+
+
 def preload_compiled(qtypes) -> None:
     """Load the compiled encoders of `qtypes` in a background thread (no waiting).
 
@@ -351,7 +366,7 @@ def preload_compiled(qtypes) -> None:
             ENCODERS[t](x, np.empty(0, np.float32), np.zeros((1, row_bytes(t, 256)), np.uint8),
                         np.zeros(1))
 
-    if ids:
+    if ids and compiled_available():
         threading.Thread(target=load, name="quantkit-kquant-preload", daemon=True).start()
 
 
