@@ -218,3 +218,21 @@ def test_scheme_must_match_format(tmp_path, tiny_llama):
         quantize(QuantizeRequest(model=str(tiny_llama), method="gguf", format="gguf",
                                  out=tmp_path / "x.gguf", scheme=QuantScheme(kind="int"),
                                  method_options={"gguf_type": "q4_k_m"}))
+
+
+def test_bpe_merges_equal_gguf_special_vocab(tmp_path, smollm_path):
+    """Our one-pass merges = gguf's SpecialVocab(load_merges=True), in both tokenizer.json
+    formats ("a b" strings; [a, b] pairs whose parts may hold spaces)."""
+    import gguf
+
+    from quantkit.formats.gguf_tokenizer import bpe_merges
+
+    def same(path: Path) -> list[str]:
+        ours = bpe_merges(json.loads((path / "tokenizer.json").read_text()))
+        assert ours == gguf.SpecialVocab(path, load_merges=True).merges
+        return ours
+
+    assert len(same(Path(smollm_path))) > 40000  # the real vocabulary: pair format
+    for merges in ([["a b", "c"], ["\u0120x", "y "], ["d", "e"]], ["a b", "c d"]):
+        (tmp_path / "tokenizer.json").write_text(json.dumps({"model": {"type": "BPE", "merges": merges}}))
+        assert len(same(tmp_path)) == len(merges)

@@ -14,6 +14,7 @@ it is applied to encoded rows too (`_permute`).
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import struct
@@ -64,7 +65,8 @@ class _FastArrayWriter(GGUFWriter):
             raise ValueError("All items in a GGUF array should be of the same type")
         if ltype == GGUFValueType.STRING:
             enc = [v.encode("utf-8") if isinstance(v, str) else bytes(v) for v in val]
-            body = b"".join(struct.pack("<Q", len(e)) + e for e in enc)
+            lengths = map(struct.Struct("<Q").pack, map(len, enc))
+            body = b"".join(itertools.chain.from_iterable(zip(lengths, enc, strict=True)))
         elif ltype in _NUMERIC:
             body = np.asarray(val, dtype=_NUMERIC[ltype]).tobytes()
         else:

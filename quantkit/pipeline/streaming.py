@@ -29,26 +29,44 @@ class ShardReader:
         self.path = Path(path)
         index = self.path / "model.safetensors.index.json"
         self.files: dict[str, Path] = {}
+        self._shapes: dict[str, tuple[int, ...]] = {}
         if index.is_file():
             weight_map = json.loads(index.read_text())["weight_map"]
             self.files = {k: self.path / v for k, v in weight_map.items()}
         else:
             for file in sorted(self.path.glob("*.safetensors")):
-                with safe_open(str(file), framework="pt") as f:
-                    self.files.update(dict.fromkeys(f.keys(), file))
+                self._read_header(file)
+
+    def _read_header(self, file: Path) -> None:
+        with safe_open(str(file), framework="pt") as f:
+            for k in f.keys():
+                self.files[k] = file
+                self._shapes[k] = tuple(f.get_slice(k).get_shape())
 
     def __contains__(self, name: str) -> bool:
         return name in self.files
 
     def shape(self, name: str) -> tuple[int, ...]:
-        with safe_open(str(self.files[name]), framework="pt") as f:
-            return tuple(f.get_slice(name).get_shape())
+        if name not in self._shapes:  # sharded: each shard's header is read once
+            self._read_header(self.files[name])
+        return self._shapes[name]
 
     def get(self, name: str) -> torch.Tensor:
-        """A copy in RAM. The shard is opened per call: a handle kept open keeps its mmap, and
-        every page read through it stays in this process's RSS (measured: +1 block per block)."""
-        with safe_open(str(self.files[name]), framework="pt") as f:
-            return f.get_tensor(name)
+        return self.get_many([name])[name]
+
+    def get_many(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """Copies in RAM. Each shard is opened once per call: a handle kept open keeps its
+        mmap, and every page read through it stays in this process's RSS (measured: +1 block
+        per block)."""
+        by_file: dict[Path, list[str]] = {}
+        for name in names:
+            by_file.setdefault(self.files[name], []).append(name)
+        out = {}
+        for file, group in by_file.items():
+            with safe_open(str(file), framework="pt") as f:
+                for name in group:
+                    out[name] = f.get_tensor(name)
+        return out
 
 
 def skeleton(config, dtype: torch.dtype, trust_remote_code: bool = False):
@@ -88,13 +106,16 @@ def _set(module: torch.nn.Module, name: str, value: torch.Tensor) -> None:
 def materialise(module: torch.nn.Module, prefix: str, reader: ShardReader, dtype: torch.dtype,
                 *, root=None) -> None:
     """Read `module`'s state-dict tensors (named prefix + local name) from the shards."""
-    for name in module.state_dict():
-        full = prefix + name
-        if full not in reader and full == "lm_head.weight" and root is not None and _tied(root):
-            _set(module, name, root.get_input_embeddings().weight)
-            continue
-        value = reader.get(full)
-        _set(module, name, value.to(dtype) if value.is_floating_point() else value)
+    names = list(module.state_dict())
+    tied = [n for n in names if prefix + n not in reader and prefix + n == "lm_head.weight"
+            and root is not None and _tied(root)]
+    for name in tied:
+        _set(module, name, root.get_input_embeddings().weight)
+    values = reader.get_many([prefix + n for n in names if n not in tied])
+    for name in names:
+        if name not in tied:
+            value = values[prefix + name]
+            _set(module, name, value.to(dtype) if value.is_floating_point() else value)
 
 
 def to_meta(module: torch.nn.Module) -> None:
