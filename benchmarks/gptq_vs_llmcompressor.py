@@ -62,6 +62,8 @@ def worker_quantkit(a: argparse.Namespace) -> dict:
     from safetensors.torch import load_file
 
     from quantkit.calibration import load_calibration
+    from quantkit.formats import get_writer
+    from quantkit.methods import get_quantizer
     from quantkit.model_io import load_tokenizer, resolve_model
     from quantkit.pipeline.quantize import QuantizeRequest, quantize
     from quantkit.types import QuantScheme
@@ -74,12 +76,14 @@ def worker_quantkit(a: argparse.Namespace) -> dict:
     scheme = QuantScheme(bits=a.bits, group_size=a.group_size, symmetric=True,
                          act_order=a.method == "gptq" and a.act_order)
     opts = {"damp": a.damp} if a.method == "gptq" else {}
+    get_writer("compressed-tensors"), get_quantizer(a.method)  # imports, as the peer's are done
     t0 = time.perf_counter()
     meta = quantize(QuantizeRequest(model=a.model, method=a.method, scheme=scheme, out=Path(a.out),
                                     format="compressed-tensors", force=True, calib=a.calib,
                                     calib_samples=ids.shape[0], calib_seqlen=ids.shape[1], seed=0,
                                     method_options=opts))
-    return {"quantize_call_s": time.perf_counter() - t0, "block_loop_s": meta["seconds"]["quantize"],
+    job = time.perf_counter() - t0
+    return {"job_s": job, "quantize_call_s": job, "block_loop_s": meta["seconds"]["quantize"],
             "process_s": time.perf_counter() - t_proc, "peak_rss_mib": _peak_rss_mib(),
             "threads": torch.get_num_threads(), "torch": torch.__version__}
 
@@ -98,6 +102,7 @@ def worker_llmc(a: argparse.Namespace) -> dict:
     _set_threads(a.threads)
     ids = load_file(a.calib_file)["input_ids"]
     n, seqlen = ids.shape
+    t_job = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(a.model_path, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(a.model_path)
     ds = Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": [[1] * seqlen] * n})
@@ -114,7 +119,8 @@ def worker_llmc(a: argparse.Namespace) -> dict:
     for f in TOKENIZER_FILES:
         if (Path(a.model_path) / f).is_file():
             shutil.copy2(Path(a.model_path) / f, Path(a.out) / f)
-    return {"quantize_call_s": quant_s, "process_s": time.perf_counter() - t_proc,
+    job = time.perf_counter() - t_job
+    return {"job_s": job, "quantize_call_s": quant_s, "process_s": time.perf_counter() - t_proc,
             "peak_rss_mib": _peak_rss_mib(), "threads": torch.get_num_threads(),
             "torch": torch.__version__, "llmcompressor": llmcompressor.__version__,
             "batch_size": a.llmc_batch_size}
@@ -238,8 +244,10 @@ def main(argv: list[str] | None = None) -> None:
     else:
         convention = None
 
-    qk, lc, rtn = (runs[k]["quantize_call_s"] for k in ("quantkit_gptq", "llmcompressor_gptq", "quantkit_rtn"))
-    acceptance = {"time_ratio_quantkit_over_llmc": qk / lc, "time_goal": "<= 0.5"}
+    qk, lc, rtn = (runs[k]["job_s"] for k in ("quantkit_gptq", "llmcompressor_gptq", "quantkit_rtn"))
+    acceptance = {"time_ratio_quantkit_over_llmc": qk / lc, "time_goal": "<= 0.5",
+                  "time_ratio_quantkit_job_over_llmc_oneshot_only":
+                      qk / runs["llmcompressor_gptq"]["quantize_call_s"]}
     if metrics:
         kq, kl, kr = (metrics[k]["kld_mean"] for k in ("quantkit_gptq", "llmcompressor_gptq", "quantkit_rtn"))
         acceptance.update(kld_ratio_quantkit_over_rtn=kq / kr, kld_goal_vs_rtn="<= 0.9",
@@ -255,10 +263,13 @@ def main(argv: list[str] | None = None) -> None:
                         "shared_by_both_sides": True},
         "machine": {"cpu": _cpu_name(), "cores": os.cpu_count(), "torch_threads": args.threads or "default",
                     "load_avg_at_end": os.getloadavg(), "python": platform.python_version()},
-        "time_note": "quantize_call_s: quantkit quantize() (load + calibrate + quantize + write) vs "
-                     "llm-compressor oneshot() (model already loaded); process_s: whole subprocess",
+        "time_note": "job_s (the compared time): load the model + calibrate + quantize + save the "
+                     "artifact, imports done before the timer on both sides (quantkit quantize(); "
+                     "llm-compressor from_pretrained + oneshot + save_pretrained). quantize_call_s: "
+                     "llm-compressor oneshot() alone (the model already loaded, not saved); "
+                     "process_s: the whole subprocess",
         "runs": runs, "metrics": metrics, "eval_convention": convention, "acceptance": acceptance,
-        "rtn_quantize_call_s": rtn,
+        "rtn_job_s": rtn,
     }
     args.results.parent.mkdir(parents=True, exist_ok=True)
     args.results.write_text(json.dumps(result, indent=2, default=str) + "\n")
@@ -279,14 +290,14 @@ def _cpu_name() -> str:
 def print_table(r: dict) -> None:
     rows = [("quantkit GPTQ", "quantkit_gptq"), ("llm-compressor GPTQ", "llmcompressor_gptq"),
             ("quantkit RTN", "quantkit_rtn")]
-    print(f"\n{'':22s} {'quant s':>9s} {'process s':>10s} {'peak RSS MiB':>13s} {'PPL':>8s} "
+    print(f"\n{'':22s} {'job s':>9s} {'process s':>10s} {'peak RSS MiB':>13s} {'PPL':>8s} "
           f"{'KLD':>8s} {'top-1':>7s}")
     for label, key in rows:
         run, m = r["runs"][key], r["metrics"].get(key, {})
         ppl = f"{m['ppl']:8.3f}" if m else f"{'-':>8s}"
         kld = f"{m['kld_mean']:8.4f}" if m else f"{'-':>8s}"
         top1 = f"{m['top1'] * 100:6.2f}%" if m else f"{'-':>7s}"
-        print(f"{label:22s} {run['quantize_call_s']:9.1f} {run['process_s']:10.1f} "
+        print(f"{label:22s} {run['job_s']:9.1f} {run['process_s']:10.1f} "
               f"{run['peak_rss_mib']:13.0f} {ppl} {kld} {top1}")
     if r["metrics"]:
         print(f"{'base (bf16 -> fp32)':22s} {'':9s} {'':10s} {'':13s} "

@@ -82,13 +82,34 @@ def test_gptq_beats_rtn_on_correlated_inputs(layer, scheme, static):
 
 
 
+@pytest.mark.parametrize("loop", ["compiled", "torch"])
 @pytest.mark.parametrize("block_size", [128, 32])
-def test_fast_loop_matches_textbook_gptq(layer, block_size):
+def test_fast_loop_matches_textbook_gptq(layer, block_size, loop):
     _, w, h = layer
-    out = gptq_quantize(w, h, G64, block_size=block_size)
-    ref = naive_gptq(w, h, G64)
-    agree = (out.codes.double() == ref).double().mean().item()
-    assert agree > 0.99, agree  # float32 vs float64 flips a handful of near-ties
+    for scheme in (G64, QuantScheme(bits=4, group_size=64, symmetric=False)):
+        out = gptq_quantize(w, h, scheme, block_size=block_size, loop=loop)
+        ref = naive_gptq(w, h, scheme)
+        agree = (out.codes.double() == ref).double().mean().item()
+        assert agree > 0.99, (scheme, agree)  # float32 vs float64 flips a handful of near-ties
+
+
+@pytest.mark.parametrize("scheme,static", [
+    (G64, True), (QuantScheme(bits=4, group_size=64, symmetric=False), True),
+    (QuantScheme(bits=4, group_size=64, act_order=True), True),
+    (QuantScheme(bits=4, group_size=64, act_order=True, symmetric=False), False),
+    (QuantScheme(bits=8, group_size=-1), True)])
+def test_compiled_cpu_loop_equals_torch_loop(layer, scheme, static):
+    """The numba column loop (the CPU default) does the torch loop's arithmetic: same codes
+    and group parameters but for rare float32 near-ties, same g_idx."""
+    _, w, h = layer
+    a = gptq_quantize(w, h, scheme, static_groups=static, loop="compiled")
+    b = gptq_quantize(w, h, scheme, static_groups=static, loop="torch")
+    assert (a.codes == b.codes).double().mean().item() > 0.999
+    torch.testing.assert_close(a.scale, b.scale, rtol=1e-4, atol=0)
+    assert (a.zero == b.zero).double().mean().item() > 0.999
+    assert (a.g_idx is None) == (b.g_idx is None) and (a.g_idx is None or torch.equal(a.g_idx, b.g_idx))
+    with pytest.raises(ValueError, match="loop 'cuda'"):
+        gptq_quantize(w, h, scheme, loop="cuda")
 
 
 def test_act_order_g_idx_and_column_order(layer):

@@ -8,7 +8,9 @@ b0 + b1 the single process makes (float addition commutes). With more batches pe
 summation order differs ((b0+b1)+(b2+b3) vs ((b0+b1)+b2)+b3), and GPTQ's error feedback
 amplifies those last-bit differences into different (equally good) codes: measured on this
 model, ~10% of codes differ, exactly as much as a single process run with batch 4 instead
-of 8 differs from itself, with per-layer errors within 1%.
+of 8 differs from itself, with per-layer errors within 1%. The single process also runs
+with one thread, as each rank does: a BLAS product (GPTQ's lazy column update) may sum in
+a different order with another thread count, and GPTQ amplifies that the same way.
 """
 
 from __future__ import annotations
@@ -43,8 +45,13 @@ def test_two_ranks_gloo_gptq_artifact_identical(tiny_model_factory, tmp_path, mo
     single, dp = tmp_path / "single", tmp_path / "dp"
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(k, raising=False)
-    with pytest.raises(SystemExit) as exc:  # click's standalone main exits
-        main(["quantize", str(model), *ARGS, "-o", str(single)])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each rank (OMP_NUM_THREADS=1): see the module docstring
+    try:
+        with pytest.raises(SystemExit) as exc:  # click's standalone main exits
+            main(["quantize", str(model), *ARGS, "-o", str(single)])
+    finally:
+        torch.set_num_threads(threads)
     assert exc.value.code in (0, None)
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",

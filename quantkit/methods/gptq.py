@@ -31,6 +31,7 @@ from quantkit.methods.intquant import (
     quantize_to_codes,
     relative_error,
 )
+from quantkit.methods.jit import compiled_available
 from quantkit.types import BlockContext, QuantResult, QuantScheme, int_qrange
 
 __all__ = ["GPTQQuantizer", "GPTQOutput", "gptq_quantize", "inverse_hessian_factor",
@@ -114,8 +115,8 @@ def inverse_hessian_factor(h: torch.Tensor, damp: float, name: str = "") -> tupl
 
 @contextlib.contextmanager
 def _one_cpu_thread(device: torch.device) -> Iterator[None]:
-    """The column loop is thousands of tiny ops: on CPU, worker threads only add barrier
-    waits (measured 40x slower with 2 threads on a busy 2-core machine), so use one."""
+    """The torch column loop is thousands of tiny ops: on CPU, worker threads only add
+    barrier waits (measured 40x slower with 2 threads on a busy 2-core machine), so use one."""
     if device.type != "cpu":
         yield
         return
@@ -129,7 +130,7 @@ def _one_cpu_thread(device: torch.device) -> Iterator[None]:
 
 def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, scheme: QuantScheme, *,
                   damp: float = DEFAULT_DAMP, block_size: int = DEFAULT_BLOCK_SIZE,
-                  static_groups: bool = True, name: str = "") -> GPTQOutput:
+                  static_groups: bool = True, name: str = "", loop: str | None = None) -> GPTQOutput:
     """GPTQ of one weight [N, K] given H [K, K] (sum x^T x; any positive scale).
 
     Runs on weight's device in float32. Group parameters are taken from the error-updated
@@ -137,13 +138,20 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, scheme: QuantSche
     fixes every group's scale/zero from the original weights first, so groups stay contiguous
     (g_idx = k // group_size): the only act-order vLLM 0.32 loads. static_groups=False makes
     groups of consecutive columns in act-order (a permuted g_idx, "desc_act" / actorder group).
+    `loop` picks the CPU column loop: "compiled" (numba, gptq_cpu; the default) or "torch"
+    (the reference loop below; the fallback without numba). CUDA runs the Triton kernel.
     """
-    with _one_cpu_thread(weight.device):
-        return _gptq(weight, hessian, scheme, damp, block_size, static_groups, name)
+    if loop not in (None, "compiled", "torch"):
+        raise ValueError(f"GPTQ loop {loop!r}: choose 'compiled' or 'torch'")
+    if loop is None:
+        loop = "compiled" if compiled_available() else "torch"
+    ctx = _one_cpu_thread(weight.device) if loop == "torch" else contextlib.nullcontext()
+    with ctx:
+        return _gptq(weight, hessian, scheme, damp, block_size, static_groups, name, loop)
 
 
 def _gptq(weight: torch.Tensor, hessian: torch.Tensor, scheme: QuantScheme, damp: float,
-          block_size: int, static_groups: bool, name: str) -> GPTQOutput:
+          block_size: int, static_groups: bool, name: str, loop: str) -> GPTQOutput:
     check_gptq_scheme(scheme)
     n, k = weight.shape
     g = scheme.effective_group(k)
@@ -184,14 +192,18 @@ def _gptq(weight: torch.Tensor, hessian: torch.Tensor, scheme: QuantScheme, damp
     bs = column_block_width(block_size, g, fixed)
     grp = -1
     fast = gptq_triton.available(w.device)
+    compiled = not fast and w.device.type == "cpu" and loop == "compiled"
     if fast:
         col_group_t = torch.tensor(col_group, dtype=torch.int32, device=w.device)
+    if compiled:
+        from quantkit.methods import gptq_cpu  # numba: imported only when used
     for i1 in range(0, k, bs):
         i2 = min(i1 + bs, k)
-        if fast:  # the same column loop, one kernel launch per block
-            q1, err1 = gptq_triton.gptq_block(
-                w[:, i1:i2], hinv[i1:i2, i1:i2], scale, zero, col_group_t[i1:i2],
-                bits=scheme.bits, symmetric=scheme.symmetric, group_size=g, fixed=fixed)
+        if fast or compiled:  # the same column loop, one kernel call per block
+            args = (w[:, i1:i2], hinv[i1:i2, i1:i2], scale, zero)
+            kw = {"bits": scheme.bits, "symmetric": scheme.symmetric, "group_size": g, "fixed": fixed}
+            q1, err1 = gptq_triton.gptq_block(*args, col_group_t[i1:i2], **kw) if fast else \
+                gptq_cpu.gptq_block(*args, col_group[i1:i2], **kw)
             codes[:, i1:i2] = q1
             w[:, i2:].addmm_(err1, hinv[i1:i2, i2:], alpha=-1.0)
             continue

@@ -26,14 +26,13 @@ Block layouts (little endian, byte offsets):
 
 from __future__ import annotations
 
-import functools
-import logging
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from quantkit.methods.jit import compiled_available
 from quantkit.methods.kquants_math import (
     GROUP_MAX_EPS,
     divs,
@@ -49,7 +48,6 @@ from quantkit.methods.kquants_math import (
 __all__ = ["encode_rows", "SUPPORTED", "row_bytes", "BACKENDS", "preload_compiled"]
 
 Q = GGMLQuantizationType
-log = logging.getLogger("quantkit.gguf")
 SUPPORTED = (Q.Q8_0, Q.Q4_0, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K)
 # values per encoder call on CPU: small enough that an encoder's temporaries stay in cache,
 # large enough to amortise the per-op cost of its long op chains. Measured on 2 cores
@@ -332,18 +330,6 @@ def _encode_compiled(w: torch.Tensor, qtype: Q, qw: torch.Tensor | None,
     list(_pool(threads).map(lambda r: enc(x[r:r + step], q, o[r:r + step], err[r:r + step]),
                             range(0, n, step)))
     return torch.from_numpy(err)
-
-
-@functools.cache
-def compiled_available() -> bool:
-    """numba importable (a core dependency, but it lags new Python releases): else torch."""
-    try:
-        import numba  # noqa: F401
-    except ImportError as exc:
-        log.warning("numba is not importable (%s): GGUF encoding on the CPU falls back to the "
-                    "torch encoders, ~3-30x slower", exc)
-        return False
-    return True
 
 
 def preload_compiled(qtypes) -> None:

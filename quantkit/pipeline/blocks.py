@@ -17,6 +17,7 @@ import torch
 from quantkit.arch import ArchSpec
 from quantkit.model_io import check_finite
 from quantkit.pipeline.capture import BlockInputs, capture_block_inputs, run_block
+from quantkit.pipeline.heap import reuse_freed_memory
 from quantkit.pipeline.staged import StagedForward
 from quantkit.pipeline.stats import StatCollector
 from quantkit.pipeline.transfer import any_finite_problem, fetch_to_cpu
@@ -154,15 +155,18 @@ def quantize_blocks(
         orig_dtype = next(block.parameters()).dtype
         _check_block_finite(block, prefix, device)
         block.to(device=device, dtype=compute_dtype)
-        outputs_fp = None
-        if inputs is not None and not quantizer.propagate_quantized:
-            outputs_fp = run_block(block, inputs)
-        present = dict(block.named_modules())
-        block_groups = [g for g in (tuple(n for n in group if n in present) for group in groups) if g]
-        one_pass = (torch.device(device).type == "cpu" if staged is None else staged) \
-            and inputs is not None \
-            and bool(quantizer.stats) and quantizer.propagate_quantized and len(block_groups) > 1
-        with StagedForward(block, block_groups, inputs) if one_pass else contextlib.nullcontext() as run:
+        with contextlib.ExitStack() as scope:
+            if inputs is not None:  # the forwards reuse freed activation memory, trimmed after
+                scope.enter_context(reuse_freed_memory())
+            outputs_fp = None
+            if inputs is not None and not quantizer.propagate_quantized:
+                outputs_fp = run_block(block, inputs)
+            present = dict(block.named_modules())
+            block_groups = [g for g in (tuple(n for n in group if n in present) for group in groups) if g]
+            one_pass = (torch.device(device).type == "cpu" if staged is None else staged) \
+                and inputs is not None \
+                and bool(quantizer.stats) and quantizer.propagate_quantized and len(block_groups) > 1
+            run = scope.enter_context(StagedForward(block, block_groups, inputs)) if one_pass else None
             for gi, group in enumerate(block_groups):
                 linears = _linears(block, group)
                 stats = _group_stats(block, linears, quantizer.stats, inputs,

@@ -7,12 +7,16 @@ although no tensor was still referenced: gc found none, malloc_trim gave it all 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 
-__all__ = ["trim_heap", "keep_heap_small"]
+__all__ = ["trim_heap", "keep_heap_small", "reuse_freed_memory"]
 
+_M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 _M_ARENA_MAX = -8
+_SMALL = {"mmap": 256 * 2**10, "trim": 128 * 2**10}  # keep_heap_small's settings (glibc's trim default)
+_small_heap = False
 
 
 def _libc():
@@ -33,7 +37,33 @@ def keep_heap_small() -> None:
     """Serve allocations >= 256 KiB by their own mmap, unmapped when freed (glibc otherwise
     raises that threshold to 32 MiB after each large free, and tensors land in the heap), and
     let torch's worker threads share two arenas instead of one each (fragments add up)."""
+    global _small_heap
     libc = _libc()
     if libc is not None and hasattr(libc, "mallopt"):
-        libc.mallopt(_M_MMAP_THRESHOLD, 256 * 2**10)
+        libc.mallopt(_M_MMAP_THRESHOLD, _SMALL["mmap"])
         libc.mallopt(_M_ARENA_MAX, 2)
+        _small_heap = True
+
+
+@contextlib.contextmanager
+def reuse_freed_memory():
+    """Inside: tensors up to 32 MiB come from the heap and freed ones are reused; after:
+    keep_heap_small's settings again and the heap trimmed.
+
+    Why: a calibration forward makes and frees dozens of activation tensors per batch
+    (24 MiB each for 8 x 512 tokens of SmolLM2's MLP). With keep_heap_small every one is a
+    fresh mmap that the kernel faults in and zeroes: one block forward took 2.48 s instead
+    of 1.79 s on 2 cores. The memory it holds is a block's working set, returned at the end.
+    """
+    libc = _libc()
+    if not _small_heap or libc is None or not hasattr(libc, "mallopt"):
+        yield
+        return
+    libc.mallopt(_M_MMAP_THRESHOLD, 32 * 2**20)
+    libc.mallopt(_M_TRIM_THRESHOLD, 2**30)
+    try:
+        yield
+    finally:
+        libc.mallopt(_M_MMAP_THRESHOLD, _SMALL["mmap"])
+        libc.mallopt(_M_TRIM_THRESHOLD, _SMALL["trim"])
+        trim_heap()

@@ -35,7 +35,29 @@ def _gram(x_in: torch.Tensor, x: torch.Tensor | None) -> torch.Tensor:
             pass
     if x is None:
         x = x_in.float()
+    if x.device.type == "cpu":
+        gram = _gram_syrk(x)
+        if gram is not None:
+            return gram
     return x.T @ x
+
+
+def _gram_syrk(x: torch.Tensor) -> torch.Tensor | None:
+    """x^T x of a float32 CPU [T, K] by BLAS ssyrk (scipy's), mirrored to a full matrix.
+
+    Why: x^T x is symmetric, so ssyrk computes one triangle, half the flops of the GEMM.
+    Measured on 2 cores (32768 tokens): K=576 70 vs 109 ms, K=1536 422 vs 771 ms; the
+    Hessians are a fifth to a quarter of a CPU GPTQ run. A C-contiguous [T, K] array is the
+    Fortran layout of its transpose, so no copy is made. None where scipy is missing.
+    """
+    try:
+        from scipy.linalg import blas
+    except ImportError:
+        return None
+    upper = torch.from_numpy(blas.ssyrk(1.0, x.contiguous().numpy().T, trans=0, lower=0))
+    full = upper.triu()
+    full += upper.triu(1).T
+    return full
 
 
 class _AllFired(Exception):
