@@ -36,8 +36,24 @@ def _env() -> dict:
     return env
 
 
-def test_two_ranks_gloo_gptq_artifact_identical(tiny_model_factory, tmp_path, monkeypatch):
+def _torchrun_two_ranks(*argv: str) -> None:
+    """Run `argv` (a module or script and its arguments) on 2 gloo ranks; assert it succeeded."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *argv],
+        cwd=REPO, env=_env(), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def _assert_same_weights(single: Path, dp: Path) -> None:
     from safetensors.torch import load_file
+
+    a, b = load_file(single / "model.safetensors"), load_file(dp / "model.safetensors")
+    assert a.keys() == b.keys()
+    differ = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not differ, differ
+
+
+def test_two_ranks_gloo_gptq_artifact_identical(tiny_model_factory, tmp_path, monkeypatch):
 
     from quantkit.cli import main
 
@@ -53,16 +69,8 @@ def test_two_ranks_gloo_gptq_artifact_identical(tiny_model_factory, tmp_path, mo
     finally:
         torch.set_num_threads(threads)
     assert exc.value.code in (0, None)
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "quantkit.cli", "quantize", str(model), *ARGS, "-o", str(dp)],
-        cwd=REPO, env=_env(), capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-
-    a, b = load_file(single / "model.safetensors"), load_file(dp / "model.safetensors")
-    assert a.keys() == b.keys()
-    differ = [k for k in a if not torch.equal(a[k], b[k])]
-    assert not differ, differ
+    _torchrun_two_ranks("-m", "quantkit.cli", "quantize", str(model), *ARGS, "-o", str(dp))
+    _assert_same_weights(single, dp)
     assert (single / "config.json").read_text() == (dp / "config.json").read_text()
     import json
 
@@ -95,7 +103,6 @@ def test_two_ranks_gloo_awq_artifact_identical(tiny_model_factory, tmp_path):
     """AWQ: x_mean from the summed absmean of both ranks; the scale and clip searches read
     the first search_tokens tokens (256 = sample 0), which rank 0's share starts with, so
     the artifact is again bitwise identical (one sample per rank: the same float sums)."""
-    from safetensors.torch import load_file
 
     from quantkit.pipeline.quantize import QuantizeRequest, quantize
     from quantkit.types import QuantScheme
@@ -108,15 +115,8 @@ def test_two_ranks_gloo_awq_artifact_identical(tiny_model_factory, tmp_path):
                              method_options={"search_tokens": 256}))
     script = tmp_path / "awq_dp.py"
     script.write_text(AWQ_SCRIPT)
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(script), str(model), str(dp)],
-        cwd=REPO, env=_env(), capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    a, b = load_file(single / "model.safetensors"), load_file(dp / "model.safetensors")
-    assert a.keys() == b.keys()
-    differ = [k for k in a if not torch.equal(a[k], b[k])]
-    assert not differ, differ
+    _torchrun_two_ranks(str(script), str(model), str(dp))
+    _assert_same_weights(single, dp)
 
 
 def test_shard_is_contiguous_and_covers_every_batch():
