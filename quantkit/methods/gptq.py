@@ -191,19 +191,21 @@ def _gptq(weight: torch.Tensor, hessian: torch.Tensor, scheme: QuantScheme, damp
     codes = torch.empty_like(w)
     bs = column_block_width(block_size, g, fixed)
     grp = -1
-    fast = gptq_triton.available(w.device)
-    compiled = not fast and w.device.type == "cpu" and loop == "compiled"
-    if fast:
-        col_group_t = torch.tensor(col_group, dtype=torch.int32, device=w.device)
-    if compiled:
+    # the same column loop as one kernel call per block: Triton on CUDA, numba on the CPU
+    kernel, kernel_groups = None, None
+    if gptq_triton.available(w.device):
+        kernel = gptq_triton.gptq_block
+        kernel_groups = torch.tensor(col_group, dtype=torch.int32, device=w.device)
+    elif w.device.type == "cpu" and loop == "compiled":
         from quantkit.methods import gptq_cpu  # numba: imported only when used
+
+        kernel, kernel_groups = gptq_cpu.gptq_block, col_group
+    kernel_kw = {"bits": scheme.bits, "symmetric": scheme.symmetric, "group_size": g, "fixed": fixed}
     for i1 in range(0, k, bs):
         i2 = min(i1 + bs, k)
-        if fast or compiled:  # the same column loop, one kernel call per block
-            args = (w[:, i1:i2], hinv[i1:i2, i1:i2], scale, zero)
-            kw = {"bits": scheme.bits, "symmetric": scheme.symmetric, "group_size": g, "fixed": fixed}
-            q1, err1 = gptq_triton.gptq_block(*args, col_group_t[i1:i2], **kw) if fast else \
-                gptq_cpu.gptq_block(*args, col_group[i1:i2], **kw)
+        if kernel is not None:
+            q1, err1 = kernel(w[:, i1:i2], hinv[i1:i2, i1:i2], scale, zero, kernel_groups[i1:i2],
+                              **kernel_kw)
             codes[:, i1:i2] = q1
             w[:, i2:].addmm_(err1, hinv[i1:i2, i2:], alpha=-1.0)
             continue

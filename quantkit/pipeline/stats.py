@@ -67,7 +67,6 @@ def _gram_syrk(x: torch.Tensor, scratch: dict) -> torch.Tensor | None:
     buf = scratch.get(k)
     if buf is None:
         buf = scratch[k] = np.zeros((k, k), np.float32, order="F")
-    # the LOWER triangle in Fortran order is the upper one of the C-ordered transpose
     out = blas.ssyrk(1.0, x.contiguous().numpy().T, beta=0.0, c=buf, trans=0, lower=1,
                      overwrite_c=1)
     if out is not buf:  # scipy copied instead of writing in place: keep its copy as the buffer
