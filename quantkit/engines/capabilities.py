@@ -1,0 +1,354 @@
+"""What the engines can run on THIS machine, asked of the engines themselves (the one source).
+
+vLLM's CPU kernels depend on the build vLLM picks for the CPU (_C, _C_AVX512 or _C_AVX2), and
+CPU flags are a poor guess at that (an Intel Xeon with AVX512F but no AVX512-BF16 has the int4
+kernel; an AVX2-only CPU does not). So `vllm_capabilities()` runs `vllm_probe_worker.py` with
+the vLLM venv's Python once, which loads vLLM's ops the way vLLM does and lists them, and
+caches the answer under the quantkit cache (key: venv python, vLLM version, CPU model and
+flags). `vllm_cannot_run(scheme)` turns it into one short reason; `explain_vllm_failure(log)`
+turns a known vLLM failure into a sentence a user can act on. `machine_report()` gathers the
+rest for `quantkit doctor` (llama.cpp build, torch, GPUs, memory).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import re
+import subprocess
+import tempfile
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from quantkit.errors import EngineError
+from quantkit.types import QuantScheme
+
+__all__ = ["VllmCapabilities", "vllm_capabilities", "vllm_cannot_run", "explain_vllm_failure",
+           "cpu_info", "llamacpp_info", "machine_report", "what_runs_here", "probe_cache_dir"]
+
+_WORKER = Path(__file__).with_name("vllm_probe_worker.py")
+_PROBE_TIMEOUT_S = 300
+
+# one phrase per missing capability: vllm_cannot_run returns these, error messages reuse them
+_WHY = {
+    "int4": "vLLM has no int4 CPU kernel on this CPU (cpu_gemm_wna16; needs AVX512)",
+    "int_bits": "vLLM's CPU weight-only kernel takes 4-bit weights only (CPUWNA16: {types})",
+    "fp8_static": "vLLM's CPU build has no per-tensor FP8 kernel here (static_scaled_fp8_quant "
+                  "is a stub)",
+    "fp8_block": "vLLM has no FP8 block-scaled CPU kernel on this CPU ({why})",
+    "fp8_dynamic": "torch._scaled_mm cannot run FP8 on this CPU ({why})",
+    "gguf": "vLLM 0.32 no longer runs GGUF in-tree (llama.cpp does)",
+}
+
+
+@dataclass
+class VllmCapabilities:
+    """What vLLM can run here. `available` False means vLLM cannot even start (see `error`)."""
+
+    available: bool
+    error: str | None = None
+    version: str | None = None
+    python: str | None = None
+    platform: str | None = None
+    kernel_library: str | None = None  # the compiled ops vLLM loaded: _C, _C_AVX512, _C_AVX2
+    int4_wna16: bool = False  # cpu_gemm_wna16: int4 GPTQ / AWQ / compressed-tensors
+    fp8: bool = False  # FP8 channel weights + dynamic per-token inputs (torch._scaled_mm)
+    fp8_static: bool = False  # FP8 per-tensor weights (vLLM fp8 / FP8 static)
+    fp8_block: bool = False  # FP8 128x128 blocks
+    int8_w8a8: bool = False  # oneDNN int8 GEMM + int8 activation quantization
+    wna16_weight_types: list[str] = field(default_factory=list)
+    ops: dict[str, str | None] = field(default_factory=dict)  # op -> schema (None: missing)
+    kernels: dict[str, list] = field(default_factory=dict)  # vLLM kernel class -> [ok, reason]
+    cache_file: str | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def probe_cache_dir() -> Path:
+    from quantkit.model_io import cache_dir
+
+    return cache_dir() / "probe"
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_info() -> dict:
+    """CPU model and flags from /proc/cpuinfo (informational: engines are asked, not guessed)."""
+    model, flags = "unknown", []
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and model == "unknown":
+                model = value.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = value.split()
+    except OSError:
+        pass
+    simd = [f for f in flags if f.startswith(("avx", "amx", "fma", "f16c", "sse4"))]
+    return {"model": model, "cores": len(os.sched_getaffinity(0)), "simd_flags": simd,
+            "flags_hash": hashlib.sha256(" ".join(flags).encode()).hexdigest()[:16]}
+
+
+def _vllm_version_on_disk(python: Path) -> str:
+    """vLLM's version from its dist-info beside `python` (no interpreter start)."""
+    for meta in sorted(python.parent.parent.glob("lib/python*/site-packages/vllm*.dist-info/METADATA")):
+        for line in meta.read_text(errors="replace").splitlines():
+            if line.startswith("Version:"):
+                return line.split(":", 1)[1].strip()
+    return f"unknown (python mtime {python.stat().st_mtime_ns})"
+
+
+def _cache_path(python: Path, version: str) -> Path:
+    cpu = cpu_info()
+    key = json.dumps([str(python), version, cpu["model"], cpu["flags_hash"]])
+    return probe_cache_dir() / f"vllm-{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
+
+
+def _real_op(schema: str | None) -> bool:
+    """An op with a schema that takes arguments; vLLM registers `name() -> ()` stubs where a
+    CPU build has no kernel, and calling those fails."""
+    return bool(schema) and not schema.split("(", 1)[1].startswith(")")
+
+
+def _from_probe(raw: dict, python: Path, cache_file: Path) -> VllmCapabilities:
+    ops, kernels = raw.get("ops") or {}, raw.get("kernels") or {}
+    libs = raw.get("kernel_libraries") or []
+    cpu = raw.get("platform") == "CpuPlatform"
+    types = raw.get("wna16_weight_types")
+    return VllmCapabilities(
+        available=True, version=raw.get("vllm_version"), python=str(python),
+        platform=raw.get("platform"),
+        kernel_library=libs[0].split(".")[0] if libs else None,
+        int4_wna16=not cpu or _real_op(ops.get("cpu_gemm_wna16")),
+        fp8=not cpu or raw.get("fp8_scaled_mm_error") is None,
+        fp8_static=not cpu or _real_op(ops.get("static_scaled_fp8_quant")),
+        fp8_block=not cpu or bool((kernels.get("CPUFp8BlockScaledMMKernel") or [False])[0]),
+        int8_w8a8=not cpu or all(_real_op(ops.get(o)) for o in (
+            "create_onednn_scaled_mm_handler", "onednn_scaled_mm", "static_scaled_int8_quant",
+            "dynamic_scaled_int8_quant")),
+        wna16_weight_types=types if isinstance(types, list) else [],
+        ops=ops, kernels=kernels, cache_file=str(cache_file))
+
+
+def _run_probe(python: Path) -> dict:
+    from quantkit.engines.vllm import vllm_env
+
+    with tempfile.TemporaryDirectory(prefix="quantkit-probe-") as tmp:
+        resp = Path(tmp) / "probe.json"
+        try:
+            proc = subprocess.run([str(python), str(_WORKER), str(resp)], env=vllm_env(),
+                                  capture_output=True, text=True, timeout=_PROBE_TIMEOUT_S,
+                                  cwd=tmp)
+        except subprocess.TimeoutExpired:
+            return {"error": f"the vLLM probe did not finish in {_PROBE_TIMEOUT_S} s",
+                    "cacheable": False}
+        if proc.returncode != 0 or not resp.is_file():
+            tail = (proc.stderr or proc.stdout or "").strip().splitlines()[-1:] or [""]
+            why = (f"killed by signal {-proc.returncode}" if proc.returncode < 0
+                   else f"exit {proc.returncode}")
+            return {"error": f"importing vLLM's compiled ops failed ({why}): {tail[0]}",
+                    "cacheable": True}
+        return json.loads(resp.read_text())
+
+
+@functools.cache
+def _capabilities(python_env: str | None, refresh: bool) -> VllmCapabilities:
+    from quantkit.engines.vllm import vllm_python
+
+    try:
+        python = vllm_python()
+    except EngineError as exc:
+        return VllmCapabilities(available=False, error=exc.message)
+    cache_file = _cache_path(python, _vllm_version_on_disk(python))
+    raw = None
+    if cache_file.is_file() and not refresh:
+        try:
+            raw = json.loads(cache_file.read_text())
+        except (OSError, ValueError):
+            raw = None
+    if raw is None:
+        raw = _run_probe(python)
+        if raw.pop("cacheable", True):
+            cache_file.parent.mkdir(parents=True, exist_ok=True)
+            tmp = cache_file.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps(raw, indent=1))
+            tmp.replace(cache_file)
+    if raw.get("error"):
+        return VllmCapabilities(available=False, error=raw["error"], python=str(python),
+                                cache_file=str(cache_file))
+    return _from_probe(raw, python, cache_file)
+
+
+def vllm_capabilities(refresh: bool = False) -> VllmCapabilities:
+    """vLLM's kernels on this machine: probed once per venv, vLLM version and CPU, then cached
+    (`refresh` probes again). Never raises: a vLLM that cannot start is `available=False`."""
+    return _capabilities(os.environ.get("QUANTKIT_VLLM_PYTHON"), refresh)
+
+
+def _scheme_fields(scheme: QuantScheme | Mapping | str) -> tuple[str, int, int]:
+    """(kind, bits, group_size) of a QuantScheme, a quantkit.json `scheme` dict, or a short
+    name: int4, int8, fp8 / fp8-dynamic, fp8-static, fp8-block, gguf."""
+    if isinstance(scheme, QuantScheme):
+        return scheme.kind, scheme.bits, scheme.group_size
+    if isinstance(scheme, Mapping):
+        return (str(scheme.get("kind", "int")), int(scheme.get("bits") or 4),
+                int(scheme.get("group_size") if scheme.get("group_size") is not None else 128))
+    name = scheme.lower().replace("_", "-")
+    fp8 = {"fp8": -1, "fp8-dynamic": -1, "fp8-static": 0, "fp8-block": 128}
+    if name in fp8:
+        return "fp8", 8, fp8[name]
+    if name in ("gguf", "kquant"):
+        return "kquant", 4, 256
+    m = re.fullmatch(r"(?:int|w)(\d+)(?:a16)?", name)
+    if not m:
+        raise ValueError(f"unknown scheme name {scheme!r}")
+    return "int", int(m.group(1)), 128
+
+
+def vllm_cannot_run(scheme: QuantScheme | Mapping | str) -> str | None:
+    """None when vLLM here has a kernel for `scheme`, else ONE short phrase saying why not.
+
+    `scheme`: a QuantScheme, the `scheme` dict of quantkit.json, or a short name (int4,
+    fp8-dynamic, fp8-static, fp8-block, gguf)."""
+    kind, bits, group = _scheme_fields(scheme)
+    if kind == "kquant":
+        return _WHY["gguf"]
+    caps = vllm_capabilities()
+    if not caps.available:
+        return f"vLLM cannot start here ({caps.error})"
+    if kind == "int":
+        if bits == 4:
+            return None if caps.int4_wna16 else _WHY["int4"]
+        if caps.platform == "CpuPlatform" and not any(
+                t.startswith(f"uint{bits}") for t in caps.wna16_weight_types):
+            return _WHY["int_bits"].format(types=", ".join(caps.wna16_weight_types) or "?")
+        return None
+    if kind == "fp8":
+        if group == 0:
+            return None if caps.fp8_static else _WHY["fp8_static"]
+        if group > 0:
+            why = (caps.kernels.get("CPUFp8BlockScaledMMKernel") or [False, "?"])[1]
+            return None if caps.fp8_block else _WHY["fp8_block"].format(why=str(why).rstrip("."))
+        return None if caps.fp8 else _WHY["fp8_dynamic"].format(why="see quantkit doctor")
+    return None
+
+
+# known vLLM failures (a regex on its log) -> the capability that was missing
+_KNOWN_FAILURES = [
+    (r"has no attribute 'cpu_gemm_wna16'", "int4"),
+    (r"_C::static_scaled_fp8_quant\(\) expected at most 0 argument", "fp8_static"),
+    (r"CPUFp8BlockScaledMMKernel requires AMX|requires AMX tile support", "fp8_block"),
+]
+
+
+def explain_vllm_failure(log: str) -> str | None:
+    """The reason phrase for a vLLM failure quantkit knows (a missing CPU kernel), else None."""
+    for pattern, key in _KNOWN_FAILURES:
+        if re.search(pattern, log):
+            why = "requires AMX tile support (Sapphire Rapids or newer)"
+            return _WHY[key].format(why=why, types="uint4, uint4b8")
+    return None
+
+
+def llamacpp_info() -> dict:
+    """llama-cpp-python: does it import, its version and llama.cpp's build features."""
+    try:
+        import llama_cpp
+    except Exception as exc:  # noqa: BLE001 - any import failure means "not usable here"
+        return {"available": False, "error": f"{type(exc).__name__}: {exc}"}
+    info = llama_cpp.llama_print_system_info()
+    info = info.decode(errors="replace") if isinstance(info, bytes) else str(info)
+    features = sorted({m.group(1) for m in re.finditer(r"(\w+) = 1", info)})
+    return {"available": True, "version": getattr(llama_cpp, "__version__", "?"),
+            "system_info": info.strip(), "features": features}
+
+
+def _meminfo() -> dict:
+    out = {}
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key in ("MemTotal", "MemAvailable"):
+                out[key] = int(value.split()[0]) * 1024
+    except OSError:
+        pass
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            value = Path(path).read_text().strip()
+        except OSError:
+            continue
+        if value.isdigit() and int(value) < 2**60:
+            out["cgroup_limit"] = int(value)
+        break
+    return out
+
+
+def _torch_info() -> dict:
+    import torch
+
+    gpus = []
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            p = torch.cuda.get_device_properties(i)
+            gpus.append({"name": p.name, "memory_bytes": int(p.total_memory)})
+    return {"version": torch.__version__, "cuda": torch.version.cuda, "gpus": gpus}
+
+
+def machine_report(refresh: bool = False) -> dict:
+    """Everything `quantkit doctor` shows: CPU, memory, torch + GPUs, vLLM, llama.cpp."""
+    from quantkit.pipeline.plan import available_memory
+
+    avail, why = available_memory()
+    return {"cpu": cpu_info(), "memory": {**_meminfo(), "available_bytes": avail,
+                                          "available_source": why},
+            "torch": _torch_info(), "vllm": vllm_capabilities(refresh).to_dict(),
+            "llamacpp": llamacpp_info()}
+
+
+_NO_INT4 = ("accuracy: `quantkit eval ARTIFACT --base MODEL` (quantkit's loader, torch); speed: "
+            "`--speed-engine transformers`; or quantize with `--method gguf` (llama.cpp) or "
+            "`--method fp8 --scheme dynamic` (vLLM)")
+# (what, scheme name for vllm_cannot_run, what to do instead)
+_VLLM_ARTIFACTS = [
+    ("int4 RTN / GPTQ / AWQ artifacts (compressed-tensors, gptq, awq) in vLLM", "int4", _NO_INT4),
+    ("int8 weight-only artifacts (--bits 8) in vLLM", "int8", _NO_INT4),
+    ("FP8 dynamic artifacts (--method fp8 --scheme dynamic) in vLLM", "fp8-dynamic",
+     "evaluate accuracy with `quantkit eval ARTIFACT` (torch) and speed on a GPU machine"),
+    ("FP8 static per-tensor artifacts (--scheme static) in vLLM", "fp8-static",
+     "quantize with `--method fp8 --scheme dynamic`, which vLLM runs here; `quantkit eval` "
+     "scores the static artifact in torch"),
+    ("FP8 block artifacts (--scheme block) in vLLM", "fp8-block",
+     "quantize with `--method fp8 --scheme dynamic`; `quantkit eval` scores the block artifact "
+     "in torch"),
+]
+
+
+def what_runs_here(report: Mapping) -> list[dict]:
+    """For each kind of artifact and engine: does it run here, why not, what to use instead."""
+    rows = []
+    for what, scheme, instead in _VLLM_ARTIFACTS:
+        why = vllm_cannot_run(scheme)
+        rows.append({"what": what, "runs": why is None, "reason": why,
+                     "instead": instead if why else None})
+    llama = report["llamacpp"]
+    rows.append({"what": "GGUF artifacts (--method gguf) in llama.cpp", "runs": llama["available"],
+                 "reason": None if llama["available"] else
+                 f"llama-cpp-python does not import ({llama['error']})",
+                 "instead": None if llama["available"] else
+                 "run `bash scripts/setup.sh` (it builds llama-cpp-python with portable flags)"})
+    vllm = report["vllm"]
+    rows.append({"what": "lm-eval tasks with --backend vllm (for the artifacts vLLM runs above)", "runs": vllm["available"],
+                 "reason": None if vllm["available"] else vllm["error"],
+                 "instead": None if vllm["available"] else "use --backend hf (quantkit's loader)"})
+    gpus = report["torch"]["gpus"]
+    rows.append({"what": "quantize / eval on a CUDA GPU (--device cuda)", "runs": bool(gpus),
+                 "reason": None if gpus else "torch sees no CUDA GPU",
+                 "instead": None if gpus else "everything runs on the CPU; `quantkit plan` "
+                 "estimates time and memory first"})
+    rows.append({"what": "TensorRT-LLM", "runs": False,
+                 "reason": "TensorRT-LLM cannot run on these machines",
+                 "instead": "`quantkit verify ARTIFACT --engine trtllm` checks its loader rules"})
+    return rows

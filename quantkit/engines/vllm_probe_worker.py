@@ -1,0 +1,89 @@
+"""Runs inside vLLM's own virtualenv (it imports nothing from quantkit): which CPU kernels exist.
+
+Usage: python vllm_probe_worker.py RESPONSE.json
+Loads vLLM's compiled ops the way vLLM itself does (`current_platform.import_kernels()` picks
+_C, _C_AVX512 or _C_AVX2 from the CPU), then reports, per op that vLLM's CPU quantization
+kernels call, its schema or null when the op is missing. A schema with no arguments
+("() -> ()") is a placeholder vLLM registers where the build has no kernel: calling it fails.
+Also asks vLLM's own kernel classes whether they are supported here, and runs one tiny FP8
+matmul through torch._scaled_mm (the path of vLLM's channel-wise FP8 kernel on CPU).
+"""
+
+import json
+import os
+import sys
+
+# this folder holds quantkit/engines/vllm.py; keep it from shadowing the real vllm package
+sys.path = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
+
+# every torch.ops._C op the CPU quantization kernels of vLLM 0.32 call
+# (vllm/model_executor/kernels/linear/{mixed_precision,scaled_mm}/cpu.py, vllm/_custom_ops.py)
+OPS = ["cpu_gemm_wna16",  # CPUWNA16LinearKernel: int4 weights (GPTQ, AWQ, compressed-tensors)
+       "static_scaled_fp8_quant", "dynamic_scaled_fp8_quant",
+       "dynamic_per_token_scaled_fp8_quant",  # ops.scaled_fp8_quant (FP8 per-tensor weights)
+       "fp8_scaled_mm_cpu", "cpu_has_amx_fp8",  # the AMX FP8 kernels
+       "create_onednn_scaled_mm_handler", "onednn_scaled_mm",  # CPUInt8ScaledMMLinearKernel
+       "static_scaled_int8_quant", "dynamic_scaled_int8_quant",
+       "int8_scaled_mm_with_quant"]  # its AMX variant
+
+
+def _schema(ns, name: str):
+    if not hasattr(ns, name):
+        return None
+    try:
+        return str(getattr(ns, name).default._schema)
+    except Exception as exc:  # noqa: BLE001 - reported, not fatal
+        return f"? {type(exc).__name__}: {exc}"
+
+
+def _kernel_supported(module: str, cls: str):
+    """[supported, reason] from one of vLLM's kernel classes, or None if it is not there."""
+    try:
+        import importlib
+
+        ok, why = getattr(importlib.import_module(module), cls).is_supported()
+        return [bool(ok), why]
+    except Exception as exc:  # noqa: BLE001
+        return [False, f"{type(exc).__name__}: {exc}"]
+
+
+def _fp8_scaled_mm(torch) -> str | None:
+    """None when a tiny FP8 x FP8 -> float32 torch._scaled_mm runs on the CPU, else the error."""
+    try:
+        a = torch.randn(16, 32).to(torch.float8_e4m3fn)
+        b = torch.randn(16, 32).to(torch.float8_e4m3fn).t()
+        one = torch.ones(1, dtype=torch.float32)
+        torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.float32)
+        return None
+    except Exception as exc:  # noqa: BLE001
+        return f"{type(exc).__name__}: {exc}"
+
+
+def main(resp_path: str) -> None:
+    import torch
+    import vllm
+    from vllm.platforms import current_platform
+
+    current_platform.import_kernels()
+    ns = torch.ops._C
+    loaded = sorted({os.path.basename(line.split()[-1]) for line in open("/proc/self/maps")
+                     if "/vllm/_C" in line})  # which build vLLM picked for this CPU
+    out = {"vllm_version": vllm.__version__, "torch_version": torch.__version__,
+           "platform": type(current_platform).__name__, "kernel_libraries": loaded,
+           "ops": {name: _schema(ns, name) for name in OPS},
+           "fp8_scaled_mm_error": _fp8_scaled_mm(torch)}
+    try:
+        from vllm.model_executor.kernels.linear.mixed_precision import cpu as wna16
+
+        out["wna16_weight_types"] = [str(t) for t in wna16._CPUWNA16_SUPPORTED_QUANT_TYPES]
+    except Exception as exc:  # noqa: BLE001
+        out["wna16_weight_types"] = f"? {type(exc).__name__}: {exc}"
+    scaled = "vllm.model_executor.kernels.linear.scaled_mm.cpu"
+    out["kernels"] = {name: _kernel_supported(scaled, name) for name in (
+        "CPUInt8ScaledMMLinearKernel", "CPUFp8PerTensorScaledMMLinearKernel",
+        "CPUFp8BlockScaledMMKernel", "CPUFP8W8A8ScaledMMLinearKernel")}
+    json.dump(out, open(resp_path, "w"))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
