@@ -257,34 +257,67 @@ def eval_cmd(artifact, base, heldout, ctx, max_windows, batch_size, ppl, tasks, 
              num_fewshot, limit, chat_template, seed, fresh_base, speed, speed_engine, speed_prompt,
              speed_gen, speed_batch, repeats, json_out) -> None:
     """Accuracy of an artifact: held-out PPL, KLD / top-1 vs --base, lm-eval tasks and flips."""
+    from quantkit.errors import EngineError
     from quantkit.eval.harness import evaluate, task_record
     from quantkit.eval.logits import PPLConvention
+    from quantkit.eval.speed import default_engine, vllm_blocker
 
     command = "quantkit " + shlex.join(sys.argv[1:])
+    backend = backend or ("llamacpp" if str(artifact).endswith(".gguf") else "hf")
+    speed_engine = speed_engine or default_engine(artifact)
+    # ask the engine probe before the long work: a vLLM part it cannot run is not started
+    blocked = (vllm_blocker(artifact) if (tasks and backend == "vllm")
+               or (speed and speed_engine == "vllm") else None)
     conv = PPLConvention(ctx=ctx, max_windows=max_windows, batch_size=batch_size)
     with _Progress() as progress:
         record = evaluate([artifact], base, heldout=heldout, conv=conv, on_progress=progress,
                           command=command, ppl=ppl)[0]
-    if tasks:
-        names = [t.strip() for t in tasks.split(",") if t.strip()]
-        backend = backend or ("llamacpp" if str(artifact).endswith(".gguf") else "hf")
-        task_record(record, artifact, base, names, backend=backend, num_fewshot=num_fewshot,
-                    limit=limit, batch_size=batch_size, seed=seed, chat=chat_template,
-                    reuse_base=not fresh_base)
-    if speed:
-        from quantkit.eval.speed import measure_speed
-
-        record["speed"] = measure_speed(
-            artifact if Path(artifact).exists() else record["artifact"]["path"], speed_engine,
-            prompt_tokens=speed_prompt, gen_tokens=speed_gen, repeats=repeats,
-            batches=tuple(int(b) for b in speed_batch.split(",")))
     target = Path(json_out) if json_out else (
         Path(artifact) / "quantkit_eval.json" if Path(artifact).is_dir() else None)
-    if target is not None and os.access(target.parent if target.parent.exists() else ".", os.W_OK):
-        target.write_text(json.dumps(record, indent=2))
+    not_run: list[tuple[str, str]] = []  # (option vLLM cannot serve here, what to run instead)
+    try:
+        if tasks and backend == "vllm" and blocked:
+            not_run.append(("--tasks --backend vllm", "--backend hf"))
+        elif tasks:
+            names = [t.strip() for t in tasks.split(",") if t.strip()]
+            task_record(record, artifact, base, names, backend=backend, num_fewshot=num_fewshot,
+                        limit=limit, batch_size=batch_size, seed=seed, chat=chat_template,
+                        reuse_base=not fresh_base)
+        if speed and speed_engine == "vllm" and blocked:
+            record["speed"] = {"engine": "vllm", "not_run": blocked}
+            not_run.append(("--speed", "--speed-engine transformers"))
+        elif speed:
+            from quantkit.eval.speed import measure_speed
+
+            record["speed"] = measure_speed(
+                artifact if Path(artifact).exists() else record["artifact"]["path"], speed_engine,
+                prompt_tokens=speed_prompt, gen_tokens=speed_gen, repeats=repeats,
+                batches=tuple(int(b) for b in speed_batch.split(",")))
+    except EngineError as exc:  # keep what was measured before the engine failed
+        if speed and "speed" not in record:
+            record["speed"] = {"engine": speed_engine, "not_run": exc.message}
+        if _save_eval(record, target):
+            exc.hint = f"{exc.hint or ''} The results measured before it are saved in {target}."
+        raise
+    saved = _save_eval(record, target)
     _print_eval(record)
     if target is not None:
         console.print(f"results: {target}")
+    if not_run:
+        raise EngineError(
+            f"{' and '.join(o for o, _ in not_run)} did not run: {artifact} cannot run in vLLM "
+            f"here: {blocked}.",
+            f"Run `quantkit eval {artifact} {' '.join(i for _, i in not_run)}` instead, or "
+            "evaluate a GGUF or FP8 --scheme dynamic artifact in its engine; `quantkit doctor` "
+            "lists what runs here." + (f" The other results are saved in {target}." if saved else ""))
+
+
+def _save_eval(record: dict, target: Path | None) -> bool:
+    """Write the results record where `quantkit eval` keeps it; False when there is no place."""
+    if target is None or not os.access(target.parent if target.parent.exists() else ".", os.W_OK):
+        return False
+    target.write_text(json.dumps(record, indent=2))
+    return True
 
 
 def _fmt(metric: dict | None, key: str = "value", digits: int = 4) -> str:
@@ -323,6 +356,8 @@ def _print_eval(record: dict) -> None:
                 v = val[name]
                 table.add_row(f"{label} ({sp['engine']}, {key.replace('_', ' ')})",
                               f"{v['median']:.3g} [{v['min']:.3g}, {v['max']:.3g}]")
+    if sp.get("not_run"):
+        table.add_row(f"speed ({sp['engine']})", f"not run: {escape(sp['not_run'])}")
     if sp.get("peak_rss_bytes"):
         table.add_row(f"peak RSS ({sp['engine']})", f"{sp['peak_rss_bytes'] / 2**30:.2f} GiB")
     a = record["artifact"]
@@ -447,6 +482,62 @@ def verify(artifact, engine, as_json) -> None:
     else:
         out.print(escape(report.render()), soft_wrap=True, highlight=False)
     sys.exit(0 if report.conformant else 1)
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="Print the findings as JSON.")
+@click.option("--refresh", is_flag=True,
+              help="Probe vLLM again instead of reusing the cached probe of this venv and CPU.")
+def doctor(as_json, refresh) -> None:
+    """What this machine can run: CPU, memory, GPUs, vLLM's kernels, llama.cpp, and what a
+    missing piece means (which artifacts cannot run in which engine here, what to use instead)."""
+    from quantkit.engines.capabilities import machine_report, what_runs_here
+
+    report = machine_report(refresh=refresh)
+    report["what_runs_here"] = what_runs_here(report)
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+        return
+    click.echo(_doctor_text(report))  # plain text, engine and user strings printed verbatim
+
+
+def _doctor_text(r: dict) -> str:
+    gib = 2**30
+    cpu, mem, tch, v, ll = r["cpu"], r["memory"], r["torch"], r["vllm"], r["llamacpp"]
+    lines = ["quantkit doctor: what this machine can run", "",
+             f"CPU        {cpu['model']}, {cpu['cores']} cores usable; SIMD flags: "
+             f"{' '.join(cpu['simd_flags']) or '-'} (informational: the engines are asked below)",
+             f"memory     {mem.get('MemTotal', 0) / gib:.1f} GiB total, "
+             f"{mem['available_bytes'] / gib:.1f} GiB available ({mem['available_source']})"
+             + (f", cgroup limit {mem['cgroup_limit'] / gib:.1f} GiB" if "cgroup_limit" in mem
+                else ""),
+             f"torch      {tch['version']}; GPUs: " + (", ".join(
+                 f"{g['name']} ({g['memory_bytes'] / gib:.0f} GiB)" for g in tch["gpus"]) or "none")]
+    if v["available"]:
+        lines.append(f"vLLM       {v['version']} ({v['python']}); compiled ops: "
+                     f"{v['kernel_library'] or '?'} ({v['platform']})")
+        for label, key in (("int4 weight-only GEMM (cpu_gemm_wna16)", "int4_wna16"),
+                           ("FP8 channel weights, dynamic inputs (torch._scaled_mm)", "fp8"),
+                           ("FP8 per-tensor weights (static_scaled_fp8_quant)", "fp8_static"),
+                           ("FP8 128x128 blocks (AMX)", "fp8_block"),
+                           ("INT8 W8A8 (oneDNN)", "int8_w8a8")):
+            lines.append(f"  {label:<56} {'yes' if v[key] else 'MISSING'}")
+        lines.append(f"  (probe cached in {v['cache_file']}; --refresh probes again)")
+    else:
+        lines.append(f"vLLM       not usable: {v['error']}")
+    if ll["available"]:
+        lines.append(f"llama.cpp  llama-cpp-python {ll['version']}; build: "
+                     f"{' '.join(ll['features']) or '-'}")
+    else:
+        lines.append(f"llama.cpp  not usable: {ll['error']}")
+    lines += ["", "What runs here:"]
+    for row in r["what_runs_here"]:
+        if row["runs"]:
+            lines.append(f"  ok    {row['what']}")
+        else:
+            lines.append(f"  NO    {row['what']}: {row['reason']}.")
+            lines.append(f"        instead: {row['instead']}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

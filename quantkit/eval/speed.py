@@ -21,7 +21,7 @@ import psutil
 
 from quantkit.errors import QuantkitError
 
-__all__ = ["measure_speed", "default_engine", "ENGINES"]
+__all__ = ["measure_speed", "default_engine", "vllm_blocker", "ENGINES"]
 
 ENGINES = ("vllm", "llamacpp", "transformers")
 
@@ -30,6 +30,26 @@ def default_engine(artifact: str) -> str:
     if str(artifact).endswith(".gguf"):
         return "llamacpp"
     return "vllm"
+
+
+def vllm_blocker(artifact: str) -> str | None:
+    """Why vLLM cannot run `artifact` here (the engine probe, before any work), or None.
+    A model alias or directory without a quantization scheme is a dense model: it needs only
+    a vLLM that starts."""
+    from quantkit.engines.capabilities import vllm_cannot_run, vllm_capabilities
+
+    path = Path(str(artifact))
+    if path.suffix == ".gguf":
+        return vllm_cannot_run("gguf")
+    scheme = None
+    if path.is_dir():
+        from quantkit.loader import artifact_meta
+
+        scheme = artifact_meta(path).get("scheme")
+    if scheme:
+        return vllm_cannot_run(scheme)
+    caps = vllm_capabilities()
+    return None if caps.available else f"vLLM cannot start here ({caps.error})"
 
 
 class _PeakRSS:
