@@ -4,4 +4,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/ruff check .
-exec .venv/bin/python -m pytest -q -p no:cacheprovider --durations=20 "$@"
+# -rs lists every skip; a skip not on tests/allowed_skips.txt fails the run (tests/conftest.py)
+exec .venv/bin/python -m pytest -q -p no:cacheprovider -rs --durations=20 "$@"

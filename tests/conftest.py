@@ -56,3 +56,85 @@ def tiny_model_factory(tmp_path):
         return make_tiny_model(tmp_path / (name or arch), arch, **kw)
     return make
 
+
+
+# ------------------------------------------------- skips: only those on the allow-list ----
+# A skip must not stand in for a missing feature or a missing engine: every skip whose test id
+# is not on tests/allowed_skips.txt (with the reason it may skip) fails the run.
+
+_ALLOWED_SKIPS = Path(__file__).with_name("allowed_skips.txt")
+
+
+def _allowed_skip_patterns() -> list[str]:
+    """Test-id patterns (fnmatch) of tests/allowed_skips.txt: `PATTERN | why it may skip`."""
+    patterns = []
+    for line in _ALLOWED_SKIPS.read_text().splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        pattern, sep, why = line.partition("|")
+        if not sep or not why.strip():
+            raise pytest.UsageError(f"{_ALLOWED_SKIPS}: {line!r} has no '| reason'; every "
+                                    "allowed skip states why it may skip")
+        patterns.append(pattern.strip())
+    return patterns
+
+
+def _unlisted_skip(report) -> bool:
+    from fnmatch import fnmatch
+
+    if not report.skipped or hasattr(report, "wasxfail"):
+        return False
+    nodeid = report.nodeid or "?"
+    return not any(fnmatch(nodeid, p) or nodeid.startswith(p) for p in _allowed_skip_patterns())
+
+
+def _as_failure(report) -> None:
+    reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    report.outcome = "failed"
+    report.longrepr = (f"skipped, and not on tests/allowed_skips.txt: {reason}\n"
+                       "Make the test run (install what it needs: scripts/setup.sh), or add "
+                       "'TEST_ID | why it may skip' to tests/allowed_skips.txt.")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = (yield).get_result()
+    if _unlisted_skip(report):
+        _as_failure(report)
+    elif call.when == "call" and item.get_closest_marker("engine") and report.passed:
+        _ENGINE_TESTS_PASSED.append(item.nodeid)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    report = (yield).get_result()
+    if _unlisted_skip(report):  # e.g. a module-level importorskip
+        _as_failure(report)
+
+
+# --------------------------------------- end of run: real engine checks vs refusals ----
+
+_ENGINE_TESTS_PASSED: list[str] = []
+
+
+def pytest_terminal_summary(terminalreporter):
+    from vllm_checks import ENGINE_CHECKS
+
+    recorded = {c.test for c in ENGINE_CHECKS}
+    real = [c.test + f" [{c.kind}]" for c in ENGINE_CHECKS if c.real]
+    real += [t for t in _ENGINE_TESTS_PASSED if t not in recorded]  # engine tests with no probe
+    refused = [c for c in ENGINE_CHECKS if not c.real]
+    if not real and not refused:
+        return
+    tr = terminalreporter
+    tr.section("real-engine checks")
+    tr.write_line(f"{len(real)} ran the real engine; {len(refused)} asserted the engine's refusal "
+                  "(the probe said it has no kernel here; `quantkit doctor` says why)")
+    reasons: dict[str, list[str]] = {}
+    for c in refused:
+        reasons.setdefault(f"{c.kind}: {c.reason}", []).append(c.test)
+    for why, tests in reasons.items():
+        tr.write_line(f"  refusal x{len(tests)}: {why}")
+        for t in tests:
+            tr.write_line(f"      {t}")

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
-from vllm_checks import agreement, heldout_ids
+from vllm_checks import agreement, heldout_ids, vllm_runs
 
 from quantkit.arch import spec_for_config
 from quantkit.errors import CalibrationError, EngineError, SchemeMismatch, UnsupportedArchitecture
@@ -40,7 +40,6 @@ from quantkit.methods.intquant import rtn_quantize_weight
 from quantkit.types import QuantScheme
 
 SCHEME = QuantScheme(bits=4, group_size=64, symmetric=True)
-VLLM_HAS_INT4_CPU_KERNEL = torch.cpu._is_avx512_bf16_supported()
 PROMPT = "The capital of France is"
 SMOL_CALIB = dict(calib_samples=16, calib_seqlen=256)  # 4096 tokens, the same for AWQ and RTN
 
@@ -457,12 +456,12 @@ def test_awq_artifacts_in_vllm(smol_awq, key, kernel_line):
     from quantkit.loader import load_artifact
 
     path = smol_awq[key]["path"]
-    if not VLLM_HAS_INT4_CPU_KERNEL:
+    if not vllm_runs("int4"):
         with pytest.raises(EngineError) as e:
             run_vllm(path, generate=[{"prompt": PROMPT, "max_tokens": 8}])
         log = e.value.log
         assert "object has no attribute 'cpu_gemm_wna16'" in str(e.value)
-        # vLLM accepted the config and every tensor; only the AVX512-BF16 CPU kernel is missing
+        # vLLM accepted the config and every tensor; only the CPU int4 kernel is missing
         assert f"Using CPUWNA16LinearKernel {kernel_line}" in log
         assert "Loading safetensors checkpoint shards: 100% Completed" in log
         assert "Unable to find matching target" not in log

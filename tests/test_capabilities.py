@@ -1,0 +1,186 @@
+"""The engine probe (quantkit.engines.capabilities), `quantkit doctor`, the skip allow-list,
+and engine failures a user can act on. The probe must agree with what vLLM really does."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from vllm_checks import vllm_runs
+
+from quantkit.engines.capabilities import (
+    explain_vllm_failure,
+    vllm_cannot_run,
+    vllm_capabilities,
+)
+from quantkit.engines.vllm import run_vllm
+from quantkit.errors import EngineError
+from quantkit.types import QuantScheme
+
+REPO = Path(__file__).parents[1]
+
+
+def _cli(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200"}
+    return subprocess.run([sys.executable, "-m", "quantkit.cli", *args], capture_output=True,
+                          text=True, env=env, timeout=timeout, cwd=REPO)
+
+
+def test_probe_reads_vllm_ops_and_is_cached():
+    caps = vllm_capabilities()
+    assert caps.available, caps.error
+    assert caps.version == "0.32.0" and caps.platform == "CpuPlatform"
+    # the int4 kernel ships in vLLM's AVX512 builds (_C, _C_AVX512), not in _C_AVX2
+    assert caps.kernel_library in ("_C", "_C_AVX512", "_C_AVX2")
+    assert caps.int4_wna16 == (caps.kernel_library != "_C_AVX2")
+    assert caps.int4_wna16 == (caps.ops["cpu_gemm_wna16"] is not None)
+    assert caps.wna16_weight_types == ["uint4", "uint4b8"]
+    cached = Path(caps.cache_file)
+    stamp = cached.stat().st_mtime_ns
+    assert json.loads(cached.read_text())["vllm_version"] == "0.32.0"
+    from quantkit.engines import capabilities
+
+    capabilities._capabilities.cache_clear()  # a new process: reads the cache, no new probe
+    again = vllm_capabilities()
+    assert again.to_dict() == caps.to_dict() and cached.stat().st_mtime_ns == stamp
+
+
+def test_reason_phrases_follow_the_probe():
+    caps = vllm_capabilities()
+    int4 = vllm_cannot_run("int4")
+    assert (int4 is None) == caps.int4_wna16
+    # the three ways of naming a scheme agree
+    assert vllm_cannot_run(QuantScheme(bits=4, group_size=64)) == int4
+    assert vllm_cannot_run({"kind": "int", "bits": 4, "group_size": 64}) == int4
+    if int4:
+        assert int4 == "vLLM has no int4 CPU kernel on this CPU (cpu_gemm_wna16; needs AVX512)"
+    assert (vllm_cannot_run({"kind": "fp8", "bits": 8, "group_size": 0}) is None) == caps.fp8_static
+    assert (vllm_cannot_run("fp8-block") is None) == caps.fp8_block
+    assert (vllm_cannot_run("fp8-dynamic") is None) == caps.fp8
+    assert "llama.cpp" in vllm_cannot_run("gguf")
+    with pytest.raises(ValueError, match="unknown scheme"):
+        vllm_cannot_run("int4-but-not-really")
+    log = "AttributeError: '_OpNamespace' '_C' object has no attribute 'cpu_gemm_wna16'"
+    assert explain_vllm_failure(log) == ("vLLM has no int4 CPU kernel on this CPU "
+                                         "(cpu_gemm_wna16; needs AVX512)")
+    w8a16 = ("CPUWNA16LinearKernel cannot implement due to: Quant type (uint8b128) not supported "
+             "by CPUWNA16, supported types are: (ScalarType.uint4, ScalarType.uint4b8)")
+    assert explain_vllm_failure(w8a16) == vllm_cannot_run("int8")  # measured with RTN W8A16
+    assert explain_vllm_failure("ValueError: something else") is None
+
+
+@pytest.mark.engine
+def test_probe_agrees_with_vllm_on_a_tiny_int4_artifact(tiny_llama, tmp_path):
+    """Whichever way the probe answers, real vLLM does the same with a tiny int4 artifact."""
+    from quantkit.pipeline.quantize import QuantizeRequest, quantize
+
+    art = tmp_path / "tiny-w4"
+    quantize(QuantizeRequest(model=str(tiny_llama), method="rtn",
+                             scheme=QuantScheme(bits=4, group_size=64), out=art))
+    prompt = [{"prompt": "The capital of France is", "max_tokens": 2}]
+    if vllm_runs("int4"):
+        res = run_vllm(art, generate=prompt, max_model_len=128)
+        assert isinstance(res["generate"][0], str)
+        return
+    with pytest.raises(EngineError) as exc:
+        run_vllm(art, generate=prompt, max_model_len=128)
+    err = exc.value
+    # the refusal is the one the probe predicted, said as the probe says it, log on disk
+    assert err.reason == vllm_cannot_run("int4")
+    assert err.message.endswith("(vLLM said: AttributeError: '_OpNamespace' '_C' object has no "
+                                "attribute 'cpu_gemm_wna16').")
+    assert "quantkit doctor" in err.hint and str(err.log_path) in err.hint
+    assert err.log_path.read_text() == err.log and "CPUWNA16LinearKernel" in err.log
+
+
+def test_doctor_text_and_json():
+    caps = vllm_capabilities()
+    res = _cli("doctor")
+    assert res.returncode == 0, res.stderr
+    text = res.stdout
+    assert "Traceback" not in text + res.stderr
+    assert f"compiled ops: {caps.kernel_library}" in text
+    line = next(x for x in text.splitlines() if "int4 weight-only GEMM (cpu_gemm_wna16)" in x)
+    assert line.split()[-1] == ("yes" if caps.int4_wna16 else "MISSING")
+    int4_row = next(x for x in text.splitlines() if "int4 RTN / GPTQ / AWQ" in x)
+    if not caps.int4_wna16:  # what it means, and what to use instead, on the next line
+        assert int4_row.strip().startswith("NO") and vllm_cannot_run("int4") in int4_row
+        after = text.splitlines()[text.splitlines().index(int4_row) + 1]
+        assert "instead:" in after and "--speed-engine transformers" in after
+    res = _cli("doctor", "--json")
+    assert res.returncode == 0, res.stderr
+    report = json.loads(res.stdout)
+    assert report["vllm"]["int4_wna16"] == caps.int4_wna16
+    assert report["llamacpp"]["available"] and "AVX2" in report["llamacpp"]["features"]
+    assert report["memory"]["available_bytes"] > 0 and report["cpu"]["cores"] >= 1
+    rows = {r["what"]: r for r in report["what_runs_here"]}
+    assert rows["GGUF artifacts (--method gguf) in llama.cpp"]["runs"]
+    assert not rows["TensorRT-LLM"]["runs"]
+
+
+@pytest.mark.engine
+def test_eval_speed_of_int4_in_vllm_keeps_accuracy_and_says_what_to_do(rtn4_artifact, tmp_path):
+    """issue 21: `quantkit eval INT4 --speed` on a CPU without vLLM's int4 kernel scores the
+    held-out text, saves it, does not start vLLM, and ends with a sentence the user can act on;
+    where the kernel exists the same command measures speed in vLLM."""
+    out = tmp_path / "eval.json"
+    res = _cli("eval", str(rtn4_artifact), "--ctx", "64", "--max-windows", "2", "--speed",
+               "--speed-prompt", "16", "--speed-gen", "4", "--speed-batch", "1", "--repeats", "1",
+               "--json", str(out))
+    record = json.loads(out.read_text())
+    assert record["metrics"]["ppl"]["value"] > 1  # the accuracy part, saved
+    assert "Traceback" not in res.stdout + res.stderr
+    if vllm_runs("int4"):
+        assert res.returncode == 0, res.stderr
+        assert record["speed"]["engine"] == "vllm" and record["speed"]["batch_1"]
+        return
+    assert res.returncode == 2, res.stdout + res.stderr
+    err = " ".join(res.stderr.split())  # rich may wrap long lines
+    assert f"error: --speed did not run: {rtn4_artifact} cannot run in vLLM here: " \
+           f"{vllm_cannot_run('int4')}." in err
+    assert "--speed-engine transformers" in err and "quantkit doctor" in err
+    assert f"saved in {out}" in err
+    assert record["speed"] == {"engine": "vllm", "not_run": vllm_cannot_run("int4")}
+
+
+_SKIPPING_TESTS = '''
+import pytest
+from vllm_checks import engine_check
+
+
+def test_listed_skip():
+    pytest.skip("allowed here")
+
+
+def test_unlisted_skip():
+    pytest.skip("a missing feature")
+
+
+def test_refusal_recorded():
+    engine_check("vllm int4", real=False, reason="no kernel here")
+'''
+
+
+def test_unlisted_skip_fails_the_run_and_refusals_are_summarised(tmp_path):
+    tests = tmp_path / "tests"
+    tests.mkdir()
+    for f in ("conftest.py", "vllm_checks.py", "tiny_models.py"):
+        shutil.copy2(REPO / "tests" / f, tests / f)
+    (tests / "allowed_skips.txt").write_text(
+        "# comment\ntests/test_s.py::test_listed_skip | a reason\n")
+    (tests / "test_s.py").write_text(_SKIPPING_TESTS)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
+                          "tests/test_s.py"], capture_output=True, text=True, env=env,
+                         cwd=tmp_path, timeout=300)
+    out = res.stdout
+    assert res.returncode == 1, out
+    assert "1 failed, 1 passed, 1 skipped" in out
+    assert "skipped, and not on tests/allowed_skips.txt" in out and "a missing feature" in out
+    assert "0 ran the real engine; 1 asserted the engine's refusal" in out
+    assert "refusal x1: vllm int4: no kernel here" in out
