@@ -123,6 +123,16 @@ def test_doctor_text_and_json():
     assert not rows["TensorRT-LLM"]["runs"]
 
 
+
+def test_doctor_without_vllm_says_how_to_get_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("QUANTKIT_VLLM_PYTHON", str(tmp_path / "no-venv" / "bin" / "python"))
+    res = _cli("doctor")
+    assert res.returncode == 0, res.stderr
+    assert f"vLLM       not usable: vLLM is not installed where quantkit looks for it ({tmp_path}" \
+        in res.stdout
+    assert "instead: install vLLM (`bash scripts/setup.sh`" in res.stdout
+
+
 @pytest.mark.engine
 def test_eval_speed_of_int4_in_vllm_keeps_accuracy_and_says_what_to_do(rtn4_artifact, tmp_path):
     """issue 21: `quantkit eval INT4 --speed` on a CPU without vLLM's int4 kernel scores the

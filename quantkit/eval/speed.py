@@ -49,7 +49,7 @@ def vllm_blocker(artifact: str) -> str | None:
     if scheme:
         return vllm_cannot_run(scheme)
     caps = vllm_capabilities()
-    return None if caps.available else f"vLLM cannot start here ({caps.error})"
+    return None if caps.available else f"vLLM cannot start here ({caps.error.rstrip('.')})"
 
 
 class _PeakRSS:
