@@ -114,6 +114,8 @@ def _real_op(schema: str | None) -> bool:
 
 
 def _from_probe(raw: dict, python: Path, cache_file: Path) -> VllmCapabilities:
+    """Capabilities from the probe's answer. The op checks are about vLLM's CPU builds; a vLLM
+    on another platform (a CUDA build via QUANTKIT_VLLM_PYTHON) is not judged by them."""
     ops, kernels = raw.get("ops") or {}, raw.get("kernels") or {}
     libs = raw.get("kernel_libraries") or []
     cpu = raw.get("platform") == "CpuPlatform"
