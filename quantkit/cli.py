@@ -277,7 +277,7 @@ def eval_cmd(artifact, base, heldout, ctx, max_windows, batch_size, ppl, tasks, 
     not_run: list[tuple[str, str]] = []  # (option vLLM cannot serve here, what to run instead)
     try:
         if tasks and backend == "vllm" and blocked:
-            not_run.append(("--tasks --backend vllm", "--backend hf"))
+            not_run.append(("--tasks --backend vllm", f"--tasks {tasks} --backend hf"))
         elif tasks:
             names = [t.strip() for t in tasks.split(",") if t.strip()]
             task_record(record, artifact, base, names, backend=backend, num_fewshot=num_fewshot,
@@ -285,7 +285,7 @@ def eval_cmd(artifact, base, heldout, ctx, max_windows, batch_size, ppl, tasks, 
                         reuse_base=not fresh_base)
         if speed and speed_engine == "vllm" and blocked:
             record["speed"] = {"engine": "vllm", "not_run": blocked}
-            not_run.append(("--speed", "--speed-engine transformers"))
+            not_run.append(("--speed", "--speed --speed-engine transformers"))
         elif speed:
             from quantkit.eval.speed import measure_speed
 

@@ -153,7 +153,8 @@ def test_eval_speed_of_int4_in_vllm_keeps_accuracy_and_says_what_to_do(rtn4_arti
     err = " ".join(res.stderr.split())  # rich may wrap long lines
     assert f"error: --speed did not run: {rtn4_artifact} cannot run in vLLM here: " \
            f"{vllm_cannot_run('int4')}." in err
-    assert "--speed-engine transformers" in err and "quantkit doctor" in err
+    assert f"Run `quantkit eval {rtn4_artifact} --speed --speed-engine transformers` instead" in err
+    assert "quantkit doctor" in err
     assert f"saved in {out}" in err
     assert record["speed"] == {"engine": "vllm", "not_run": vllm_cannot_run("int4")}
 
