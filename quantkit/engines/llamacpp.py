@@ -49,8 +49,10 @@ class LlamaCppModel:
             self.llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, logits_all=logits_all,
                                        n_threads=n_threads or min(4, os.cpu_count() or 1),
                                        seed=seed, verbose=False)
-        except ValueError as exc:  # llama-cpp-python reports load failures as ValueError
-            raise EngineError(f"llama.cpp refused {path}: {exc}") from exc
+        except (ValueError, RuntimeError, OSError) as exc:  # load failures are ValueError
+            raise EngineError(f"llama.cpp refused {path}: {exc}",
+                              "Check the file with `quantkit info FILE`; write it again with "
+                              "`quantkit quantize MODEL --method gguf` if it is damaged.") from exc
 
     def tokenize(self, text: str, add_bos: bool = False, special: bool = False) -> list[int]:
         return self.llm.tokenize(text.encode("utf-8"), add_bos=add_bos, special=special)
