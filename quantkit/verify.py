@@ -380,13 +380,13 @@ def verify(artifact: str | Path, engine: str = "trtllm") -> VerifyReport:
         raise ModelLoadError(f"{path} is not a Hugging Face model directory (no config.json).",
                              "TensorRT-LLM's LLM(model=dir) takes an HF directory.")
     config = read_config_json(path)
+    headers = read_safetensors_headers(path)  # corrupt shards are an input error, checked first
     rep = VerifyReport(artifact=str(path), engine=engine)
     found = _detect(path, config, rep)
     if found is None:
         return rep
     algo = rep.quant_algo = found["algo"]
     rep.exclude_modules = found["exclude"]
-    headers = read_safetensors_headers(path)
     linears = _linears(path, config, headers)
     if algo is None:
         fp8 = [k for k, h in headers.items() if h["dtype"] == FP8]
