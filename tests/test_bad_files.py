@@ -391,3 +391,27 @@ def test_cli_eval_gguf_llamacpp_refuses(tmp_path, tiny_llama):
     assert_input_error(cli("eval", g, "--base", tiny_llama, "--max-windows", "1", "--ctx", "16"),
                        "llama.cpp refused")
     assert snapshot(tmp_path) == before
+
+
+def test_imatrix_fuzz(tmp_path):
+    """--imatrix FILE, GGUF and legacy .dat: every truncation and header bit flip gives the
+    loader's result or one ModelLoadError naming --imatrix / --calib."""
+    import struct
+
+    from quantkit.methods.imatrix import load_imatrix, save_imatrix
+
+    good_gguf = tmp_path / "good.gguf"
+    save_imatrix(good_gguf, {"blk.0.attn_q.weight": (torch.rand(64), 30)}, datasets=["calib"],
+                 chunk_count=2, chunk_size=15)
+    name, vals = b"blk.3.attn_v.weight", np.arange(1, 33, dtype=np.float32)
+    legacy = (struct.pack("<i", 1) + struct.pack("<i", len(name)) + name
+              + struct.pack("<ii", 5, vals.size) + vals.tobytes() + struct.pack("<ii", 12, 4) + b"wiki")
+    f = tmp_path / "m.imatrix"
+    for good, header_end in ((good_gguf.read_bytes(), gguf_data_start(good_gguf)),
+                             (legacy, 4 + 4 + len(name) + 8)):
+        for label, data in mutations(good, header_end):
+            f.write_bytes(data)
+            try:
+                load_imatrix(f)
+            except ModelLoadError as exc:
+                assert "--imatrix" in (exc.hint or "") or "does not exist" in exc.message, label

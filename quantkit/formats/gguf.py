@@ -18,16 +18,16 @@ import itertools
 import json
 import math
 import struct
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFEndian, GGUFValueType, GGUFWriter
+from gguf import GGMLQuantizationType, GGUFEndian, GGUFValueType, GGUFWriter
 
 from quantkit.arch import ArchSpec, spec_for_config
-from quantkit.errors import ModelLoadError, SchemeMismatch, UnsupportedArchitecture
+from quantkit.errors import SchemeMismatch, UnsupportedArchitecture
 from quantkit.formats.gguf_tokenizer import read_tokenizer
+from quantkit.readers import GGUFTensor, bad_gguf, read_gguf
 from quantkit.types import QuantResult, QuantScheme
 
 __all__ = ["GGUFFileWriter", "gguf_name", "FILE_TYPES", "read_gguf", "gguf_metadata", "GGUFTensor"]
@@ -273,39 +273,6 @@ def _rope_scaling(name: str):
 
 
 # ---------------------------------------------------------------------- reading
-@dataclass
-class GGUFTensor:
-    name: str
-    qtype: GGMLQuantizationType
-    shape: tuple[int, ...]  # torch order (rows first)
-    data: np.ndarray  # raw bytes, [rows, row_bytes] uint8 (memory-mapped)
-
-
-_SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q",
-           11: "<q", 12: "<d"}
-_STRING, _ARRAY = 8, 9
-GGML_MAX_DIMS = 4  # llama.cpp refuses more
-
-
-class _Truncated(Exception):
-    """A read ran past the end of the file (turned into one ModelLoadError by read_gguf)."""
-
-
-def read_gguf(path: str | Path) -> tuple[dict, dict[str, GGUFTensor]]:
-    """(KV metadata, tensors) of a GGUF file, every header field validated against the file
-    (magic, version, counts, string and array lengths, value and tensor types, dims, alignment,
-    tensor data within the file) so a truncated or foreign file gives one clear ModelLoadError
-    before gguf-py or llama.cpp see it. gguf's GGUFReader builds a numpy view per array element
-    (seconds for a 50K-token vocabulary); this reads values straight from the bytes."""
-    path = Path(path)
-    try:
-        return _read_gguf(path)
-    except _Truncated as exc:
-        raise _bad_gguf(path, f"truncated: {exc}") from None
-    except (ValueError, OverflowError, struct.error) as exc:  # should not happen; never a traceback
-        raise _bad_gguf(path, str(exc)) from exc
-
-
 def gguf_metadata(path: str | Path, kv: dict | None = None) -> dict:
     """quantkit's provenance stored in a GGUF (`quantkit.metadata`), {} when another tool wrote
     it; `kv` is read_gguf's when the caller has it."""
@@ -317,116 +284,5 @@ def gguf_metadata(path: str | Path, kv: dict | None = None) -> dict:
     except ValueError:
         meta = None
     if not isinstance(meta, dict):
-        raise _bad_gguf(Path(path), "its quantkit.metadata key is not a JSON object")
+        raise bad_gguf(Path(path), "its quantkit.metadata key is not a JSON object")
     return meta
-
-
-def _bad_gguf(path: Path, why: str) -> ModelLoadError:
-    return ModelLoadError(f"Corrupt or foreign GGUF file {path}: {why}.",
-                          "Re-download it, or write it again with `quantkit quantize MODEL "
-                          "--method gguf -o FILE.gguf`; llama.cpp cannot load it as it is.")
-
-
-def _read_gguf(path: Path) -> tuple[dict, dict[str, GGUFTensor]]:
-    if not path.is_file():
-        raise ModelLoadError(f"GGUF file {path} does not exist or is not a file.",
-                             "Pass the .gguf file written by `quantkit quantize --method gguf`.")
-    size = path.stat().st_size
-    if size < 24:
-        raise _bad_gguf(path, f"only {size} bytes, shorter than the 24-byte GGUF header")
-    buf = np.memmap(path, dtype=np.uint8, mode="r")
-    mv = memoryview(buf)
-    off = 0
-
-    def take(fmt: str, what: str):
-        nonlocal off
-        n = struct.calcsize(fmt)
-        if off + n > size:
-            raise _Truncated(f"{what} at byte {off} runs past the end ({size} bytes)")
-        v = struct.unpack_from(fmt, mv, off)[0]
-        off += n
-        return v
-
-    def string(what: str) -> str:
-        nonlocal off
-        n = take("<Q", f"length of {what}")
-        if n > size - off:
-            raise _Truncated(f"{what} at byte {off} claims {n} bytes, {size - off} are left")
-        s_ = bytes(mv[off:off + n]).decode("utf-8", errors="surrogateescape")
-        off += n
-        return s_
-
-    def value(vtype: int, key: str, nested: bool = False):
-        nonlocal off
-        if vtype == _STRING:
-            return string(f"string value of {key!r}")
-        if vtype == _ARRAY and not nested:
-            etype, n = take("<I", f"array type of {key!r}"), take("<Q", f"array length of {key!r}")
-            if etype not in _SCALAR and etype != _STRING:
-                raise _bad_gguf(path, f"key {key!r}: array of unknown value type {etype}")
-            least = 8 if etype == _STRING else struct.calcsize(_SCALAR[etype])
-            if n * least > size - off:
-                raise _Truncated(f"array {key!r} at byte {off} claims {n} elements, "
-                                 f"more than the {size - off} bytes left hold")
-            if etype in _SCALAR and etype != 7:
-                dt = np.dtype(_SCALAR[etype])
-                arr = np.frombuffer(mv, dtype=dt, count=n, offset=off)
-                off += n * dt.itemsize
-                return arr.tolist()
-            return [value(etype, key, nested=True) for _ in range(n)]
-        if vtype not in _SCALAR:
-            raise _bad_gguf(path, f"key {key!r} has unknown value type {vtype}")
-        return take(_SCALAR[vtype], f"value of {key!r}")
-
-    if bytes(mv[:4]) != b"GGUF":
-        raise _bad_gguf(path, f"magic is {bytes(mv[:4])!r}, not b'GGUF'")
-    off = 4
-    version = take("<I", "version")
-    if version not in (2, 3):
-        raise _bad_gguf(path, f"GGUF version {version} (llama.cpp reads versions 2 and 3"
-                              + (", little-endian only" if version > 0xFFFF else "") + ")")
-    n_tensors, n_kv = take("<Q", "tensor count"), take("<Q", "KV count")
-    # a KV pair takes at least 13 bytes (key length, type, 1-byte value), a tensor info 32
-    if n_kv * 13 + n_tensors * 32 > size - off:
-        raise _bad_gguf(path, f"the header declares {n_kv} KV pairs and {n_tensors} tensors, "
-                              f"more than a {size}-byte file can hold")
-    kv = {}
-    for i in range(n_kv):
-        key = string(f"key {i}")
-        if key in kv:
-            raise _bad_gguf(path, f"key {key!r} appears twice")
-        kv[key] = value(take("<I", f"type of {key!r}"), key)
-    infos = []
-    for i in range(n_tensors):
-        name = string(f"name of tensor {i}")
-        n_dims = take("<I", f"dimension count of {name!r}")
-        if not 1 <= n_dims <= GGML_MAX_DIMS:
-            raise _bad_gguf(path, f"tensor {name!r} has {n_dims} dimensions (1..{GGML_MAX_DIMS})")
-        dims = [take("<Q", f"dimensions of {name!r}") for _ in range(n_dims)]
-        infos.append((name, dims, take("<I", f"type of {name!r}"),
-                      take("<Q", f"data offset of {name!r}")))
-    align = kv.get("general.alignment", 32)
-    if not isinstance(align, int) or align <= 0 or align & (align - 1):
-        raise _bad_gguf(path, f"general.alignment {align!r} is not a power of two")
-    start = (off + align - 1) // align * align
-    tensors = {}
-    for name, dims, qt, toff in infos:
-        if name in tensors:
-            raise _bad_gguf(path, f"tensor {name!r} appears twice")
-        try:
-            qtype = GGMLQuantizationType(qt)
-            block, type_size = GGML_QUANT_SIZES[qtype]
-        except (ValueError, KeyError):
-            raise _bad_gguf(path, f"tensor {name!r} has unknown type {qt}") from None
-        if dims[0] % block:
-            raise _bad_gguf(path, f"tensor {name!r}: row length {dims[0]} is not a multiple of "
-                                  f"its type's block size {block} ({qtype.name})")
-        rows = math.prod(dims[1:])
-        row_bytes = dims[0] // block * type_size
-        if toff % align or start + toff + rows * row_bytes > size:
-            raise _bad_gguf(path, f"tensor {name!r} ({qtype.name} {dims}) at data offset {toff} "
-                                  + ("is not aligned" if toff % align else
-                                     f"ends past the end of the file ({size} bytes)"))
-        data = buf[start + toff:start + toff + rows * row_bytes].reshape(rows, row_bytes)
-        tensors[name] = GGUFTensor(name, qtype, tuple(reversed(dims)), data)
-    return kv, tensors
