@@ -415,3 +415,16 @@ def test_imatrix_fuzz(tmp_path):
                 load_imatrix(f)
             except ModelLoadError as exc:
                 assert "--imatrix" in (exc.hint or "") or "does not exist" in exc.message, label
+
+
+def test_gguf_export_reads_tokenizer_files_safely(tmp_path, tiny_llama):
+    """`quantize --method gguf` embeds tokenizer.json / tokenizer_config.json: broken ones are a
+    clear error before any work."""
+    from quantkit.formats.gguf_tokenizer import read_tokenizer
+
+    for name, data in (("tokenizer.json", b"\xff\xfe\x00garbage"),
+                       ("tokenizer_config.json", b'{"add_prefix_space": tru')):
+        d = copy_model(tiny_llama, tmp_path / name)
+        (d / name).write_bytes(data)
+        with pytest.raises(ModelLoadError, match=name.replace(".", r"\.")):
+            read_tokenizer(d, 49152)
