@@ -428,3 +428,19 @@ def test_gguf_export_reads_tokenizer_files_safely(tmp_path, tiny_llama):
         (d / name).write_bytes(data)
         with pytest.raises(ModelLoadError, match=name.replace(".", r"\.")):
             read_tokenizer(d, 49152)
+
+
+def test_llama_cpp_refusal_is_an_engine_error(tmp_path):
+    """Every llama.cpp load (eval logits, lm-eval tasks, --speed) goes through load_llama: a
+    damaged header is refused by quantkit's reader, a well-formed GGUF llama.cpp cannot use
+    (no model in it) by llama.cpp, both as QuantkitErrors with a hint."""
+    from quantkit.engines.llamacpp import load_llama
+    from quantkit.errors import EngineError
+
+    g = small_gguf(tmp_path / "m.gguf")
+    with pytest.raises(EngineError, match="llama.cpp refused") as exc:
+        load_llama(g, n_ctx=16)
+    assert "quantkit info" in exc.value.hint
+    g.write_bytes(g.read_bytes()[:100])
+    with pytest.raises(ModelLoadError, match="Corrupt or foreign GGUF"):
+        load_llama(g, n_ctx=16)
