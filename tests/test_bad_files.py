@@ -262,7 +262,13 @@ def test_index_fuzz_and_inside_paths(tmp_path, tiny_llama):
     index = d / "model.safetensors.index.json"
     good = json.dumps({"weight_map": dict.fromkeys(names, "./model.safetensors")}).encode()
     index.write_bytes(good)
-    assert set(tensor_files(d)) == set(names)  # "./x" and symlinks inside are fine
+    assert set(tensor_files(d)) == set(names)  # "./x" names the same file
+    # a symlinked shard is followed (Hugging Face cache snapshots are symlinks into ../../blobs)
+    blob = tmp_path / "blobs" / "0123abcd"
+    blob.parent.mkdir()
+    (d / "model.safetensors").rename(blob)
+    (d / "model.safetensors").symlink_to(blob)
+    assert set(tensor_files(d)) == set(names)
     for data in [good[:n] for n in range(0, len(good), 97)] + [b"{}", b'{"weight_map": []}']:
         index.write_bytes(data)
         with pytest.raises(ModelLoadError):
