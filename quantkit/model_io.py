@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from quantkit.errors import BadWeights, ModelLoadError
-from quantkit.readers import INDEX_FILE, count_nonfinite, read_config_json, tensor_files
+from quantkit.readers import INDEX_FILE, read_config_json, tensor_files
 
 __all__ = ["ModelSource", "resolve_model", "load_config", "load_model", "load_tokenizer",
            "check_finite", "cache_dir", "TOKENIZER_FILES"]
@@ -162,9 +162,15 @@ def load_model(path: Path, *, dtype: torch.dtype = torch.float32, allow_pickle: 
 def check_finite(named_tensors) -> None:
     """Refuse NaN/Inf weights, naming the first bad tensor (quantizing them spreads garbage)."""
     for name, t in named_tensors:
-        bad = count_nonfinite(t)
-        if bad:
-            raise BadWeights(
-                f"Tensor {name} contains {bad} NaN/Inf values; refusing to quantize.",
-                "The checkpoint is damaged or was saved after a diverged step; fix it first.",
-            )
+        if not t.is_floating_point() or t.numel() == 0:
+            continue
+        # NaN or Inf anywhere makes the float32 sum non-finite: one fast reduction per tensor
+        # (isfinite on bf16 runs ~10x slower on CPU); only a non-finite sum, which finite
+        # values can also give by overflowing, needs the exact element check.
+        if torch.isfinite(t.sum(dtype=torch.float32)) or torch.isfinite(t).all():
+            continue
+        bad = int((~torch.isfinite(t)).sum())
+        raise BadWeights(
+            f"Tensor {name} contains {bad} NaN/Inf values; refusing to quantize.",
+            "The checkpoint is damaged or was saved after a diverged step; fix it first.",
+        )

@@ -22,13 +22,12 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 import numpy as np
-import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from quantkit.errors import BadWeights, ModelLoadError
 
 __all__ = ["read_json", "read_config_json", "safetensors_header", "safetensors_files",
-           "safetensors_headers", "tensor_files", "count_nonfinite", "scan_finite",
+           "safetensors_headers", "tensor_files", "scan_finite",
            "SAFETENSORS_ITEMSIZE", "INDEX_FILE", "read_gguf", "bad_gguf", "GGUFTensor"]
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -242,23 +241,11 @@ def safetensors_headers(path: Path) -> dict[str, dict]:
 
 # ------------------------------------------------------------------ NaN / Inf
 
-def count_nonfinite(t: torch.Tensor) -> int:
-    """How many NaN/Inf values `t` holds (0 for integer tensors).
-
-    NaN or Inf anywhere makes the float32 sum non-finite: one fast reduction (isfinite on bf16
-    runs ~10x slower on CPU); only a non-finite sum, which finite values can also give by
-    overflowing, needs the exact element check."""
-    if not t.is_floating_point() or t.numel() == 0:
-        return 0
-    if torch.isfinite(t.sum(dtype=torch.float32)):
-        return 0
-    return int((~torch.isfinite(t)).sum())
-
-
 # Raw bits of a float are NaN/Inf when (bits & abs_mask) >= the bits of +Inf (exponent all
 # ones; float8 E4M3 has no Inf, its NaN is 0x7F): one AND and one max per chunk, on the
 # integer view, single-threaded numpy on small chunks (SmolLM2-135M, 269 MB: ~0.1 s CPU;
-# torch's float32 sum of bf16 took 10x that, and its thread pool stalls on a busy machine).
+# model_io.check_finite's float32 sum of bf16 took 10x that in torch, whose thread pool
+# also stalls on a busy machine).
 _NONFINITE_BITS = {"F64": (np.uint64, 0x7FFF_FFFF_FFFF_FFFF, 0x7FF0_0000_0000_0000),
                    "F32": (np.uint32, 0x7FFF_FFFF, 0x7F80_0000),
                    "F16": (np.uint16, 0x7FFF, 0x7C00), "BF16": (np.uint16, 0x7FFF, 0x7F80),
