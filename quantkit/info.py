@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from quantkit.formats import detect_format
 from quantkit.formats.common import read_safetensors_headers
 from quantkit.loader import artifact_meta
+from quantkit.readers import read_config_json, safetensors_files
 
 __all__ = ["artifact_info"]
 
@@ -41,7 +41,7 @@ def artifact_info(path: str | Path) -> dict:
             "calibration": (meta.get("calibration") or {}).get("name")
             or (meta.get("calibration") or {}).get("source")}
     if path.is_dir():
-        qcfg = json.loads((path / "config.json").read_text()).get("quantization_config") or {}
+        qcfg = read_config_json(path).get("quantization_config") or {}
         info.update(_bits_per_weight(path, int(qcfg.get("bits") or 4)))
         info["quantization_config"] = {k: qcfg.get(k) for k in (
             "quant_method", "format", "bits", "group_size", "sym", "quant_algo",
@@ -56,7 +56,7 @@ def _bits_per_weight(path: Path, bits: int) -> dict:
     from safetensors import safe_open
 
     shapes = {}
-    for file in sorted(path.glob("*.safetensors")):
+    for file in safetensors_files(path):
         with safe_open(str(file), framework="pt") as f:
             for key in f.keys():
                 if key.endswith(".weight_shape"):
@@ -90,10 +90,10 @@ def _gguf_info(path: Path, size: int) -> dict:
     it), the tensor types it holds and bits per weight over every tensor."""
     from collections import Counter
 
-    from quantkit.formats.gguf import read_gguf
+    from quantkit.formats.gguf import gguf_metadata, read_gguf
 
     kv, tensors = read_gguf(path)
-    meta = json.loads(kv["quantkit.metadata"]) if "quantkit.metadata" in kv else {}
+    meta = gguf_metadata(path, kv)
     params = sum(_numel(t.shape) for t in tensors.values())
     tensor_bytes = sum(int(t.data.nbytes) for t in tensors.values())
     types = Counter(t.qtype.name for t in tensors.values())

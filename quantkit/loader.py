@@ -6,7 +6,6 @@ Quantized weights are dequantized, so eval sees exactly the values stored on dis
 from __future__ import annotations
 
 import copy
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -14,6 +13,7 @@ import torch
 
 from quantkit.formats import detect_format, prepare_model, read_dense_state
 from quantkit.model_io import load_config, load_model, load_tokenizer, resolve_model
+from quantkit.readers import read_json
 
 __all__ = ["LoadedModel", "load_artifact", "artifact_meta"]
 
@@ -31,7 +31,7 @@ class LoadedModel:
 
 def artifact_meta(path: Path) -> dict:
     f = Path(path) / META_FILE
-    return json.loads(f.read_text()) if f.is_file() else {}
+    return read_json(f, META_FILE) if f.is_file() else {}
 
 
 def load_artifact(spec: str | Path, dtype: torch.dtype = torch.float32) -> LoadedModel:

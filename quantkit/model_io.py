@@ -5,7 +5,6 @@ Safety defaults: safetensors only (pickle needs allow_pickle), no remote code un
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,6 +12,7 @@ from pathlib import Path
 import torch
 
 from quantkit.errors import BadWeights, ModelLoadError
+from quantkit.readers import INDEX_FILE, read_config_json, tensor_files
 
 __all__ = ["ModelSource", "resolve_model", "load_config", "load_model", "load_tokenizer",
            "check_finite", "cache_dir", "TOKENIZER_FILES"]
@@ -81,9 +81,10 @@ def _check_local_dir(path: Path, *, allow_pickle: bool) -> None:
                              "Pass a Hugging Face model directory (config.json + *.safetensors).")
     if not (path / "config.json").is_file():
         raise ModelLoadError(f"{path} has no config.json.", "Is this a Hugging Face model directory?")
+    read_config_json(path)
     shards = sorted(path.glob("*.safetensors"))
     pickles = sorted(path.glob("*.bin")) + sorted(path.glob("*.pt"))
-    if not shards:
+    if not shards and not (path / INDEX_FILE).exists():
         if pickles and not allow_pickle:
             raise ModelLoadError(
                 f"{path} holds only pickle weights ({pickles[0].name}); quantkit loads safetensors only.",
@@ -92,32 +93,14 @@ def _check_local_dir(path: Path, *, allow_pickle: bool) -> None:
         if not pickles:
             raise ModelLoadError(f"{path} has no weights (*.safetensors missing).",
                                  "The directory must contain model.safetensors or its shards.")
-    for shard in shards:
-        _check_safetensors(shard)
-
-
-def _check_safetensors(file: Path) -> None:
-    """Read the header and verify that the data section is as long as it claims."""
-    try:
-        size = file.stat().st_size
-        with open(file, "rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-            if n <= 0 or n > size - 8:
-                raise ValueError("header length out of range")
-            header = json.loads(f.read(n))
-        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-        if 8 + n + end > size:
-            raise ValueError(f"file is truncated ({size} bytes, header promises {8 + n + end})")
-    except Exception as exc:
-        raise ModelLoadError(
-            f"Corrupt safetensors file {file}: {exc}.",
-            "Re-download or re-export the checkpoint; the file is unreadable as it is.",
-        ) from exc
+        return
+    tensor_files(path)  # every header, the index and its shard paths, validated
 
 
 def load_config(path: Path, *, trust_remote_code: bool = False):
     from transformers import AutoConfig
 
+    read_config_json(path)  # not JSON / binary / not an object: a clear error before transformers
     try:
         return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except Exception as exc:

@@ -17,7 +17,6 @@ read from its 1.x PyTorch backend (cited per rule):
 from __future__ import annotations
 
 import fnmatch
-import json
 import math
 import re
 from dataclasses import asdict, dataclass, field
@@ -25,6 +24,7 @@ from pathlib import Path
 
 from quantkit.errors import ModelLoadError, QuantkitError
 from quantkit.formats.common import read_safetensors_headers
+from quantkit.readers import read_config_json, read_json
 
 __all__ = ["verify", "VerifyReport", "Problem", "ENGINES", "NOTE"]
 
@@ -115,7 +115,7 @@ def _detect(path: Path, config: dict, rep: VerifyReport) -> dict | None:
     """Mirror ModelConfig.from_pretrained; returns {"algo", "exclude", "source"} or None."""
     qfile = path / "hf_quant_config.json"
     if qfile.is_file():
-        raw = json.loads(qfile.read_text())
+        raw = read_json(qfile)
         if "quantization" in raw:
             q = raw["quantization"]
             rep.detected = "hf_quant_config.json (ModelOpt, nested 'quantization' shape)"
@@ -379,14 +379,14 @@ def verify(artifact: str | Path, engine: str = "trtllm") -> VerifyReport:
     if not (path / "config.json").is_file():
         raise ModelLoadError(f"{path} is not a Hugging Face model directory (no config.json).",
                              "TensorRT-LLM's LLM(model=dir) takes an HF directory.")
-    config = json.loads((path / "config.json").read_text())
+    config = read_config_json(path)
+    headers = read_safetensors_headers(path)  # corrupt shards are an input error, checked first
     rep = VerifyReport(artifact=str(path), engine=engine)
     found = _detect(path, config, rep)
     if found is None:
         return rep
     algo = rep.quant_algo = found["algo"]
     rep.exclude_modules = found["exclude"]
-    headers = read_safetensors_headers(path)
     linears = _linears(path, config, headers)
     if algo is None:
         fp8 = [k for k, h in headers.items() if h["dtype"] == FP8]
@@ -402,7 +402,7 @@ def verify(artifact: str | Path, engine: str = "trtllm") -> VerifyReport:
     group_size = None
     qfile = path / "hf_quant_config.json"
     if qfile.is_file():
-        group_size = (json.loads(qfile.read_text()).get("quantization") or {}).get("group_size")
+        group_size = (read_json(qfile).get("quantization") or {}).get("group_size")
     quantized: set[str] = set()
     for name, shape in linears.items():
         pattern = _excluded(name, rep.exclude_modules)

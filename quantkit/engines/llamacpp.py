@@ -15,7 +15,7 @@ import numpy as np
 
 from quantkit.errors import EngineError
 
-__all__ = ["LlamaCppModel", "llama_quantize", "llama_cpp_version", "FTYPES"]
+__all__ = ["LlamaCppModel", "load_llama", "llama_quantize", "llama_cpp_version", "FTYPES"]
 
 # llama_ftype values of the presets quantkit writes (llama.h)
 FTYPES = {"f16": 1, "bf16": 32, "q8_0": 7, "q6_k": 18, "q5_k_m": 17, "q5_k_s": 16,
@@ -36,21 +36,34 @@ def llama_cpp_version() -> str:
     return "llama-cpp-python " + getattr(_llama_cpp(), "__version__", "?")
 
 
+def load_llama(path: str | Path, *, header_checked: bool = False, **kwargs):
+    """llama_cpp.Llama over a GGUF whose header quantkit validated first (a damaged file is a
+    clear error, not a crash inside llama.cpp); llama.cpp's own refusals become EngineError.
+    `header_checked`: the caller ran read_gguf already (speed runs keep it out of the load time)."""
+    from quantkit.readers import read_gguf
+
+    llama_cpp = _llama_cpp()
+    path = Path(path)
+    if not path.is_file():
+        raise EngineError(f"GGUF file {path} does not exist.",
+                          "Pass the .gguf file written by `quantkit quantize --method gguf`.")
+    if not header_checked:
+        read_gguf(path)
+    try:
+        return llama_cpp.Llama(model_path=str(path), verbose=False, **kwargs)
+    except (ValueError, RuntimeError, OSError) as exc:  # load failures are ValueError
+        raise EngineError(f"llama.cpp refused {path}: {exc}",
+                          "Check the file with `quantkit info FILE`; write it again with "
+                          "`quantkit quantize MODEL --method gguf` if it is damaged.") from exc
+
+
 class LlamaCppModel:
     """A GGUF loaded in llama.cpp (CPU), with logits for every position when asked."""
 
     def __init__(self, path: str | Path, n_ctx: int = 512, logits_all: bool = False,
                  n_threads: int | None = None, seed: int = 0):
-        llama_cpp = _llama_cpp()
-        path = Path(path)
-        if not path.is_file():
-            raise EngineError(f"GGUF file {path} does not exist.")
-        try:
-            self.llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, logits_all=logits_all,
-                                       n_threads=n_threads or min(4, os.cpu_count() or 1),
-                                       seed=seed, verbose=False)
-        except ValueError as exc:  # llama-cpp-python reports load failures as ValueError
-            raise EngineError(f"llama.cpp refused {path}: {exc}") from exc
+        self.llm = load_llama(path, n_ctx=n_ctx, logits_all=logits_all,
+                              n_threads=n_threads or min(4, os.cpu_count() or 1), seed=seed)
 
     def tokenize(self, text: str, add_bos: bool = False, special: bool = False) -> list[int]:
         return self.llm.tokenize(text.encode("utf-8"), add_bos=add_bos, special=special)

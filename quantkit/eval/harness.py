@@ -11,7 +11,7 @@ import torch
 
 import quantkit
 from quantkit.calibration import load_heldout_text
-from quantkit.errors import QuantkitError
+from quantkit.errors import ModelLoadError, QuantkitError
 from quantkit.eval.logits import PPLConvention, make_windows, score
 from quantkit.info import artifact_info
 from quantkit.loader import load_artifact
@@ -50,6 +50,10 @@ def evaluate(artifacts: list[str], base: str | None = None, *, heldout: str = "m
     base_loaded = _load_for_eval(base) if base else None
     tok = next((lm.tokenizer for lm in [base_loaded, *loaded.values()]
                 if lm is not None and lm.tokenizer is not None), None)
+    if tok is None:
+        raise ModelLoadError(f"No tokenizer could be read from {', '.join(map(str, artifacts))}.",
+                             "Pass --base MODEL (the model it was quantized from): its tokenizer "
+                             "is used for the held-out text.")
     for a, lm in loaded.items():
         if lm.tokenizer is not None and lm.tokenizer.get_vocab() != tok.get_vocab():
             raise QuantkitError(f"{a} and the base model use different tokenizers; KLD needs one.",
@@ -106,9 +110,9 @@ def _load_for_eval(spec) -> _EvalModel:
 
 def _load_gguf(path: Path) -> _EvalModel:
     from quantkit.engines.llamacpp import LlamaCppModel, llama_cpp_version
+    from quantkit.formats.gguf import read_gguf
 
-    if not path.is_file():
-        raise QuantkitError(f"GGUF file {path} does not exist.")
+    read_gguf(path)  # a truncated or foreign file: one clear error before llama.cpp sees it
     holder: dict = {}
 
     def make(ctx: int):

@@ -15,10 +15,10 @@ __all__ = ["LlamaCppLM"]
 class LlamaCppLM(LM):
     def __init__(self, model_path: str, n_ctx: int = 2048, n_threads: int | None = None):
         super().__init__()
-        import llama_cpp
+        from quantkit.engines.llamacpp import load_llama
 
-        self.llm = llama_cpp.Llama(model_path=model_path, n_ctx=n_ctx, logits_all=True,
-                                   n_threads=n_threads, verbose=False, seed=0)
+        self.llm = load_llama(model_path, n_ctx=n_ctx, logits_all=True, n_threads=n_threads,
+                              seed=0)
         self.n_ctx = n_ctx
         self.add_bos = self.llm._model.add_bos_token() if hasattr(self.llm, "_model") else False
 

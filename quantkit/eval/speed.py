@@ -104,11 +104,13 @@ def _prompts(batch: int, p_len: int) -> list[list[int]]:
 
 
 def _llamacpp(artifact: str, p_len: int, g_len: int, batches: list[int], repeats: int) -> dict:
-    import llama_cpp
+    from quantkit.engines.llamacpp import load_llama
+    from quantkit.readers import read_gguf
 
+    read_gguf(artifact)  # before the clock starts: load_seconds is llama.cpp's load alone
     with _PeakRSS() as mem:
         t0 = time.perf_counter()
-        llm = llama_cpp.Llama(model_path=artifact, n_ctx=p_len + g_len + 8, verbose=False, seed=0)
+        llm = load_llama(artifact, n_ctx=p_len + g_len + 8, seed=0, header_checked=True)
         load = time.perf_counter() - t0
         out = {"load_seconds": load}
         eos = llm.token_eos()

@@ -7,7 +7,6 @@ A reader turns an artifact directory back into a dense state dict.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -59,7 +58,9 @@ def detect_format(path: Path) -> str:
                              "Pass the directory written by `quantkit quantize -o`.")
     if (path / "hf_quant_config.json").is_file():  # ModelOpt; TensorRT-LLM checks it first too
         return "modelopt"
-    qcfg = json.loads(cfg_file.read_text()).get("quantization_config")
+    from quantkit.readers import read_config_json
+
+    qcfg = read_config_json(path).get("quantization_config")
     if not qcfg:
         return "dense"
     method = qcfg.get("quant_method")

@@ -9,6 +9,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from quantkit.readers import read_config_json, safetensors_files, safetensors_headers
+
 __all__ = ["save_tensors", "load_tensors", "read_config", "write_config", "read_safetensors_headers",
            "linear_tensors", "SHARD_BYTES"]
 
@@ -47,7 +49,7 @@ def save_tensors(out_dir: Path, tensors: dict[str, torch.Tensor], metadata: dict
 def load_tensors(path: Path, names: set[str] | None = None) -> dict[str, torch.Tensor]:
     """Every tensor (or those in `names`) of all safetensors shards in a directory."""
     out: dict[str, torch.Tensor] = {}
-    for file in sorted(Path(path).glob("*.safetensors")):
+    for file in safetensors_files(path):
         with safe_open(str(file), framework="pt") as f:
             for key in f.keys():
                 if names is None or key in names:
@@ -56,7 +58,7 @@ def load_tensors(path: Path, names: set[str] | None = None) -> dict[str, torch.T
 
 
 def read_config(path: Path) -> dict:
-    return json.loads((Path(path) / "config.json").read_text())
+    return read_config_json(path)
 
 
 def write_config(out_dir: Path, config: dict) -> None:
@@ -65,16 +67,7 @@ def write_config(out_dir: Path, config: dict) -> None:
 
 def read_safetensors_headers(path: Path) -> dict[str, dict]:
     """dtype / shape / offsets of every tensor in a directory's shards, without reading data."""
-    import struct
-
-    out: dict[str, dict] = {}
-    for file in sorted(Path(path).glob("*.safetensors")):
-        with open(file, "rb") as f:
-            n = struct.unpack("<Q", f.read(8))[0]
-            header = json.loads(f.read(n))
-        header.pop("__metadata__", None)
-        out.update(header)
-    return out
+    return safetensors_headers(path)
 
 
 def linear_tensors(dense: dict[str, torch.Tensor], results: dict, pack, bias_dtype: torch.dtype

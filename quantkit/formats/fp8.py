@@ -319,8 +319,10 @@ def prepare_fp8_model(model: torch.nn.Module, path: Path, fmt: str) -> int:
     the reader; here each FP8 Linear also rounds its input through E4M3."""
     from safetensors import safe_open
 
+    from quantkit.readers import safetensors_files
+
     names, scales = set(), {}
-    for file in sorted(Path(path).glob("*.safetensors")):
+    for file in safetensors_files(path):
         with safe_open(str(file), framework="pt") as f:
             for key in f.keys():
                 if key.endswith(".weight") and f.get_slice(key).get_dtype() == "F8_E4M3":

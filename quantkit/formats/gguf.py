@@ -18,19 +18,19 @@ import itertools
 import json
 import math
 import struct
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFEndian, GGUFValueType, GGUFWriter
+from gguf import GGMLQuantizationType, GGUFEndian, GGUFValueType, GGUFWriter
 
 from quantkit.arch import ArchSpec, spec_for_config
 from quantkit.errors import SchemeMismatch, UnsupportedArchitecture
 from quantkit.formats.gguf_tokenizer import read_tokenizer
+from quantkit.readers import GGUFTensor, bad_gguf, read_gguf
 from quantkit.types import QuantResult, QuantScheme
 
-__all__ = ["GGUFFileWriter", "gguf_name", "FILE_TYPES", "read_gguf", "GGUFTensor"]
+__all__ = ["GGUFFileWriter", "gguf_name", "FILE_TYPES", "read_gguf", "gguf_metadata", "GGUFTensor"]
 
 Q = GGMLQuantizationType
 GGUF_ARCHS = ("llama", "qwen2", "qwen3")
@@ -273,74 +273,16 @@ def _rope_scaling(name: str):
 
 
 # ---------------------------------------------------------------------- reading
-@dataclass
-class GGUFTensor:
-    name: str
-    qtype: GGMLQuantizationType
-    shape: tuple[int, ...]  # torch order (rows first)
-    data: np.ndarray  # raw bytes, [rows, row_bytes] uint8 (memory-mapped)
-
-
-_SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q",
-           11: "<q", 12: "<d"}
-
-
-def read_gguf(path: str | Path) -> tuple[dict, dict[str, GGUFTensor]]:
-    """(KV metadata, tensors) of a GGUF file. gguf's GGUFReader builds a numpy view per array
-    element (seconds for a 50K-token vocabulary); this reads values straight from the bytes."""
-    buf = np.memmap(path, dtype=np.uint8, mode="r")
-    mv = memoryview(buf)
-    off = 0
-
-    def take(fmt: str):
-        nonlocal off
-        v = struct.unpack_from(fmt, mv, off)
-        off += struct.calcsize(fmt)
-        return v[0]
-
-    def string() -> str:
-        nonlocal off
-        n = take("<Q")
-        s_ = bytes(mv[off:off + n]).decode("utf-8", errors="surrogateescape")
-        off += n
-        return s_
-
-    def value(vtype: int):
-        nonlocal off
-        if vtype == 8:
-            return string()
-        if vtype == 9:
-            etype, n = take("<I"), take("<Q")
-            if etype in _SCALAR and etype not in (7,):
-                dt = np.dtype(_SCALAR[etype])
-                arr = np.frombuffer(mv, dtype=dt, count=n, offset=off)
-                off += n * dt.itemsize
-                return arr.tolist()
-            return [value(etype) for _ in range(n)]
-        return take(_SCALAR[vtype])
-
-    if bytes(mv[:4]) != b"GGUF":
-        raise ValueError(f"{path} is not a GGUF file")
-    off = 4
-    take("<I")
-    n_tensors, n_kv = take("<Q"), take("<Q")
-    kv = {}
-    for _ in range(n_kv):
-        key = string()
-        kv[key] = value(take("<I"))
-    infos = []
-    for _ in range(n_tensors):
-        name = string()
-        dims = [take("<Q") for _ in range(take("<I"))]
-        infos.append((name, dims, take("<I"), take("<Q")))
-    align = int(kv.get("general.alignment", 32))
-    start = (off + align - 1) // align * align
-    tensors = {}
-    for name, dims, qt, toff in infos:
-        qtype = GGMLQuantizationType(qt)
-        block, size = GGML_QUANT_SIZES[qtype]
-        rows = int(np.prod(dims[1:])) if len(dims) > 1 else 1
-        row_bytes = dims[0] // block * size
-        data = buf[start + toff:start + toff + rows * row_bytes].reshape(rows, row_bytes)
-        tensors[name] = GGUFTensor(name, qtype, tuple(reversed(dims)), data)
-    return kv, tensors
+def gguf_metadata(path: str | Path, kv: dict | None = None) -> dict:
+    """quantkit's provenance stored in a GGUF (`quantkit.metadata`), {} when another tool wrote
+    it; `kv` is read_gguf's when the caller has it."""
+    raw = (kv if kv is not None else read_gguf(path)[0]).get("quantkit.metadata")
+    if raw is None:
+        return {}
+    try:
+        meta = json.loads(raw) if isinstance(raw, str) else None
+    except ValueError:
+        meta = None
+    if not isinstance(meta, dict):
+        raise bad_gguf(Path(path), "its quantkit.metadata key is not a JSON object")
+    return meta

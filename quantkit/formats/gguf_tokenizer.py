@@ -195,7 +195,9 @@ def _gc_paused():
 
 def _read_tokenizer(source_dir: Path, vocab_size: int | None) -> TokenizerExport:
     import gguf
-    from transformers import AutoTokenizer
+
+    from quantkit.model_io import load_tokenizer
+    from quantkit.readers import read_json
 
     tj_file = source_dir / "tokenizer.json"
     if not tj_file.is_file():
@@ -203,11 +205,11 @@ def _read_tokenizer(source_dir: Path, vocab_size: int | None) -> TokenizerExport
                 if (source_dir / "tokenizer.model").is_file() else
                 "The model directory needs tokenizer.json.")
         raise UnsupportedTokenizer(f"No tokenizer.json in {source_dir}.", hint)
-    tj = json.loads(tj_file.read_text(encoding="utf-8"))
+    tj = read_json(tj_file)
     kind = _kind(tj)
-    tok = AutoTokenizer.from_pretrained(source_dir)
+    tok = load_tokenizer(source_dir)
     add_bos, add_eos = _add_flags(tok)
-    cfg = json.loads((source_dir / "tokenizer_config.json").read_text()) \
+    cfg = read_json(source_dir / "tokenizer_config.json") \
         if (source_dir / "tokenizer_config.json").is_file() else {}
     space_prefix = cfg.get("add_prefix_space") if isinstance(cfg.get("add_prefix_space"), bool) else None
     if kind == "llama":

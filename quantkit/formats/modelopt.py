@@ -35,6 +35,7 @@ import torch
 
 from quantkit.arch import spec_for_config
 from quantkit.formats.common import load_tensors, read_config, save_tensors, write_config
+from quantkit.readers import read_json
 from quantkit.types import QuantResult, QuantScheme
 
 __all__ = ["ModelOptAWQWriter", "pack_int4_rows", "unpack_int4_rows", "read_modelopt_awq",
@@ -144,7 +145,7 @@ def read_modelopt_awq(path: Path, dtype: torch.dtype = torch.float32) -> dict[st
     q * weight_scale * pre_quant_scale (ModelOpt's exports and quantkit's alike)."""
     cfg = read_config(path)
     hf_file = Path(path) / "hf_quant_config.json"
-    quant = json.loads(hf_file.read_text())["quantization"] if hf_file.is_file() else cfg.get(
+    quant = read_json(hf_file)["quantization"] if hf_file.is_file() else cfg.get(
         "quantization_config", {})
     if quant.get("quant_algo") != AWQ_ALGO:
         raise NotImplementedError(f"ModelOpt quant_algo {quant.get('quant_algo')!r} (this reader: {AWQ_ALGO})")

@@ -31,6 +31,7 @@ import quantkit
 from quantkit.errors import ModelLoadError, SchemeMismatch
 from quantkit.formats.common import load_tensors, save_tensors, write_config
 from quantkit.formats.fp8 import FP8Layout, KindDispatch, dequantize_fp8
+from quantkit.readers import read_config_json, read_json
 from quantkit.types import QuantResult, QuantScheme
 
 __all__ = ["ModelOptFP8Writer", "ModelOptDispatch", "read_modelopt", "read_hf_quant_config",
@@ -155,9 +156,9 @@ def read_hf_quant_config(path: Path) -> dict:
     """The `quantization` dict of hf_quant_config.json (legacy nested shape) or of the flat shape."""
     f = Path(path) / QUANT_CONFIG_FILE
     if f.is_file():
-        raw = json.loads(f.read_text())
+        raw = read_json(f)
     else:
-        raw = json.loads((Path(path) / "config.json").read_text()).get("quantization_config") or {}
+        raw = read_config_json(path).get("quantization_config") or {}
     if "quantization" in raw:
         return raw["quantization"]
     return {"quant_algo": raw.get("quant_algo"), "exclude_modules": raw.get("ignore") or [],

@@ -64,29 +64,35 @@ def load_imatrix(path: str | Path) -> ImatrixData:
     """Read a GGUF or legacy imatrix into per-weight importance vectors."""
     path = Path(path)
     if not path.is_file():
-        raise ModelLoadError(f"imatrix file {path} does not exist.")
+        raise ModelLoadError(f"imatrix file {path} does not exist.", _IMATRIX_HINT)
     with open(path, "rb") as f:
         magic = f.read(4)
     try:
         return _load_gguf(path) if magic == b"GGUF" else _load_legacy(path)
-    except (ValueError, struct.error, KeyError, IndexError) as exc:
-        raise ModelLoadError(f"{path} is not a readable llama.cpp imatrix: {exc}") from exc
+    except (ValueError, TypeError, struct.error, KeyError, IndexError) as exc:
+        raise ModelLoadError(f"{path} is not a readable llama.cpp imatrix: {exc}",
+                             _IMATRIX_HINT) from exc
+
+
+_IMATRIX_HINT = ("Pass an imatrix written by llama-imatrix or quantkit to --imatrix, or collect "
+                 "one from calibration data with --calib SET instead.")
 
 
 def _load_gguf(path: Path) -> ImatrixData:
-    from gguf import GGUFReader
+    from quantkit.readers import read_gguf
 
-    reader = GGUFReader(str(path))
+    kv, tensors = read_gguf(path, hint=_IMATRIX_HINT)  # header validated before any value is read
     sums, counts = {}, {}
-    for t in reader.tensors:
-        if t.name.endswith(".in_sum2"):
-            sums[t.name[:-len(".in_sum2")]] = np.asarray(t.data, dtype=np.float32)
-        elif t.name.endswith(".counts"):
-            counts[t.name[:-len(".counts")]] = np.asarray(t.data, dtype=np.float32)
+    for t in tensors.values():
+        for suffix, into in ((".in_sum2", sums), (".counts", counts)):
+            if t.name.endswith(suffix):
+                if t.qtype.name != "F32":
+                    raise ValueError(f"{t.name} is {t.qtype.name}, not F32")
+                into[t.name[:-len(suffix)]] = np.asarray(t.data).reshape(-1).view(np.float32)
     if set(sums) != set(counts):
         raise ValueError(f"mismatched sums and counts for {sorted(set(sums) ^ set(counts))[:3]}")
     for key in ("imatrix.datasets", "imatrix.chunk_count", "imatrix.chunk_size"):
-        if key not in reader.fields:
+        if key not in kv:
             raise ValueError(f"missing imatrix metadata {key}")
     values = {}
     for name, s in sums.items():
@@ -94,10 +100,10 @@ def _load_gguf(path: Path) -> ImatrixData:
         s = s.reshape(c.shape[0], -1)
         v = np.where(c[:, None] > 0, s / np.where(c > 0, c, 1)[:, None], np.float32(1))
         values[name] = torch.from_numpy(np.ascontiguousarray(v[0], dtype=np.float32))
-    ds = reader.fields["imatrix.datasets"]
-    datasets = [bytes(ds.parts[i]).decode("utf-8", "replace") for i in ds.data]
-    cc = reader.fields["imatrix.chunk_count"]
-    return ImatrixData(values, datasets, int(cc.parts[cc.data[0]][0]))
+    ds = kv["imatrix.datasets"]
+    datasets = [s.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+                for s in (ds if isinstance(ds, list) else [ds])]
+    return ImatrixData(values, datasets, int(kv["imatrix.chunk_count"]))
 
 
 def _load_legacy(path: Path) -> ImatrixData:
@@ -111,11 +117,13 @@ def _load_legacy(path: Path) -> ImatrixData:
         return out
 
     (n_entries,) = take("<i")
-    if n_entries < 1:
-        raise ValueError("no entries")
+    if n_entries < 1 or n_entries * 16 > len(buf):  # an entry takes at least 16 bytes
+        raise ValueError(f"{n_entries} entries in {len(buf)} bytes")
     values = {}
     for _ in range(n_entries):
         (n,) = take("<i")
+        if n < 0 or off + n > len(buf):
+            raise ValueError(f"name length {n} at byte {off - 4} runs past the end")
         name = buf[off:off + n].decode("utf-8")
         off += n
         ncall, nval = take("<ii")

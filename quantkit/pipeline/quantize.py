@@ -44,6 +44,7 @@ from quantkit.pipeline.streaming import (
     stream_plan_ok,
     to_meta,
 )
+from quantkit.readers import read_config_json, scan_finite
 from quantkit.types import ProgressFn, QuantResult, QuantScheme
 
 __all__ = ["QuantizeRequest", "quantize", "plan", "linear_shapes", "check_group_size"]
@@ -142,7 +143,7 @@ def plan(req: QuantizeRequest) -> tuple[MemoryPlan, dict]:
     quantizer = get_quantizer(req.method, **req.method_options)
     quantizer.check(req.scheme)
     source = resolve_model(req.model, allow_pickle=req.allow_pickle)
-    raw_config = json.loads((source.path / "config.json").read_text())
+    raw_config = read_config_json(source.path)
     spec = spec_for_config(raw_config)
     config = load_config(source.path, trust_remote_code=req.trust_remote_code)
     info = {"model": str(source.path), "architecture": spec.name, "method": req.method,
@@ -189,7 +190,7 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
         dp.check_method(quantizer)
     writer = get_writer(req.format)
     source = resolve_model(req.model, allow_pickle=req.allow_pickle, on_progress=on_progress)
-    raw_config = json.loads((source.path / "config.json").read_text())
+    raw_config = read_config_json(source.path)
     spec = spec_for_config(raw_config)  # before transformers parses it: cheap, clear errors
     config = load_config(source.path, trust_remote_code=req.trust_remote_code)
     shapes = linear_shapes(config, spec)
@@ -204,6 +205,9 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
     device = dp_device or _device(req.device)
     if req.memory_check:
         check_memory(plan_request(req, config, spec, quantizer, raw_config))
+    # NaN/Inf in any tensor (embeddings and lm_head too) stops the run now, not after every
+    # block was quantized: one streamed pass over the shards
+    scan_finite(source.path, on_progress=on_progress)
     # before any work, so a broken tokenizer fails fast; a writer that embeds the tokenizer
     # (GGUF) has loaded and checked it in check_source, and only calibration needs it again
     tokenizer = None

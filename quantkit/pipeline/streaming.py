@@ -7,7 +7,6 @@ about one block instead of the whole model (see quantkit.pipeline.plan for the n
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -17,6 +16,7 @@ from quantkit.arch import ArchSpec
 from quantkit.model_io import check_finite
 from quantkit.pipeline.blocks import BlockSource
 from quantkit.pipeline.heap import trim_heap
+from quantkit.readers import safetensors_header, tensor_files
 
 __all__ = ["ShardReader", "StreamingSource", "skeleton", "stream_plan_ok", "materialise",
            "to_meta"]
@@ -27,28 +27,17 @@ class ShardReader:
 
     def __init__(self, path: Path):
         self.path = Path(path)
-        index = self.path / "model.safetensors.index.json"
-        self.files: dict[str, Path] = {}
+        self.files: dict[str, Path] = tensor_files(self.path)  # index and headers validated
         self._shapes: dict[str, tuple[int, ...]] = {}
-        if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            self.files = {k: self.path / v for k, v in weight_map.items()}
-        else:
-            for file in sorted(self.path.glob("*.safetensors")):
-                self._read_header(file)
-
-    def _read_header(self, file: Path) -> None:
-        with safe_open(str(file), framework="pt") as f:
-            for k in f.keys():
-                self.files[k] = file
-                self._shapes[k] = tuple(f.get_slice(k).get_shape())
+        for file in sorted(set(self.files.values())):
+            header, _ = safetensors_header(file)
+            self._shapes.update((k, tuple(h["shape"])) for k, h in header.items()
+                                if self.files.get(k) == file)
 
     def __contains__(self, name: str) -> bool:
         return name in self.files
 
     def shape(self, name: str) -> tuple[int, ...]:
-        if name not in self._shapes:  # sharded: each shard's header is read once
-            self._read_header(self.files[name])
         return self._shapes[name]
 
     def get(self, name: str) -> torch.Tensor:

@@ -70,15 +70,10 @@ def _meta(path: str | Path) -> dict:
         from quantkit.loader import artifact_meta
 
         return artifact_meta(p)
-    if p.is_file() and p.suffix == ".gguf":
-        try:
-            from gguf import GGUFReader
+    if p.is_file() and p.suffix == ".gguf":  # a damaged GGUF is refused here, before any eval
+        from quantkit.formats.gguf import gguf_metadata
 
-            field = GGUFReader(str(p)).fields.get("quantkit.metadata")
-            if field is not None:
-                return json.loads(bytes(field.parts[field.data[0]]).decode())
-        except Exception:  # a foreign or damaged GGUF simply has no quantkit metadata
-            return {}
+        return gguf_metadata(p)
     return {}
 
 
@@ -88,7 +83,9 @@ def _stats(path: str | Path) -> dict | None:
     f = p / "quantkit_stats.json" if p.is_dir() else p.with_name(p.name + ".stats.json")
     if not f.is_file():
         return None
-    layers = json.loads(f.read_text()).get("layers") or {}
+    from quantkit.readers import read_json
+
+    layers = read_json(f).get("layers") or {}
     out = {k: float(v["rel_error"]) for k, v in layers.items()
            if isinstance(v, dict) and isinstance(v.get("rel_error"), (int, float))}
     return out or None
