@@ -206,6 +206,10 @@ def _request(model, method, bits, group_size, sym, act_order, damp, true_sequent
         options["true_sequential"] = False
     if method == "gguf":
         kind = "kquant"
+        if ctx.get_parameter_source("fmt") != click.core.ParameterSource.DEFAULT \
+                and fmt == "compressed-tensors":
+            raise QuantkitError("--method gguf writes GGUF files; --format compressed-tensors "
+                                "cannot hold K-quants.", "Drop --format, or pass --format gguf.")
         fmt = "gguf" if fmt == "compressed-tensors" else fmt
         # --calib given explicitly (not --imatrix): collect the imatrix from that data
         calib_given = "calib" in _given_flags(ctx)
@@ -283,7 +287,7 @@ def plan_cmd(as_json, **kw) -> None:
             ("artifact on disk", f"{p.disk_bytes / gib:.2f} GiB"),
             ("time (rough)", f"{p.seconds / 60:.1f} min on {info['device']}")]
     for k, v in rows:
-        table.add_row(k, Text(v))
+        _add_row(table, k, v)
     out.print(table)
     if p.peak_ram_bytes > avail:
         console.print("[yellow]warning:[/] the peak exceeds available RAM; quantize would refuse")
@@ -365,6 +369,11 @@ def _fmt(metric: dict | None, key: str = "value", digits: int = 4) -> str:
     return f"{v:.{digits}f}" + (f" ± {se:.{digits}f}" if se is not None else "")
 
 
+def _add_row(table: Table, *cells: str) -> None:
+    """A table row whose text is shown as it is (artifact metadata, task names: no markup)."""
+    table.add_row(*(Text(c) for c in cells))
+
+
 def _print_eval(record: dict) -> None:
     m = record["metrics"]
     c = record.get("convention") or {}
@@ -372,34 +381,34 @@ def _print_eval(record: dict) -> None:
     table.add_column("metric")
     table.add_column("value", justify="right")
     if "base_ppl" in m:
-        table.add_row("PPL (base)", _fmt(m["base_ppl"], digits=3))
-    table.add_row("PPL (artifact)", _fmt(m.get("ppl"), digits=3))
+        _add_row(table, "PPL (base)", _fmt(m["base_ppl"], digits=3))
+    _add_row(table, "PPL (artifact)", _fmt(m.get("ppl"), digits=3))
     if "kld" in m:
         k = m["kld"]
-        table.add_row("KLD mean", _fmt(k, "mean", 5))
-        table.add_row("KLD median / p99 / max", f"{k['median']:.5f} / {k['p99']:.5f} / {k['max']:.3f}")
-        table.add_row("top-1 agreement", f"{100 * m['top1_agreement']['value']:.2f} %")
-        table.add_row("RMS Δp", f"{100 * m['rms_delta_p']['value']:.3f} %")
+        _add_row(table, "KLD mean", _fmt(k, "mean", 5))
+        _add_row(table, "KLD median / p99 / max", f"{k['median']:.5f} / {k['p99']:.5f} / {k['max']:.3f}")
+        _add_row(table, "top-1 agreement", f"{100 * m['top1_agreement']['value']:.2f} %")
+        _add_row(table, "RMS Δp", f"{100 * m['rms_delta_p']['value']:.3f} %")
     for task, metrics in (m.get("tasks") or {}).items():
         for name, val in metrics.items():
-            table.add_row(Text(f"{task} {name}"), _fmt(val, digits=4))
+            _add_row(table, f"{task} {name}", _fmt(val, digits=4))
         if task in (m.get("flips") or {}):
-            table.add_row(Text(f"{task} flips vs base"), f"{100 * m['flips'][task]['value']:.1f} %")
+            _add_row(table, f"{task} flips vs base", f"{100 * m['flips'][task]['value']:.1f} %")
     sp = record.get("speed") or {}
     for key, val in sp.items():
         if key.startswith("batch_") and val:
             for name, label in (("prefill_tok_s", "prefill tok/s"), ("decode_tok_s", "decode tok/s"),
                                 ("ttft_s", "TTFT s")):
                 v = val[name]
-                table.add_row(f"{label} ({sp['engine']}, {key.replace('_', ' ')})",
+                _add_row(table, f"{label} ({sp['engine']}, {key.replace('_', ' ')})",
                               f"{v['median']:.3g} [{v['min']:.3g}, {v['max']:.3g}]")
     if sp.get("peak_rss_bytes"):
-        table.add_row(f"peak RSS ({sp['engine']})", f"{sp['peak_rss_bytes'] / 2**30:.2f} GiB")
+        _add_row(table, f"peak RSS ({sp['engine']})", f"{sp['peak_rss_bytes'] / 2**30:.2f} GiB")
     a = record["artifact"]
-    table.add_row("format / method", f"{a['format']} / {a['method']}")
+    _add_row(table, "format / method", f"{a['format']} / {a['method']}")
     if a.get("bits_per_weight_quantized"):
-        table.add_row("bits/weight (quantized Linears)", f"{a['bits_per_weight_quantized']:.3f}")
-    table.add_row("size on disk", f"{a['size_bytes'] / 2**20:.1f} MiB")
+        _add_row(table, "bits/weight (quantized Linears)", f"{a['bits_per_weight_quantized']:.3f}")
+    _add_row(table, "size on disk", f"{a['size_bytes'] / 2**20:.1f} MiB")
     out.print(table)
     if not c:
         return
@@ -427,7 +436,7 @@ def _print_info(path: str) -> None:
     if "bits_per_weight_model" in info:
         rows.append(("bits/weight, whole model", f"{info['bits_per_weight_model']:.3f}"))
     for k, v in rows:
-        table.add_row(k, Text(str(v)))
+        _add_row(table, k, str(v))
     out.print(table)
 
 

@@ -25,8 +25,10 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _env(**extra: str) -> dict:
-    return dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1",
-                TOKENIZERS_PARALLELISM="false", COLUMNS="200", **extra)
+    env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1",
+               TOKENIZERS_PARALLELISM="false", COLUMNS="200")
+    env.update(extra)
+    return env
 
 
 def cli(*args, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -179,6 +181,7 @@ def test_user_text_is_printed_verbatim(tmp_path, tiny_llama):
     ("gguf", ["--asym"], "--method rtn"),
     ("gguf", ["--calib-seqlen", "64"], "--calib"),
     ("gguf", ["--imatrix", "x.dat", "--calib", "mixed"], "--imatrix"),
+    ("gguf", ["--format", "compressed-tensors"], "--format gguf"),
 ])
 def test_a_flag_the_method_does_not_read_is_refused(method, flags, named, tmp_path):
     res = CliRunner().invoke(main, ["plan", "smollm2-135m", "--method", method, *flags])
@@ -218,6 +221,14 @@ def test_auto_map_is_dropped_from_the_artifact(tmp_path, tiny_llama):
         written = json.loads((tmp_path / "out" / name).read_text())
         assert "auto_map" not in written, name
     assert "quantization_config" in json.loads((tmp_path / "out" / "config.json").read_text())
+    # metadata shown by `info` is printed as it is stored (no emoji codes, no markup)
+    meta_path = tmp_path / "out" / "quantkit.json"
+    meta = json.loads(meta_path.read_text())
+    meta["source_model"]["name_or_path"] = "org/m:smile:[red]x[/red]"
+    meta_path.write_text(json.dumps(meta))
+    shown = cli("info", tmp_path / "out", env=_env(COLUMNS="300"))
+    assert shown.returncode == 0, shown.stderr
+    assert "org/m:smile:[red]x[/red]" in shown.stdout and "😄" not in shown.stdout
 
 
 # -------------------------------------------------------- 8. output that is or holds an input ----

@@ -263,7 +263,9 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
     check_group_size(req.scheme, shapes)
     problems = writer.check(req.scheme, shapes)
     if problems:
-        raise SchemeMismatch(f"Format {writer.name} cannot store this: " + "; ".join(problems) + ".")
+        raise SchemeMismatch(f"Format {writer.name} cannot store this: " + "; ".join(problems) + ".",
+                             "Choose another --format (compressed-tensors, gptq, awq, fp8, "
+                             "modelopt, gguf) or the scheme flags the message names.")
     if hasattr(writer, "check_source"):  # writers that embed tokenizer/config (GGUF) check them now
         writer.check_source(source.path, config)
     if hasattr(quantizer, "prepare"):  # per-tensor plans (GGUF type mix) from the config alone
