@@ -6,6 +6,7 @@ import json
 import os
 import shlex
 import sys
+import warnings
 from pathlib import Path
 
 import click
@@ -13,12 +14,15 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
 from quantkit.errors import QuantkitError
 from quantkit.types import QuantScheme
 
-console = Console(stderr=True)
-out = Console()
+# emoji off: rich would turn ":train:" in user input (hf:wikitext:...:train:text) into a symbol;
+# user- and engine-supplied text is passed through escape() / Text, never read as markup
+console = Console(stderr=True, emoji=False)
+out = Console(emoji=False)
 
 _DEFAULT = QuantScheme()
 
@@ -27,7 +31,7 @@ class _Progress:
     """Turns the core's on_progress(stage, done, total) calls into rich bars."""
 
     def __init__(self):
-        self.progress = Progress(TextColumn("{task.description}"), BarColumn(),
+        self.progress = Progress(TextColumn("{task.description}", markup=False), BarColumn(),
                                  MofNCompleteColumn(), TimeElapsedColumn(), console=console,
                                  transient=False)
         self.tasks: dict[str, int] = {}
@@ -55,16 +59,21 @@ def _fail(exc: QuantkitError) -> None:
     sys.exit(2)
 
 
+def _warn(message, category, filename, lineno, file=None, line=None) -> None:
+    """Core warnings (fallbacks, choices made for the user) as one `warning:` line each."""
+    console.print(f"[yellow]warning:[/] {escape(str(message))}", soft_wrap=True)
+
+
 class _Group(click.Group):
     def invoke(self, ctx):
+        warnings.showwarning = _warn
         try:
             return super().invoke(ctx)
         except QuantkitError as exc:
             _fail(exc)
-        except KeyboardInterrupt:
-            console.print("[red]interrupted[/]: nothing was written to the output path; "
-                          "finished blocks are kept in its hidden .NAME.partial checkpoint: run "
-                          "the same command to resume, or delete it")
+        except KeyboardInterrupt as exc:  # quantize says what is on disk; others wrote nothing
+            console.print(f"[red]interrupted[/]: {escape(str(exc.args[0]) if exc.args else 'stopped')}",
+                          soft_wrap=True)
             sys.exit(130)
 
 
@@ -85,8 +94,10 @@ def _method_options(f):
                      required=True, help="Quantization algorithm."),
         click.option("--bits", type=int, default=_DEFAULT.bits, show_default=True,
                      help="Weight bits."),
-        click.option("--group-size", type=int, default=_DEFAULT.group_size, show_default=True,
-                     help="Columns per scale group (-1: one group per row)."),
+        click.option("--group-size", type=int, default=None,
+                     help=f"Columns per scale group (-1: one group per row). Default: "
+                          f"{_DEFAULT.group_size} where it divides every Linear's input width, "
+                          "else the largest of 64 / 32 that does (printed and recorded)."),
         click.option("--sym/--asym", default=_DEFAULT.symmetric, show_default=True,
                      help="Symmetric (no zero point) or asymmetric grid."),
         click.option("--act-order", is_flag=True, help="GPTQ: quantize columns in activation order."),
@@ -107,6 +118,9 @@ def _method_options(f):
         click.option("--calib", default="mixed", show_default=True,
                      help="Calibration data: built-in set (mixed, prose, code, techdoc), a "
                           ".txt/.jsonl/.parquet file, or hf:DATASET[:CONFIG][:SPLIT][:COLUMN]."),
+        click.option("--text-column", default=None,
+                     help="Column holding the text (or chat messages) of a .jsonl/.parquet/hf: "
+                          "calibration source (default: text, content or messages)."),
         click.option("--calib-samples", type=int, default=128, show_default=True),
         click.option("--calib-seqlen", type=int, default=512, show_default=True),
         click.option("--chat", is_flag=True, help="Render calibration text through the chat template."),
@@ -123,26 +137,82 @@ def _method_options(f):
     return f
 
 
+_INT_METHODS = ("rtn", "gptq", "awq")
+_CALIBRATED = ("gptq", "awq", "gguf", "fp8")
+_CALIB_FLAGS = ("calib", "calib_samples", "calib_seqlen", "chat", "seed", "text_column")
+# which methods read each flag (click parameter names); given explicitly to another method, a
+# flag is refused rather than silently ignored or recorded as if it had been applied
+FLAG_READERS: dict[str, tuple[str, ...]] = {
+    "bits": _INT_METHODS, "group_size": _INT_METHODS, "sym": _INT_METHODS,
+    "act_order": ("gptq",), "damp": ("gptq",), "true_sequential": ("gptq",),
+    "gguf_type": ("gguf",), "imatrix": ("gguf",), "fp8_scheme": ("fp8",),
+    **dict.fromkeys(_CALIB_FLAGS, _CALIBRATED),
+}
+
+
+def _given_flags(ctx: click.Context) -> dict[str, str]:
+    """The FLAG_READERS flags the user typed, as typed (--asym, not --sym/--asym)."""
+    given = {}
+    for param in ctx.command.params:
+        if param.name in FLAG_READERS and ctx.get_parameter_source(param.name) not in (
+                None, click.core.ParameterSource.DEFAULT):
+            off = param.secondary_opts and ctx.params.get(param.name) is False
+            given[param.name] = param.secondary_opts[0] if off else param.opts[0]
+    return given
+
+
+def check_flags_apply(ctx: click.Context, method: str, fp8_scheme: str | None,
+                      imatrix: str | None) -> None:
+    """Refuse a flag that --method (with its other flags) would not read."""
+    given = _given_flags(ctx)
+    for name, flag in given.items():
+        readers = FLAG_READERS[name]
+        if method not in readers:
+            raise QuantkitError(
+                f"{flag} is read by --method {' / '.join(readers)} only; --method {method} does "
+                "not use it.", f"Drop {flag}, or use --method {readers[0]}.")
+    calib = [given[n] for n in _CALIB_FLAGS if n in given]
+    if method == "fp8" and calib and (fp8_scheme or "dynamic") != "static":
+        raise QuantkitError(
+            f"{calib[0]} is read by --method fp8 only with --scheme static; --scheme "
+            f"{fp8_scheme or 'dynamic'} computes its scales from the weights alone.",
+            f"Drop {calib[0]}, or pass --scheme static.")
+    if method == "gguf" and calib and imatrix:
+        raise QuantkitError(
+            f"--imatrix {imatrix} and {calib[0]} both give the importance matrix: one is read "
+            "from the file, the other collected from calibration data.",
+            f"Drop {calib[0]} to use the file, or drop --imatrix to collect one.")
+    if method == "gguf" and calib and "calib" not in given:
+        raise QuantkitError(
+            f"{calib[0]} shapes the importance matrix that --method gguf collects only when "
+            "--calib names the data.", f"Pass --calib SET (e.g. --calib mixed), or drop {calib[0]}.")
+
+
 def _request(model, method, bits, group_size, sym, act_order, damp, true_sequential, fmt,
              gguf_type, imatrix, fp8_scheme, calib, calib_samples, calib_seqlen, chat, seed,
-             device, allow_pickle, trust_remote_code, stream, output=".", force=False, **extra):
+             device, allow_pickle, trust_remote_code, stream, text_column=None, output=".",
+             force=False, **extra):
+    ctx = click.get_current_context()
+    check_flags_apply(ctx, method, fp8_scheme, imatrix)  # before torch is imported: instant
     from quantkit.pipeline.quantize import QuantizeRequest
 
     options: dict = {}
     kind = "int"
-    if method != "gptq" and (damp is not None or true_sequential is not None):
-        raise click.UsageError("--damp and --true-sequential/--no-true-sequential are GPTQ "
-                               f"options; --method {method} has no use for them.")
+    group_size_auto = group_size is None
+    group_size = _DEFAULT.group_size if group_size_auto else group_size
     if damp is not None:
         options["damp"] = damp
     if true_sequential is False:
         options["true_sequential"] = False
     if method == "gguf":
         kind = "kquant"
+        if ctx.get_parameter_source("fmt") != click.core.ParameterSource.DEFAULT \
+                and fmt == "compressed-tensors":
+            raise QuantkitError("--method gguf writes GGUF files; --format compressed-tensors "
+                                "cannot hold K-quants.", "Drop --format, or pass --format gguf.")
         fmt = "gguf" if fmt == "compressed-tensors" else fmt
         # --calib given explicitly (not --imatrix): collect the imatrix from that data
-        calib_given = (click.get_current_context().get_parameter_source("calib")
-                       != click.core.ParameterSource.DEFAULT)
+        calib_given = "calib" in _given_flags(ctx)
         options.update(gguf_type=gguf_type or "q4_k_m",
                        imatrix=imatrix or ("calib" if calib_given else None))
     if method == "awq" and fmt == "modelopt":  # TensorRT-LLM reads pre_quant_scale (GQA o_proj)
@@ -160,6 +230,7 @@ def _request(model, method, bits, group_size, sym, act_order, damp, true_sequent
                            calib_seqlen=calib_seqlen, seed=seed, chat=chat,
                            allow_pickle=allow_pickle, trust_remote_code=trust_remote_code,
                            device=device, method_options=options, stream=stream,
+                           group_size_auto=group_size_auto, text_column=text_column,
                            command="quantkit " + shlex.join(sys.argv[1:]), **extra)
 
 
@@ -183,7 +254,7 @@ def quantize(resume, no_memory_check, **kw) -> None:
         return
     with _Progress() as progress:
         meta = run(req, on_progress=progress)
-    console.print(f"[green]wrote[/] {req.out} ({meta['format']}, {meta['method']}, "
+    console.print(f"[green]wrote[/] {escape(str(req.out))} ({meta['format']}, {meta['method']}, "
                   f"{req.scheme.describe()}) in {meta['seconds']['total']:.1f} s")
     _print_info(str(req.out))
 
@@ -216,7 +287,7 @@ def plan_cmd(as_json, **kw) -> None:
             ("artifact on disk", f"{p.disk_bytes / gib:.2f} GiB"),
             ("time (rough)", f"{p.seconds / 60:.1f} min on {info['device']}")]
     for k, v in rows:
-        table.add_row(k, v)
+        _add_row(table, k, v)
     out.print(table)
     if p.peak_ram_bytes > avail:
         console.print("[yellow]warning:[/] the peak exceeds available RAM; quantize would refuse")
@@ -261,7 +332,10 @@ def eval_cmd(artifact, base, heldout, ctx, max_windows, batch_size, ppl, tasks, 
     from quantkit.eval.harness import evaluate, task_record
     from quantkit.eval.logits import PPLConvention
     from quantkit.eval.speed import default_engine, vllm_blocker
+    from quantkit.pipeline.output import check_writable
 
+    if json_out:  # before the evaluation, not after it
+        check_writable(Path(json_out), "--json")
     command = "quantkit " + shlex.join(sys.argv[1:])
     backend = backend or ("llamacpp" if str(artifact).endswith(".gguf") else "hf")
     speed_engine = speed_engine or default_engine(artifact)
@@ -328,47 +402,52 @@ def _fmt(metric: dict | None, key: str = "value", digits: int = 4) -> str:
     return f"{v:.{digits}f}" + (f" ± {se:.{digits}f}" if se is not None else "")
 
 
+def _add_row(table: Table, *cells: str) -> None:
+    """A table row whose text is shown as it is (artifact metadata, task names: no markup)."""
+    table.add_row(*(Text(c) for c in cells))
+
+
 def _print_eval(record: dict) -> None:
     m = record["metrics"]
     c = record.get("convention") or {}
-    table = Table(title=f"quantkit eval: {record['artifact']['path']}")
+    table = Table(title=f"quantkit eval: {escape(str(record['artifact']['path']))}")
     table.add_column("metric")
     table.add_column("value", justify="right")
     if "base_ppl" in m:
-        table.add_row("PPL (base)", _fmt(m["base_ppl"], digits=3))
-    table.add_row("PPL (artifact)", _fmt(m.get("ppl"), digits=3))
+        _add_row(table, "PPL (base)", _fmt(m["base_ppl"], digits=3))
+    _add_row(table, "PPL (artifact)", _fmt(m.get("ppl"), digits=3))
     if "kld" in m:
         k = m["kld"]
-        table.add_row("KLD mean", _fmt(k, "mean", 5))
-        table.add_row("KLD median / p99 / max", f"{k['median']:.5f} / {k['p99']:.5f} / {k['max']:.3f}")
-        table.add_row("top-1 agreement", f"{100 * m['top1_agreement']['value']:.2f} %")
-        table.add_row("RMS Δp", f"{100 * m['rms_delta_p']['value']:.3f} %")
+        _add_row(table, "KLD mean", _fmt(k, "mean", 5))
+        _add_row(table, "KLD median / p99 / max", f"{k['median']:.5f} / {k['p99']:.5f} / {k['max']:.3f}")
+        _add_row(table, "top-1 agreement", f"{100 * m['top1_agreement']['value']:.2f} %")
+        _add_row(table, "RMS Δp", f"{100 * m['rms_delta_p']['value']:.3f} %")
     for task, metrics in (m.get("tasks") or {}).items():
         for name, val in metrics.items():
-            table.add_row(f"{task} {name}", _fmt(val, digits=4))
+            _add_row(table, f"{task} {name}", _fmt(val, digits=4))
         if task in (m.get("flips") or {}):
-            table.add_row(f"{task} flips vs base", f"{100 * m['flips'][task]['value']:.1f} %")
+            _add_row(table, f"{task} flips vs base", f"{100 * m['flips'][task]['value']:.1f} %")
     sp = record.get("speed") or {}
     for key, val in sp.items():
         if key.startswith("batch_") and val:
             for name, label in (("prefill_tok_s", "prefill tok/s"), ("decode_tok_s", "decode tok/s"),
                                 ("ttft_s", "TTFT s")):
                 v = val[name]
-                table.add_row(f"{label} ({sp['engine']}, {key.replace('_', ' ')})",
+                _add_row(table, f"{label} ({sp['engine']}, {key.replace('_', ' ')})",
                               f"{v['median']:.3g} [{v['min']:.3g}, {v['max']:.3g}]")
     if sp.get("not_run"):
-        table.add_row(f"speed ({sp['engine']})", f"not run: {escape(sp['not_run'])}")
+        _add_row(table, f"speed ({sp['engine']})", f"not run: {sp['not_run']}")
     if sp.get("peak_rss_bytes"):
-        table.add_row(f"peak RSS ({sp['engine']})", f"{sp['peak_rss_bytes'] / 2**30:.2f} GiB")
+        _add_row(table, f"peak RSS ({sp['engine']})", f"{sp['peak_rss_bytes'] / 2**30:.2f} GiB")
     a = record["artifact"]
-    table.add_row("format / method", f"{a['format']} / {a['method']}")
+    _add_row(table, "format / method", f"{a['format']} / {a['method']}")
     if a.get("bits_per_weight_quantized"):
-        table.add_row("bits/weight (quantized Linears)", f"{a['bits_per_weight_quantized']:.3f}")
-    table.add_row("size on disk", f"{a['size_bytes'] / 2**20:.1f} MiB")
+        _add_row(table, "bits/weight (quantized Linears)", f"{a['bits_per_weight_quantized']:.3f}")
+    _add_row(table, "size on disk", f"{a['size_bytes'] / 2**20:.1f} MiB")
     out.print(table)
     if not c:
         return
-    out.print(f"[dim]convention: {c['corpus']} {c['split']}, {c['windows']} windows x {c['ctx']} tokens, "
+    out.print(f"[dim]convention: {escape(str(c['corpus']))} {c['split']}, {c['windows']} windows x {c['ctx']} tokens, "
               f"no overlap, {c['bos']}, {c['scored_tokens']} scored tokens; engine "
               f"{record['engine']['name']} ({record['engine']['dtype']})[/]")
 
@@ -377,7 +456,7 @@ def _print_info(path: str) -> None:
     from quantkit.info import artifact_info
 
     info = artifact_info(path)
-    table = Table(title=f"quantkit info: {path}")
+    table = Table(title=f"quantkit info: {escape(path)}")
     table.add_column("field")
     table.add_column("value")
     s = info.get("scheme") or {}
@@ -392,7 +471,7 @@ def _print_info(path: str) -> None:
     if "bits_per_weight_model" in info:
         rows.append(("bits/weight, whole model", f"{info['bits_per_weight_model']:.3f}"))
     for k, v in rows:
-        table.add_row(k, str(v))
+        _add_row(table, k, str(v))
     out.print(table)
 
 
@@ -425,8 +504,11 @@ def info(artifact, as_json) -> None:
 def compare(artifacts, base, report, heldout, ctx, max_windows, batch_size, fresh, title) -> None:
     """Compare artifacts (dirs, GGUF files or results JSON) against one base model."""
     from quantkit.eval.logits import PPLConvention
+    from quantkit.pipeline.output import check_writable
     from quantkit.report import collect, write_report
 
+    if report:  # before the evaluations, not after them
+        check_writable(Path(report), "--report")
     conv = None
     if ctx is not None or max_windows is not None:
         conv = PPLConvention(ctx=ctx or 512, max_windows=max_windows or 32, batch_size=batch_size)
@@ -446,7 +528,7 @@ def _print_compare(summary: dict) -> None:
 
     cols, rows = cells(summary)
     # piped to a file or a PR comment: do not wrap cells at the default 80 columns
-    con = out if out.is_terminal else Console(width=max(out.width, 240))
+    con = out if out.is_terminal else Console(width=max(out.width, 240), emoji=False)
     table = Table(title=escape(summary["title"]))
     for c in cols:
         table.add_column(escape(c.label), justify="right" if c.numeric else "left")

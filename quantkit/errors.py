@@ -8,6 +8,7 @@ __all__ = [
     "SchemeMismatch",
     "CalibrationError",
     "ArtifactExists",
+    "OutputPathError",
     "ModelLoadError",
     "BadWeights",
     "EngineError",
@@ -41,6 +42,10 @@ class CalibrationError(QuantkitError):
 
 class ArtifactExists(QuantkitError):
     """The output path exists and --force was not given."""
+
+
+class OutputPathError(QuantkitError):
+    """The output path cannot be written, or writing it would destroy an input of the run."""
 
 
 class ModelLoadError(QuantkitError):

@@ -182,8 +182,7 @@ def test_compare_refuses_artifacts_of_different_base_models(rtn4_artifact, tiny_
     tiny = tiny_model_factory("llama")
     tiny_rtn = tmp_path / "tiny-rtn"
     res = CliRunner().invoke(main, ["quantize", str(tiny), "--method", "rtn", "--bits", "4",
-                                    "--group-size", "64", "--calib-samples", "4",
-                                    "--calib-seqlen", "64", "-o", str(tiny_rtn)])
+                                    "--group-size", "64", "-o", str(tiny_rtn)])
     assert res.exit_code == 0, res.output
     res = CliRunner().invoke(main, ["compare", str(rtn4_artifact), str(tiny_rtn),
                                     "--report", str(tmp_path / "r.html")])

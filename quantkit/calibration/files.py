@@ -38,8 +38,30 @@ def split_documents(text: str) -> list[str]:
     return [d.strip("\n") for d in re.split(r"\n[ \t]*\n", text.replace("\r\n", "\n")) if d.strip()]
 
 
+MAX_GARBLED_SHARE = 0.05  # of characters; real UTF-8 text has none, random bytes ~0.45
+
+
+def garbled_share(text: str) -> float:
+    """Share of characters that are undecodable (U+FFFD) or control characters other than
+    whitespace: what a binary file read as text is mostly made of."""
+    if not text:
+        return 0.0
+    bad = sum(1 for ch in text if ch == "\ufffd" or (ord(ch) < 32 and ch not in "\t\n\r\f\v")
+              or 0x7F <= ord(ch) < 0xA0)
+    return bad / len(text)
+
+
 def read_txt(path: Path) -> list[Record]:
-    return split_documents(path.read_text("utf-8", errors="replace"))
+    """Documents of a UTF-8 text file; a file that is mostly not text is refused."""
+    text = path.read_text("utf-8", errors="replace")
+    share = garbled_share(text)
+    if share > MAX_GARBLED_SHARE:
+        raise CalibrationError(
+            f"{path.name} does not look like UTF-8 text: {100 * share:.0f} % of its characters "
+            "are undecodable bytes or control characters",
+            "pass a UTF-8 text file (convert other encodings first, e.g. with iconv), or a "
+            "built-in set with --calib mixed")
+    return split_documents(text)
 
 
 def pick_column(columns: list[str], text_column: str | None, where: str) -> str:

@@ -51,6 +51,11 @@ def read_records(
     and an hf: source uses the split written in the source string (default "train").
     """
     kind = _resolve(source)
+    if text_column is not None and (kind == "builtin" or source.lower().endswith(".txt")):
+        raise CalibrationError(
+            f"--text-column {text_column} applies to .jsonl, .parquet and hf: sources; "
+            f"{source} is plain text with no columns",
+            "drop --text-column, or pass a .jsonl/.parquet file or an hf: dataset with --calib")
     if kind == "builtin":
         text, prov = builtin_set_file(source, split)
         prov["format"] = "txt"
@@ -127,7 +132,7 @@ def render_records(records: list[Record], tokenizer: Any = None, chat: bool = Fa
     if not getattr(tokenizer, "chat_template", None):
         raise CalibrationError(
             f"tokenizer {name} has no chat template, so chat calibration data cannot be rendered",
-            "drop --calib-chat, use plain-text calibration data, or use a tokenizer with a chat template",
+            "drop --chat, use plain-text calibration data, or use a tokenizer with a chat template",
         )
     out = []
     for rec in pack_documents(records):

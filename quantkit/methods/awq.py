@@ -46,6 +46,7 @@ from quantkit.arch import ArchSpec, AwqGroup
 from quantkit.errors import CalibrationError, SchemeMismatch, UnsupportedArchitecture
 from quantkit.methods.intquant import (
     check_int_scheme,
+    check_no_act_order,
     group_qparams,
     quantize_to_codes,
     relative_error,
@@ -265,6 +266,7 @@ class AWQQuantizer:
             raise SchemeMismatch(f"AWQ produces integer weights, not {scheme.kind!r}.",
                                  "Use --bits 4 (or 8) with an integer format.")
         check_int_scheme(scheme)
+        check_no_act_order(scheme, self.name)
 
     def prepare(self, *, config=None, spec: ArchSpec, shapes: dict | None = None, **_) -> None:
         """Before calibration: refuse an architecture without a scaling table; say which

@@ -149,6 +149,20 @@ def _fused_groups(ctx: BlockContext) -> list[tuple[str, ...]]:
     return [g for g in groups if g]
 
 
+def _with_fused_partners(names, shapes: dict, spec) -> set[str]:
+    """`names` plus their fused q/k/v or gate/up partners: what the fallback keeps in bf16."""
+    out = set(names)
+    pre = f"{spec.block_path}." if spec is not None else None
+    for name in names:
+        if pre is None or not name.startswith(pre):
+            continue
+        index, _, local = name[len(pre):].partition(".")
+        for group in spec.sequential:
+            if local in group:
+                out |= {f"{pre}{index}.{m}" for m in group} & set(shapes)
+    return out
+
+
 class FP8Quantizer:
     """FP8 E4M3 weights (+ static input scales when asked). Options:
 
@@ -210,6 +224,10 @@ class FP8Quantizer:
         more = f" and {len(bad) - 4} more" if len(bad) > 4 else ""
         msg = (f"FP8 {self.layout.block}x{self.layout.block} blocks do not tile {len(bad)} "
                f"Linear(s) (out or in width not a multiple of {self.layout.block}): {shown}{more}")
+        if len(_with_fused_partners(bad, shapes, spec)) == len(shapes):  # nothing left in FP8
+            raise SchemeMismatch(
+                f"{msg}: that is every Linear, so nothing would be stored in FP8.",
+                "Use --scheme dynamic (per-channel weight scales, any width) or --scheme static.")
         if self.on_indivisible == "error":
             raise SchemeMismatch(msg + ".", "Use --scheme dynamic (per-channel, any width), or "
                                  "the fallback (on_indivisible='fallback') that keeps those "

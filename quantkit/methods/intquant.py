@@ -29,6 +29,13 @@ def check_int_scheme(scheme: QuantScheme) -> None:
         raise SchemeMismatch(f"Invalid group size {scheme.group_size}.", "Use -1 or a positive size.")
 
 
+def check_no_act_order(scheme: QuantScheme, method: str) -> None:
+    """Methods without a column order refuse act_order rather than record it unapplied."""
+    if scheme.act_order:
+        raise SchemeMismatch(f"Method {method} quantizes columns in their own order; act-order "
+                             "is a GPTQ option.", "Drop --act-order, or use --method gptq.")
+
+
 def group_qparams(w: torch.Tensor, bits: int, symmetric: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Scale and zero for each row of `w` [..., g] (the last dim is one group).
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from quantkit.methods.intquant import check_int_scheme, rtn_quantize_weight
+from quantkit.methods.intquant import check_int_scheme, check_no_act_order, rtn_quantize_weight
 from quantkit.types import BlockContext, QuantResult, QuantScheme
 
 __all__ = ["RTNQuantizer"]
@@ -19,6 +19,7 @@ class RTNQuantizer:
 
     def check(self, scheme: QuantScheme) -> None:
         check_int_scheme(scheme)
+        check_no_act_order(scheme, self.name)
 
     def quantize_block(self, ctx: BlockContext) -> dict[str, QuantResult]:
         results = {}

@@ -145,7 +145,9 @@ def quantize_blocks(
         if inputs is not None:
             inputs = BlockInputs([h.to(device) for h in resumed.hidden], inputs.kwargs)
         if on_progress:
-            on_progress(f"resuming at block {start + 1}/{total}", start, total)
+            on_progress(f"resuming at block {start + 1}/{total}" if start < total else
+                        f"resuming: all {total} blocks were finished, writing the artifact",
+                        start, total)
     groups = spec.sequential if getattr(quantizer, "true_sequential", False) else (spec.block_linears,)
     for i, block in enumerate(blocks):
         if i < start:

@@ -27,7 +27,7 @@ from safetensors.torch import save_file
 from quantkit.pipeline.heap import trim_heap
 from quantkit.types import QuantResult, QuantScheme
 
-__all__ = ["BlockCheckpoint", "Resumed", "checkpoint_dir", "request_key"]
+__all__ = ["BlockCheckpoint", "Resumed", "checkpoint_dir", "checkpoint_note", "request_key"]
 
 _TENSORS = ("codes", "scale", "zero", "g_idx", "bias")
 
@@ -35,6 +35,25 @@ _TENSORS = ("codes", "scale", "zero", "g_idx", "bias")
 def checkpoint_dir(out: Path) -> Path:
     out = Path(out)
     return out.parent / f".{out.name}.partial"
+
+
+def checkpoint_note(out: Path) -> str:
+    """What the checkpoint of `out` holds, for the message of a run that stopped early ("" when
+    there is none). One that holds no finished block is removed: it only costs disk space."""
+    directory = checkpoint_dir(out)
+    try:
+        done = json.loads((directory / "done.json").read_text())
+        blocks, total = int(done["blocks"]), int(done.get("total", 0))
+    except (OSError, ValueError, KeyError, TypeError):
+        shutil.rmtree(directory, ignore_errors=True)
+        return ""
+    return (f"{blocks} of {total} blocks are finished and kept in the hidden checkpoint "
+            f"{directory} ({_size(directory) / 2**20:.0f} MiB): a run of the same request "
+            "resumes from them; delete it to free the space")
+
+
+def _size(directory: Path) -> int:
+    return sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
 
 
 def request_key(parts: dict) -> str:

@@ -6,6 +6,7 @@ import dataclasses
 import json
 import shutil
 import time
+import warnings
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -14,7 +15,7 @@ import torch
 
 import quantkit
 from quantkit.arch import ArchSpec, spec_for_config
-from quantkit.errors import ModelLoadError, SchemeMismatch
+from quantkit.errors import ModelLoadError, QuantkitError, SchemeMismatch
 from quantkit.formats import get_writer
 from quantkit.methods import get_quantizer
 from quantkit.model_io import (
@@ -30,11 +31,18 @@ from quantkit.pipeline.blocks import dense_tensor, get_blocks, quantize_blocks
 from quantkit.pipeline.checkpoint import (
     BlockCheckpoint,
     checkpoint_dir,
+    checkpoint_note,
     model_fingerprint,
     request_key,
 )
 from quantkit.pipeline.heap import keep_heap_small
-from quantkit.pipeline.output import atomic_output, check_output
+from quantkit.pipeline.output import (
+    atomic_output,
+    check_not_input,
+    check_output,
+    describe_output,
+    identity,
+)
 from quantkit.pipeline.plan import MemoryPlan, check_memory, estimate
 from quantkit.pipeline.streaming import (
     ShardReader,
@@ -47,7 +55,10 @@ from quantkit.pipeline.streaming import (
 from quantkit.readers import read_config_json, scan_finite
 from quantkit.types import ProgressFn, QuantResult, QuantScheme
 
-__all__ = ["QuantizeRequest", "quantize", "plan", "linear_shapes", "check_group_size"]
+__all__ = ["QuantizeRequest", "quantize", "plan", "linear_shapes", "check_group_size",
+           "resolve_group_size"]
+
+GROUP_SIZES = (128, 64, 32)  # the default's candidates, best first (kernels' favourites)
 
 
 @dataclass
@@ -71,6 +82,8 @@ class QuantizeRequest:
     stream: bool | None = None  # None: block-at-a-time from the shards whenever they allow it
     resume: bool = True  # per-block checkpoints in .OUT.partial/, resumed by the same request
     memory_check: bool = True  # refuse early when the plan's peak RAM exceeds what is available
+    group_size_auto: bool = False  # scheme.group_size was not asked for: fit it to the shapes
+    text_column: str | None = None  # the calibration column of a .jsonl/.parquet/hf: source
 
     def cli_equivalent(self) -> str:
         """The `quantkit quantize` command that makes this request (for API callers)."""
@@ -89,9 +102,17 @@ class QuantizeRequest:
             args += ["--damp", str(self.method_options["damp"])]
         if self.method_options.get("true_sequential") is False:
             args += ["--no-true-sequential"]
-        if self.method != "rtn":
+        imatrix = self.method_options.get("imatrix")
+        if self.method == "gguf" and isinstance(imatrix, str) and imatrix != "calib":
+            args += ["--imatrix", imatrix]
+        reads_calib = (self.method in ("gptq", "awq")
+                       or self.method_options.get("scheme") == "static"
+                       or (self.method == "gguf" and imatrix in ("calib", True)))
+        if reads_calib:  # the CLI refuses calibration flags a method would not read
             args += ["--calib", self.calib, "--calib-samples", str(self.calib_samples),
                      "--calib-seqlen", str(self.calib_seqlen), "--seed", str(self.seed)]
+            args += ["--text-column", self.text_column] if self.text_column else []
+            args += ["--chat"] if self.chat else []
         return "quantkit quantize " + shlex.join(args + ["-o", str(self.out)])
 
 
@@ -107,6 +128,31 @@ def linear_shapes(config, spec: ArchSpec) -> dict[str, tuple[int, int]]:
     return shapes
 
 
+def fitting_group_sizes(shapes: dict[str, tuple[int, int]],
+                        candidates: tuple[int, ...] = (*GROUP_SIZES, 16)) -> list[int]:
+    """The candidates that divide every Linear's input width."""
+    widths = {k for _, k in shapes.values()}
+    return [g for g in candidates if all(k % g == 0 for k in widths)]
+
+
+def resolve_group_size(req: QuantizeRequest,
+                       shapes: dict[str, tuple[int, int]]) -> tuple[QuantizeRequest, str | None]:
+    """The request with its default group size fitted to the model, and what was chosen and why
+    (None when nothing changed): 128 where it divides every width, else the largest of 64 / 32
+    that does, else one group per row. An explicit --group-size is left to check_group_size."""
+    if not req.group_size_auto or req.scheme.kind != "int":
+        return req, None
+    fits = fitting_group_sizes(shapes, GROUP_SIZES)
+    group = fits[0] if fits else -1
+    if group == req.scheme.group_size:
+        return req, None
+    widths = sorted({k for _, k in shapes.values()})
+    note = (f"group size {group if group > 0 else '-1 (one group per row)'}: the default 128 "
+            f"does not divide every Linear input width {widths}; pass --group-size to choose")
+    scheme = dataclasses.replace(req.scheme, group_size=group)
+    return dataclasses.replace(req, scheme=scheme, group_size_auto=False), note
+
+
 def check_group_size(scheme: QuantScheme, shapes: dict[str, tuple[int, int]]) -> None:
     """Group size must divide every in_features; name the layers and suggest one that works."""
     if scheme.kind != "int" or scheme.group_size in (-1, 0):
@@ -115,7 +161,7 @@ def check_group_size(scheme: QuantScheme, shapes: dict[str, tuple[int, int]]) ->
     if not bad:
         return
     widths = sorted({k for _, k in shapes.values()})
-    fits = [g for g in (128, 64, 32, 16) if all(k % g == 0 for k in widths)]
+    fits = fitting_group_sizes(shapes)
     names = [n for n in shapes if n in bad]  # model order
     shown = ", ".join(f"{n} (in_features {bad[n]})" for n in names[:4])
     more = f" and {len(names) - 4} more" if len(names) > 4 else ""
@@ -146,10 +192,12 @@ def plan(req: QuantizeRequest) -> tuple[MemoryPlan, dict]:
     raw_config = read_config_json(source.path)
     spec = spec_for_config(raw_config)
     config = load_config(source.path, trust_remote_code=req.trust_remote_code)
+    req, group_note = resolve_group_size(req, linear_shapes(config, spec))
     info = {"model": str(source.path), "architecture": spec.name, "method": req.method,
             "scheme": req.scheme.describe(), "device": _device(req.device),
             "calib_samples": req.calib_samples if quantizer.needs_calibration else 0,
-            "calib_seqlen": req.calib_seqlen if quantizer.needs_calibration else 0}
+            "calib_seqlen": req.calib_seqlen if quantizer.needs_calibration else 0,
+            **({"group_size_choice": group_note} if group_note else {})}
     return plan_request(req, config, spec, quantizer, raw_config), info
 
 
@@ -168,13 +216,29 @@ def quantize(req: QuantizeRequest, on_progress: ProgressFn | None = None) -> dic
     """
     from quantkit.pipeline.distributed import from_env, world_size_from_env
 
-    if world_size_from_env() <= 1:
-        return _quantize(req, on_progress, None)
-    dp, device = from_env(_device(req.device))
+    out = Path(req.out)
+    before: tuple[int, int] | None | str = "unchecked"
     try:
-        return _quantize(req, on_progress if dp.is_main else None, (dp, device))
-    finally:
-        dp.close()
+        check_output(out, req.force)  # before anything is loaded
+        before = identity(out)
+        if world_size_from_env() <= 1:
+            return _quantize(req, on_progress, None)
+        dp, device = from_env(_device(req.device))
+        try:
+            return _quantize(req, on_progress if dp.is_main else None, (dp, device))
+        finally:
+            dp.close()
+    except KeyboardInterrupt as exc:  # say what is on disk now, truthfully
+        if before == "unchecked":
+            raise KeyboardInterrupt(f"stopped before anything was written to {out}") from exc
+        kept = checkpoint_note(out)
+        raise KeyboardInterrupt(describe_output(out, before) + (f"; {kept}" if kept else "")) \
+            from exc
+    except QuantkitError as exc:
+        kept = checkpoint_note(out)
+        if kept:
+            exc.hint = f"{exc.hint} ({kept}.)" if exc.hint else kept[0].upper() + kept[1:] + "."
+        raise
 
 
 def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dict:
@@ -183,21 +247,26 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
     if req.stream is not False:
         keep_heap_small()  # before torch's threads make their malloc arenas
     out = Path(req.out)
-    check_output(out, req.force)
     quantizer = get_quantizer(req.method, **req.method_options)
     quantizer.check(req.scheme)
     if dp is not None:
         dp.check_method(quantizer)
     writer = get_writer(req.format)
     source = resolve_model(req.model, allow_pickle=req.allow_pickle, on_progress=on_progress)
+    check_not_input(out, _input_paths(req, source.path))
     raw_config = read_config_json(source.path)
     spec = spec_for_config(raw_config)  # before transformers parses it: cheap, clear errors
     config = load_config(source.path, trust_remote_code=req.trust_remote_code)
     shapes = linear_shapes(config, spec)
+    req, group_note = resolve_group_size(req, shapes)
+    if group_note:
+        warnings.warn(group_note, stacklevel=2)
     check_group_size(req.scheme, shapes)
     problems = writer.check(req.scheme, shapes)
     if problems:
-        raise SchemeMismatch(f"Format {writer.name} cannot store this: " + "; ".join(problems) + ".")
+        raise SchemeMismatch(f"Format {writer.name} cannot store this: " + "; ".join(problems) + ".",
+                             "Choose another --format (compressed-tensors, gptq, awq, fp8, "
+                             "modelopt, gguf) or the scheme flags the message names.")
     if hasattr(writer, "check_source"):  # writers that embed tokenizer/config (GGUF) check them now
         writer.check_source(source.path, config)
     if hasattr(quantizer, "prepare"):  # per-tensor plans (GGUF type mix) from the config alone
@@ -219,7 +288,8 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
         from quantkit.calibration import load_calibration
 
         calib = load_calibration(req.calib, tokenizer, n_samples=req.calib_samples,
-                                 seqlen=req.calib_seqlen, seed=req.seed, chat=req.chat)
+                                 seqlen=req.calib_seqlen, seed=req.seed, chat=req.chat,
+                                 text_column=req.text_column)
     compute_dtype = torch.float32 if device == "cpu" else torch.bfloat16
     load_dtype = compute_dtype  # the dtype load_model gives; streaming loads blocks the same way
     store_dtype = _storage_dtype(raw_config)
@@ -274,34 +344,63 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
                          "architecture": spec.name},
         "calibration": calib.provenance if calib is not None else None,
         "method_options": req.method_options,
+        **({"group_size_choice": group_note} if group_note else {}),
         "device": device,
         "seconds": {"quantize": round(quant_seconds, 3)},
         **({"data_parallel": dp.describe()} if dp is not None else {}),
         "command": req.command or req.cli_equivalent(),
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
+    out_config = without_remote_code(raw_config, "config.json")
     if getattr(writer, "single_file", False):  # one file (GGUF): metadata goes inside it
         meta["seconds"]["total"] = round(time.perf_counter() - t_start, 3)
         with atomic_output(out, req.force, is_dir=False) as tmp:
-            writer.write(tmp, config=raw_config, dense=dense, results=results,
+            writer.write(tmp, config=out_config, dense=dense, results=results,
                          ignore=[spec.lm_head], dtype=store_dtype, scheme=req.scheme, meta=meta,
                          source_dir=source.path)
         if ckpt is not None:
             ckpt.remove()
         return meta
     with atomic_output(out, req.force) as tmp:
-        writer.write(tmp, config=raw_config, dense=dense, results=results,
+        writer.write(tmp, config=out_config, dense=dense, results=results,
                      ignore=[spec.lm_head], dtype=store_dtype)
         meta["engines"] = list(writer.engines)  # a writer may narrow them by what it wrote (FP8)
         for name in TOKENIZER_FILES:
             if (source.path / name).is_file():
                 shutil.copy2(source.path / name, tmp / name)
+        tok_config = json.loads((tmp / "tokenizer_config.json").read_text()) \
+            if (tmp / "tokenizer_config.json").is_file() else {}
+        if "auto_map" in tok_config:
+            (tmp / "tokenizer_config.json").write_text(json.dumps(
+                without_remote_code(tok_config, "tokenizer_config.json"), indent=2,
+                ensure_ascii=False))
         (tmp / "quantkit_stats.json").write_text(json.dumps(_stats(results), indent=1))
         meta["seconds"]["total"] = round(time.perf_counter() - t_start, 3)
         (tmp / "quantkit.json").write_text(json.dumps(meta, indent=2))
     if ckpt is not None:
         ckpt.remove()
     return meta
+
+
+def without_remote_code(config: dict, what: str) -> dict:
+    """`config` without `auto_map`: it names Python files of the source model, which the
+    artifact does not carry and quantkit never runs; an engine that followed it would fail."""
+    if "auto_map" not in config:
+        return config
+    warnings.warn(f"dropped auto_map ({', '.join(sorted(config['auto_map']))}) from the "
+                  f"artifact's {what}: it names Python files of the source model that the "
+                  "artifact does not contain", stacklevel=2)
+    return {k: v for k, v in config.items() if k != "auto_map"}
+
+
+def _input_paths(req: QuantizeRequest, model_dir: Path) -> dict[str, Path]:
+    """Every local path the run reads, by what it is (an output must not replace any)."""
+    paths = {"source model": model_dir}
+    for what, value in (("calibration file", req.calib),
+                        ("imatrix file", req.method_options.get("imatrix"))):
+        if isinstance(value, str) and Path(value).is_file():
+            paths[what] = Path(value)
+    return paths
 
 
 def _open_model(req: QuantizeRequest, path: Path, config, load_dtype: torch.dtype):
