@@ -461,6 +461,8 @@ def test_quantize_end_to_end(tiny_llama, tmp_path, fmt, act_order):
         assert (qcfg["quant_method"], qcfg["checkpoint_format"], qcfg["desc_act"]) == ("gptq", "gptq", False)
     else:  # static act-order: the only kind vLLM 0.32 accepts
         assert qcfg["config_groups"]["group_0"]["weights"]["actorder"] == "static"
+        from quantkit.formats.common import load_tensors
+        assert not any(k.endswith(".weight_g_idx") for k in load_tensors(out))  # README says so
     stats = json.loads((out / "quantkit_stats.json").read_text())["layers"]
     assert len(stats) == 14 and all(0 < s["rel_error"] < 1 and s["seconds"] >= 0 for s in stats.values())
     loaded = load_artifact(out)
