@@ -150,28 +150,28 @@ def _fp8(preset: str) -> tuple[QuantScheme, dict]:
 
 # name: (method, format, scheme + method options, independent decoder)
 CASES = {
-    "compressed-tensors int4 asym (RTN)": (
+    "ct-int4-asym-rtn": (
         "rtn", "compressed-tensors", (QuantScheme(bits=4, group_size=64, symmetric=False), {}),
         decode_compressed_tensors),
-    "compressed-tensors int4 sym act-order (GPTQ)": (
+    "ct-int4-actorder-gptq": (
         "gptq", "compressed-tensors", (QuantScheme(bits=4, group_size=64, act_order=True), {}),
         decode_compressed_tensors),
-    "gptq v1 (GPTQ)": ("gptq", "gptq", (G64, {}), decode_gptq_v1),
-    "awq gemm asym (AWQ)": (
+    "gptq-v1-gptq": ("gptq", "gptq", (G64, {}), decode_gptq_v1),
+    "awq-gemm-asym-awq": (
         "awq", "awq", (QuantScheme(bits=4, group_size=64, symmetric=False),
                        {"n_grid": 4, "clip_grid": 4}),
         lambda p: decode_awq_gemm(p, 64)),
-    "modelopt W4A16_AWQ (AWQ, pre_quant_scale)": (
+    "modelopt-w4a16-awq-prequant": (
         "awq", "modelopt", (G64, {"n_grid": 4, "clip_grid": 4, "pre_quant_scale": True}),
         decode_modelopt_w4a16_awq),
-    "compressed-tensors fp8 dynamic": ("fp8", "compressed-tensors", _fp8("dynamic"),
+    "ct-fp8-dynamic": ("fp8", "compressed-tensors", _fp8("dynamic"),
                                        decode_compressed_tensors),
-    "compressed-tensors fp8 block": ("fp8", "compressed-tensors", _fp8("block"),
+    "ct-fp8-block": ("fp8", "compressed-tensors", _fp8("block"),
                                      decode_compressed_tensors),
-    "fp8 native static": ("fp8", "fp8", _fp8("static"), decode_fp8),
-    "fp8 native block": ("fp8", "fp8", _fp8("block"), decode_fp8),
-    "modelopt fp8 dynamic": ("fp8", "modelopt", _fp8("dynamic"), decode_fp8),
-    "modelopt fp8 block": ("fp8", "modelopt", _fp8("block"), decode_fp8),
+    "fp8-native-static": ("fp8", "fp8", _fp8("static"), decode_fp8),
+    "fp8-native-block": ("fp8", "fp8", _fp8("block"), decode_fp8),
+    "modelopt-fp8-dynamic": ("fp8", "modelopt", _fp8("dynamic"), decode_fp8),
+    "modelopt-fp8-block": ("fp8", "modelopt", _fp8("block"), decode_fp8),
 }
 
 
