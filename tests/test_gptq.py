@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -516,21 +515,6 @@ def test_gptq_v1_packing_matches_vllm_unpacking(tmp_path):
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
 
 
-@pytest.fixture(scope="module")
-def smollm2_gptq_artifacts(tmp_path_factory) -> dict[str, Path]:
-    """SmolLM2 GPTQ int4 g64 in both exports (small calibration: this is about loading)."""
-    from quantkit.pipeline.quantize import QuantizeRequest, quantize
-
-    _vllm_python()
-    root = tmp_path_factory.mktemp("smollm2-gptq")
-    out = {}
-    for fmt in ("gptq", "compressed-tensors"):
-        out[fmt] = root / fmt
-        quantize(QuantizeRequest(model="smollm2-135m", method="gptq", scheme=G64, out=out[fmt],
-                                 format=fmt, calib_samples=8, calib_seqlen=256))  # 2048 tokens > 1536
-    return out
-
-
 @pytest.mark.engine
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["gptq", "compressed-tensors"])
@@ -543,6 +527,7 @@ def test_vllm_runs_smollm2_gptq(smollm2_gptq_artifacts, fmt):
     from quantkit.errors import EngineError
     from quantkit.loader import load_artifact
 
+    _vllm_python()
     art = smollm2_gptq_artifacts[fmt]
     prompt = [{"prompt": "The capital of France is", "max_tokens": 8}]
     if not torch.cpu._is_avx512_bf16_supported():
