@@ -46,6 +46,27 @@ def rtn8_artifact(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def smollm2_gptq_artifacts(tmp_path_factory) -> dict[str, Path]:
+    """SmolLM2 GPTQ int4 g64 sym with static act-order (groups stay k // 64: RTN's storage
+    scheme, the act-order vLLM 0.32 loads) in both exports (gptq v1, compressed-tensors), 8 x 256
+    calibration tokens of `mixed`: loaded by real vLLM (test_gptq) and scored against RTN at the
+    same scheme (test_accuracy_guards; without act-order these 2048 tokens gave KLD 0.364 vs
+    RTN 0.399, 0.91x)."""
+    from quantkit.pipeline.quantize import QuantizeRequest, quantize
+    from quantkit.types import QuantScheme
+
+    root = tmp_path_factory.mktemp("smollm2-gptq")
+    out = {}
+    for fmt in ("gptq", "compressed-tensors"):
+        out[fmt] = root / fmt
+        quantize(QuantizeRequest(model="smollm2-135m", method="gptq",
+                                 scheme=QuantScheme(bits=4, group_size=64, act_order=True),
+                                 out=out[fmt],
+                                 format=fmt, calib_samples=8, calib_seqlen=256))  # 2048 tokens > 1536
+    return out
+
+
+@pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny") / "llama", "llama")
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -461,6 +460,8 @@ def test_quantize_end_to_end(tiny_llama, tmp_path, fmt, act_order):
         assert (qcfg["quant_method"], qcfg["checkpoint_format"], qcfg["desc_act"]) == ("gptq", "gptq", False)
     else:  # static act-order: the only kind vLLM 0.32 accepts
         assert qcfg["config_groups"]["group_0"]["weights"]["actorder"] == "static"
+        from quantkit.formats.common import load_tensors
+        assert not any(k.endswith(".weight_g_idx") for k in load_tensors(out))  # README says so
     stats = json.loads((out / "quantkit_stats.json").read_text())["layers"]
     assert len(stats) == 14 and all(0 < s["rel_error"] < 1 and s["seconds"] >= 0 for s in stats.values())
     loaded = load_artifact(out)
@@ -514,21 +515,6 @@ def test_gptq_v1_packing_matches_vllm_unpacking(tmp_path):
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
 
 
-@pytest.fixture(scope="module")
-def smollm2_gptq_artifacts(tmp_path_factory) -> dict[str, Path]:
-    """SmolLM2 GPTQ int4 g64 in both exports (small calibration: this is about loading)."""
-    from quantkit.pipeline.quantize import QuantizeRequest, quantize
-
-    _vllm_python()
-    root = tmp_path_factory.mktemp("smollm2-gptq")
-    out = {}
-    for fmt in ("gptq", "compressed-tensors"):
-        out[fmt] = root / fmt
-        quantize(QuantizeRequest(model="smollm2-135m", method="gptq", scheme=G64, out=out[fmt],
-                                 format=fmt, calib_samples=8, calib_seqlen=256))  # 2048 tokens > 1536
-    return out
-
-
 @pytest.mark.engine
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["gptq", "compressed-tensors"])
@@ -541,6 +527,7 @@ def test_vllm_runs_smollm2_gptq(smollm2_gptq_artifacts, fmt):
     from quantkit.errors import EngineError
     from quantkit.loader import load_artifact
 
+    _vllm_python()
     art = smollm2_gptq_artifacts[fmt]
     prompt = [{"prompt": "The capital of France is", "max_tokens": 8}]
     if not vllm_runs("int4"):
