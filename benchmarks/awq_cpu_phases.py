@@ -76,7 +76,8 @@ def main() -> None:
         meta = quantize(QuantizeRequest(
             model=args.model, method="awq", format="awq", out=args.out or Path(tmp) / "out",
             scheme=QuantScheme(bits=4, group_size=64, symmetric=True),
-            calib="mixed", calib_samples=args.samples, calib_seqlen=args.seqlen, seed=0))
+            calib="mixed", calib_samples=args.samples, calib_seqlen=args.seqlen, seed=0,
+            device="cpu"))
         total = time.perf_counter() - t
     print(f"{'total (load + quantize + save)':34s} {total:7.1f} s   (quantize(): {meta['seconds']})")
     for label, s in seconds.items():

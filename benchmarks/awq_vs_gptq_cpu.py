@@ -41,14 +41,14 @@ def worker(a: argparse.Namespace) -> dict:
 
     torch.set_num_threads(a.threads)
     gptq = a.worker == "gptq"
-    fmt = "compressed-tensors" if gptq else "awq"
+    fmt = a.gptq_format if gptq else "awq"
     opts = json.loads(a.options) if a.options else {}
     get_writer(fmt), get_quantizer(a.worker, **opts)  # imports before the clock
     t0 = time.perf_counter()
     meta = quantize(QuantizeRequest(
         model=a.model, method=a.worker, format=fmt, out=Path(a.out), force=True,
         scheme=QuantScheme(bits=4, group_size=64, symmetric=True, act_order=gptq),
-        calib="mixed", calib_samples=a.samples, calib_seqlen=a.seqlen, seed=0,
+        calib="mixed", calib_samples=a.samples, calib_seqlen=a.seqlen, seed=0, device="cpu",
         method_options=opts))
     return {"job_s": time.perf_counter() - t0, "block_loop_s": meta["seconds"]["quantize"],
             "process_s": time.perf_counter() - t_proc,
@@ -59,7 +59,7 @@ def worker(a: argparse.Namespace) -> dict:
 def run_worker(method: str, out: Path, args: argparse.Namespace) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", method, "--out", str(out),
            "--model", args.model, "--samples", str(args.samples), "--seqlen", str(args.seqlen),
-           "--threads", str(args.threads)]
+           "--threads", str(args.threads), "--gptq-format", args.gptq_format]
     if method == "awq" and args.awq_options:
         cmd += ["--options", args.awq_options]
     print(f"[{time.strftime('%H:%M:%S')}] {method} -> {out}", flush=True)
@@ -110,11 +110,16 @@ def main() -> None:
     p.add_argument("--samples", type=int, default=64)
     p.add_argument("--seqlen", type=int, default=512)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--gptq-format", default="compressed-tensors",
+                   help="GPTQ's artifact format (the demo's: compressed-tensors; gptq where "
+                        "compressed-tensors is not installed)")
     p.add_argument("--repeats", type=int, default=2, help="GPTQ, AWQ pairs, interleaved")
     p.add_argument("--awq-options", default="", help="JSON of AWQ method options (default: none)")
     p.add_argument("--baseline-awq", type=Path, help="AWQ artifact of an earlier commit, same settings")
     p.add_argument("--baseline-commit", default="")
     p.add_argument("--baseline-job-s", type=float, help="that commit's AWQ job time, if measured")
+    p.add_argument("--baseline-wait-s", type=int, default=0,
+                   help="wait this long for --baseline-awq to appear (made alongside)")
     p.add_argument("--commit", default=None, help="commit of the code measured (default: git)")
     p.add_argument("--eval-windows", type=int, default=32)
     p.add_argument("--workdir", type=Path, default=Path("/tmp/quantkit-bench-awq"))
@@ -139,6 +144,10 @@ def main() -> None:
     arts = {"gptq": args.workdir / "gptq", "awq": args.workdir / "awq"}
     if args.baseline_awq:
         arts["awq_baseline"] = args.baseline_awq
+        for _ in range(args.baseline_wait_s):  # a baseline quantized alongside, on other cores
+            if (args.baseline_awq / "config.json").is_file():
+                break
+            time.sleep(1)
     print(f"[{time.strftime('%H:%M:%S')}] eval: base + {len(arts)} artifacts", flush=True)
     recs = evaluate([str(v) for v in arts.values()], base=str(resolve_model(args.model).path),
                     heldout="mixed", conv=PPLConvention(ctx=512, max_windows=args.eval_windows))
@@ -162,7 +171,7 @@ def main() -> None:
                     "python": platform.python_version()},
         "settings": {"model": args.model, "calib": "mixed", "calib_samples": args.samples,
                      "calib_seqlen": args.seqlen, "seed": 0, "bits": 4, "group_size": 64,
-                     "gptq": "act-order static, compressed-tensors", "awq": "sym, AutoAWQ GEMM",
+                     "gptq": f"act-order static, {args.gptq_format}", "awq": "sym, AutoAWQ GEMM",
                      "awq_options": json.loads(args.awq_options) if args.awq_options else {},
                      "heldout": f"mixed, {args.eval_windows} x 512 tokens"},
         "time_note": "job_s: load + calibrate + quantize + save in a fresh process, imports "

@@ -62,7 +62,9 @@ DEFAULT_GRID = 20  # alpha points in [0, 1) (AutoAWQ / llm-compressor: 20)
 DEFAULT_CLIP_GRID = 20
 DEFAULT_MAX_SHRINK = 0.5  # clip max|w| down to at most half (AutoAWQ)
 MIN_CALIB_TOKENS = 256  # below this x_mean is noise: refuse rather than scale on it
-AUTO_SEARCH_TOKENS = {"cpu": 4096, "accel": 65536}  # AutoAWQ's default is 128 x 512 = 65536
+# AutoAWQ's default is 128 x 512 = 65536. CPU: SmolLM2 demo KLD 0.2305 with 2048 as with 4096
+# (benchmarks/README.md, AWQ on the CPU) at half the search's cost
+AUTO_SEARCH_TOKENS = {"cpu": 2048, "accel": 65536}
 _MAX_CHUNK_ELEMS = 1 << 25  # bounds temporaries of the vectorised searches (128 MiB fp32)
 
 
@@ -140,20 +142,21 @@ def _chunk(per_item: int) -> int:
 
 
 def linear_scale_losses(w: torch.Tensor, x: torch.Tensor, scales: torch.Tensor,
-                        scheme: QuantScheme) -> torch.Tensor:
+                        scheme: QuantScheme, gram: torch.Tensor | None = None) -> torch.Tensor:
     """MSE of a Linear's output for every candidate scale, vectorised over candidates.
 
     out_q - out = x @ dW^T with dW = Q(W * s) / s - W (the bias cancels): [C] losses, float32.
     Float32 x (the CPU's compute dtype) with more tokens than inputs takes the Gram form
     sum_n dW_n (X^T X) dW_n^T: T K^2 / 2 + C N K^2 flops instead of C T N K (down_proj of
     SmolLM2, 4096 tokens: 2x fewer). Half-precision x (an accelerator) keeps the token form:
-    its GEMMs run on tensor cores, a float32 Gram would not.
+    its GEMMs run on tensor cores, a float32 Gram would not. `gram`: X^T X when the caller
+    already has it (several calls on the same x).
     """
     w = w.float()
     n, k = w.shape
     t = x.shape[0]
-    if x.dtype == torch.float32 and t > k:
-        return _gram_scale_losses(w, _gram(x), scales, scheme) / (t * n)
+    if gram is not None or _gram_form(x, k):
+        return _gram_scale_losses(w, _gram(x) if gram is None else gram, scales, scheme) / (t * n)
     tok = min(t, _chunk(n * 4))
     losses = []
     step = _chunk(n * k)
@@ -166,6 +169,10 @@ def linear_scale_losses(w: torch.Tensor, x: torch.Tensor, scales: torch.Tensor,
             acc += out.float().pow(2).sum((1, 2))
         losses.append(acc / (t * n))
     return torch.cat(losses)
+
+
+def _gram_form(x: torch.Tensor, k: int) -> bool:
+    return x.dtype == torch.float32 and x.shape[0] > k
 
 
 def _gram(x: torch.Tensor) -> torch.Tensor:
@@ -252,11 +259,11 @@ class AWQQuantizer:
 
     n_grid (20) alpha points; duo_scaling (True) uses w_mean too; clip (True) searches
     clipping, clip_grid (20) / max_shrink (0.5); search_tokens: tokens whose outputs measure
-    the scale loss (whole calibration samples from the first; None = 4096 on CPU, 65536 on an
+    the scale loss (whole calibration samples from the first; None = 2048 on CPU, 65536 on an
     accelerator; statistics always use every token); min_tokens (256) refuses shorter
     calibration; pre_quant_scale (False) keeps Linear -> Linear scales as a pre_quant_scale
-    (ModelOpt); propagate_quantized (False); coarse_to_fine (True) searches a module-scored
-    group's alphas coarse, then around the best (12 module forwards of 21), False: all.
+    (ModelOpt); propagate_quantized (False); coarse_to_fine (True) searches the alphas coarse,
+    then around the best (12 loss evaluations of 21); False: all of them.
     """
 
     name = "awq"
@@ -441,7 +448,11 @@ class AWQQuantizer:
         w_mean = weight_mean(stacked, ctx.scheme.effective_group(k)) if self.duo_scaling else None
         cands = candidate_scales(x_mean, w_mean, self.n_grid)
         if _is_single_linear(plan):
-            losses = linear_scale_losses(stacked, xs[names[0]], cands, ctx.scheme)
+            x = xs[names[0]]
+            gram = _gram(x) if _gram_form(x, k) else None
+            losses = _grid_losses(
+                lambda idx: linear_scale_losses(stacked, x, cands[idx], ctx.scheme, gram).cpu(),
+                self.n_grid, self.coarse_to_fine)
         else:
             mod = _module(ctx.block, plan.group.inspect)
             ref = seen["mod:" + plan.group.inspect]
@@ -474,7 +485,7 @@ def _grid_losses(losses_of, n_grid: int, coarse_to_fine: bool) -> torch.Tensor:
 
     The full grid evaluates every row. Coarse to fine evaluates s = 1 and every step-th
     alpha (step = floor(sqrt(n_grid)): 0, 0.2, .. 0.8 of 20), then the alphas within a step
-    of the best one: 12 module forwards instead of 21 for n_grid = 20, the same choice where
+    of the best one: 12 evaluations instead of 21 for n_grid = 20, the same choice where
     the loss is unimodal in alpha (AWQ's loss curve: falls, then rises).
     """
     if not coarse_to_fine:
