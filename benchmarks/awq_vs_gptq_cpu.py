@@ -1,7 +1,7 @@
 """quantkit AWQ vs quantkit GPTQ on the CPU, back to back in one run, plus their held-out KLD.
 
     .venv/bin/python benchmarks/awq_vs_gptq_cpu.py [--repeats 2] [--threads 2]
-        [--baseline-awq DIR --baseline-commit HASH --baseline-job-s S]
+        [--baseline-awq DIR | --baseline-kld K] [--baseline-commit HASH --baseline-job-s S]
 
 The demo's jobs (scripts/demo.sh): smollm2-135m, int4 group 64, `mixed` calibration 64 x 512
 tokens, seed 0; GPTQ with --act-order (compressed-tensors), AWQ symmetric (AutoAWQ GEMM).
@@ -117,6 +117,8 @@ def main() -> None:
     p.add_argument("--awq-options", default="", help="JSON of AWQ method options (default: none)")
     p.add_argument("--baseline-awq", type=Path, help="AWQ artifact of an earlier commit, same settings")
     p.add_argument("--baseline-commit", default="")
+    p.add_argument("--baseline-kld", type=float,
+                   help="that commit's AWQ KLD from an earlier run of this eval (no --baseline-awq)")
     p.add_argument("--baseline-job-s", type=float, help="that commit's AWQ job time, if measured")
     p.add_argument("--baseline-wait-s", type=int, default=0,
                    help="wait this long for --baseline-awq to appear (made alongside)")
@@ -159,6 +161,8 @@ def main() -> None:
                       "base_ppl": m["base_ppl"]["value"]}
     acceptance = {"awq_over_gptq_per_pair": pairs, "awq_over_gptq_worst_pair": max(pairs),
                   "awq_over_gptq_best_times": best["awq"] / best["gptq"], "time_goal": "<= 1.5"}
+    if args.baseline_kld is not None and "awq_baseline" not in metrics:
+        metrics["awq_baseline"] = {"kld_mean": args.baseline_kld, "measured": "earlier, same eval"}
     if "awq_baseline" in metrics:
         rel = metrics["awq"]["kld_mean"] / metrics["awq_baseline"]["kld_mean"] - 1
         acceptance.update(awq_kld_change_vs_baseline=rel, kld_goal="<= +0.02 (relative)")
