@@ -288,9 +288,10 @@ def _speed(path: str, stored: dict | None, options: dict) -> dict:
 
 
 def _base_speed(base_spec: str, options: dict, fresh: bool = False) -> dict:
-    """The base model's speed in vLLM, kept in <quantkit cache>/speed-results keyed by its
-    files (config hash, each weight file's size and mtime) and the settings: the base is
-    measured once for every comparison of its quantized versions."""
+    """The base model's speed in vLLM, kept in $QUANTKIT_SPEED_CACHE (else <quantkit
+    cache>/speed-results) keyed by its files (config hash, each weight file's size and mtime),
+    the settings and the CPU: the base is measured once for every comparison of its
+    quantized versions."""
     import hashlib
 
     from quantkit.eval.harness import hardware
@@ -298,13 +299,18 @@ def _base_speed(base_spec: str, options: dict, fresh: bool = False) -> dict:
     from quantkit.model_io import cache_dir, resolve_model
     from quantkit.pipeline.checkpoint import model_fingerprint
 
-    path = Path(base_spec) if Path(base_spec).exists() else resolve_model(base_spec).path
+    try:
+        path = Path(base_spec) if Path(base_spec).exists() else resolve_model(base_spec).path
+    except QuantkitError:
+        return {"engine": "vllm", "settings": speed_settings("vllm", **options),
+                "unmeasured": "the base model is not on this machine"}
     if not (path / "config.json").is_file():
         return _speed(str(path), None, options)
     key = json.dumps({"model": model_fingerprint(path), "path": str(path.resolve()),
                       "settings": speed_settings("vllm", **options), "machine": hardware()["cpu"]},
                      sort_keys=True)
-    file = cache_dir() / "speed-results" / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
+    root = Path(os.environ.get("QUANTKIT_SPEED_CACHE") or cache_dir() / "speed-results")
+    file = root / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
     if file.is_file() and not fresh:
         return json.loads(file.read_text())
     res = _speed(str(path), None, options)
