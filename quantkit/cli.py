@@ -293,6 +293,32 @@ def plan_cmd(as_json, **kw) -> None:
         console.print("[yellow]warning:[/] the peak exceeds available RAM; quantize would refuse")
 
 
+def _speed_settings(f):
+    """--speed-prompt, --speed-gen, --speed-batch, --repeats: one definition for eval and compare."""
+    for opt in reversed((
+            click.option("--speed-prompt", type=int, default=256, show_default=True,
+                         help="Prompt tokens per request for --speed."),
+            click.option("--speed-gen", type=int, default=32, show_default=True,
+                         help="New tokens per request for --speed."),
+            click.option("--speed-batch", default="1,8", show_default=True,
+                         help="Batch sizes for --speed."),
+            click.option("--repeats", type=int, default=3, show_default=True,
+                         help="Timed runs per batch size after one warm-up."))):
+        f = opt(f)
+    return f
+
+
+def _batches(text: str) -> tuple[int, ...]:
+    try:
+        batches = tuple(int(b) for b in text.split(",") if b.strip())
+    except ValueError:
+        batches = ()
+    if not batches or min(batches) < 1:
+        raise QuantkitError(f"--speed-batch {text!r} is not a list of batch sizes.",
+                            "Pass positive integers separated by commas, e.g. --speed-batch 1,8.")
+    return batches
+
+
 @main.command("eval")
 @click.argument("artifact")
 @click.option("--base", default=None, help="Unquantized model for KLD / top-1 / flips (alias, dir or Hub id).")
@@ -318,10 +344,7 @@ def plan_cmd(as_json, **kw) -> None:
 @click.option("--speed", is_flag=True, help="Prefill/decode tokens/s, TTFT and peak memory.")
 @click.option("--speed-engine", type=click.Choice(["vllm", "llamacpp", "transformers"]),
               default=None, help="Engine for --speed (default: llamacpp for .gguf, else vllm).")
-@click.option("--speed-prompt", type=int, default=256, show_default=True)
-@click.option("--speed-gen", type=int, default=32, show_default=True)
-@click.option("--speed-batch", default="1,8", show_default=True, help="Batch sizes.")
-@click.option("--repeats", type=int, default=3, show_default=True)
+@_speed_settings
 @click.option("--json", "json_out", type=click.Path(), default=None,
               help="Results file (default: ARTIFACT/quantkit_eval.json for directories).")
 def eval_cmd(artifact, base, heldout, ctx, max_windows, batch_size, ppl, tasks, backend,
@@ -358,7 +381,7 @@ def eval_cmd(artifact, base, heldout, ctx, max_windows, batch_size, ppl, tasks, 
                         limit=limit, batch_size=batch_size, seed=seed, chat=chat_template,
                         reuse_base=not fresh_base)
         if speed and speed_engine == "vllm" and blocked:
-            record["speed"] = {"engine": "vllm", "not_run": blocked}
+            record["speed"] = {"engine": "vllm", "unmeasured": blocked}
             not_run.append(("--speed", "--speed --speed-engine transformers"))
         elif speed:
             from quantkit.eval.speed import measure_speed
@@ -366,10 +389,10 @@ def eval_cmd(artifact, base, heldout, ctx, max_windows, batch_size, ppl, tasks, 
             record["speed"] = measure_speed(
                 artifact if Path(artifact).exists() else record["artifact"]["path"], speed_engine,
                 prompt_tokens=speed_prompt, gen_tokens=speed_gen, repeats=repeats,
-                batches=tuple(int(b) for b in speed_batch.split(",")))
+                batches=_batches(speed_batch))
     except EngineError as exc:  # keep what was measured before the engine failed
         if speed and "speed" not in record:
-            record["speed"] = {"engine": speed_engine, "not_run": exc.message}
+            record["speed"] = {"engine": speed_engine, "unmeasured": exc.message}
         if _save_eval(record, target):
             exc.hint = f"{exc.hint or ''} The results measured before it are saved in {target}."
         raise
@@ -435,8 +458,8 @@ def _print_eval(record: dict) -> None:
                 v = val[name]
                 _add_row(table, f"{label} ({sp['engine']}, {key.replace('_', ' ')})",
                               f"{v['median']:.3g} [{v['min']:.3g}, {v['max']:.3g}]")
-    if sp.get("not_run"):
-        _add_row(table, f"speed ({sp['engine']})", f"not run: {sp['not_run']}")
+    if sp.get("unmeasured"):
+        _add_row(table, f"speed ({sp['engine']})", f"not run: {sp['unmeasured']}")
     if sp.get("peak_rss_bytes"):
         _add_row(table, f"peak RSS ({sp['engine']})", f"{sp['peak_rss_bytes'] / 2**30:.2f} GiB")
     a = record["artifact"]
@@ -466,13 +489,26 @@ def _print_info(path: str) -> None:
             ("source model", info.get("source_model") or "-"),
             ("calibration", info.get("calibration") or "none"),
             ("size on disk", f"{info['size_bytes'] / 2**20:.1f} MiB ({info['size_bytes']} bytes)")]
+    if info.get("nominal_bits_per_weight"):
+        rows.append(("bits/weight, nominal (the scheme's label)", f"{info['nominal_bits_per_weight']:.3f}"))
     if "bits_per_weight_quantized" in info:
         rows.append(("bits/weight, quantized Linears", f"{info['bits_per_weight_quantized']:.3f}"))
+    if "bits_per_weight_with_embeddings" in info:
+        rows.append(("bits/weight, Linears + embeddings/output",
+                     f"{info['bits_per_weight_with_embeddings']:.3f}"))
     if "bits_per_weight_model" in info:
         rows.append(("bits/weight, whole model", f"{info['bits_per_weight_model']:.3f}"))
     for k, v in rows:
         _add_row(table, k, str(v))
     out.print(table)
+    if isinstance(info.get("tensor_types"), dict):
+        types = Table(title="tensor types (every tensor of the file)")
+        for name in ("type", "tensors", "params", "bytes", "bits/weight", "share of weights"):
+            types.add_column(name, justify="left" if name == "type" else "right")
+        for name, t in info["tensor_types"].items():
+            types.add_row(name, str(t["tensors"]), f"{t['params']:,}", f"{t['bytes']:,}",
+                          f"{t['bits_per_weight']:.3f}", f"{100 * t['share']:.1f} %")
+        out.print(types)
 
 
 @main.command()
@@ -499,9 +535,15 @@ def info(artifact, as_json) -> None:
 @click.option("--max-windows", type=int, default=None,
               help="Windows for missing evals (default 32, or what stored results used).")
 @click.option("--batch-size", type=int, default=4, show_default=True)
-@click.option("--fresh", is_flag=True, help="Re-evaluate every artifact, ignoring stored results.")
+@click.option("--fresh", is_flag=True,
+              help="Re-evaluate (and with --speed re-measure) every artifact, ignoring stored results.")
 @click.option("--title", default=None, help="Report title.")
-def compare(artifacts, base, report, heldout, ctx, max_windows, batch_size, fresh, title) -> None:
+@click.option("--speed", is_flag=True,
+              help="Speed and peak memory of every artifact and the base in its engine (vLLM for "
+                   "directories, llama.cpp for .gguf); stored results measured alike are reused.")
+@_speed_settings
+def compare(artifacts, base, report, heldout, ctx, max_windows, batch_size, fresh, title, speed,
+            speed_prompt, speed_gen, speed_batch, repeats) -> None:
     """Compare artifacts (dirs, GGUF files or results JSON) against one base model."""
     from quantkit.eval.logits import PPLConvention
     from quantkit.pipeline.output import check_writable
@@ -515,7 +557,10 @@ def compare(artifacts, base, report, heldout, ctx, max_windows, batch_size, fres
     with _Progress() as progress:
         summary = collect(list(artifacts), base, conv=conv, heldout=heldout, fresh=fresh,
                           on_progress=progress, title=title,
-                          command="quantkit " + shlex.join(sys.argv[1:]))
+                          command="quantkit " + shlex.join(sys.argv[1:]),
+                          speed={"prompt_tokens": speed_prompt, "gen_tokens": speed_gen,
+                                 "batches": _batches(speed_batch), "repeats": repeats}
+                          if speed else None)
     if report:
         paths = write_report(summary, report)
         console.print("report: " + ", ".join(str(p) for p in paths.values()))

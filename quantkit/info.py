@@ -9,7 +9,7 @@ from quantkit.formats.common import read_safetensors_headers
 from quantkit.loader import artifact_meta
 from quantkit.readers import read_config_json, safetensors_files
 
-__all__ = ["artifact_info"]
+__all__ = ["artifact_info", "nominal_bits_per_weight", "gguf_tensor_types"]
 
 _BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
           "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
@@ -43,16 +43,23 @@ def artifact_info(path: str | Path) -> dict:
     if path.is_dir():
         qcfg = read_config_json(path).get("quantization_config") or {}
         info.update(_bits_per_weight(path, int(qcfg.get("bits") or 4)))
+        info["nominal_bits_per_weight"] = nominal_bits_per_weight(meta.get("scheme"))
         info["quantization_config"] = {k: qcfg.get(k) for k in (
             "quant_method", "format", "bits", "group_size", "sym", "quant_algo",
             "activation_scheme", "weight_block_size") if k in qcfg}
     return info
 
 
+_EMBEDDING_SUFFIXES = ("embed_tokens.weight", "lm_head.weight", "wte.weight", "word_embeddings.weight")
+# GGUF tensor names of the token embeddings and the output head (llama.cpp's naming)
+_GGUF_EMBEDDINGS = ("token_embd.weight", "output.weight")
+
+
 def _bits_per_weight(path: Path, bits: int) -> dict:
-    """Bits on disk per original weight, counting scales/zeros/indices of quantized Linears."""
+    """Bits on disk per original weight, counting scales/zeros/indices of quantized Linears;
+    also with the embeddings and output head added (they stay unquantized in these formats)."""
     headers = read_safetensors_headers(path)
-    q_bytes = q_params = all_bytes = all_params = 0
+    q_bytes = q_params = all_bytes = all_params = emb_bytes = emb_params = 0
     from safetensors import safe_open
 
     shapes = {}
@@ -77,26 +84,81 @@ def _bits_per_weight(path: Path, bits: int) -> dict:
                 all_params += _numel(shape)
         else:
             all_params += _numel(h["shape"])
+            if name.endswith(_EMBEDDING_SUFFIXES):
+                emb_bytes += nbytes
+                emb_params += _numel(h["shape"])
     out = {"parameters": all_params, "bits_per_weight_model": 8 * all_bytes / max(all_params, 1)}
     if q_params:
         out["bits_per_weight_quantized"] = 8 * q_bytes / q_params
         out["quantized_parameters"] = q_params
+        out["bits_per_weight_with_embeddings"] = 8 * (q_bytes + emb_bytes) / (q_params + emb_params)
     return out
 
+
+def nominal_bits_per_weight(scheme: dict | None) -> float | None:
+    """What a scheme's label promises per weight: int N group G -> N + 16/G (a 16-bit scale
+    per group, + N/G for asymmetric zeros); fp8 -> 8; a GGUF preset -> llama.cpp's figure for
+    its mix. The effective bits of a real file differ when tensors fall back to other types."""
+    if not scheme:
+        return None
+    if scheme.get("kind") == "kquant" or scheme.get("gguf_type"):
+        from quantkit.pipeline.plan import GGUF_NOMINAL_BPW
+
+        return GGUF_NOMINAL_BPW.get(str(scheme.get("gguf_type")))
+    if scheme.get("kind") == "fp8":
+        return 8.0
+    bits, group = scheme.get("bits"), scheme.get("group_size")
+    if not isinstance(bits, int):
+        return None
+    if group in (-1, 0, None):
+        return float(bits)
+    return bits + 16 / group + (0 if scheme.get("symmetric", True) else bits / group)
+
+
+def gguf_tensor_types(tensors: dict) -> dict[str, dict]:
+    """{GGML type: {tensors, params, bytes, bits_per_weight, share}} over every tensor of a
+    GGUF file, most weights first; share = that type's part of all weights."""
+    types: dict[str, dict] = {}
+    for t in tensors.values():
+        row = types.setdefault(t.qtype.name, {"tensors": 0, "params": 0, "bytes": 0})
+        row["tensors"] += 1
+        row["params"] += _numel(t.shape)
+        row["bytes"] += int(t.data.nbytes)
+    total = sum(r["params"] for r in types.values()) or 1
+    for r in types.values():
+        r["bits_per_weight"] = 8 * r["bytes"] / max(r["params"], 1)
+        r["share"] = r["params"] / total
+    return dict(sorted(types.items(), key=lambda kv: -kv[1]["params"]))
+
+
+def _gguf_bits(tensors: dict) -> dict:
+    """Effective bits per weight from the stored tensor types: the block Linears (what the
+    safetensors formats quantize), the same plus token embeddings and output head, everything."""
+    def bits(names: list[str]) -> tuple[float | None, int]:
+        params = sum(_numel(tensors[n].shape) for n in names)
+        nbytes = sum(int(tensors[n].data.nbytes) for n in names)
+        return (8 * nbytes / params if params else None), params
+
+    linears = [n for n, t in tensors.items()
+               if n.startswith("blk.") and n.endswith(".weight") and len(t.shape) >= 2]
+    embeddings = [n for n in _GGUF_EMBEDDINGS if n in tensors]
+    q_bits, q_params = bits(linears)
+    emb_bits, _ = bits(linears + embeddings)
+    all_bits, all_params = bits(list(tensors))
+    out = {"parameters": all_params, "bits_per_weight_model": all_bits}
+    if q_bits is not None:
+        out.update(bits_per_weight_quantized=q_bits, quantized_parameters=q_params,
+                   bits_per_weight_with_embeddings=emb_bits)
+    return out
 
 
 def _gguf_info(path: Path, size: int) -> dict:
     """A GGUF file: quantkit's provenance from its `quantkit.metadata` key (when quantkit wrote
-    it), the tensor types it holds and bits per weight over every tensor."""
-    from collections import Counter
-
+    it), the tensor types it holds and the bits per weight they add up to."""
     from quantkit.formats.gguf import gguf_metadata, read_gguf
 
     kv, tensors = read_gguf(path)
     meta = gguf_metadata(path, kv)
-    params = sum(_numel(t.shape) for t in tensors.values())
-    tensor_bytes = sum(int(t.data.nbytes) for t in tensors.values())
-    types = Counter(t.qtype.name for t in tensors.values())
     return {"path": str(path), "format": "gguf", "size_bytes": size,
             "method": meta.get("method", "unknown"), "scheme": meta.get("scheme"),
             "engines": ["llama.cpp"],
@@ -105,5 +167,6 @@ def _gguf_info(path: Path, size: int) -> dict:
             "calibration": (meta.get("calibration") or {}).get("name")
             or (meta.get("calibration") or {}).get("source"),
             "architecture": kv.get("general.architecture"),
-            "tensor_types": dict(types.most_common()),
-            "bits_per_weight_model": 8 * tensor_bytes / max(params, 1)}
+            "tensor_types": gguf_tensor_types(tensors),
+            "nominal_bits_per_weight": nominal_bits_per_weight(meta.get("scheme")),
+            **_gguf_bits(tensors)}

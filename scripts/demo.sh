@@ -18,6 +18,8 @@ $Q quantize $M --method gguf --gguf-type q4_k_m -o "$O/q4_k_m.gguf" --force
 $Q eval "$O/gptq-w4g64" --base $M
 # + prefill/decode tokens/s in llama.cpp; a single-file artifact's results go to --json
 $Q eval "$O/q4_k_m.gguf" --base $M --speed --json "$O/q4_k_m.eval.json"
-$Q compare "$O/rtn-w4g64" "$O/gptq-w4g64" "$O/awq-w4g64" "$O/fp8-dynamic" "$O/q4_k_m.eval.json" \
+# --speed: every row's and the base's speed and peak memory in its own engine (the GGUF's from its
+# eval above is reused); where vLLM cannot run an artifact on this CPU the cell says why
+$Q compare --speed "$O/rtn-w4g64" "$O/gptq-w4g64" "$O/awq-w4g64" "$O/fp8-dynamic" "$O/q4_k_m.eval.json" \
   --base $M --title "quantkit demo: SmolLM2-135M-Instruct" --report reports/demo.html
 echo "open reports/demo.html in a browser"

@@ -200,6 +200,8 @@ def test_missing_fields_render_as_not_measured(records, tmp_path):
     for key in ("kld", "top1_agreement", "rms_delta_p"):
         del recs[0]["metrics"][key]
     del recs[0]["artifact"]["bits_per_weight_quantized"]
+    # no longer on disk: its bits come from the record only (a present file is read again)
+    recs[0]["artifact"]["path"] = str(tmp_path / "gone" / Path(recs[0]["artifact"]["path"]).name)
     recs[1]["metrics"]["speed"] = {"prefill_tokens_per_s": {"median": 850.0, "spread": 20.0},
                                    "decode_tokens_per_s": {"median": 42.0, "spread": 1.5}}
     recs[1]["convention"]["max_windows"] = 99

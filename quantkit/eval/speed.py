@@ -6,22 +6,31 @@ Definitions (the same for every engine; recorded with the numbers):
   decode_tok_s    batch * (gen_tokens - 1) / (time for gen_tokens new tokens - ttft_s)
 Random prompt token ids (seeded), greedy, EOS ignored; one warm-up run, then `repeats` runs:
 median, min, max and all values are kept. Peak memory is the resident set size of the engine's
-process tree, sampled every 0.1 s.
+process tree, sampled every 0.1 s: llama.cpp and vLLM each run in a process of their own, so
+what the caller holds (torch, models it evaluated) is not counted.
+
+Where an engine cannot run an artifact, `speed_or_reason` keeps the engine's own refusal as one
+short phrase (`unmeasured_reason`) instead of a number, so a report can say why.
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import random
+import re
 import statistics
+import subprocess
 import threading
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import psutil
 
 from quantkit.errors import QuantkitError
 
-__all__ = ["measure_speed", "default_engine", "vllm_blocker", "ENGINES"]
+__all__ = ["measure_speed", "speed_or_reason", "speed_settings", "unmeasured_reason",
+           "default_engine", "vllm_blocker", "ENGINES"]
 
 ENGINES = ("vllm", "llamacpp", "transformers")
 
@@ -53,8 +62,12 @@ def vllm_blocker(artifact: str) -> str | None:
 
 
 class _PeakRSS:
-    def __init__(self):
+    """Peak RSS of this process and its children, or (children_only) of the engine processes
+    this one started."""
+
+    def __init__(self, children_only: bool = False):
         self.peak = 0
+        self.children_only = children_only
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, daemon=True)
 
@@ -62,7 +75,8 @@ class _PeakRSS:
         me = psutil.Process()
         while not self._stop.is_set():
             try:
-                self.peak = max(self.peak, me.memory_info().rss + sum(
+                own = 0 if self.children_only else me.memory_info().rss
+                self.peak = max(self.peak, own + sum(
                     c.memory_info().rss for c in me.children(recursive=True)))
             except psutil.Error:
                 pass
@@ -157,17 +171,33 @@ def _transformers(artifact: str, p_len: int, g_len: int, batches: list[int], rep
     return out
 
 
+def speed_settings(engine: str, prompt_tokens: int = 256, gen_tokens: int = 32,
+                   batches: tuple[int, ...] = (1, 8), repeats: int = 3) -> dict:
+    """The settings a speed record is measured (and reused) under."""
+    return {"engine": engine, "prompt_tokens": prompt_tokens, "gen_tokens": gen_tokens,
+            "batches": list(batches), "repeats": repeats, "warmup": 1,
+            "definitions": __doc__.split("Definitions")[1].split("\n\n")[0].strip()}
+
+
+def _llamacpp_isolated(artifact: str, p_len: int, g_len: int, batches: list[int],
+                       repeats: int) -> dict:
+    """llama.cpp in a fresh process, so its peak memory is its own and a crash stays there."""
+    with _PeakRSS(children_only=True) as mem, ProcessPoolExecutor(
+            1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        res = pool.submit(_llamacpp, artifact, p_len, g_len, batches, repeats).result()
+    res["peak_rss_bytes"] = max(res.get("peak_rss_bytes", 0), mem.peak)
+    return res
+
+
 def measure_speed(artifact: str, engine: str | None = None, *, prompt_tokens: int = 256,
                   gen_tokens: int = 32, batches: tuple[int, ...] = (1, 8), repeats: int = 3) -> dict:
     """Speed/memory record for `artifact` in `engine` (default: the artifact's own engine)."""
     engine = engine or default_engine(artifact)
-    settings = {"engine": engine, "prompt_tokens": prompt_tokens, "gen_tokens": gen_tokens,
-                "batches": list(batches), "repeats": repeats, "warmup": 1,
-                "definitions": __doc__.split("Definitions")[1].split("\n\n")[0].strip()}
+    settings = speed_settings(engine, prompt_tokens, gen_tokens, batches, repeats)
     if engine == "llamacpp":
         import llama_cpp
 
-        res = _llamacpp(str(artifact), prompt_tokens, gen_tokens, list(batches), repeats)
+        res = _llamacpp_isolated(str(artifact), prompt_tokens, gen_tokens, list(batches), repeats)
         version = llama_cpp.__version__
     elif engine == "transformers":
         import transformers
@@ -177,7 +207,7 @@ def measure_speed(artifact: str, engine: str | None = None, *, prompt_tokens: in
     elif engine == "vllm":
         from quantkit.engines.vllm import run_vllm
 
-        with _PeakRSS() as mem:
+        with _PeakRSS(children_only=True) as mem:
             raw = run_vllm(Path(artifact), speed={"prompt_tokens": prompt_tokens,
                                                   "gen_tokens": gen_tokens,
                                                   "batches": list(batches), "repeats": repeats})
@@ -187,3 +217,40 @@ def measure_speed(artifact: str, engine: str | None = None, *, prompt_tokens: in
     else:
         raise QuantkitError(f"Unknown engine {engine!r}.", f"Choose one of {', '.join(ENGINES)}.")
     return {"engine": engine, "engine_version": version, "settings": settings, **res}
+
+
+_ENGINE_NAMES = {"vllm": "vLLM", "llamacpp": "llama.cpp", "transformers": "transformers"}
+
+
+def unmeasured_reason(exc: BaseException, engine: str) -> str:
+    """Why `engine` could not measure an artifact here, in one short phrase, read from the
+    engine's own failure (its refusal is the truth; nothing is predicted from CPU flags)."""
+    name = _ENGINE_NAMES.get(engine, engine)
+    text = f"{getattr(exc, 'message', exc)}\n{getattr(exc, 'log', '')}"
+    if "cpu_gemm_wna16" in text:
+        return f"{name} has no int4 CPU kernel on this CPU (needs AVX512)"
+    if isinstance(exc, subprocess.TimeoutExpired):
+        return f"{name} did not finish within {exc.timeout:.0f} s"
+    if isinstance(exc, MemoryError) or re.search(r"out of memory|Cannot allocate memory", text, re.I):
+        return f"not enough memory for {name} here"
+    if isinstance(exc, (ImportError, ModuleNotFoundError)) or "is not installed" in text:
+        return f"{name} is not installed here (scripts/setup.sh installs it)"
+    cause = re.search(r"failed to run .*?: (\w+(?:Error|Exception): [^\n]*)", text)
+    detail = cause.group(1) if cause else f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    return f"{name} failed: {detail[:90].rstrip()}" + ("…" if len(detail) > 90 else "")
+
+
+def speed_or_reason(artifact: str, engine: str | None = None, **settings) -> dict:
+    """measure_speed's record, or where the engine fails, {engine, settings, unmeasured: the
+    reason phrase, error: the engine's message}: one artifact's failure loses nothing else."""
+    engine = engine or default_engine(artifact)
+    blocked = vllm_blocker(artifact) if engine == "vllm" else None
+    if blocked:  # the engine probe says vLLM cannot run it here: no start-up spent on a refusal
+        return {"engine": engine, "settings": speed_settings(engine, **settings),
+                "unmeasured": blocked, "error": blocked}
+    try:
+        return measure_speed(artifact, engine, **settings)
+    except Exception as exc:  # noqa: BLE001 - every engine failure becomes the cell's reason
+        return {"engine": engine, "settings": speed_settings(engine, **settings),
+                "unmeasured": unmeasured_reason(exc, engine),
+                "error": str(getattr(exc, "message", exc))[:2000]}

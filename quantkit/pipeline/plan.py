@@ -41,7 +41,7 @@ _FLOPS = {"cpu": 5e10, "cuda": 1.5e14}
 _PER_WEIGHT_S = {"cpu": 5.5e-8, "cuda": 5e-9}
 _BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
 # GGUF bits per weight of the quantized tensors (llama.cpp's numbers, mixes averaged)
-_GGUF_BPW = {"f16": 16, "bf16": 16, "q8_0": 8.5, "q6_k": 6.5625, "q5_k_m": 5.7, "q4_k_m": 4.9,
+GGUF_NOMINAL_BPW = {"f16": 16, "bf16": 16, "q8_0": 8.5, "q6_k": 6.5625, "q5_k_m": 5.7, "q4_k_m": 4.9,
              "q4_k_s": 4.6}
 
 
@@ -187,7 +187,7 @@ def estimate(config, spec: ArchSpec, *, method: str, scheme: QuantScheme, calib_
     peak = BASELINE_BYTES + max(phases.values())
 
     if method == "gguf":
-        bpw = _GGUF_BPW.get(str(scheme.gguf_type or "q4_k_m"), 5.0)
+        bpw = GGUF_NOMINAL_BPW.get(str(scheme.gguf_type or "q4_k_m"), 5.0)
         disk = int(quantized * bpw / 8 + outside * 2)
     elif method == "fp8":
         disk = quantized + scales * 4 + dense_outside

@@ -91,6 +91,17 @@ def _stats(path: str | Path) -> dict | None:
     return out or None
 
 
+def _info(recorded: dict) -> dict:
+    """The artifact's file facts (bits per weight, tensor types) read again where it is here:
+    records written before a field existed still get it; else what the record holds."""
+    from quantkit.info import artifact_info
+
+    try:
+        return {**recorded, **artifact_info(recorded["path"])} if Path(recorded["path"]).exists() else recorded
+    except Exception:  # noqa: BLE001 - an unreadable artifact keeps its recorded facts
+        return recorded
+
+
 # ------------------------------------------------------------------ model identity
 
 def _model_ids(spec: str | None, path: str | None = None) -> set[str]:
@@ -230,14 +241,97 @@ def _may_write(entry: _Entry) -> bool:
     return not entry.stored or all((r.get("created") or "") < created for r in entry.stored)
 
 
+def _store(entry: _Entry) -> None:
+    """Write the entry's record (with what this pass added, e.g. speed) beside a directory
+    artifact: in place of the stored record it came from, or as a new one where allowed."""
+    p = Path(entry.path)
+    if not p.is_dir() or not os.access(p, os.W_OK):
+        return
+    if any(r is entry.record for r in entry.stored):
+        data = entry.stored if len(entry.stored) > 1 else entry.stored[0]
+    elif _may_write(entry):
+        data = entry.record
+    else:
+        return
+    (p / RECORD_FILE).write_text(json.dumps(data, indent=2))
+
+
+# ------------------------------------------------------------------ speed
+
+def _speed_reusable(stored: dict | None, settings: dict) -> bool:
+    """A stored speed result (or reason) was measured with these settings on this machine."""
+    from quantkit.eval.harness import hardware
+
+    if not isinstance(stored, dict) or not isinstance(stored.get("settings"), dict):
+        return False
+    keys = ("engine", "prompt_tokens", "gen_tokens", "batches", "repeats")
+    same = all(stored["settings"].get(k) == settings.get(k) for k in keys)
+    return same and stored.get("machine", hardware()["cpu"]) == hardware()["cpu"]
+
+
+def _speed(path: str, stored: dict | None, options: dict) -> dict:
+    """The artifact's speed in its own engine: reused when measured alike, else measured now;
+    where the engine cannot run it, the record names the reason instead of numbers."""
+    from quantkit.eval.harness import hardware
+    from quantkit.eval.speed import default_engine, speed_or_reason, speed_settings
+
+    engine = default_engine(path)
+    if _speed_reusable(stored, speed_settings(engine, **options)):
+        return stored
+    if not Path(path).exists():
+        return {"engine": engine, "settings": speed_settings(engine, **options),
+                "unmeasured": "the artifact is not on this machine"}
+    return {**speed_or_reason(path, engine, **options), "machine": hardware()["cpu"]}
+
+
+def _base_speed(base_spec: str, options: dict, fresh: bool = False) -> dict:
+    """The base model's speed in vLLM, kept in $QUANTKIT_SPEED_CACHE (else <quantkit
+    cache>/speed-results) keyed by its files (config hash, each weight file's size and mtime),
+    the settings and the CPU: the base is measured once for every comparison of its
+    quantized versions."""
+    import hashlib
+
+    from quantkit.eval.harness import hardware
+    from quantkit.eval.speed import speed_settings
+    from quantkit.model_io import cache_dir, resolve_model
+    from quantkit.pipeline.checkpoint import model_fingerprint
+
+    try:
+        path = Path(base_spec) if Path(base_spec).exists() else resolve_model(base_spec).path
+    except QuantkitError:
+        return {"engine": "vllm", "settings": speed_settings("vllm", **options),
+                "unmeasured": "the base model is not on this machine"}
+    if not (path / "config.json").is_file():
+        return _speed(str(path), None, options)
+    key = json.dumps({"model": model_fingerprint(path), "path": str(path.resolve()),
+                      "settings": speed_settings("vllm", **options), "machine": hardware()["cpu"]},
+                     sort_keys=True)
+    root = Path(os.environ.get("QUANTKIT_SPEED_CACHE") or cache_dir() / "speed-results")
+    file = root / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
+    if file.is_file() and not fresh:
+        return json.loads(file.read_text())
+    res = _speed(str(path), None, options)
+    if "unmeasured" not in res:  # a refusal is re-tried next time (the engine may be fixed)
+        file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = file.with_name(f"{file.name}.tmp-{os.getpid()}")
+        tmp.write_text(json.dumps(res))
+        tmp.replace(file)
+    return res
+
+
 def _conv_key(c: dict | None) -> tuple:
     return tuple((k, (c or {}).get(k)) for k in _CONV_KEYS)
 
 
 def collect(artifacts: list[str], base: str | None = None, *, conv: PPLConvention | None = None,
             heldout: str | None = None, fresh: bool = False, write_records: bool = True,
-            on_progress=None, command: str = "", title: str | None = None) -> dict:
-    """Summary of `artifacts` against `base`, evaluating (one pass) those without a record."""
+            on_progress=None, command: str = "", title: str | None = None,
+            speed: dict | None = None) -> dict:
+    """Summary of `artifacts` against `base`, evaluating (one pass) those without a record.
+
+    speed: measure_speed's settings (prompt_tokens, gen_tokens, batches, repeats) to measure
+    every artifact and the base in its engine (stored results measured alike are reused
+    unless `fresh`)."""
     entries = _entries(artifacts)
     base_spec, base_ids = _pick_base(entries, base)
     is_base = [bool(base_ids and e.self_ids & base_ids) for e in entries]
@@ -268,10 +362,29 @@ def collect(artifacts: list[str], base: str | None = None, *, conv: PPLConventio
             e.record = rec
             if write_records and _may_write(e):
                 (Path(e.path) / RECORD_FILE).write_text(json.dumps(rec, indent=2))
+    base_record = next((r for r in base_recs if r), None)
+    if speed is not None:
+        for i, e in enumerate(rows):
+            if on_progress:
+                on_progress("speed in each artifact's engine", i, len(rows) + 1)
+            e.record["speed"] = _speed(e.path, None if fresh else e.record.get("speed"), speed)
+            if write_records and not _is_results_file(Path(e.arg)):
+                _store(e)
+        if base_spec is not None:
+            base_record = dict(base_record or {})
+            if fresh or not _speed_reusable(base_record.get("speed"), _settings_for(base_spec, speed)):
+                base_record["speed"] = _base_speed(base_spec, speed, fresh)
+        if on_progress:
+            on_progress("speed in each artifact's engine", len(rows) + 1, len(rows) + 1)
     return summarize([e.record for e in rows], base_spec=base_spec, command=command, title=title,
                      meta={e.record["artifact"]["path"]: e.meta for e in rows},
-                     evaluated=[e.path for e in todo],
-                     base_record=next((r for r in base_recs if r), None))
+                     evaluated=[e.path for e in todo], base_record=base_record)
+
+
+def _settings_for(spec: str, options: dict) -> dict:
+    from quantkit.eval.speed import default_engine, speed_settings
+
+    return speed_settings(default_engine(spec), **options)
 
 
 def summarize(records: list[dict], *, base_spec: str | None = None, command: str = "",
@@ -283,7 +396,7 @@ def summarize(records: list[dict], *, base_spec: str | None = None, command: str
     meta = meta or {}
     convs = conventions(records)
     rows = [artifact_row(r, meta.get(r["artifact"]["path"]) or _meta(r["artifact"]["path"]),
-                         _stats(r["artifact"]["path"]), convs, i)
+                         _stats(r["artifact"]["path"]), convs, i, info=_info(r["artifact"]))
             for i, r in enumerate(records)]
     base = base_row(records, base_spec, convs, base_record)
     return {

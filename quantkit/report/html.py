@@ -14,6 +14,7 @@ from pathlib import Path
 import jinja2
 
 from quantkit.report import plots
+from quantkit.report.rows import bits_note
 from quantkit.report.table import NOT_MEASURED, cells, omitted
 
 __all__ = ["render_html", "SORT_JS"]
@@ -76,6 +77,13 @@ def _mib(n: float | None) -> float | None:
     return n / 2**20 if n is not None else None
 
 
+def _why(r: dict) -> str:
+    """What the tensor types of a row with a bits note are: 'types: q5_0 62 %, q8_0 21 %'."""
+    types = r.get("tensor_types") or []
+    return ("types: " + ", ".join(f"{t['type']} {100 * t['share']:.0f} %" for t in types[:4])
+            + " of the weights") if types else ""
+
+
 def _plots(summary: dict) -> dict:
     rows = summary["rows"]
     base = summary.get("base")
@@ -83,7 +91,8 @@ def _plots(summary: dict) -> dict:
     kld = plots.scatter(
         [{"label": r["label"], "x": _mib(r.get("size_bytes")), "role": r["role"],
           "y": (r.get("kld") or {}).get("mean"), "err": (r.get("kld") or {}).get("stderr"),
-          "tip": f"{r['label']}: KLD {(r.get('kld') or {}).get('mean') or 0:.3g}"}
+          "tip": f"{r['label']}: KLD {(r.get('kld') or {}).get('mean') or 0:.3g}",
+          "note": bits_note(r), "why": _why(r)}
          for r in quant if (r.get("kld") or {}).get("mean", 0) > 0],
         xlabel="size on disk (MiB)", ylabel="KLD vs base (mean)",
         ref_x=_mib(base.get("size_bytes")) if base else None,
@@ -91,7 +100,8 @@ def _plots(summary: dict) -> dict:
     ppl = plots.scatter(
         [{"label": r["label"], "x": _mib(r.get("size_bytes")), "role": r["role"],
           "y": (r.get("ppl") or {}).get("value"), "err": (r.get("ppl") or {}).get("stderr"),
-          "tip": f"{r['label']}: PPL {(r.get('ppl') or {}).get('value') or 0:.4g}"}
+          "tip": f"{r['label']}: PPL {(r.get('ppl') or {}).get('value') or 0:.4g}",
+          "note": bits_note(r), "why": _why(r)}
          for r in rows if r.get("ppl")],
         xlabel="size on disk (MiB)", ylabel="perplexity",
         ref_y=(base.get("ppl") or {}).get("value") if base else None,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import html
 
+from quantkit.report.rows import bits_note
 from quantkit.report.table import cells, omitted
 
 __all__ = ["render_markdown", "md_escape"]
@@ -42,6 +43,17 @@ def render_markdown(summary: dict) -> str:
               "metric (never 0)."]
     if omitted(summary["rows"]):
         lines += ["", "Not measured for any row: " + ", ".join(omitted(summary["rows"])) + "."]
+    why = [f"- {md_escape(r['label'])}: no speed or memory ({md_escape(r['speed_unmeasured'])})"
+           for r in summary["rows"] if r.get("speed_unmeasured")]
+    lines += [""] + why if why else []
+    for r in summary["rows"]:
+        if not r.get("tensor_types"):
+            continue
+        note = bits_note(r)
+        lines += ["", f"Tensor types of {md_escape(r['label'])}" + (f" ({note})" if note else "") + ":",
+                  "", "| type | tensors | weights | bytes | bits/weight | share |", "|---|---:|---:|---:|---:|---:|"]
+        lines += [f"| {t['type']} | {t['tensors']} | {t['params']:,} | {t['bytes']:,} | "
+                  f"{t['bits_per_weight']:.3f} | {100 * t['share']:.1f} % |" for t in r["tensor_types"]]
     lines += ["", "## Eval conventions", ""]
     for c in summary["conventions"]:
         v = c["convention"]

@@ -72,7 +72,9 @@ class _Axis:
 
 def scatter(points: list[dict], *, xlabel: str, ylabel: str, ref_x: float | None = None,
             ref_y: float | None = None, ref_label: str = "") -> dict | None:
-    """Size-vs-quality chart: points {label, x, y, err, role}, Pareto front, base lines."""
+    """Size-vs-quality chart: points {label, x, y, err, role, note, why}, Pareto front, base
+    lines. A point with a `note` (its effective bits differ from its label) is ringed and
+    starred, and the note (with `why`) goes in the chart's legend."""
     pts = [p for p in points if p.get("x") is not None and p.get("y") is not None]
     if not pts:
         return None
@@ -90,9 +92,10 @@ def scatter(points: list[dict], *, xlabel: str, ylabel: str, ref_x: float | None
     for i, p in enumerate(pts):
         e = p.get("err") or 0
         lo = p["y"] - e if not log_y or p["y"] - e > 0 else p["y"]
-        out_pts.append({"label": p["label"], "cx": xa(p["x"]), "cy": ya(p["y"]), "role": p.get("role"),
-                        "ey0": ya(lo), "ey1": ya(p["y"] + e), "front": i in front,
-                        "tip": p.get("tip", "")})
+        note = p.get("note")
+        out_pts.append({"label": p["label"] + (" *" if note else ""), "cx": xa(p["x"]), "cy": ya(p["y"]),
+                        "role": p.get("role"), "ey0": ya(lo), "ey1": ya(p["y"] + e), "front": i in front,
+                        "tip": p.get("tip", "") + (f" ({note})" if note else ""), "note": note})
     _place_labels(out_pts, ML, W - MR, MT, H - MB)
     fp = sorted((q for q in out_pts if q["front"]), key=lambda q: q["cx"])
     path = ""
@@ -105,6 +108,8 @@ def scatter(points: list[dict], *, xlabel: str, ylabel: str, ref_x: float | None
         "points": out_pts, "front": path,
         "ref_x": xa(ref_x) if ref_x is not None else None,
         "ref_y": ya(ref_y) if ref_y is not None else None, "ref_label": ref_label,
+        "notes": [{"label": p["label"], "note": p["note"], "why": p.get("why", "")}
+                  for p in pts if p.get("note")],
     }
 
 

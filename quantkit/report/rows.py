@@ -9,7 +9,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-__all__ = ["artifact_row", "base_row", "conventions", "warnings", "reproduction", "scheme_text"]
+__all__ = ["artifact_row", "base_row", "bits_note", "conventions", "warnings", "reproduction",
+           "scheme_text"]
 
 _PRIMARY = ("acc", "acc_norm", "exact_match", "word_perplexity", "bits_per_byte")
 _LOWER_IS_BETTER = ("word_perplexity", "byte_perplexity", "bits_per_byte")
@@ -61,6 +62,17 @@ def _speed(record: dict | None) -> dict:
                 out[f"{kind}_tps"] = est
                 break
     return out
+
+
+def _unmeasured(record: dict | None) -> str | None:
+    """Why speed and memory have no numbers: the engine's refusal, kept as one phrase."""
+    sec = _section(record, "speed")
+    return str(sec["unmeasured"]) if isinstance(sec, dict) and sec.get("unmeasured") else None
+
+
+def _speed_engine(record: dict | None) -> str | None:
+    sec = _section(record, "speed")
+    return sec.get("engine") if isinstance(sec, dict) else None
 
 
 def _peak_memory(record: dict | None) -> float | None:
@@ -133,8 +145,27 @@ def _conv_id(record: dict, convs: list[dict]) -> str | None:
     return next((c["id"] for c in convs if record["artifact"]["path"] in c["records"]), None)
 
 
-def artifact_row(record: dict, meta: dict, layers: dict | None, convs: list[dict], i: int) -> dict:
-    a = record["artifact"]
+def bits_note(row: dict) -> str | None:
+    """'5.6 bpw effective, 4.9 nominal' where the stored bits differ from what the label
+    promises by a quarter bit or more (e.g. K-quants falling back on widths not divisible by
+    256), else None."""
+    eff, nominal = row.get("bits_per_weight"), row.get("nominal_bits_per_weight")
+    if eff is None or not nominal or abs(eff - nominal) < 0.25:
+        return None
+    return f"{eff:.1f} bpw effective, {nominal:.1f} nominal"
+
+
+def _types(info: dict) -> list[dict] | None:
+    """GGUF tensor types, most weights first: [{type, tensors, params, bytes, bits, share}]."""
+    types = info.get("tensor_types")
+    if not isinstance(types, dict) or not all(isinstance(v, dict) for v in types.values()):
+        return None  # records before the per-type breakdown held counts only
+    return [{"type": k, **v} for k, v in types.items()]
+
+
+def artifact_row(record: dict, meta: dict, layers: dict | None, convs: list[dict], i: int,
+                 info: dict | None = None) -> dict:
+    a = info or record["artifact"]
     m = record.get("metrics") or {}
     ppl, base_ppl = _estimate(m.get("ppl")), _estimate(m.get("base_ppl"))
     kld = m.get("kld") if isinstance(m.get("kld"), dict) else None
@@ -152,13 +183,17 @@ def artifact_row(record: dict, meta: dict, layers: dict | None, convs: list[dict
         "size_bytes": _num(a.get("size_bytes")),
         "bits_per_weight": _num(a.get("bits_per_weight_quantized")),
         "bits_per_weight_model": _num(a.get("bits_per_weight_model")),
+        "bits_per_weight_with_embeddings": _num(a.get("bits_per_weight_with_embeddings")),
+        "nominal_bits_per_weight": _num(a.get("nominal_bits_per_weight")),
+        "tensor_types": _types(a),
         "ppl": ppl, "base_ppl": base_ppl,
         "delta_ppl_pct": 100 * (ppl["value"] / base_ppl["value"] - 1) if ppl and base_ppl else None,
         "kld": {k: _num(kld.get(k)) for k in ("mean", "stderr", "median", "p99", "max")} if kld else None,
         "top1": _estimate(m.get("top1_agreement")),
         "rms_delta_p": _estimate(m.get("rms_delta_p")),
         "tasks": _tasks(record), "flips": _flips(record), "speed": _speed(record),
-        "peak_memory_bytes": _peak_memory(record),
+        "peak_memory_bytes": _peak_memory(record), "speed_unmeasured": _unmeasured(record),
+        "speed_engine": _speed_engine(record),
         "convention": _conv_id(record, convs),
         "calibration": meta.get("calibration"),
         "quantize_command": meta.get("command"),
@@ -190,9 +225,13 @@ def base_row(records: list[dict], base_spec: str | None, convs: list[dict],
         "size_bytes": _num(b.get("size_bytes")),
         "bits_per_weight": _num(b.get("bits_per_weight_quantized") or b.get("bits_per_weight_model")),
         "bits_per_weight_model": _num(b.get("bits_per_weight_model")),
+        "bits_per_weight_with_embeddings": None, "nominal_bits_per_weight": None,
+        "tensor_types": None,
         "ppl": ppl, "base_ppl": ppl, "delta_ppl_pct": None, "kld": None, "top1": None,
         "rms_delta_p": None, "tasks": _tasks(base_record), "flips": {}, "speed": _speed(base_record),
-        "peak_memory_bytes": _peak_memory(base_record), "convention": _conv_id(first, convs),
+        "peak_memory_bytes": _peak_memory(base_record), "speed_unmeasured": _unmeasured(base_record),
+        "speed_engine": _speed_engine(base_record),
+        "convention": _conv_id(first, convs),
         "calibration": None, "quantize_command": None, "quantize_seconds": None,
         "eval_command": None, "engine_check": None, "warnings": [], "layers": None,
     }
@@ -214,8 +253,8 @@ def warnings(records: list[dict], rows: list[dict], convs: list[dict], base: dic
                    "convention (see Reproduction).")
     if base is None:
         out.append("No base model: KLD, top-1 agreement and PPL change are not measured.")
-    engines = {(r["engine"].get("name"), r["engine"].get("version")) for r in rows if r["engine"]}
-    if len(engines) > 1 and any(r["speed"] for r in rows):
+    engines = {r["speed_engine"] for r in rows + ([base] if base else []) if r["speed"]}
+    if len(engines) > 1:
         out.append("Rows ran in different engines: speed compares engines, not only formats.")
     cpus = {(r.get("hardware") or {}).get("cpu") for r in records}
     if len(cpus) > 1 and any(r["speed"] for r in rows):

@@ -1,6 +1,7 @@
 """The summary table as text cells, shared by the HTML page, the markdown and the terminal.
 
-A cell that has no measurement says NOT_MEASURED (and sorts last); the base row says
+A cell that has no measurement says NOT_MEASURED (and sorts last), or for speed and memory
+the engine's reason where it could not run the artifact here; the base row says
 "reference" where a metric is defined against itself (KLD, top-1, PPL change). The best value
 per column is marked among the quantized rows only: the base is the yardstick, not a contender.
 """
@@ -11,7 +12,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["NOT_MEASURED", "Column", "columns", "cells", "omitted", "fmt_bytes"]
+__all__ = ["NOT_MEASURED", "SPEED_KEYS", "Column", "columns", "cells", "omitted", "fmt_bytes"]
 
 NOT_MEASURED = "not measured"
 REFERENCE = "reference"
@@ -96,6 +97,23 @@ def _kld(r: dict) -> tuple:
     return text, k["mean"]
 
 
+def _bpw_tip(r: dict) -> str:
+    """The other bits-per-weight views: with embeddings/output, nominal, GGUF tensor types."""
+    parts = []
+    if r.get("bits_per_weight_with_embeddings") is not None:
+        parts.append(f"{r['bits_per_weight_with_embeddings']:.3f} with embeddings and output")
+    if r.get("nominal_bits_per_weight"):
+        parts.append(f"{r['nominal_bits_per_weight']:.3f} nominal for the scheme")
+    if r.get("tensor_types"):
+        parts.append("types: " + ", ".join(f"{t['type']} {100 * t['share']:.0f} %"
+                                           for t in r["tensor_types"][:4]))
+    return "; ".join(parts)
+
+
+# speed and memory columns: where the engine could not run an artifact, the cell names why
+SPEED_KEYS = ("prefill", "decode", "mem")
+
+
 def columns(rows: list[dict]) -> list[Column]:
     """Identity and quality first (what fits a phone), then one column per lm-eval task and
     flips task present in any row, speed and memory when measured, then format and engine."""
@@ -107,8 +125,9 @@ def columns(rows: list[dict]) -> list[Column]:
         Column("bpw", "bits/weight", "lower",
                lambda r: (f"{r['bits_per_weight']:.3f}", r["bits_per_weight"])
                if r.get("bits_per_weight") is not None else (None, None),
-               "bits on disk per weight of the quantized Linears (scales and zeros included); "
-               "base: whole model"),
+               "bits on disk per weight of the quantized Linears (scales and zeros included; "
+               "embeddings and output head excluded: hover a cell for the count with them); "
+               "base: whole model", tip=_bpw_tip),
         Column("ppl", "PPL", "lower", lambda r: _pm(r.get("ppl"), 3), "perplexity ± stderr"),
         Column("dppl", "ΔPPL", "lower",
                lambda r: (f"{r['delta_ppl_pct']:+.2f} %", r["delta_ppl_pct"])
@@ -141,7 +160,8 @@ def columns(rows: list[dict]) -> list[Column]:
                lambda r: (fmt_bytes(r.get("peak_memory_bytes")), r.get("peak_memory_bytes")),
                "peak resident memory while loading and running"),
     ]
-    cols += [c for c in optional if any(c.get(r)[0] is not None for r in rows)]
+    cols += [c for c in optional
+             if any(c.get(r)[0] is not None or r.get("speed_unmeasured") for r in rows)]
     cols += [Column("format", "format", None, _text("format"), numeric=False),
              Column("engine", "engine", None, _engine, "where the metrics were measured",
                     numeric=False, tip=_engine_tip)]
@@ -166,13 +186,15 @@ def cells(summary: dict) -> tuple[list[Column], list[list[dict]]]:
         for c in cols:
             text, sort = c.get(r)
             ref = r["role"] == "base" and c.relative and text is None
+            why = r.get("speed_unmeasured") if c.key in SPEED_KEYS and text is None else None
             main, _, err = (text or "").partition(" ± ")
             if err.endswith(" %"):  # "68.82 ± 2.05 %" -> "68.82 %" over "± 2.05"
                 main, err = main + " %", err[:-2]
-            line.append({"text": REFERENCE if ref else (text if text is not None else NOT_MEASURED),
+            line.append({"text": REFERENCE if ref else (text if text is not None else why or NOT_MEASURED),
                          "main": main, "err": err,
                          "sort": sort if sort is not None else (text if not c.numeric else None),
-                         "missing": text is None and not ref, "reference": ref, "best": False,
+                         "missing": text is None and not ref, "why": why is not None,
+                         "reference": ref, "best": False,
                          "title": c.tip(r) if c.tip and text is not None else None})
         out.append(line)
     for j, c in enumerate(cols):
