@@ -23,7 +23,7 @@ from quantkit.eval.speed import speed_or_reason, unmeasured_reason
 
 SPEED = ["--speed", "--speed-prompt", "32", "--speed-gen", "4", "--speed-batch", "1",
          "--repeats", "1"]
-INT4_REASON = "vLLM has no int4 CPU kernel on this CPU (needs AVX512)"
+INT4_REASON = "vLLM has no int4 CPU kernel on this CPU (cpu_gemm_wna16; needs AVX512)"
 
 
 def vllm_has_int4_kernel() -> bool:

@@ -227,8 +227,12 @@ def unmeasured_reason(exc: BaseException, engine: str) -> str:
     engine's own failure (its refusal is the truth; nothing is predicted from CPU flags)."""
     name = _ENGINE_NAMES.get(engine, engine)
     text = f"{getattr(exc, 'message', exc)}\n{getattr(exc, 'log', '')}"
-    if "cpu_gemm_wna16" in text:
-        return f"{name} has no int4 CPU kernel on this CPU (needs AVX512)"
+    if engine == "vllm":  # the phrases of the engine probe: one wording in doctor and reports
+        from quantkit.engines.capabilities import explain_vllm_failure
+
+        known = explain_vllm_failure(text)
+        if known:
+            return known
     if isinstance(exc, subprocess.TimeoutExpired):
         return f"{name} did not finish within {exc.timeout:.0f} s"
     if isinstance(exc, MemoryError) or re.search(r"out of memory|Cannot allocate memory", text, re.I):
