@@ -35,7 +35,13 @@ from quantkit.pipeline.checkpoint import (
 )
 from quantkit.pipeline.heap import keep_heap_small
 from quantkit.pipeline.output import atomic_output, check_output
-from quantkit.pipeline.plan import MemoryPlan, check_memory, estimate
+from quantkit.pipeline.plan import (
+    OFFLOAD_BATCH,
+    MemoryPlan,
+    check_memory,
+    estimate,
+    offload_activations,
+)
 from quantkit.pipeline.streaming import (
     ShardReader,
     StreamingSource,
@@ -202,8 +208,13 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
     if hasattr(quantizer, "prepare"):  # per-tensor plans (GGUF type mix) from the config alone
         quantizer.prepare(config=config, spec=spec, shapes=shapes)
     device = dp_device or _device(req.device)
+    mem_plan = plan_request(req, config, spec, quantizer, raw_config)
     if req.memory_check:
-        check_memory(plan_request(req, config, spec, quantizer, raw_config))
+        check_memory(mem_plan)
+    # calibration activations in host memory when they would not fit the GPU (one process
+    # per GPU: data-parallel ranks keep their smaller shards on it)
+    offload = dp is None and str(device).startswith("cuda") and torch.cuda.is_available() \
+        and offload_activations(mem_plan, torch.cuda.mem_get_info(torch.device(device))[0])
     # before any work, so a broken tokenizer fails fast; a writer that embeds the tokenizer
     # (GGUF) has loaded and checked it in check_source, and only calibration needs it again
     tokenizer = None
@@ -231,6 +242,8 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
         ckpt = BlockCheckpoint(checkpoint_dir(out), request_key(describe), describe)
     # methods may ask for larger calibration batches (fewer, bigger ops: much faster on CPU)
     batch = getattr(quantizer, "calib_batch_size", 1)
+    if offload:  # GPU memory is short: smaller forwards too (what the plan assumed)
+        batch = min(batch, OFFLOAD_BATCH)
     batches = list(calib.batches(batch)) if calib is not None else None
     if dp is not None and batches is not None:
         batches = dp.shard(batches)
@@ -241,7 +254,7 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
                               on_progress=on_progress, checkpoint=ckpt, dense=kept,
                               dense_dtype=store_dtype,
                               source=StreamingSource(model, reader, spec, load_dtype)
-                              if streaming else None, dp=dp)
+                              if streaming else None, dp=dp, offload_activations=offload)
     if dp is not None and not dp.is_main:  # rank 0 alone writes the artifact
         return {"rank": dp.rank, "world_size": dp.world}
     if hasattr(quantizer, "quantize_rest"):  # tensors outside the blocks (GGUF embeddings)
@@ -271,6 +284,7 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
         "calibration": calib.provenance if calib is not None else None,
         "method_options": req.method_options,
         "device": device,
+        **({"offload_activations": True} if offload else {}),
         "seconds": {"quantize": round(quant_seconds, 3)},
         **({"data_parallel": dp.describe()} if dp is not None else {}),
         "command": req.command or req.cli_equivalent(),
