@@ -85,13 +85,18 @@ def synthetic_llama(n_layers: int, shape: str = "llama-3.1-8b"):
 
 
 def git_commit() -> str:
+    """HEAD of this checkout; for a copy without .git, the COMMIT file written beside
+    benchmarks/ when it was copied (never the HEAD of a repository that merely holds the copy)."""
     root = Path(__file__).resolve().parents[1]
+    stamp = root / "COMMIT"
+    if stamp.is_file():
+        return stamp.read_text().strip()
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
-                              text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        stamp = root / "COMMIT"
-        return stamp.read_text().strip() if stamp.is_file() else "unknown"
+        top, head = subprocess.run(["git", "rev-parse", "--show-toplevel", "HEAD"], cwd=root,
+                                   capture_output=True, text=True, check=True).stdout.split()
+    except (OSError, ValueError, subprocess.CalledProcessError):
+        return "unknown"
+    return head if Path(top).resolve() == root else "unknown"
 
 
 def _quantizer_and_scheme(method: str):
