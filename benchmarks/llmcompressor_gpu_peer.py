@@ -15,7 +15,7 @@ import time
 import torch
 
 
-def synthetic_llama_8b(n_layers):
+def synthetic_llama_8b(n_layers, model_device="cpu"):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(
@@ -25,8 +25,11 @@ def synthetic_llama_8b(n_layers):
         architectures=["LlamaForCausalLM"], torch_dtype="bfloat16",
     )
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    with torch.device("cuda"):  # random init takes seconds here, minutes on the CPU
         model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    if model_device == "cpu":  # llm-compressor's big-model way: onload one layer at a time
+        model = model.to("cpu")
+        torch.cuda.empty_cache()
     # llm-compressor re-reads the config from model.name_or_path: give it a real directory.
     cfg.save_pretrained("/tmp/synthetic-llama-8b")
     stand_in_tokenizer().save_pretrained("/tmp/synthetic-llama-8b")
@@ -64,7 +67,7 @@ def run(method, args):
     else:
         from llmcompressor.modifiers.quantization import QuantizationModifier
         recipe = QuantizationModifier(targets="Linear", scheme="W4A16", ignore=["lm_head"])
-    model = synthetic_llama_8b(args.layers)
+    model = synthetic_llama_8b(args.layers, args.model_device)
     ds = calibration(args.samples, args.seqlen)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -75,7 +78,7 @@ def run(method, args):
     dt = time.perf_counter() - t0
     row = {
         "peer": "llm-compressor", "method": method, "layers": args.layers, "samples": args.samples,
-        "seqlen": args.seqlen, "seconds": round(dt, 2), "seconds_per_layer": round(dt / args.layers, 2),
+        "seqlen": args.seqlen, "model_device": args.model_device, "seconds": round(dt, 2), "seconds_per_layer": round(dt / args.layers, 2),
         "projected_32_layers_s": round(dt / args.layers * 32, 1),
         "peak_gpu_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
@@ -92,6 +95,8 @@ def main():
     p.add_argument("--samples", type=int, default=128)
     p.add_argument("--seqlen", type=int, default=2048)
     p.add_argument("--methods", default="gptq,awq")
+    p.add_argument("--model-device", choices=["cpu", "cuda"], default="cpu",
+                   help="where the model waits between layers (cpu: as quantkit streams; cuda: all on the GPU)")
     args = p.parse_args()
     rows = [run(m, args) for m in args.methods.split(",")]
     for r in rows:

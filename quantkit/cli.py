@@ -284,6 +284,9 @@ def plan_cmd(as_json, **kw) -> None:
             *((f"  phase: {k}", f"{v / gib:.2f} GiB + baseline") for k, v in p.phase_bytes.items()),
             ("available RAM", f"{avail / gib:.2f} GiB ({why})"),
             ("peak GPU memory", f"{p.peak_gpu_bytes / gib:.2f} GiB" if p.peak_gpu_bytes else "-"),
+            *((("  activations offloaded", f"{p.peak_gpu_offloaded_bytes / gib:.2f} GiB (chosen "
+                "when the peak above does not fit the free GPU memory)"),)
+              if p.peak_gpu_offloaded_bytes else ()),
             ("artifact on disk", f"{p.disk_bytes / gib:.2f} GiB"),
             ("time (rough)", f"{p.seconds / 60:.1f} min on {info['device']}")]
     for k, v in rows:

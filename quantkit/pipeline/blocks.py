@@ -100,6 +100,7 @@ def quantize_blocks(
     dense_dtype: torch.dtype = torch.bfloat16,
     dp=None,
     staged: bool | None = None,
+    offload_activations: bool = False,
 ) -> dict[str, QuantResult]:
     """Quantize every block Linear of `model` in place; return results keyed by full name.
 
@@ -116,6 +117,10 @@ def quantize_blocks(
     the same, bit for bit. Default: on the CPU only, where the forwards dominate (SmolLM2
     GPTQ 284 s -> 201 s); on an H100 it measured slower (2.07 vs 1.45 s per 8B block) and
     held every batch's activations (24 vs 8.8 GiB peak), so GPUs replay.
+    `offload_activations` keeps the calibration hidden states in pinned host memory between
+    block forwards (quantkit.pipeline.offload; GPU only, same results): GPU memory then holds
+    the block, its statistics and two batches instead of every batch's inputs and outputs.
+    quantize() turns it on when the plan's peak does not fit the free GPU memory.
     """
     if dp is not None:
         dp.check_method(quantizer)
@@ -132,7 +137,8 @@ def quantize_blocks(
         if not batches:
             raise ValueError("this method needs calibration batches")
         with source.embedding():
-            inputs = capture_block_inputs(model, blocks, batches, compute_dtype).to(device)
+            inputs = capture_block_inputs(model, blocks, batches, compute_dtype).to(
+                device, offload=offload_activations and torch.device(device).type == "cuda")
     total = len(blocks)
     start = 0
     resumed = checkpoint.resume(total) if checkpoint is not None else None
@@ -143,7 +149,7 @@ def quantize_blocks(
         if dense is not None:
             dense.update(resumed.dense)
         if inputs is not None:
-            inputs = BlockInputs([h.to(device) for h in resumed.hidden], inputs.kwargs)
+            inputs = BlockInputs(resumed.hidden, inputs.kwargs).to(device, inputs.device is not None)
         if on_progress:
             on_progress(f"resuming at block {start + 1}/{total}" if start < total else
                         f"resuming: all {total} blocks were finished, writing the artifact",
@@ -170,7 +176,7 @@ def quantize_blocks(
                 else:
                     outputs_fp = run_block(block, inputs)
             one_pass = (torch.device(device).type == "cpu" if staged is None else staged) \
-                and inputs is not None \
+                and inputs is not None and inputs.device is None \
                 and bool(quantizer.stats) and quantizer.propagate_quantized and len(block_groups) > 1
             run = scope.enter_context(StagedForward(block, block_groups, inputs)) if one_pass else None
             for gi, group in enumerate(block_groups):
@@ -206,7 +212,7 @@ def quantize_blocks(
                     outs = run.finish()
                 else:
                     outs = outputs_fp if outputs_fp is not None else run_block(block, inputs)
-                inputs = BlockInputs(outs, inputs.kwargs)
+                inputs = inputs.with_hidden(outs)
         mine = {k: r for k, r in results.items() if k.startswith(prefix)}
         _block_and_results_to_cpu(block, orig_dtype, list(mine.values()))
         kept = block_dense(block, prefix, mine, dense_dtype) if dp is None or dp.is_main else {}

@@ -8,7 +8,11 @@ the peak is the largest phase plus a measured constant for Python + torch + tran
            (+ all earlier blocks' results, 1 byte per weight, when checkpoints are off)
   write    the packed results + the unquantized tensors in the stored dtype (results are
            read back from the checkpoint one at a time)
-With `--device cuda` the block, hidden states and statistics live on the GPU instead.
+With `--device cuda` the block, hidden states and statistics live on the GPU instead; with
+the hidden states offloaded (quantkit.pipeline.offload) only three batches of them are there
+(the one computing, the next one arriving, the last output leaving) and the batch is at most
+OFFLOAD_BATCH samples. quantize() offloads when `peak_gpu_bytes` does not fit the free GPU
+memory (`offload_activations`).
 """
 
 from __future__ import annotations
@@ -26,13 +30,17 @@ from quantkit.methods.awq import AUTO_SEARCH_TOKENS as AWQ_SEARCH_TOKENS
 from quantkit.types import QuantScheme
 
 __all__ = ["MemoryPlan", "estimate", "available_memory", "check_memory", "BASELINE_BYTES",
-           "MEMORY_LIMIT_ENV"]
+           "MEMORY_LIMIT_ENV", "OFFLOAD_BATCH", "offload_activations"]
 
 # RSS of `python -m quantkit.cli quantize` before any weights load: interpreter, torch,
 # transformers, compressed-tensors, tokenizer (measured 0.55-0.6 GiB on CPU, torch 2.13)
 BASELINE_BYTES = 600 * 2**20
 MEMORY_LIMIT_ENV = "QUANTKIT_MEMORY_LIMIT_BYTES"
 _CUDA_CONTEXT_BYTES = 512 * 2**20  # CUDA context + cuBLAS workspaces, not measured here
+# samples per forward when the activations are offloaded: GPU memory is short then, and a
+# forward's intermediates grow with the batch (Llama-3.1-8B MLP: ~0.9 GiB per 4 x 2048 tokens)
+OFFLOAD_BATCH = 4
+_FREE_GPU_MARGIN = 0.9  # of the free memory: the caching allocator's fragmentation
 _GIB = 2**30
 # rough sustained throughput of the block forward + method math (FLOP/s); time is a hint only
 _FLOPS = {"cpu": 5e10, "cuda": 1.5e14}
@@ -56,6 +64,7 @@ class MemoryPlan:
     block_params: int
     total_params: int
     streaming: bool = True
+    peak_gpu_offloaded_bytes: int | None = None  # hidden states in host memory (see module doc)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -138,7 +147,9 @@ def estimate(config, spec: ArchSpec, *, method: str, scheme: QuantScheme, calib_
             ks = [linears[0][n][1] for n in seq if linears and n in linears[0]]
             rows = sum(linears[0][n][0] for n in seq if linears and n in linears[0])
             if ks:
-                stats = max(stats, (len(ks) + 3) * ks[0] ** 2 * 4 + rows * ks[0] * 4)
+                # the solve: H, its reversed Cholesky factor and that factor's inverse
+                # (gptq.inverse_hessian_factor) + the group's fp32 weights
+                stats = max(stats, 3 * ks[0] ** 2 * 4 + rows * ks[0] * 4)
                 hessians.append(ks[0] ** 2 * 4)
         if hessians:
             # true-sequential: one group's Hessian at a time; otherwise all of the block's
@@ -166,13 +177,21 @@ def estimate(config, spec: ArchSpec, *, method: str, scheme: QuantScheme, calib_
     # one block in the load dtype, the tensor being read (stored dtype), the method's
     # temporaries (~4 fp32 copies of the largest Linear: scales, rounding, dequantize)
     block_ram = (0 if cuda else block_params * load_bytes) + largest * sb + 4 * largest_linear * 4
-    if method == "gptq":
-        # the forward (Hessians accumulating) and the solve (Hessian, inverse factor, fp32
-        # weight copies) come one after the other: the larger of the two
-        work = max(forward + gram_phase, stats + 4 * largest_linear * 4)
-    else:
-        work = stats + forward + 4 * largest_linear * 4
+
+    def working_set(fwd: int) -> int:
+        if method == "gptq":
+            # the forward (Hessians accumulating) and the solve (Hessian, inverse factor,
+            # fp32 weights, codes) come one after the other: the larger of the two
+            return max(fwd + gram_phase, stats + largest_linear * 4 * (1 if cuda else 4))
+        return stats + fwd + 4 * largest_linear * 4
+
+    work = working_set(forward)
     gpu_block = _CUDA_CONTEXT_BYTES + block_params * load_bytes + hidden_io + work
+    offload_tokens = min(calib_batch, OFFLOAD_BATCH, max(calib_samples, 1)) * calib_seqlen \
+        if calibrated else 0
+    gpu_offloaded = _CUDA_CONTEXT_BYTES + block_params * load_bytes \
+        + 3 * offload_tokens * hidden * act_bytes \
+        + working_set(forward * offload_tokens // max(batch_tokens, 1))
     phases = {
         "capture": embed_bytes + (0 if cuda else tokens * hidden * act_bytes),
         "blocks": block_ram + (0 if cuda else hidden_io + stats + forward) + results_ram
@@ -207,6 +226,7 @@ def estimate(config, spec: ArchSpec, *, method: str, scheme: QuantScheme, calib_
     io = (total_params * sb) / 1.5e9  # reading the shards
     seconds = flops / _FLOPS[dev] + quantized * _PER_WEIGHT_S[dev] + io + 5.0
     return MemoryPlan(peak_ram_bytes=int(peak), peak_gpu_bytes=int(gpu_block) if cuda else None,
+                      peak_gpu_offloaded_bytes=int(gpu_offloaded) if cuda and calibrated else None,
                       disk_bytes=int(disk), seconds=round(seconds, 1), phase_bytes=phases,
                       model_bytes=int(total_params * sb), block_params=int(block_params),
                       total_params=int(total_params), streaming=streaming)
@@ -255,6 +275,15 @@ def available_memory() -> tuple[int, str]:
     if not options:
         return 2**62, "unknown"
     return min(options)
+
+
+def offload_activations(plan: MemoryPlan, free_gpu_bytes: int) -> bool:
+    """Keep the calibration activations in host memory when the plan's GPU peak with them on
+    the GPU does not fit the free GPU memory (less a margin) and offloading needs less."""
+    if plan.peak_gpu_bytes is None or plan.peak_gpu_offloaded_bytes is None:
+        return False
+    return plan.peak_gpu_bytes > _FREE_GPU_MARGIN * free_gpu_bytes \
+        and plan.peak_gpu_offloaded_bytes < plan.peak_gpu_bytes
 
 
 def check_memory(plan: MemoryPlan) -> None:

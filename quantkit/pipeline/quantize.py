@@ -43,7 +43,13 @@ from quantkit.pipeline.output import (
     describe_output,
     identity,
 )
-from quantkit.pipeline.plan import MemoryPlan, check_memory, estimate
+from quantkit.pipeline.plan import (
+    OFFLOAD_BATCH,
+    MemoryPlan,
+    check_memory,
+    estimate,
+    offload_activations,
+)
 from quantkit.pipeline.streaming import (
     ShardReader,
     StreamingSource,
@@ -272,11 +278,16 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
     if hasattr(quantizer, "prepare"):  # per-tensor plans (GGUF type mix) from the config alone
         quantizer.prepare(config=config, spec=spec, shapes=shapes)
     device = dp_device or _device(req.device)
+    mem_plan = plan_request(req, config, spec, quantizer, raw_config)
     if req.memory_check:
-        check_memory(plan_request(req, config, spec, quantizer, raw_config))
+        check_memory(mem_plan)
     # NaN/Inf in any tensor (embeddings and lm_head too) stops the run now, not after every
     # block was quantized: one streamed pass over the shards
     scan_finite(source.path, on_progress=on_progress)
+    # calibration activations in host memory when they would not fit the GPU (one process
+    # per GPU: data-parallel ranks keep their smaller shards on it)
+    offload = dp is None and str(device).startswith("cuda") and torch.cuda.is_available() \
+        and offload_activations(mem_plan, torch.cuda.mem_get_info(torch.device(device))[0])
     # before any work, so a broken tokenizer fails fast; a writer that embeds the tokenizer
     # (GGUF) has loaded and checked it in check_source, and only calibration needs it again
     tokenizer = None
@@ -305,6 +316,8 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
         ckpt = BlockCheckpoint(checkpoint_dir(out), request_key(describe), describe)
     # methods may ask for larger calibration batches (fewer, bigger ops: much faster on CPU)
     batch = getattr(quantizer, "calib_batch_size", 1)
+    if offload:  # GPU memory is short: smaller forwards too (what the plan assumed)
+        batch = min(batch, OFFLOAD_BATCH)
     batches = list(calib.batches(batch)) if calib is not None else None
     if dp is not None and batches is not None:
         batches = dp.shard(batches)
@@ -315,7 +328,7 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
                               on_progress=on_progress, checkpoint=ckpt, dense=kept,
                               dense_dtype=store_dtype,
                               source=StreamingSource(model, reader, spec, load_dtype)
-                              if streaming else None, dp=dp)
+                              if streaming else None, dp=dp, offload_activations=offload)
     if dp is not None and not dp.is_main:  # rank 0 alone writes the artifact
         return {"rank": dp.rank, "world_size": dp.world}
     if hasattr(quantizer, "quantize_rest"):  # tensors outside the blocks (GGUF embeddings)
@@ -346,6 +359,7 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
         "method_options": req.method_options,
         **({"group_size_choice": group_note} if group_note else {}),
         "device": device,
+        **({"offload_activations": True} if offload else {}),
         "seconds": {"quantize": round(quant_seconds, 3)},
         **({"data_parallel": dp.describe()} if dp is not None else {}),
         "command": req.command or req.cli_equivalent(),

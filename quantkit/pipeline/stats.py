@@ -166,7 +166,7 @@ class StatCollector:
         self._stop_when_all_fired = True
         try:
             with torch.no_grad():
-                for h, kw in zip(inputs.hidden, inputs.kwargs, strict=True):
+                for h, kw in inputs.batches():
                     self._fired.clear()
                     try:
                         block(h, **kw)
