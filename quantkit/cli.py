@@ -15,6 +15,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from quantkit.errors import QuantkitError
+from quantkit.types import EXPERT_MIN_TOKENS as _EXPERT_MIN_TOKENS
 from quantkit.types import QuantScheme
 
 console = Console(stderr=True)
@@ -117,6 +118,13 @@ def _method_options(f):
         click.option("--stream/--no-stream", default=None,
                      help="Read one decoder block at a time from the shards (default: whenever "
                           "the checkpoint allows it) or load the whole model."),
+        click.option("--moe-calibrate-all-experts", is_flag=True,
+                     help="Mixture of experts: send every calibration token through every "
+                          "expert for statistics (the block output keeps the real routing)."),
+        click.option("--moe-min-tokens", "expert_min_tokens", type=click.IntRange(min=0),
+                     default=_EXPERT_MIN_TOKENS, show_default=True,
+                     help="Mixture of experts: warn about experts calibrated on fewer routed "
+                          "tokens (an expert with none falls back to RTN)."),
     ]
     for opt in reversed(opts):
         f = opt(f)
@@ -125,7 +133,8 @@ def _method_options(f):
 
 def _request(model, method, bits, group_size, sym, act_order, damp, true_sequential, fmt,
              gguf_type, imatrix, fp8_scheme, calib, calib_samples, calib_seqlen, chat, seed,
-             device, allow_pickle, trust_remote_code, stream, output=".", force=False, **extra):
+             device, allow_pickle, trust_remote_code, stream, moe_calibrate_all_experts,
+             expert_min_tokens, output=".", force=False, **extra):
     from quantkit.pipeline.quantize import QuantizeRequest
 
     options: dict = {}
@@ -160,6 +169,8 @@ def _request(model, method, bits, group_size, sym, act_order, damp, true_sequent
                            calib_seqlen=calib_seqlen, seed=seed, chat=chat,
                            allow_pickle=allow_pickle, trust_remote_code=trust_remote_code,
                            device=device, method_options=options, stream=stream,
+                           moe_calibrate_all_experts=moe_calibrate_all_experts,
+                           expert_min_tokens=expert_min_tokens,
                            command="quantkit " + shlex.join(sys.argv[1:]), **extra)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ from quantkit.pipeline.checkpoint import (
     model_fingerprint,
     request_key,
 )
+from quantkit.pipeline.experts import linearize_experts
 from quantkit.pipeline.heap import keep_heap_small
 from quantkit.pipeline.output import atomic_output, check_output
 from quantkit.pipeline.plan import MemoryPlan, check_memory, estimate
@@ -44,7 +46,7 @@ from quantkit.pipeline.streaming import (
     stream_plan_ok,
     to_meta,
 )
-from quantkit.types import ProgressFn, QuantResult, QuantScheme
+from quantkit.types import EXPERT_MIN_TOKENS, ProgressFn, QuantResult, QuantScheme
 
 __all__ = ["QuantizeRequest", "quantize", "plan", "linear_shapes", "check_group_size"]
 
@@ -70,6 +72,9 @@ class QuantizeRequest:
     stream: bool | None = None  # None: block-at-a-time from the shards whenever they allow it
     resume: bool = True  # per-block checkpoints in .OUT.partial/, resumed by the same request
     memory_check: bool = True  # refuse early when the plan's peak RAM exceeds what is available
+    # mixture of experts: every token through every expert for statistics (routing unchanged)
+    moe_calibrate_all_experts: bool = False
+    expert_min_tokens: int = EXPERT_MIN_TOKENS  # warn about experts calibrated on fewer
 
     def cli_equivalent(self) -> str:
         """The `quantkit quantize` command that makes this request (for API callers)."""
@@ -88,6 +93,8 @@ class QuantizeRequest:
             args += ["--damp", str(self.method_options["damp"])]
         if self.method_options.get("true_sequential") is False:
             args += ["--no-true-sequential"]
+        if self.moe_calibrate_all_experts:
+            args += ["--moe-calibrate-all-experts"]
         if self.method != "rtn":
             args += ["--calib", self.calib, "--calib-samples", str(self.calib_samples),
                      "--calib-seqlen", str(self.calib_seqlen), "--seed", str(self.seed)]
@@ -95,12 +102,13 @@ class QuantizeRequest:
 
 
 def linear_shapes(config, spec: ArchSpec) -> dict[str, tuple[int, int]]:
-    """[N, K] of every block Linear, from the config alone (a meta-device model, no weights)."""
-    model = meta_model(config)
+    """[N, K] of every block Linear, from the config alone (a meta-device model, no weights);
+    MoE experts as their per-expert Linears."""
+    model = linearize_experts(meta_model(config), spec)
     shapes = {}
     for i, block in enumerate(get_blocks(model, spec)):
         mods = dict(block.named_modules())
-        for name in spec.block_linears:
+        for name in spec.linears_for(spec.experts.count(config) if spec.experts else 0):
             if name in mods:
                 shapes[f"{spec.block_path}.{i}.{name}"] = tuple(mods[name].weight.shape)
     return shapes
@@ -191,6 +199,7 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
     source = resolve_model(req.model, allow_pickle=req.allow_pickle, on_progress=on_progress)
     raw_config = json.loads((source.path / "config.json").read_text())
     spec = spec_for_config(raw_config)  # before transformers parses it: cheap, clear errors
+    check_moe_support(spec, req.method, writer.name)
     config = load_config(source.path, trust_remote_code=req.trust_remote_code)
     shapes = linear_shapes(config, spec)
     check_group_size(req.scheme, shapes)
@@ -219,7 +228,7 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
     compute_dtype = torch.float32 if device == "cpu" else torch.bfloat16
     load_dtype = compute_dtype  # the dtype load_model gives; streaming loads blocks the same way
     store_dtype = _storage_dtype(raw_config)
-    streaming, reader, model = _open_model(req, source.path, config, load_dtype)
+    streaming, reader, model = _open_model(req, source.path, config, load_dtype, spec)
     ckpt = None
     # data-parallel ranks hold only their shard's hidden states: no per-block checkpoints
     if req.resume and dp is None and not hasattr(quantizer, "quantize_rest"):  # GGUF keeps cross-block state
@@ -227,7 +236,8 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
                     "method": req.method, "format": writer.name,
                     "scheme": dataclasses.asdict(req.scheme), "options": req.method_options,
                     "calibration": calib.provenance if calib is not None else None,
-                    "device": device, "quantkit": quantkit.__version__}
+                    "device": device, "quantkit": quantkit.__version__,
+                    "moe_calibrate_all_experts": req.moe_calibrate_all_experts}
         ckpt = BlockCheckpoint(checkpoint_dir(out), request_key(describe), describe)
     # methods may ask for larger calibration batches (fewer, bigger ops: much faster on CPU)
     batch = getattr(quantizer, "calib_batch_size", 1)
@@ -239,7 +249,7 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
     results = quantize_blocks(model, spec, quantizer, req.scheme, batches, device=device,
                               compute_dtype=compute_dtype, options=req.method_options,
                               on_progress=on_progress, checkpoint=ckpt, dense=kept,
-                              dense_dtype=store_dtype,
+                              dense_dtype=store_dtype, expert_min_tokens=req.expert_min_tokens,
                               source=StreamingSource(model, reader, spec, load_dtype)
                               if streaming else None, dp=dp)
     if dp is not None and not dp.is_main:  # rank 0 alone writes the artifact
@@ -270,6 +280,9 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
                          "architecture": spec.name},
         "calibration": calib.provenance if calib is not None else None,
         "method_options": req.method_options,
+        **({"moe": {"calibrate_all_experts": req.moe_calibrate_all_experts,
+                    "expert_min_tokens": req.expert_min_tokens,
+                    "router": "unquantized"}} if spec.experts is not None else {}),
         "device": device,
         "seconds": {"quantize": round(quant_seconds, 3)},
         **({"data_parallel": dp.describe()} if dp is not None else {}),
@@ -280,19 +293,19 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
         meta["seconds"]["total"] = round(time.perf_counter() - t_start, 3)
         with atomic_output(out, req.force, is_dir=False) as tmp:
             writer.write(tmp, config=raw_config, dense=dense, results=results,
-                         ignore=[spec.lm_head], dtype=store_dtype, scheme=req.scheme, meta=meta,
+                         ignore=_ignored(spec), dtype=store_dtype, scheme=req.scheme, meta=meta,
                          source_dir=source.path)
         if ckpt is not None:
             ckpt.remove()
         return meta
     with atomic_output(out, req.force) as tmp:
         writer.write(tmp, config=raw_config, dense=dense, results=results,
-                     ignore=[spec.lm_head], dtype=store_dtype)
+                     ignore=_ignored(spec), dtype=store_dtype)
         meta["engines"] = list(writer.engines)  # a writer may narrow them by what it wrote (FP8)
         for name in TOKENIZER_FILES:
             if (source.path / name).is_file():
                 shutil.copy2(source.path / name, tmp / name)
-        (tmp / "quantkit_stats.json").write_text(json.dumps(_stats(results), indent=1))
+        (tmp / "quantkit_stats.json").write_text(json.dumps(_stats(results, spec, req.expert_min_tokens), indent=1))
         meta["seconds"]["total"] = round(time.perf_counter() - t_start, 3)
         (tmp / "quantkit.json").write_text(json.dumps(meta, indent=2))
     if ckpt is not None:
@@ -300,13 +313,42 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
     return meta
 
 
-def _open_model(req: QuantizeRequest, path: Path, config, load_dtype: torch.dtype):
+MOE_FORMATS = ("compressed-tensors",)  # writers whose MoE tensor names are verified
+
+
+def check_moe_support(spec: ArchSpec, method: str, format_name: str) -> None:
+    """Refuse, before any work, what is not built for mixture-of-experts models yet."""
+    if spec.experts is None:
+        return
+    if format_name not in MOE_FORMATS:
+        raise SchemeMismatch(
+            f"Format {format_name} cannot store the experts of {spec.name} (mixture of experts) yet.",
+            f"Use --format {MOE_FORMATS[0]} (per-expert tensors vLLM's FusedMoE loader reads).")
+    if method not in ("rtn", "gptq"):
+        raise SchemeMismatch(
+            f"Method {method} does not handle the experts of {spec.name} (mixture of experts) yet.",
+            "Use --method gptq or --method rtn.")
+
+
+def _ignored(spec: ArchSpec) -> list[str]:
+    """Modules the artifact keeps unquantized: lm_head, and MoE routers (vLLM's GateLinear
+    would otherwise match the "Linear" target and expect packed router weights)."""
+    routers = [f"re:.*{re.escape(spec.experts.router)}$"] if spec.experts is not None else []
+    return [spec.lm_head, *routers]
+
+
+def _open_model(req: QuantizeRequest, path: Path, config, load_dtype: torch.dtype,
+                spec: ArchSpec):
     """(streaming, reader, model): a meta skeleton when the shards allow block-at-a-time
     loading (the default), else the whole model in memory (`stream=False`, pickle weights,
-    checkpoint names that differ from the module names)."""
+    checkpoint names that differ from the module names). MoE experts become per-expert
+    Linears either way (quantkit.pipeline.experts): per-expert shards stream as they are,
+    fused in-memory experts are sliced."""
+    all_experts = req.moe_calibrate_all_experts
     if req.stream is not False and any(path.glob("*.safetensors")):
         reader = ShardReader(path)
         model = skeleton(config, load_dtype, trust_remote_code=req.trust_remote_code)
+        linearize_experts(model, spec, all_experts)
         if stream_plan_ok(model, reader):
             return True, reader, model
         if req.stream:
@@ -315,7 +357,7 @@ def _open_model(req: QuantizeRequest, path: Path, config, load_dtype: torch.dtyp
                 "Drop --stream to load the whole model into memory.")
     model = load_model(path, dtype=load_dtype, allow_pickle=req.allow_pickle,
                        trust_remote_code=req.trust_remote_code)
-    return False, None, model
+    return False, None, linearize_experts(model, spec, all_experts)
 
 
 def _streamed_dense(model, reader: ShardReader, spec: ArchSpec, results: dict[str, QuantResult],
@@ -360,9 +402,27 @@ def _dense_tensors(model, results: dict[str, QuantResult], dtype: torch.dtype) -
     return out
 
 
-def _stats(results: dict[str, QuantResult]) -> dict:
+def _stats(results: dict[str, QuantResult], spec: ArchSpec, min_tokens: int) -> dict:
+    """Per-Linear error and time; calibration tokens where the method gathered statistics
+    (for MoE experts: the tokens routed to each), and the experts that fell back to RTN."""
     layers = {}
     for name, r in results.items():
         layers[name] = {"shape": list(r.shape), "rel_error": r.loss, "seconds": r.seconds}
-    return {"version": 1, "metric": "relative Frobenius reconstruction error ||W-Wq||/||W||",
-            "layers": layers}
+        if r.calib_tokens is not None:
+            layers[name]["tokens"] = r.calib_tokens
+        if r.fallback:
+            layers[name]["fallback"] = r.fallback
+    out = {"version": 1, "metric": "relative Frobenius reconstruction error ||W-Wq||/||W||",
+           "layers": layers}
+    if spec.experts is not None:
+        blocks = spec.block_path + "."
+        experts = {n: layers[n] for n in layers
+                   if spec.is_expert_linear(n[len(blocks):].split(".", 1)[1])}
+        out["experts"] = {
+            "linears": len(experts),
+            "min_tokens": min_tokens,
+            "below_min_tokens": sorted(n for n, v in experts.items()
+                                       if v.get("tokens", min_tokens) < min_tokens),
+            "fallback_rtn": sorted(n for n, v in experts.items() if v.get("fallback") == "rtn"),
+        }
+    return out
