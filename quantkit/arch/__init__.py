@@ -41,7 +41,9 @@ class ExpertsSpec:
     """
 
     module: str = "mlp.experts"
-    count_key: str = "num_experts"  # config key: routed experts per MoE block
+    # config keys of the routed experts per MoE block (transformers 5 writes Qwen3-MoE's
+    # num_experts as num_local_experts in config.json; the config object answers both)
+    count_keys: tuple[str, ...] = ("num_experts", "num_local_experts")
     gate: str = "gate_proj"
     up: str = "up_proj"
     down: str = "down_proj"
@@ -55,7 +57,7 @@ class ExpertsSpec:
 
     def count(self, config) -> int:
         get = config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
-        return int(get(self.count_key) or 0)
+        return int(next((v for v in map(get, self.count_keys) if v), 0))
 
 
 @dataclass(frozen=True)
@@ -88,8 +90,7 @@ class ArchSpec:
         """`sequential` with each expert template written out for experts 0..num_experts-1
         (all experts' Linears of one template row form one group: they read the same
         normalised hidden states, each its own routed tokens)."""
-        return tuple(tuple(n.replace(EXPERT, str(e)) for n in group
-                           for e in (range(num_experts) if EXPERT in n else (None,)))
+        return tuple(tuple(n.replace(EXPERT, str(e)) for e in range(num_experts) for n in group)
                      if any(EXPERT in n for n in group) else group
                      for group in self.sequential)
 

@@ -123,7 +123,9 @@ def estimate(config, spec: ArchSpec, *, method: str, scheme: QuantScheme, calib_
     forward = batch_tokens * (3 * inter + 4 * hidden) * act_bytes + \
         (min(calib_batch, calib_samples) * heads * calib_seqlen**2 * act_bytes
          if calibrated and not cuda else 0)
-    if method == "gptq" and not cuda:  # one-pass true-sequential (CPU): every batch paused mid-block
+    moe = spec.experts is not None and spec.experts.count(config) > 0
+    # one-pass true-sequential (CPU): every batch paused mid-block; MoE blocks replay instead
+    if method == "gptq" and not cuda and not moe:
         # (residual + normed hidden + the down_proj input, or q/k/v/attention at o_proj)
         forward += tokens * (2 * hidden + max(inter, 3 * hidden)) * act_bytes
 
