@@ -199,7 +199,7 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
     source = resolve_model(req.model, allow_pickle=req.allow_pickle, on_progress=on_progress)
     raw_config = json.loads((source.path / "config.json").read_text())
     spec = spec_for_config(raw_config)  # before transformers parses it: cheap, clear errors
-    check_moe_support(spec, req.method, writer.name)
+    check_moe_support(spec, req.method, writer.name, quantizer.needs_calibration)
     config = load_config(source.path, trust_remote_code=req.trust_remote_code)
     shapes = linear_shapes(config, spec)
     check_group_size(req.scheme, shapes)
@@ -316,18 +316,19 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
 MOE_FORMATS = ("compressed-tensors",)  # writers whose MoE tensor names are verified
 
 
-def check_moe_support(spec: ArchSpec, method: str, format_name: str) -> None:
-    """Refuse, before any work, what is not built for mixture-of-experts models yet."""
+def check_moe_support(spec: ArchSpec, method: str, format_name: str, calibrated: bool) -> None:
+    """Refuse, before any work, what is not built for mixture-of-experts models yet
+    (FP8 without calibration, dynamic or block, needs no per-expert statistics)."""
     if spec.experts is None:
         return
     if format_name not in MOE_FORMATS:
         raise SchemeMismatch(
             f"Format {format_name} cannot store the experts of {spec.name} (mixture of experts) yet.",
             f"Use --format {MOE_FORMATS[0]} (per-expert tensors vLLM's FusedMoE loader reads).")
-    if method not in ("rtn", "gptq"):
+    if method not in ("rtn", "gptq") and not (method == "fp8" and not calibrated):
         raise SchemeMismatch(
             f"Method {method} does not handle the experts of {spec.name} (mixture of experts) yet.",
-            "Use --method gptq or --method rtn.")
+            "Use --method gptq or --method rtn, or --method fp8 --scheme dynamic (or block).")
 
 
 def _ignored(spec: ArchSpec) -> list[str]:
