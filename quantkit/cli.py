@@ -17,6 +17,7 @@ from rich.table import Table
 from rich.text import Text
 
 from quantkit.errors import QuantkitError
+from quantkit.types import EXPERT_MIN_TOKENS as _EXPERT_MIN_TOKENS
 from quantkit.types import QuantScheme
 
 # emoji off: rich would turn ":train:" in user input (hf:wikitext:...:train:text) into a symbol;
@@ -131,6 +132,13 @@ def _method_options(f):
         click.option("--stream/--no-stream", default=None,
                      help="Read one decoder block at a time from the shards (default: whenever "
                           "the checkpoint allows it) or load the whole model."),
+        click.option("--moe-calibrate-all-experts", is_flag=True,
+                     help="Mixture of experts: send every calibration token through every "
+                          "expert for statistics (the block output keeps the real routing)."),
+        click.option("--moe-min-tokens", "expert_min_tokens", type=click.IntRange(min=0),
+                     default=_EXPERT_MIN_TOKENS, show_default=True,
+                     help="Mixture of experts: warn about experts calibrated on fewer routed "
+                          "tokens (an expert with none falls back to RTN)."),
     ]
     for opt in reversed(opts):
         f = opt(f)
@@ -147,6 +155,8 @@ FLAG_READERS: dict[str, tuple[str, ...]] = {
     "act_order": ("gptq",), "damp": ("gptq",), "true_sequential": ("gptq",),
     "gguf_type": ("gguf",), "imatrix": ("gguf",), "fp8_scheme": ("fp8",),
     **dict.fromkeys(_CALIB_FLAGS, _CALIBRATED),
+    # per-expert statistics: only GPTQ gathers them for mixture-of-experts blocks so far
+    "moe_calibrate_all_experts": ("gptq",), "expert_min_tokens": ("gptq",),
 }
 
 
@@ -190,8 +200,9 @@ def check_flags_apply(ctx: click.Context, method: str, fp8_scheme: str | None,
 
 def _request(model, method, bits, group_size, sym, act_order, damp, true_sequential, fmt,
              gguf_type, imatrix, fp8_scheme, calib, calib_samples, calib_seqlen, chat, seed,
-             device, allow_pickle, trust_remote_code, stream, text_column=None, output=".",
-             force=False, **extra):
+             device, allow_pickle, trust_remote_code, stream, moe_calibrate_all_experts=False,
+             expert_min_tokens=_EXPERT_MIN_TOKENS, text_column=None, output=".", force=False,
+             **extra):
     ctx = click.get_current_context()
     check_flags_apply(ctx, method, fp8_scheme, imatrix)  # before torch is imported: instant
     from quantkit.pipeline.quantize import QuantizeRequest
@@ -231,6 +242,8 @@ def _request(model, method, bits, group_size, sym, act_order, damp, true_sequent
                            allow_pickle=allow_pickle, trust_remote_code=trust_remote_code,
                            device=device, method_options=options, stream=stream,
                            group_size_auto=group_size_auto, text_column=text_column,
+                           moe_calibrate_all_experts=moe_calibrate_all_experts,
+                           expert_min_tokens=expert_min_tokens,
                            command="quantkit " + shlex.join(sys.argv[1:]), **extra)
 
 

@@ -50,6 +50,7 @@ def load_artifact(spec: str | Path, dtype: torch.dtype = torch.float32) -> Loade
         del config.quantization_config
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    _per_expert_linears(model, config)
     state = read_dense_state(path, fmt, dtype)
     if getattr(config, "tie_word_embeddings", False) and "lm_head.weight" not in state:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
@@ -63,6 +64,20 @@ def load_artifact(spec: str | Path, dtype: torch.dtype = torch.float32) -> Loade
     prepare_model(model, path, fmt)  # e.g. FP8: inputs rounded to E4M3 as the engine does
     model.eval()
     return LoadedModel(model, tok, path, fmt, artifact_meta(path))
+
+
+def _per_expert_linears(model, config) -> None:
+    """MoE artifacts store per-expert Linears (the names vLLM loads): give the model those
+    modules instead of transformers 5's fused 3-D experts (quantkit.pipeline.experts)."""
+    from quantkit.arch import spec_for_config
+    from quantkit.errors import UnsupportedArchitecture
+    from quantkit.pipeline.experts import linearize_experts
+
+    try:
+        spec = spec_for_config(config)
+    except UnsupportedArchitecture:
+        return  # quantkit did not write it; a dense model loads as it is
+    linearize_experts(model, spec)
 
 
 def _rebuild_meta_buffers(model) -> None:

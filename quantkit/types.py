@@ -21,7 +21,11 @@ __all__ = [
     "Quantizer",
     "ProgressFn",
     "int_qrange",
+    "EXPERT_MIN_TOKENS",
 ]
+
+# MoE: experts calibrated on fewer routed tokens than this are named in a warning
+EXPERT_MIN_TOKENS = 16
 
 
 class Method(str, Enum):
@@ -87,6 +91,8 @@ class QuantResult:
     extra: dict[str, torch.Tensor] = field(default_factory=dict)
     loss: float | None = None  # relative reconstruction error ||W - Wq||_F / ||W||_F or method loss
     seconds: float | None = None
+    calib_tokens: int | None = None  # calibration tokens this Linear saw (MoE experts: routed ones)
+    fallback: str | None = None  # the method used instead when this one could not run (e.g. "rtn")
 
     @property
     def shape(self) -> tuple[int, int]:

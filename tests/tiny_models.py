@@ -12,7 +12,12 @@ ARCH_CONFIGS = {
     "mistral": ("MistralConfig", "MistralForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
 }
+
+# mixture-of-experts defaults (make_tiny_model's `moe` overrides them)
+MOE_DEFAULTS = {"qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256,
+                                  norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])}
 
 
 def smollm_dir() -> Path:
@@ -24,7 +29,7 @@ def smollm_dir() -> Path:
 def make_tiny_model(out: Path, arch: str = "llama", *, hidden: int = 256, intermediate: int = 512,
                     layers: int = 2, heads: int = 4, kv_heads: int = 2, vocab: int | None = None,
                     seed: int = 0, tokenizer: bool = True, dtype=torch.bfloat16,
-                    tie: bool = False) -> Path:
+                    tie: bool = False, moe: dict | None = None) -> Path:
     """Save a seeded random model of `arch` with SmolLM2's tokenizer (so text tokenizes for real)."""
     import transformers
 
@@ -35,15 +40,17 @@ def make_tiny_model(out: Path, arch: str = "llama", *, hidden: int = 256, interm
                   num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab,
                   max_position_embeddings=1024, tie_word_embeddings=tie, bos_token_id=1,
                   eos_token_id=2, pad_token_id=2)
-    if arch == "qwen3":
+    if arch in ("qwen3", "qwen3_moe"):
         kwargs["head_dim"] = hidden // heads
+    if arch in MOE_DEFAULTS:
+        kwargs.update({**MOE_DEFAULTS[arch], **(moe or {})})
     config = cfg_cls(**kwargs)
     config.architectures = [model_cls.__name__]
     torch.manual_seed(seed)
     model = model_cls(config).to(dtype)
     with torch.no_grad():  # realistic scale: default init gives tiny std, make it ~0.02-0.05
         for _name, p in model.named_parameters():
-            if p.ndim == 2:
+            if p.ndim in (2, 3):  # 3-D: transformers 5's fused MoE experts
                 p.normal_(0, 0.04)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)

@@ -10,7 +10,10 @@ from dataclasses import dataclass, field
 
 from quantkit.errors import UnsupportedArchitecture
 
-__all__ = ["ArchSpec", "AwqGroup", "ARCHS", "spec_for_config", "supported_architectures"]
+__all__ = ["ArchSpec", "AwqGroup", "ExpertsSpec", "ARCHS", "EXPERT", "spec_for_config",
+           "supported_architectures"]
+
+EXPERT = "{e}"  # in a block-relative Linear name: the expert index (see ExpertsSpec)
 
 
 @dataclass(frozen=True)
@@ -23,6 +26,38 @@ class AwqGroup:
     prev: str
     balance: tuple[str, ...]
     inspect: str
+
+
+@dataclass(frozen=True)
+class ExpertsSpec:
+    """A block's mixture of experts, as data (quantkit.pipeline.experts acts on it).
+
+    transformers 5 keeps routed experts as fused 3-D parameters on one module (`module`):
+    `fused_gate_up` (E, 2I, H) with the gate rows first, `fused_down` (E, H, I). Checkpoints
+    on the Hub, vLLM's FusedMoE loader and quantkit's pipeline use per-expert Linears
+    `{module}.{e}.{gate,up,down}` instead, which is what `linears` names. The router
+    (`router`, an (E, H) weight) stays unquantized. Which blocks are MoE is the model's own
+    choice (e.g. Qwen3-MoE's mlp_only_layers): a block is MoE when `module` exists in it.
+    """
+
+    module: str = "mlp.experts"
+    # config keys of the routed experts per MoE block (transformers 5 writes Qwen3-MoE's
+    # num_experts as num_local_experts in config.json; the config object answers both)
+    count_keys: tuple[str, ...] = ("num_experts", "num_local_experts")
+    gate: str = "gate_proj"
+    up: str = "up_proj"
+    down: str = "down_proj"
+    router: str = "mlp.gate"
+    fused_gate_up: str = "gate_up_proj"
+    fused_down: str = "down_proj"
+
+    def linear(self, which: str, expert: int | str = EXPERT) -> str:
+        """Block-relative name of expert `expert`'s `which` Linear ("gate", "up" or "down")."""
+        return f"{self.module}.{expert}.{getattr(self, which)}"
+
+    def count(self, config) -> int:
+        get = config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
+        return int(next((v for v in map(get, self.count_keys) if v), 0))
 
 
 @dataclass(frozen=True)
@@ -43,10 +78,28 @@ class ArchSpec:
     gguf_permute_qk: bool = False  # llama.cpp's llama arch wants q/k rows permuted
     # roles used by mixed-precision recipes (Q4_K_M): role -> block-relative Linear name
     roles: dict[str, str] = field(default_factory=dict)
+    # mixture of experts: per-expert Linears appear in `sequential` as templates with EXPERT
+    experts: ExpertsSpec | None = None
 
     @property
     def block_linears(self) -> tuple[str, ...]:
+        """Every Linear name of `sequential` (expert templates unexpanded; see groups_for)."""
         return tuple(n for group in self.sequential for n in group)
+
+    def groups_for(self, num_experts: int) -> tuple[tuple[str, ...], ...]:
+        """`sequential` with each expert template written out for experts 0..num_experts-1
+        (all experts' Linears of one template row form one group: they read the same
+        normalised hidden states, each its own routed tokens)."""
+        return tuple(tuple(n.replace(EXPERT, str(e)) for e in range(num_experts) for n in group)
+                     if any(EXPERT in n for n in group) else group
+                     for group in self.sequential)
+
+    def linears_for(self, num_experts: int) -> tuple[str, ...]:
+        return tuple(n for group in self.groups_for(num_experts) for n in group)
+
+    def is_expert_linear(self, name: str) -> bool:
+        """Whether block-relative `name` is a routed expert's Linear (it may get no tokens)."""
+        return self.experts is not None and name.startswith(self.experts.module + ".")
 
 
 _LLAMA_LINEARS = (
@@ -84,6 +137,14 @@ _ROLES = {"attn_v": "self_attn.v_proj", "ffn_down": "mlp.down_proj", "attn_q": "
 _LLAMA_LIKE = dict(sequential=_LLAMA_LINEARS, awq_groups=_LLAMA_AWQ, gguf_names=_GGUF_BLOCK_NAMES,
                    roles=_ROLES)
 
+_QWEN3_MOE_EXPERTS = ExpertsSpec()
+
+# dense blocks (mlp_only_layers) keep the llama MLP names; MoE blocks have the expert rows
+_QWEN3_MOE_LINEARS = _LLAMA_LINEARS + (
+    (_QWEN3_MOE_EXPERTS.linear("gate"), _QWEN3_MOE_EXPERTS.linear("up")),
+    (_QWEN3_MOE_EXPERTS.linear("down"),),
+)
+
 ARCHS: tuple[ArchSpec, ...] = (
     ArchSpec("llama", ("LlamaForCausalLM",), ("llama",), gguf_arch="llama", gguf_permute_qk=True,
              **_LLAMA_LIKE),
@@ -91,6 +152,9 @@ ARCHS: tuple[ArchSpec, ...] = (
              gguf_permute_qk=True, **_LLAMA_LIKE),
     ArchSpec("qwen2", ("Qwen2ForCausalLM",), ("qwen2",), gguf_arch="qwen2", **_LLAMA_LIKE),
     ArchSpec("qwen3", ("Qwen3ForCausalLM",), ("qwen3",), gguf_arch="qwen3", **_LLAMA_LIKE),
+    # GGUF (qwen3moe, ffn_*_exps) and AWQ groups for experts are not written yet: no rows
+    ArchSpec("qwen3_moe", ("Qwen3MoeForCausalLM",), ("qwen3_moe",), gguf_arch="qwen3moe",
+             sequential=_QWEN3_MOE_LINEARS, experts=_QWEN3_MOE_EXPERTS, roles=_ROLES),
 )
 
 

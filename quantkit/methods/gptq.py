@@ -30,6 +30,7 @@ from quantkit.methods.intquant import (
     group_qparams,
     quantize_to_codes,
     relative_error,
+    rtn_fallback,
 )
 from quantkit.methods.jit import compiled_available
 from quantkit.types import BlockContext, QuantResult, QuantScheme, int_qrange
@@ -315,16 +316,20 @@ class GPTQQuantizer:
 
     def quantize_block(self, ctx: BlockContext) -> dict[str, QuantResult]:
         prefix = f"{ctx.arch.block_path}.{ctx.index}." if ctx.arch is not None else f"block {ctx.index} "
+        uncalibrated = []
         for lname in ctx.linears:
             st = ctx.stats.get(lname) or {}
             if not st.get("tokens") or "hessian" not in st:
+                if ctx.arch is not None and ctx.arch.is_expert_linear(lname):
+                    uncalibrated.append(lname)  # routing chose it for no token: RTN below
+                    continue
                 raise CalibrationError(
                     f"GPTQ: layer {prefix}{lname} received no calibration tokens, so it has no "
                     "Hessian to quantize with.",
                     "Use more or longer calibration samples (MoE experts need tokens routed to "
                     "them), or quantize with --method rtn.")
-        results: dict[str, QuantResult] = {}
-        for names in _shared_input_sets(ctx):
+        results = rtn_fallback(ctx, uncalibrated, "GPTQ")
+        for names in _shared_input_sets(ctx, [n for n in ctx.linears if n not in results]):
             results.update(self._quantize_set(ctx, names, prefix))
         return results
 
@@ -360,15 +365,20 @@ class GPTQQuantizer:
         return results
 
 
-def _shared_input_sets(ctx: BlockContext) -> list[list[str]]:
-    """Group Linears whose Hessians are identical (same input tensor), in ctx order."""
+def _shared_input_sets(ctx: BlockContext, names: list[str]) -> list[list[str]]:
+    """Group Linears whose Hessians are identical (same input tensor), in ctx order.
+
+    The diagonals are compared before the whole matrices: a MoE block has hundreds of expert
+    Hessians, many with equal token counts but different inputs."""
     sets: list[list[str]] = []
-    for lname in ctx.linears:
+    for lname in names:
         h = ctx.stats[lname]["hessian"]
         tokens = ctx.stats[lname]["tokens"]
         for s in sets:
             ref = ctx.stats[s[0]]
-            if ref["tokens"] == tokens and (ref["hessian"] is h or torch.equal(ref["hessian"], h)):
+            if ref["tokens"] == tokens and (ref["hessian"] is h or (
+                    torch.equal(ref["hessian"].diagonal(), h.diagonal())
+                    and torch.equal(ref["hessian"], h))):
                 s.append(lname)
                 break
         else:

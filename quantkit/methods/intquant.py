@@ -8,13 +8,16 @@ Asymmetric: the range [min, max] always includes 0; s = (max - min) / (2^b - 1),
 
 from __future__ import annotations
 
+import time
+import warnings
+
 import torch
 
 from quantkit.errors import SchemeMismatch
-from quantkit.types import QuantResult, QuantScheme, int_qrange
+from quantkit.types import BlockContext, QuantResult, QuantScheme, int_qrange
 
 __all__ = ["check_int_scheme", "group_qparams", "quantize_to_codes", "rtn_quantize_weight",
-           "relative_error"]
+           "relative_error", "rtn_fallback"]
 
 SUPPORTED_BITS = (2, 3, 4, 8)
 
@@ -87,3 +90,27 @@ def rtn_quantize_weight(name: str, weight: torch.Tensor, scheme: QuantScheme) ->
     )
     result.loss = relative_error(weight, result.dequantize())
     return result
+
+
+def rtn_fallback(ctx: BlockContext, names: list[str], method: str) -> dict[str, QuantResult]:
+    """RTN for Linears that got no calibration tokens (MoE experts the router never chose):
+    a calibrated method has nothing to work from there, and dividing by a zero token count
+    would give NaN. Loud: a warning per block naming them, and `fallback` on each result."""
+    if not names:
+        return {}
+    prefix = f"{ctx.arch.block_path}.{ctx.index}." if ctx.arch is not None else f"block {ctx.index} "
+    warnings.warn(
+        f"{method}: {len(names)} Linear(s) of {prefix.rstrip('.')} received no calibration tokens "
+        f"and fall back to RTN: {', '.join(names[:6])}{' ...' if len(names) > 6 else ''}. "
+        "Use more calibration samples or --moe-calibrate-all-experts.",
+        RuntimeWarning, stacklevel=2)
+    results = {}
+    for name in names:
+        t0 = time.perf_counter()
+        linear = ctx.linears[name]
+        res = rtn_quantize_weight(name, linear.weight.data, ctx.scheme)
+        res.bias = None if linear.bias is None else linear.bias.data.clone()
+        res.fallback = "rtn"
+        res.seconds = time.perf_counter() - t0
+        results[name] = res
+    return results

@@ -11,17 +11,26 @@ is a `BlockSource`; an optional checkpoint saves every finished block so a run c
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import torch
 
 from quantkit.arch import ArchSpec
 from quantkit.model_io import check_finite
 from quantkit.pipeline.capture import BlockInputs, capture_block_inputs, run_block
+from quantkit.pipeline.experts import num_experts
 from quantkit.pipeline.heap import reuse_freed_memory
 from quantkit.pipeline.staged import StagedForward
 from quantkit.pipeline.stats import StatCollector
 from quantkit.pipeline.transfer import any_finite_problem, fetch_to_cpu
-from quantkit.types import BlockContext, ProgressFn, Quantizer, QuantResult, QuantScheme
+from quantkit.types import (
+    EXPERT_MIN_TOKENS,
+    BlockContext,
+    ProgressFn,
+    Quantizer,
+    QuantResult,
+    QuantScheme,
+)
 
 __all__ = ["get_blocks", "quantize_blocks", "BlockSource", "dense_tensor", "block_dense"]
 
@@ -101,6 +110,7 @@ def quantize_blocks(
     dp=None,
     staged: bool | None = None,
     offload_activations: bool = False,
+    expert_min_tokens: int = EXPERT_MIN_TOKENS,
 ) -> dict[str, QuantResult]:
     """Quantize every block Linear of `model` in place; return results keyed by full name.
 
@@ -121,6 +131,10 @@ def quantize_blocks(
     block forwards (quantkit.pipeline.offload; GPU only, same results): GPU memory then holds
     the block, its statistics and two batches instead of every batch's inputs and outputs.
     quantize() turns it on when the plan's peak does not fit the free GPU memory.
+    held every batch's activations (24 vs 8.8 GiB peak), so GPUs replay. Mixture-of-experts
+    blocks always replay: their expert groups do not share one input (each expert reads its
+    own routed tokens). Each result records the calibration tokens its Linear saw;
+    experts below `expert_min_tokens` are named in a warning.
     """
     if dp is not None:
         dp.check_method(quantizer)
@@ -154,7 +168,7 @@ def quantize_blocks(
             on_progress(f"resuming at block {start + 1}/{total}" if start < total else
                         f"resuming: all {total} blocks were finished, writing the artifact",
                         start, total)
-    groups = spec.sequential if getattr(quantizer, "true_sequential", False) else (spec.block_linears,)
+    true_sequential = getattr(quantizer, "true_sequential", False)
     for i, block in enumerate(blocks):
         if i < start:
             continue
@@ -166,6 +180,8 @@ def quantize_blocks(
         with contextlib.ExitStack() as scope:
             if inputs is not None:  # the forwards reuse freed activation memory, trimmed after
                 scope.enter_context(reuse_freed_memory())
+            experts = num_experts(block, spec)
+            groups = spec.groups_for(experts) if true_sequential else (spec.linears_for(experts),)
             present = dict(block.named_modules())
             block_groups = [g for g in (tuple(n for n in group if n in present) for group in groups) if g]
             outputs_fp, first_stats = None, None
@@ -177,7 +193,8 @@ def quantize_blocks(
                     outputs_fp = run_block(block, inputs)
             one_pass = (torch.device(device).type == "cpu" if staged is None else staged) \
                 and inputs is not None and inputs.device is None \
-                and bool(quantizer.stats) and quantizer.propagate_quantized and len(block_groups) > 1
+                and bool(quantizer.stats) and quantizer.propagate_quantized and len(block_groups) > 1 \
+                and not experts
             run = scope.enter_context(StagedForward(block, block_groups, inputs)) if one_pass else None
             for gi, group in enumerate(block_groups):
                 linears = _linears(block, group)
@@ -188,6 +205,8 @@ def quantize_blocks(
                                          run.advance(gi) if one_pass else None)
                 if dp is not None and stats:
                     dp.reduce_stats(stats, linears, quantizer.stats, device)
+                if experts and stats and (dp is None or dp.is_main):
+                    _warn_few_tokens(prefix, spec, stats, expert_min_tokens)
 
                 def rerun(block=block, inputs=inputs):
                     return run_block(block, inputs) if inputs is not None else []
@@ -202,6 +221,8 @@ def quantize_blocks(
                     for name, res in quantizer.quantize_block(ctx).items():
                         _set_weight(linears[name], res, quantizer.propagate_quantized)
                         res.name = prefix + name
+                        if name in stats:
+                            res.calib_tokens = int(stats[name]["tokens"])
                         results[prefix + name] = res  # still on the device: fetched once per block
                 if dp is not None and getattr(quantizer, "data_parallel", None) == "block":
                     dp.broadcast_module(block)  # the method also changed other tensors (AWQ norms)
@@ -254,6 +275,20 @@ def _group_stats(block, linears, stats: tuple[str, ...], inputs, staged_inputs) 
         for name in linears:
             collector.observe(name, x)
     return collector.close()
+
+
+def _warn_few_tokens(prefix: str, spec, stats: dict, min_tokens: int) -> None:
+    """Name the experts whose statistics rest on fewer than `min_tokens` routed tokens."""
+    few = {n: int(s["tokens"]) for n, s in stats.items()
+           if spec.is_expert_linear(n) and int(s["tokens"]) < min_tokens}
+    if not few:
+        return
+    shown = ", ".join(f"{n} ({t})" for n, t in list(few.items())[:6])
+    warnings.warn(
+        f"{len(few)} expert Linear(s) of {prefix.rstrip('.')} calibrated on fewer than "
+        f"{min_tokens} routed tokens: {shown}{' ...' if len(few) > 6 else ''}. "
+        "Use more calibration samples or --moe-calibrate-all-experts.",
+        RuntimeWarning, stacklevel=3)
 
 
 def _collect(block, names, stats, inputs) -> dict:

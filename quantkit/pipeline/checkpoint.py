@@ -160,7 +160,8 @@ class BlockCheckpoint:
             t = {a: f.get_tensor(f"r:{name}:{a}") for a in _TENSORS if f"r:{name}:{a}" in keys}
             extra = {k: f.get_tensor(f"x:{name}:{k}") for k in m["extra"]}
         return QuantResult(name=name, scheme=QuantScheme(**m["scheme"]), **t, extra=extra,
-                           loss=m["loss"], seconds=m["seconds"])
+                           loss=m["loss"], seconds=m["seconds"],
+                           calib_tokens=m.get("calib_tokens"), fallback=m.get("fallback"))
 
     # ---------------------------------------------------------------- writing
     def _reset(self) -> None:
@@ -185,7 +186,8 @@ class BlockCheckpoint:
             for k, v in r.extra.items():
                 tensors[f"x:{name}:{k}"] = v.detach().cpu().clone()
             meta["results"][name] = {"scheme": asdict(r.scheme), "extra": list(r.extra),
-                                     "loss": r.loss, "seconds": r.seconds}
+                                     "loss": r.loss, "seconds": r.seconds,
+                                     "calib_tokens": r.calib_tokens, "fallback": r.fallback}
         for n, v in dense.items():
             tensors[f"d:{n}"] = v.detach().cpu().clone()
         stem = f"block-{index:05d}"

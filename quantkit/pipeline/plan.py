@@ -71,10 +71,12 @@ class MemoryPlan:
 
 
 def _param_counts(config, spec: ArchSpec):
-    """(per-block param counts, per-block linear shapes, non-block params) from a meta model."""
+    """(per-block param counts, per-block linear shapes, non-block params) from a meta model.
+    MoE experts count as their per-expert Linears (what is quantized and stored)."""
     from quantkit.model_io import meta_model
+    from quantkit.pipeline.experts import linearize_experts
 
-    model = meta_model(config)
+    model = linearize_experts(meta_model(config), spec)
     blocks_prefix = spec.block_path + "."
     per_block: dict[int, int] = {}
     outside = 0
@@ -97,7 +99,8 @@ def _param_counts(config, spec: ArchSpec):
     linears = []
     for block in blocks:
         mods = dict(block.named_modules())
-        linears.append({n: tuple(mods[n].weight.shape) for n in spec.block_linears if n in mods})
+        names = spec.linears_for(spec.experts.count(config) if spec.experts else 0)
+        linears.append({n: tuple(mods[n].weight.shape) for n in names if n in mods})
     return per_block, linears, outside, largest
 
 
@@ -129,7 +132,9 @@ def estimate(config, spec: ArchSpec, *, method: str, scheme: QuantScheme, calib_
     forward = batch_tokens * (3 * inter + 4 * hidden) * act_bytes + \
         (min(calib_batch, calib_samples) * heads * calib_seqlen**2 * act_bytes
          if calibrated and not cuda else 0)
-    if method == "gptq" and not cuda:  # one-pass true-sequential (CPU): every batch paused mid-block
+    moe = spec.experts is not None and spec.experts.count(config) > 0
+    # one-pass true-sequential (CPU): every batch paused mid-block; MoE blocks replay instead
+    if method == "gptq" and not cuda and not moe:
         # (residual + normed hidden + the down_proj input, or q/k/v/attention at o_proj)
         forward += tokens * (2 * hidden + max(inter, 3 * hidden)) * act_bytes
 
@@ -142,15 +147,20 @@ def estimate(config, spec: ArchSpec, *, method: str, scheme: QuantScheme, calib_
     stats = 0
     gram_phase = 0  # GPU GPTQ: Hessians alive while the forward accumulates them
     if method == "gptq":  # K x K fp32 per Linear of a sequential group, + ~3 K^2 of working set
+        # (a MoE block: one Hessian per expert Linear, hidden^2 for every gate/up of the
+        # expert group; only the current block's exist at a time)
         hessians = []
-        for seq in spec.sequential:
-            ks = [linears[0][n][1] for n in seq if linears and n in linears[0]]
-            rows = sum(linears[0][n][0] for n in seq if linears and n in linears[0])
+        widest = max(linears, key=len, default={})  # a MoE block, not a dense one
+        n_exp = spec.experts.count(config) if spec.experts else 0
+        for seq in spec.groups_for(n_exp):
+            ks = [widest[n][1] for n in seq if n in widest]
+            rows = sum(widest[n][0] for n in seq if n in widest)
             if ks:
                 # the solve: H, its reversed Cholesky factor and that factor's inverse
                 # (gptq.inverse_hessian_factor) + the group's fp32 weights
                 stats = max(stats, 3 * ks[0] ** 2 * 4 + rows * ks[0] * 4)
-                hessians.append(ks[0] ** 2 * 4)
+                inputs = n_exp if spec.is_expert_linear(seq[0]) else 1  # each expert its own
+                hessians.append(inputs * ks[0] ** 2 * 4)
         if hessians:
             # true-sequential: one group's Hessian at a time; otherwise all of the block's
             # (+ one gram temporary of the widest either way)

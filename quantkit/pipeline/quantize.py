@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import shutil
 import time
 import warnings
@@ -35,6 +36,7 @@ from quantkit.pipeline.checkpoint import (
     model_fingerprint,
     request_key,
 )
+from quantkit.pipeline.experts import linearize_experts
 from quantkit.pipeline.heap import keep_heap_small
 from quantkit.pipeline.output import (
     atomic_output,
@@ -59,7 +61,7 @@ from quantkit.pipeline.streaming import (
     to_meta,
 )
 from quantkit.readers import read_config_json, scan_finite
-from quantkit.types import ProgressFn, QuantResult, QuantScheme
+from quantkit.types import EXPERT_MIN_TOKENS, ProgressFn, QuantResult, QuantScheme
 
 __all__ = ["QuantizeRequest", "quantize", "plan", "linear_shapes", "check_group_size",
            "resolve_group_size"]
@@ -90,6 +92,9 @@ class QuantizeRequest:
     memory_check: bool = True  # refuse early when the plan's peak RAM exceeds what is available
     group_size_auto: bool = False  # scheme.group_size was not asked for: fit it to the shapes
     text_column: str | None = None  # the calibration column of a .jsonl/.parquet/hf: source
+    # mixture of experts: every token through every expert for statistics (routing unchanged)
+    moe_calibrate_all_experts: bool = False
+    expert_min_tokens: int = EXPERT_MIN_TOKENS  # warn about experts calibrated on fewer
 
     def cli_equivalent(self) -> str:
         """The `quantkit quantize` command that makes this request (for API callers)."""
@@ -108,6 +113,8 @@ class QuantizeRequest:
             args += ["--damp", str(self.method_options["damp"])]
         if self.method_options.get("true_sequential") is False:
             args += ["--no-true-sequential"]
+        if self.moe_calibrate_all_experts:
+            args += ["--moe-calibrate-all-experts"]
         imatrix = self.method_options.get("imatrix")
         if self.method == "gguf" and isinstance(imatrix, str) and imatrix != "calib":
             args += ["--imatrix", imatrix]
@@ -123,12 +130,13 @@ class QuantizeRequest:
 
 
 def linear_shapes(config, spec: ArchSpec) -> dict[str, tuple[int, int]]:
-    """[N, K] of every block Linear, from the config alone (a meta-device model, no weights)."""
-    model = meta_model(config)
+    """[N, K] of every block Linear, from the config alone (a meta-device model, no weights);
+    MoE experts as their per-expert Linears."""
+    model = linearize_experts(meta_model(config), spec)
     shapes = {}
     for i, block in enumerate(get_blocks(model, spec)):
         mods = dict(block.named_modules())
-        for name in spec.block_linears:
+        for name in spec.linears_for(spec.experts.count(config) if spec.experts else 0):
             if name in mods:
                 shapes[f"{spec.block_path}.{i}.{name}"] = tuple(mods[name].weight.shape)
     return shapes
@@ -262,6 +270,7 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
     check_not_input(out, _input_paths(req, source.path))
     raw_config = read_config_json(source.path)
     spec = spec_for_config(raw_config)  # before transformers parses it: cheap, clear errors
+    check_moe_support(spec, req.method, writer.name, quantizer.needs_calibration)
     config = load_config(source.path, trust_remote_code=req.trust_remote_code)
     shapes = linear_shapes(config, spec)
     req, group_note = resolve_group_size(req, shapes)
@@ -304,7 +313,7 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
     compute_dtype = torch.float32 if device == "cpu" else torch.bfloat16
     load_dtype = compute_dtype  # the dtype load_model gives; streaming loads blocks the same way
     store_dtype = _storage_dtype(raw_config)
-    streaming, reader, model = _open_model(req, source.path, config, load_dtype)
+    streaming, reader, model = _open_model(req, source.path, config, load_dtype, spec)
     ckpt = None
     # data-parallel ranks hold only their shard's hidden states: no per-block checkpoints
     if req.resume and dp is None and not hasattr(quantizer, "quantize_rest"):  # GGUF keeps cross-block state
@@ -312,7 +321,8 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
                     "method": req.method, "format": writer.name,
                     "scheme": dataclasses.asdict(req.scheme), "options": req.method_options,
                     "calibration": calib.provenance if calib is not None else None,
-                    "device": device, "quantkit": quantkit.__version__}
+                    "device": device, "quantkit": quantkit.__version__,
+                    "moe_calibrate_all_experts": req.moe_calibrate_all_experts}
         ckpt = BlockCheckpoint(checkpoint_dir(out), request_key(describe), describe)
     # methods may ask for larger calibration batches (fewer, bigger ops: much faster on CPU)
     batch = getattr(quantizer, "calib_batch_size", 1)
@@ -326,7 +336,7 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
     results = quantize_blocks(model, spec, quantizer, req.scheme, batches, device=device,
                               compute_dtype=compute_dtype, options=req.method_options,
                               on_progress=on_progress, checkpoint=ckpt, dense=kept,
-                              dense_dtype=store_dtype,
+                              dense_dtype=store_dtype, expert_min_tokens=req.expert_min_tokens,
                               source=StreamingSource(model, reader, spec, load_dtype)
                               if streaming else None, dp=dp, offload_activations=offload)
     if dp is not None and not dp.is_main:  # rank 0 alone writes the artifact
@@ -358,6 +368,9 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
         "calibration": calib.provenance if calib is not None else None,
         "method_options": req.method_options,
         **({"group_size_choice": group_note} if group_note else {}),
+        **({"moe": {"calibrate_all_experts": req.moe_calibrate_all_experts,
+                    "expert_min_tokens": req.expert_min_tokens,
+                    "router": "unquantized"}} if spec.experts is not None else {}),
         "device": device,
         **({"offload_activations": True} if offload else {}),
         "seconds": {"quantize": round(quant_seconds, 3)},
@@ -370,14 +383,14 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
         meta["seconds"]["total"] = round(time.perf_counter() - t_start, 3)
         with atomic_output(out, req.force, is_dir=False) as tmp:
             writer.write(tmp, config=out_config, dense=dense, results=results,
-                         ignore=[spec.lm_head], dtype=store_dtype, scheme=req.scheme, meta=meta,
+                         ignore=_ignored(spec), dtype=store_dtype, scheme=req.scheme, meta=meta,
                          source_dir=source.path)
         if ckpt is not None:
             ckpt.remove()
         return meta
     with atomic_output(out, req.force) as tmp:
         writer.write(tmp, config=out_config, dense=dense, results=results,
-                     ignore=[spec.lm_head], dtype=store_dtype)
+                     ignore=_ignored(spec), dtype=store_dtype)
         meta["engines"] = list(writer.engines)  # a writer may narrow them by what it wrote (FP8)
         for name in TOKENIZER_FILES:
             if (source.path / name).is_file():
@@ -388,7 +401,7 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
             (tmp / "tokenizer_config.json").write_text(json.dumps(
                 without_remote_code(tok_config, "tokenizer_config.json"), indent=2,
                 ensure_ascii=False))
-        (tmp / "quantkit_stats.json").write_text(json.dumps(_stats(results), indent=1))
+        (tmp / "quantkit_stats.json").write_text(json.dumps(_stats(results, spec, req.expert_min_tokens), indent=1))
         meta["seconds"]["total"] = round(time.perf_counter() - t_start, 3)
         (tmp / "quantkit.json").write_text(json.dumps(meta, indent=2))
     if ckpt is not None:
@@ -417,13 +430,43 @@ def _input_paths(req: QuantizeRequest, model_dir: Path) -> dict[str, Path]:
     return paths
 
 
-def _open_model(req: QuantizeRequest, path: Path, config, load_dtype: torch.dtype):
+MOE_FORMATS = ("compressed-tensors",)  # writers whose MoE tensor names are verified
+
+
+def check_moe_support(spec: ArchSpec, method: str, format_name: str, calibrated: bool) -> None:
+    """Refuse, before any work, what is not built for mixture-of-experts models yet
+    (FP8 without calibration, dynamic or block, needs no per-expert statistics)."""
+    if spec.experts is None:
+        return
+    if format_name not in MOE_FORMATS:
+        raise SchemeMismatch(
+            f"Format {format_name} cannot store the experts of {spec.name} (mixture of experts) yet.",
+            f"Use --format {MOE_FORMATS[0]} (per-expert tensors vLLM's FusedMoE loader reads).")
+    if method not in ("rtn", "gptq") and not (method == "fp8" and not calibrated):
+        raise SchemeMismatch(
+            f"Method {method} does not handle the experts of {spec.name} (mixture of experts) yet.",
+            "Use --method gptq or --method rtn, or --method fp8 --scheme dynamic (or block).")
+
+
+def _ignored(spec: ArchSpec) -> list[str]:
+    """Modules the artifact keeps unquantized: lm_head, and MoE routers (vLLM's GateLinear
+    would otherwise match the "Linear" target and expect packed router weights)."""
+    routers = [f"re:.*{re.escape(spec.experts.router)}$"] if spec.experts is not None else []
+    return [spec.lm_head, *routers]
+
+
+def _open_model(req: QuantizeRequest, path: Path, config, load_dtype: torch.dtype,
+                spec: ArchSpec):
     """(streaming, reader, model): a meta skeleton when the shards allow block-at-a-time
     loading (the default), else the whole model in memory (`stream=False`, pickle weights,
-    checkpoint names that differ from the module names)."""
+    checkpoint names that differ from the module names). MoE experts become per-expert
+    Linears either way (quantkit.pipeline.experts): per-expert shards stream as they are,
+    fused in-memory experts are sliced."""
+    all_experts = req.moe_calibrate_all_experts
     if req.stream is not False and any(path.glob("*.safetensors")):
         reader = ShardReader(path)
         model = skeleton(config, load_dtype, trust_remote_code=req.trust_remote_code)
+        linearize_experts(model, spec, all_experts)
         if stream_plan_ok(model, reader):
             return True, reader, model
         if req.stream:
@@ -432,7 +475,7 @@ def _open_model(req: QuantizeRequest, path: Path, config, load_dtype: torch.dtyp
                 "Drop --stream to load the whole model into memory.")
     model = load_model(path, dtype=load_dtype, allow_pickle=req.allow_pickle,
                        trust_remote_code=req.trust_remote_code)
-    return False, None, model
+    return False, None, linearize_experts(model, spec, all_experts)
 
 
 def _streamed_dense(model, reader: ShardReader, spec: ArchSpec, results: dict[str, QuantResult],
@@ -477,9 +520,27 @@ def _dense_tensors(model, results: dict[str, QuantResult], dtype: torch.dtype) -
     return out
 
 
-def _stats(results: dict[str, QuantResult]) -> dict:
+def _stats(results: dict[str, QuantResult], spec: ArchSpec, min_tokens: int) -> dict:
+    """Per-Linear error and time; calibration tokens where the method gathered statistics
+    (for MoE experts: the tokens routed to each), and the experts that fell back to RTN."""
     layers = {}
     for name, r in results.items():
         layers[name] = {"shape": list(r.shape), "rel_error": r.loss, "seconds": r.seconds}
-    return {"version": 1, "metric": "relative Frobenius reconstruction error ||W-Wq||/||W||",
-            "layers": layers}
+        if r.calib_tokens is not None:
+            layers[name]["tokens"] = r.calib_tokens
+        if r.fallback:
+            layers[name]["fallback"] = r.fallback
+    out = {"version": 1, "metric": "relative Frobenius reconstruction error ||W-Wq||/||W||",
+           "layers": layers}
+    if spec.experts is not None:
+        blocks = spec.block_path + "."
+        experts = {n: layers[n] for n in layers
+                   if spec.is_expert_linear(n[len(blocks):].split(".", 1)[1])}
+        out["experts"] = {
+            "linears": len(experts),
+            "min_tokens": min_tokens,
+            "below_min_tokens": sorted(n for n, v in experts.items()
+                                       if v.get("tokens", min_tokens) < min_tokens),
+            "fallback_rtn": sorted(n for n, v in experts.items() if v.get("fallback") == "rtn"),
+        }
+    return out

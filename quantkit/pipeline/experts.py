@@ -1,0 +1,121 @@
+"""Mixture-of-experts blocks as per-expert Linears, for calibration and export.
+
+transformers 5 stores routed experts as fused 3-D parameters (`gate_up_proj` (E, 2I, H),
+`down_proj` (E, H, I)) and runs them with `F.linear` on slices: no per-expert module exists,
+so nothing can be hooked per expert and an nn.Linear walker misses them all. Here every
+experts module is replaced by one `LinearExperts` holding real nn.Linear modules named as the
+Hub checkpoints and vLLM's FusedMoE loader name them (`mlp.experts.{e}.gate_proj`, ...).
+
+Why per-expert Linears rather than slicing hooks on the fused tensors: with them the one
+pipeline needs no MoE branch at all. Statistics hooks see exactly the tokens routed to each
+expert, results and the writers' tensor names are the checkpoint's per-expert names, streaming
+reads the per-expert tensors from the shards under their own names, and the fused in-memory
+layout (loaded with `from_pretrained`) becomes the same modules by slicing, so both layouts
+give the same artifact. The forward keeps the model's routing (the router module is untouched).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from quantkit.arch import ArchSpec, ExpertsSpec
+
+__all__ = ["LinearExperts", "linearize_experts", "num_experts"]
+
+
+class _Expert(nn.Module):
+    """One routed expert: down(act(gate(x)) * up(x)), the SwiGLU the fused module computes."""
+
+    def __init__(self, spec: ExpertsSpec, hidden: int, inter: int, act_fn, dtype, device):
+        super().__init__()
+        make = lambda i, o: nn.Linear(i, o, bias=False, dtype=dtype, device=device)  # noqa: E731
+        setattr(self, spec.gate, make(hidden, inter))
+        setattr(self, spec.up, make(hidden, inter))
+        setattr(self, spec.down, make(inter, hidden))
+        self._names = (spec.gate, spec.up, spec.down)
+        self.act_fn = act_fn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up, down = (getattr(self, n) for n in self._names)
+        return down(self.act_fn(gate(x)) * up(x))
+
+
+class LinearExperts(nn.ModuleList):
+    """Drop-in for a transformers 5 `*Experts` module: forward(hidden, top_k_index, top_k_weights).
+
+    Same routing and summation order as the fused module (experts in index order, each
+    expert's tokens ordered by top-k slot then token). `calibrate_all` runs every expert on
+    every token so statistics hooks see all of them (llm-compressor's
+    moe_calibrate_all_experts); the output still sums only the routed tokens' results.
+    """
+
+    def __init__(self, experts: list[_Expert], calibrate_all: bool = False):
+        super().__init__(experts)
+        self.calibrate_all = calibrate_all
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(hidden_states)
+        slots = top_k_index.T  # (top_k, tokens)
+        for e, expert in enumerate(self):
+            pos, tok = torch.where(slots == e)
+            if self.calibrate_all:
+                y = expert(hidden_states)[tok]
+            elif tok.numel():
+                y = expert(hidden_states[tok])
+            else:
+                continue
+            y = y * top_k_weights[tok, pos, None]
+            out.index_add_(0, tok, y.to(out.dtype))
+        return out
+
+
+def num_experts(block: nn.Module, spec: ArchSpec) -> int:
+    """Routed experts in this block (0 for a dense block or a dense architecture)."""
+    if spec.experts is None:
+        return 0
+    try:
+        mod = block.get_submodule(spec.experts.module)
+    except AttributeError:
+        return 0
+    if isinstance(mod, LinearExperts):
+        return len(mod)
+    fused = getattr(mod, spec.experts.fused_gate_up, None)
+    return int(fused.shape[0]) if fused is not None else 0
+
+
+def linearize_experts(model: nn.Module, spec: ArchSpec, calibrate_all: bool = False) -> nn.Module:
+    """Replace every fused experts module of `model` by a LinearExperts, in place (idempotent).
+
+    Works on meta skeletons (shapes only: streaming fills them from the shards) and on loaded
+    models (the fused weights are sliced: gate = rows [:I], up = rows [I:] of gate_up_proj).
+    """
+    if spec.experts is None:
+        return model
+    es = spec.experts
+    for block in model.get_submodule(spec.block_path):
+        try:
+            fused = block.get_submodule(es.module)
+        except AttributeError:
+            continue  # a dense block of a MoE model
+        if isinstance(fused, LinearExperts):
+            fused.calibrate_all = calibrate_all
+            continue
+        gate_up = getattr(fused, es.fused_gate_up)
+        down = getattr(fused, es.fused_down)
+        n, two_inter, hidden = gate_up.shape
+        inter = two_inter // 2
+        experts = []
+        for e in range(n):
+            expert = _Expert(es, hidden, inter, fused.act_fn, gate_up.dtype, gate_up.device)
+            if gate_up.device.type != "meta":
+                with torch.no_grad():
+                    getattr(expert, es.gate).weight.copy_(gate_up[e, :inter])
+                    getattr(expert, es.up).weight.copy_(gate_up[e, inter:])
+                    getattr(expert, es.down).weight.copy_(down[e])
+            experts.append(expert)
+        owner_name, _, leaf = es.module.rpartition(".")
+        owner = block.get_submodule(owner_name) if owner_name else block
+        setattr(owner, leaf, LinearExperts(experts, calibrate_all))
+    return model

@@ -1,0 +1,288 @@
+"""Mixture of experts (Qwen3-MoE) through the one pipeline: per-expert statistics, both input
+layouts, starved experts, the artifact in real vLLM.
+
+The tiny model is a real Qwen3MoeForCausalLM (hidden 256, 2 layers, 8 experts, top-2,
+moe_intermediate 256) with random weights, saved by transformers 5 (per-expert tensors on
+disk, fused 3-D experts in memory).
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from tiny_models import make_tiny_model
+
+from quantkit.arch import spec_for_config
+from quantkit.formats.compressed_tensors import read_compressed_tensors
+from quantkit.pipeline.quantize import QuantizeRequest, linear_shapes, quantize
+from quantkit.types import QuantScheme
+
+SCHEME = QuantScheme(bits=4, group_size=64)
+STARVED = (6, 7)  # experts the starved model's router never picks
+
+
+def _quantize(model: Path, out: Path, method: str, **kw) -> Path:
+    req = QuantizeRequest(model=str(model), method=method, scheme=kw.pop("scheme", SCHEME),
+                          out=out, calib_samples=8, calib_seqlen=64, resume=False, **kw)
+    quantize(req)
+    return out
+
+
+def _tensors(path: Path) -> dict[str, torch.Tensor]:
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}
+
+
+@pytest.fixture(scope="module")
+def moe_model(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("qwen3moe"), "qwen3_moe")
+
+
+@pytest.fixture(scope="module")
+def starved_model(tmp_path_factory) -> Path:
+    """Routers that never pick experts 6 and 7: hidden dimension 0 carries a constant +0.5 from
+    the embeddings (no o_proj / expert down_proj writes to it), so after the norm it is large
+    and positive for every token, and those two experts' router rows read it with weight -4."""
+    from transformers import AutoModelForCausalLM
+
+    path = make_tiny_model(tmp_path_factory.mktemp("qwen3moe_starved"), "qwen3_moe", seed=1)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:, 0] = 0.5
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight[0] = 0
+            layer.mlp.experts.down_proj[:, 0] = 0
+            layer.mlp.gate.weight[:, 0] = 0
+            layer.mlp.gate.weight[list(STARVED), 0] = -4.0
+    model.save_pretrained(path)
+    return path
+
+
+def test_arch_row_describes_experts(moe_model):
+    config = json.loads((moe_model / "config.json").read_text())
+    spec = spec_for_config(config)
+    assert spec.name == "qwen3_moe" and spec.experts.count(config) == 8
+    groups = spec.groups_for(8)
+    assert groups[2:4] == (("mlp.gate_proj", "mlp.up_proj"), ("mlp.down_proj",))  # dense blocks
+    assert groups[4][:2] == ("mlp.experts.0.gate_proj", "mlp.experts.0.up_proj")
+    assert len(groups[4]) == 16 and groups[5][7] == "mlp.experts.7.down_proj"
+    assert spec.is_expert_linear("mlp.experts.3.down_proj")
+    assert not spec.is_expert_linear("mlp.gate") and not spec.is_expert_linear("mlp.down_proj")
+    from quantkit.model_io import load_config
+
+    shapes = linear_shapes(load_config(moe_model), spec)
+    assert shapes["model.layers.1.mlp.experts.7.gate_proj"] == (256, 256)
+    assert shapes["model.layers.1.mlp.experts.7.down_proj"] == (256, 256)
+    assert len([n for n in shapes if ".mlp.experts." in n]) == 2 * 8 * 3
+    assert not any(n.endswith("mlp.gate") for n in shapes)  # the router stays unquantized
+
+
+FP8 = QuantScheme(kind="fp8", bits=8, group_size=-1)
+
+
+def _fp8(model: Path, out: Path, **kw) -> Path:
+    return _quantize(model, out, "fp8", scheme=FP8, method_options={"scheme": "dynamic"}, **kw)
+
+
+def test_fp8_dynamic_experts_both_layouts(moe_model, tmp_path):
+    streamed = _fp8(moe_model, tmp_path / "streamed")
+    fused = _fp8(moe_model, tmp_path / "fused", stream=False)
+    assert (streamed / "model.safetensors").read_bytes() == (fused / "model.safetensors").read_bytes()
+    t = _tensors(streamed)
+    base = "model.layers.1.mlp.experts.7.down_proj"
+    assert t[f"{base}.weight"].dtype == torch.float8_e4m3fn and t[f"{base}.weight"].shape == (256, 256)
+    assert t[f"{base}.weight_scale"].shape == (256, 1)
+    assert t["model.layers.1.mlp.gate.weight"].dtype == torch.bfloat16
+    qcfg = json.loads((streamed / "config.json").read_text())["quantization_config"]
+    assert qcfg["format"] == "float-quantized" and r"re:.*mlp\.gate$" in qcfg["ignore"]
+
+
+def test_moe_refuses_what_is_not_built_yet(moe_model, tmp_path):
+    from quantkit.errors import SchemeMismatch
+
+    with pytest.raises(SchemeMismatch, match="Method awq does not handle the experts") as e:
+        _quantize(moe_model, tmp_path / "awq", "awq")
+    assert "--method gptq" in e.value.hint
+    with pytest.raises(SchemeMismatch, match="Format gguf cannot store the experts") as e:
+        _quantize(moe_model, tmp_path / "gguf", "gguf", format="gguf",
+                  scheme=QuantScheme(kind="kquant", gguf_type="q4_k_m"),
+                  method_options={"gguf_type": "q4_k_m"})
+    assert "--format compressed-tensors" in e.value.hint
+    assert not (tmp_path / "awq").exists() and not (tmp_path / "gguf").exists()
+
+
+@pytest.mark.parametrize("method", ["rtn", "gptq"])
+def test_per_expert_and_fused_layouts_give_identical_artifacts(moe_model, tmp_path, method):
+    """Streaming reads the per-expert tensors of the shards; --no-stream loads transformers 5's
+    fused experts and slices them: the same bytes either way, under vLLM's per-expert names."""
+    streamed = _quantize(moe_model, tmp_path / "streamed", method)
+    fused = _quantize(moe_model, tmp_path / "fused", method, stream=False)
+    assert (streamed / "model.safetensors").read_bytes() == (fused / "model.safetensors").read_bytes()
+    t = _tensors(streamed)
+    for e in range(8):
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            base = f"model.layers.1.mlp.experts.{e}.{proj}"
+            assert t[f"{base}.weight_packed"].dtype == torch.int32
+            assert t[f"{base}.weight_packed"].shape == (256, 256 * 4 // 32)
+            assert t[f"{base}.weight_scale"].shape == (256, 256 // 64)
+            assert t[f"{base}.weight_shape"].tolist() == [256, 256]
+            assert f"{base}.weight" not in t
+    assert t["model.layers.0.mlp.gate.weight"].dtype == torch.bfloat16  # router: unquantized
+    assert not any("gate_up_proj" in k for k in t)
+    qcfg = json.loads((streamed / "config.json").read_text())["quantization_config"]
+    assert qcfg["ignore"] == ["lm_head", r"re:.*mlp\.gate$"]
+    stats = json.loads((streamed / "quantkit_stats.json").read_text())
+    assert stats["experts"]["linears"] == 48 and stats["experts"]["fallback_rtn"] == []
+    if method == "gptq":  # every token goes to top-2 experts: tokens sum to 2 x calibration
+        layer0 = {k: v["tokens"] for k, v in stats["layers"].items()
+                  if k.startswith("model.layers.0.mlp.experts.") and k.endswith("gate_proj")}
+        assert sum(layer0.values()) == 2 * 8 * 64 and min(layer0.values()) > 0
+        assert stats["layers"]["model.layers.0.self_attn.q_proj"]["tokens"] == 8 * 64
+
+
+def test_plan_counts_per_expert_hessians_one_block_at_a_time():
+    """Qwen3-30B-A3B shapes (hidden 2048, 128 experts, moe_intermediate 768): GPTQ holds one
+    Hessian per expert Linear of a group (2 x 128 x 2048^2 fp32 = 4 GiB for gate/up), for
+    ONE block at a time: more layers do not raise the peak."""
+    from transformers import Qwen3MoeConfig
+
+    from quantkit.pipeline.plan import estimate
+
+    def plan(layers: int):
+        config = Qwen3MoeConfig(hidden_size=2048, num_hidden_layers=layers, num_attention_heads=32,
+                                num_key_value_heads=4, head_dim=128, intermediate_size=6144,
+                                moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+                                vocab_size=151936, tie_word_embeddings=False)
+        config.architectures = ["Qwen3MoeForCausalLM"]
+        return estimate(config, spec_for_config(config), method="gptq",
+                        scheme=QuantScheme(bits=4, group_size=128), calib_samples=128,
+                        calib_seqlen=2048, calibrated=True, calib_batch=8)
+
+    two, four = plan(2), plan(4)
+    experts = 128 * 3 * 2048 * 768
+    assert experts < two.block_params < experts + 30e6  # + router, attention, norms
+    hessians = 2 * 128 * 2048**2 * 4
+    assert two.phase_bytes["blocks"] > hessians
+    assert four.phase_bytes["blocks"] == two.phase_bytes["blocks"]  # streaming: one block
+    assert four.disk_bytes > 1.9 * (two.disk_bytes - 151936 * 2048 * 2 * 2)
+
+
+def _output_error(model_dir: Path, artifact: Path, expert: int) -> float:
+    """||X (W - Wq)^T|| / ||X W^T|| of block 0's expert `expert` gate_proj, X = every token's
+    normalised hidden state (what that expert would read if the router picked it)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from quantkit.calibration import load_heldout_text
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    ids = tok(load_heldout_text("mixed")[0], return_tensors="pt")["input_ids"][:, :512]
+    seen = []
+    hook = model.model.layers[0].mlp.register_forward_pre_hook(lambda _m, a: seen.append(a[0]))
+    with torch.no_grad():
+        model(ids)
+    hook.remove()
+    x = seen[0].reshape(-1, seen[0].shape[-1])
+    inter = model.config.moe_intermediate_size
+    w = model.model.layers[0].mlp.experts.gate_up_proj[expert, :inter]
+    wq = read_compressed_tensors(artifact)[f"model.layers.0.mlp.experts.{expert}.gate_proj.weight"]
+    return float((x @ (w - wq).T).norm() / (x @ w.T).norm())
+
+
+def test_starved_experts_fall_back_to_rtn_and_calibrate_with_all_experts(starved_model, tmp_path):
+    with pytest.warns(RuntimeWarning, match="received no calibration tokens and fall back to RTN"):
+        routed = _quantize(starved_model, tmp_path / "routed", "gptq")
+    stats = json.loads((routed / "quantkit_stats.json").read_text())
+    starved = [f"model.layers.{i}.mlp.experts.{e}.{p}" for i in (0, 1) for e in STARVED
+               for p in ("gate_proj", "up_proj", "down_proj")]
+    experts = {k: v for k, v in stats["layers"].items() if ".mlp.experts." in k}
+    # this tiny random model's routing is lopsided anyway: other experts may starve too
+    empty = sorted(k for k, v in experts.items() if v["tokens"] == 0)
+    few = sorted(k for k, v in experts.items() if v["tokens"] < 16)
+    assert set(starved) <= set(empty)
+    assert sorted(stats["experts"]["fallback_rtn"]) == empty
+    assert sorted(stats["experts"]["below_min_tokens"]) == few
+    for name in empty:
+        assert 0 < experts[name]["rel_error"] < 1
+    assert all("fallback" not in v for k, v in experts.items() if k not in empty)
+    assert sum(v["tokens"] for v in experts.values()) == 2 * 3 * 2 * 8 * 64  # layers x projs x top-2
+    weights = read_compressed_tensors(routed)
+    assert all(torch.isfinite(v).all() for v in weights.values() if v.is_floating_point())
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no fallback, no few-token warning
+        everyone = _quantize(starved_model, tmp_path / "all", "gptq",
+                             moe_calibrate_all_experts=True)
+    stats_all = json.loads((everyone / "quantkit_stats.json").read_text())
+    assert stats_all["experts"]["fallback_rtn"] == [] == stats_all["experts"]["below_min_tokens"]
+    assert all(v["tokens"] == 8 * 64 for k, v in stats_all["layers"].items() if ".mlp.experts." in k)
+    meta = json.loads((everyone / "quantkit.json").read_text())
+    assert meta["moe"]["calibrate_all_experts"] is True
+    assert "--moe-calibrate-all-experts" in meta["command"]
+    # the block outputs keep the real routing: the attention and the fed experts of block 0
+    # see exactly the same inputs in both runs, so they quantize to the same codes
+    routed_t, all_t = _tensors(routed), _tensors(everyone)
+    assert torch.equal(routed_t["model.layers.0.self_attn.q_proj.weight_packed"],
+                       all_t["model.layers.0.self_attn.q_proj.weight_packed"])
+    for e in STARVED:
+        before = _output_error(starved_model, routed, e)
+        after = _output_error(starved_model, everyone, e)
+        print(f"expert {e}: output error RTN fallback {before:.4f} -> all-experts GPTQ {after:.4f}")
+        assert after < 0.9 * before
+
+
+@pytest.mark.engine
+def test_moe_artifact_in_real_vllm(moe_model, tmp_path):
+    """The packed artifact in vLLM: its config is accepted (vLLM picks its compressed-tensors
+    WNA16 MoE method for the experts, the router stays unquantized), then the CPU MoE int4
+    kernel, which needs AMX, refuses at engine start on CPUs without AMX. Decoded back to bf16
+    under the same per-expert names, vLLM's FusedMoE loader reads it and vLLM predicts what
+    quantkit's loader predicts."""
+    import shutil
+
+    from safetensors.torch import save_file
+    from vllm_checks import agreement, heldout_ids
+
+    from quantkit.engines.vllm import run_vllm
+    from quantkit.errors import EngineError
+    from quantkit.loader import load_artifact
+
+    artifact = _quantize(moe_model, tmp_path / "rtn", "rtn")
+    prompt = [{"prompt": "The capital of France is", "max_tokens": 4}]
+    if not torch.cpu._is_amx_tile_supported():
+        with pytest.raises(EngineError) as e:
+            run_vllm(artifact, generate=prompt, max_model_len=256)
+        assert "No WNA16 MoE backend supports the deployment configuration." in str(e.value)
+        assert "Using CompressedTensorsWNA16MoEMethod" in e.value.log
+    else:
+        assert len(run_vllm(artifact, generate=prompt, max_model_len=256)["generate"]) == 1
+
+    fp8 = _fp8(moe_model, tmp_path / "fp8")
+    if not torch.cpu._is_amx_tile_supported():  # FP8 MoE on CPU needs AMX too; the weights
+        with pytest.raises(EngineError) as e:  # were read under their names before it refused
+            run_vllm(fp8, generate=prompt, max_model_len=256)
+        assert "Unsupported FP8 MoE backend: NONE" in str(e.value)
+        assert "process_weights_after_loading" in e.value.log
+
+    decoded = tmp_path / "decoded"
+    decoded.mkdir()
+    state = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v).contiguous()
+             for k, v in read_compressed_tensors(artifact).items()}
+    assert "model.layers.0.mlp.experts.5.down_proj.weight" in state
+    save_file(state, str(decoded / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((artifact / "config.json").read_text())
+    del config["quantization_config"]
+    (decoded / "config.json").write_text(json.dumps(config))
+    for f in artifact.glob("tokenizer*"):
+        shutil.copy2(f, decoded / f.name)
+    ids = heldout_ids(load_artifact(artifact).tokenizer, 256)
+    res = run_vllm(decoded, generate=prompt, score=[ids], max_model_len=512)
+    assert len(res["generate"][0]) > 0
+    share = agreement(artifact, res["score"][0]["top1"], ids)
+    print(f"vLLM (decoded bf16) vs quantkit loader top-1 agreement: {share:.3f}")
+    assert share >= 0.9
