@@ -15,12 +15,12 @@ clipping search, the final rounding. Prints a table and the peak RSS.
 from __future__ import annotations
 
 import argparse
-import collections
-import functools
 import resource
 import tempfile
 import time
 from pathlib import Path
+
+from phase_timer import PhaseTimer
 
 
 def main() -> None:
@@ -41,23 +41,8 @@ def main() -> None:
     from quantkit.types import QuantScheme
 
     torch.set_num_threads(args.threads)
-    seconds: collections.Counter = collections.Counter()
-    count: collections.Counter = collections.Counter()
-
-    def timed(owner, attr: str, label: str) -> None:
-        fn = getattr(owner, attr, None)
-        if fn is None:  # a phase this version of the code does not have
-            return
-
-        @functools.wraps(fn)
-        def wrapper(*a, **k):
-            t = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                seconds[label] += time.perf_counter() - t
-                count[label] += 1
-        setattr(owner, attr, wrapper)
+    timer = PhaseTimer()
+    timed, seconds, calls = timer.wrap, timer.seconds, timer.calls
 
     timed(blocks, "run_block", "block forwards (run_block)")
     timed(blocks, "_group_stats", "separate statistics pass")
@@ -81,7 +66,7 @@ def main() -> None:
         total = time.perf_counter() - t
     print(f"{'total (load + quantize + save)':34s} {total:7.1f} s   (quantize(): {meta['seconds']})")
     for label, s in seconds.items():
-        print(f"{label:34s} {s:7.2f} s  ({count[label]} calls)")
+        print(f"{label:34s} {s:7.2f} s  ({len(calls[label])} calls)")
     print(f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB")
 
 

@@ -14,12 +14,12 @@ Prints a table and the per-block forward times; the peak RSS at the end.
 from __future__ import annotations
 
 import argparse
-import collections
-import functools
 import resource
 import tempfile
 import time
 from pathlib import Path
+
+from phase_timer import PhaseTimer
 
 
 def main() -> None:
@@ -41,22 +41,8 @@ def main() -> None:
     from quantkit.types import QuantScheme
 
     torch.set_num_threads(args.threads)
-    seconds: collections.Counter = collections.Counter()
-    calls: dict[str, list[float]] = collections.defaultdict(list)
-
-    def timed(owner, attr: str, label: str) -> None:
-        fn = getattr(owner, attr)
-
-        @functools.wraps(fn)
-        def wrapper(*a, **k):
-            t = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                dt = time.perf_counter() - t
-                seconds[label] += dt
-                calls[label].append(dt)
-        setattr(owner, attr, wrapper)
+    timer = PhaseTimer()
+    timed, seconds, calls = timer.wrap, timer.seconds, timer.calls
 
     timed(staged.StagedForward, "advance", "forward: up to each group")
     timed(staged.StagedForward, "finish", "forward: rest of the block")

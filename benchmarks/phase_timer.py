@@ -1,0 +1,35 @@
+"""Wall time per phase, by wrapping a module's or class's own functions (no copy of their code).
+
+Shared by the *_cpu_phases.py benchmarks: `timer.wrap(owner, "fn", "label")` replaces
+owner.fn with a timed wrapper; `timer.seconds[label]` sums, `timer.calls[label]` lists each call.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import time
+
+
+class PhaseTimer:
+    def __init__(self) -> None:
+        self.seconds: collections.Counter = collections.Counter()
+        self.calls: dict[str, list[float]] = collections.defaultdict(list)
+
+    def wrap(self, owner, attr: str, label: str) -> None:
+        """Time owner.attr under `label`; a missing attribute (a phase this version of the code
+        does not have) is left alone."""
+        fn = getattr(owner, attr, None)
+        if fn is None:
+            return
+
+        @functools.wraps(fn)
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                dt = time.perf_counter() - t
+                self.seconds[label] += dt
+                self.calls[label].append(dt)
+        setattr(owner, attr, wrapper)
