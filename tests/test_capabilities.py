@@ -156,7 +156,7 @@ def test_eval_speed_of_int4_in_vllm_keeps_accuracy_and_says_what_to_do(rtn4_arti
     assert f"Run `quantkit eval {rtn4_artifact} --speed --speed-engine transformers` instead" in err
     assert "quantkit doctor" in err
     assert f"saved in {out}" in err
-    assert record["speed"] == {"engine": "vllm", "not_run": vllm_cannot_run("int4")}
+    assert record["speed"] == {"engine": "vllm", "unmeasured": vllm_cannot_run("int4")}
 
 
 _SKIPPING_TESTS = '''
