@@ -454,10 +454,15 @@ def test_smollm2_fp8_in_vllm(smollm_fp8):
 
 
 def test_prepare_announces_the_block_fallback():
+    """Some Linears untileable: announced (they keep a dense copy); all of them: refused
+    before any work, naming the schemes that fit."""
     with warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter("always")
-        FP8Quantizer("block").prepare(shapes={"x": (576, 576)})
+        FP8Quantizer("block").prepare(shapes={"x": (576, 576), "y": (256, 256)})
     assert "do not tile 1 Linear" in str(rec[0].message)
+    with pytest.raises(SchemeMismatch, match="nothing would be stored in FP8") as exc:
+        FP8Quantizer("block").prepare(shapes={"x": (576, 576)})
+    assert "--scheme dynamic" in exc.value.hint
 
 
 # ----------------------------------------- the ModelOpt reference, run as a subprocess ----

@@ -101,7 +101,9 @@ class QuantizeRequest:
         import shlex
 
         s = self.scheme
-        args = [self.model, "--method", self.method, "--format", self.format]
+        # GGUF files are the gguf method's only format (the CLI refuses any other --format)
+        fmt = "gguf" if self.method == "gguf" else self.format
+        args = [self.model, "--method", self.method, "--format", fmt]
         if self.method == "gguf":
             args += ["--gguf-type", str(self.method_options.get("gguf_type") or s.gguf_type)]
         elif self.method == "fp8":
