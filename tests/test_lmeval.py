@@ -19,7 +19,8 @@ pytestmark = pytest.mark.engine
 CLOZE = "quantkit_cloze_mixed"
 ROLLING = "quantkit_heldout_mixed"
 ROLLING_DOCS = 20  # 10 was too few: hf vs llama.cpp word perplexity then differed by 1.3 %
-CLOZE_DOCS = 120  # of the task's 300 items: enough to sit far from chance, 2.5x faster on 2 cores
+CLOZE_DOCS = 60  # of the task's 300 items: far from chance; 120 took 14 min more on an AVX2 CPU
+# (vLLM 835 s, llama.cpp 282 s). Engines must agree item for item: tolerances are in items.
 
 
 @pytest.fixture(scope="module")
@@ -45,15 +46,15 @@ def test_offline_cloze_task_is_meaningful(hf_base):
     assert _acc(hf_base) > 0.5
 
 
-def test_hf_and_vllm_agree_within_one_point(hf_base, smollm_path):
+def test_hf_and_vllm_agree_within_one_item(hf_base, smollm_path):
     res = run_tasks(str(smollm_path), [CLOZE], backend="vllm", limit=CLOZE_DOCS)
-    assert abs(_acc(res) - _acc(hf_base)) <= 0.01 + 1e-9
+    assert abs(_acc(res) - _acc(hf_base)) * CLOZE_DOCS <= 1 + 1e-9
 
 
-def test_llamacpp_on_the_base_gguf_within_two_points(hf_base):
+def test_llamacpp_on_the_base_gguf_within_two_items(hf_base):
     gguf = str(builtin_gguf_path("smollm2-135m"))  # the same weights, natively Q4_1
     res = run_tasks(gguf, [CLOZE], backend="llamacpp", limit=CLOZE_DOCS)
-    assert abs(_acc(res) - _acc(hf_base)) <= 0.02 + 1e-9
+    assert abs(_acc(res) - _acc(hf_base)) * CLOZE_DOCS <= 2 + 1e-9
     res = run_tasks(gguf, [ROLLING], backend="llamacpp", limit=ROLLING_DOCS)
     # the same rolling-window convention gives the same perplexity within 1 %
     wp_hf = hf_base["tasks"][ROLLING]["word_perplexity"]["value"]
@@ -99,7 +100,7 @@ def test_rtn_flips_and_vllm(rtn4_artifact, hf_base, tmp_path):
     assert record["lm_eval"]["backend"] == "hf" and record["lm_eval"]["seed"] == 1234
     if vllm_runs("int4"):
         vres = run_tasks(str(rtn4_artifact), [CLOZE], backend="vllm", limit=CLOZE_DOCS)
-        assert abs(_acc(vres) - record["metrics"]["tasks"][CLOZE]["acc"]["value"]) <= 0.01 + 1e-9
+        assert abs(_acc(vres) - record["metrics"]["tasks"][CLOZE]["acc"]["value"]) * CLOZE_DOCS <= 1 + 1e-9
     else:  # vLLM's CPU int4 kernel is missing on this CPU (see test_engines_vllm.py)
         with pytest.raises(EngineError, match="cpu_gemm_wna16"):
             run_vllm(rtn4_artifact, generate=[{"prompt": "Hi", "max_tokens": 1}])
