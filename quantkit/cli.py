@@ -665,6 +665,10 @@ def _doctor_text(r: dict) -> str:
                            ("FP8 128x128 blocks (AMX)", "fp8_block"),
                            ("INT8 W8A8 (oneDNN)", "int8_w8a8")):
             lines.append(f"  {label:<56} {'yes' if v[key] else 'MISSING'}")
+        if v.get("int4_w4a8_default"):
+            lines.append("  note: on this CPU (AMX) vLLM's default runs int4 checkpoints as W4A8 "
+                         "(activations rounded to int8); quantkit runs them as written "
+                         "(VLLM_CPU_INT4_W4A8=0) unless you set VLLM_CPU_INT4_W4A8=1")
         lines.append(f"  (probe cached in {v['cache_file']}; --refresh probes again)")
     else:
         lines.append(f"vLLM       not usable: {v['error']}")

@@ -66,4 +66,21 @@ def loader_greedy(artifact_path, prompt: str, max_tokens: int) -> str:
     ids = lm.tokenizer(prompt, return_tensors="pt")["input_ids"]
     with torch.no_grad():
         out = lm.model.generate(ids, max_new_tokens=max_tokens, do_sample=False)
-    return lm.tokenizer.decode(out[0, ids.shape[1]:])
+    # vLLM's detokenizer skips special tokens (its default): an end-of-turn token is not text
+    return lm.tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+
+def vllm_mean_nll(scored: dict) -> float:
+    """Mean negative log-likelihood of the scored tokens from vLLM's prompt log-probs."""
+    lps = [lp for lp in scored["logprobs"] if lp is not None]
+    return -sum(lps) / len(lps)
+
+
+def loader_mean_nll(artifact_path, ids) -> float:
+    """The same mean NLL from quantkit's loader (position i-1 predicts token i)."""
+    from quantkit.loader import load_artifact
+
+    lm = load_artifact(artifact_path)
+    with torch.no_grad():
+        logp = torch.log_softmax(lm.model(torch.tensor([ids])).logits[0].float(), -1)
+    return float(-logp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].mean())

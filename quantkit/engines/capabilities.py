@@ -31,6 +31,7 @@ __all__ = ["VllmCapabilities", "vllm_capabilities", "vllm_cannot_run", "explain_
 
 _WORKER = Path(__file__).with_name("vllm_probe_worker.py")
 _PROBE_TIMEOUT_S = 300
+_PROBE_VERSION = 2  # bump when vllm_probe_worker.py asks something new: old answers lack it
 
 # one phrase per missing capability: vllm_cannot_run returns these, error messages reuse them
 _WHY = {
@@ -59,6 +60,9 @@ class VllmCapabilities:
     fp8_static: bool = False  # FP8 per-tensor weights (vLLM fp8 / FP8 static)
     fp8_block: bool = False  # FP8 128x128 blocks
     int8_w8a8: bool = False  # oneDNN int8 GEMM + int8 activation quantization
+    # vLLM's own default on this CPU runs int4 checkpoints as W4A8 (int8 activations, AMX):
+    # quantkit's vLLM runs turn that off (VLLM_CPU_INT4_W4A8=0) unless the user set it
+    int4_w4a8_default: bool = False
     wna16_weight_types: list[str] = field(default_factory=list)
     ops: dict[str, str | None] = field(default_factory=dict)  # op -> schema (None: missing)
     kernels: dict[str, list] = field(default_factory=dict)  # vLLM kernel class -> [ok, reason]
@@ -103,7 +107,7 @@ def _vllm_version_on_disk(python: Path) -> str:
 
 def _cache_path(python: Path, version: str) -> Path:
     cpu = cpu_info()
-    key = json.dumps([str(python), version, cpu["model"], cpu["flags_hash"]])
+    key = json.dumps([str(python), version, cpu["model"], cpu["flags_hash"], _PROBE_VERSION])
     return probe_cache_dir() / f"vllm-{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
 
 
@@ -131,6 +135,8 @@ def _from_probe(raw: dict, python: Path, cache_file: Path) -> VllmCapabilities:
         int8_w8a8=not cpu or all(_real_op(ops.get(o)) for o in (
             "create_onednn_scaled_mm_handler", "onednn_scaled_mm", "static_scaled_int8_quant",
             "dynamic_scaled_int8_quant")),
+        int4_w4a8_default=cpu and bool(raw.get("amx_tile"))
+        and _real_op(ops.get("int4_scaled_mm_cpu")),
         wna16_weight_types=types if isinstance(types, list) else [],
         ops=ops, kernels=kernels, cache_file=str(cache_file))
 

@@ -43,10 +43,16 @@ def vllm_env() -> dict[str, str]:
     took 45 s with them and 19-21 s with the engine in the worker's process
     (VLLM_ENABLE_V1_MULTIPROCESSING=0 + the "uni" executor, set by the workers) and every
     core given to torch (OMP_NUM_THREADS). Values already in the environment win.
+
+    VLLM_CPU_INT4_W4A8=0: on CPUs with AMX, vLLM 0.32 by default runs int4 checkpoints as W4A8,
+    rounding every activation to int8 per token; measured on SmolLM2 RTN W4 g64 that raised
+    the held-out NLL from 2.525 (what the W4A16 checkpoint computes, in bf16 or fp32) to 2.574
+    and top-1 agreement fell to 0.91. quantkit scores and times what the checkpoint declares;
+    set VLLM_CPU_INT4_W4A8=1 to get vLLM's AMX default (`quantkit doctor` says if it applies).
     """
     env = {**os.environ}
     for key, value in {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-                       "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+                       "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_INT4_W4A8": "0",
                        "OMP_NUM_THREADS": str(len(os.sched_getaffinity(0)))}.items():
         env.setdefault(key, value)
     env.update({"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",

@@ -24,7 +24,8 @@ OPS = ["cpu_gemm_wna16",  # CPUWNA16LinearKernel: int4 weights (GPTQ, AWQ, compr
        "fp8_scaled_mm_cpu", "cpu_has_amx_fp8",  # the AMX FP8 kernels
        "create_onednn_scaled_mm_handler", "onednn_scaled_mm",  # CPUInt8ScaledMMLinearKernel
        "static_scaled_int8_quant", "dynamic_scaled_int8_quant",
-       "int8_scaled_mm_with_quant"]  # its AMX variant
+       "int8_scaled_mm_with_quant",  # its AMX variant
+       "int4_scaled_mm_cpu"]  # int4 weights x int8 activations: vLLM's int4 path on AMX CPUs
 
 
 def _schema(ns, name: str):
@@ -72,6 +73,12 @@ def main(resp_path: str) -> None:
            "platform": type(current_platform).__name__, "kernel_libraries": loaded,
            "ops": {name: _schema(ns, name) for name in OPS},
            "fp8_scaled_mm_error": _fp8_scaled_mm(torch)}
+    # vLLM's CPUWNA16 kernel runs int4 checkpoints as W4A8 (activations rounded to int8 per
+    # token) where torch reports AMX and VLLM_CPU_INT4_W4A8 is on (its default)
+    try:
+        out["amx_tile"] = bool(torch.cpu._is_amx_tile_supported())
+    except Exception:  # noqa: BLE001 - an older torch: no AMX path either
+        out["amx_tile"] = False
     try:
         from vllm.model_executor.kernels.linear.mixed_precision import cpu as wna16
 
