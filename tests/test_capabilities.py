@@ -72,6 +72,14 @@ def test_reason_phrases_follow_the_probe():
              "by CPUWNA16, supported types are: (ScalarType.uint4, ScalarType.uint4b8)")
     assert explain_vllm_failure(w8a16) == vllm_cannot_run("int8")  # measured with RTN W8A16
     assert explain_vllm_failure("ValueError: something else") is None
+    # quantized experts go through vLLM's fused-MoE kernels, not the Linear ones
+    assert (vllm_cannot_run("int4", moe=True) is None) == (caps.int4_wna16 and caps.moe_quantized)
+    assert vllm_cannot_run("fp8-dynamic", moe=True) == vllm_cannot_run("fp8-static", moe=True)
+    assert "128x128 block-scaled experts" in vllm_cannot_run("fp8-dynamic", moe=True)
+    assert explain_vllm_failure("ValueError: Unsupported FP8 MoE backend: NONE") == \
+        vllm_cannot_run("fp8-dynamic", moe=True)
+    assert "AMX" in explain_vllm_failure(
+        "NotImplementedError: No WNA16 MoE backend supports the deployment configuration.")
 
 
 @pytest.mark.engine

@@ -31,11 +31,12 @@ def engine_check(kind: str, real: bool, reason: str | None = None) -> None:
     ENGINE_CHECKS.append(EngineCheck(test, kind, real, reason))
 
 
-def vllm_runs(scheme: str) -> bool:
-    """Whether vLLM here has the kernel for `scheme` (int4, fp8-dynamic, fp8-static, ...): the
-    test then runs the real check, else asserts vLLM's refusal. Recorded for the summary."""
-    reason = vllm_cannot_run(scheme)
-    engine_check(f"vllm {scheme}", real=reason is None, reason=reason)
+def vllm_runs(scheme: str, *, moe: bool = False) -> bool:
+    """Whether vLLM here has the kernel for `scheme` (int4, fp8-dynamic, fp8-static, ...; `moe`:
+    as quantized experts): the test then runs the real check, else asserts vLLM's refusal.
+    Recorded for the summary."""
+    reason = vllm_cannot_run(scheme, moe=moe)
+    engine_check(f"vllm {scheme}{' moe' if moe else ''}", real=reason is None, reason=reason)
     return reason is None
 
 

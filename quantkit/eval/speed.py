@@ -50,13 +50,17 @@ def vllm_blocker(artifact: str) -> str | None:
     path = Path(str(artifact))
     if path.suffix == ".gguf":
         return vllm_cannot_run("gguf")
-    scheme = None
+    scheme, moe = None, False
     if path.is_dir():
         from quantkit.loader import artifact_meta
+        from quantkit.readers import read_json
 
         scheme = artifact_meta(path).get("scheme")
+        if (path / "config.json").is_file():
+            config = read_json(path / "config.json")
+            moe = bool(config.get("num_experts") or config.get("num_local_experts"))
     if scheme:
-        return vllm_cannot_run(scheme)
+        return vllm_cannot_run(scheme, moe=moe)
     caps = vllm_capabilities()
     return None if caps.available else f"vLLM cannot start here ({caps.error.rstrip('.')})"
 
