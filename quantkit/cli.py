@@ -665,6 +665,10 @@ def _doctor_text(r: dict) -> str:
                            ("FP8 128x128 blocks (AMX)", "fp8_block"),
                            ("INT8 W8A8 (oneDNN)", "int8_w8a8")):
             lines.append(f"  {label:<56} {'yes' if v[key] else 'MISSING'}")
+        if v["fp8"] and (v.get("fp8_vs_bf16_time") or 0) > 20:
+            lines.append(f"  note: FP8 runs through torch's reference GEMM here, "
+                         f"~{v['fp8_vs_bf16_time']:.0f}x slower than bf16: FP8 speed is not "
+                         "measured in vLLM on this CPU (accuracy is)")
         if v.get("int4_w4a8_default"):
             lines.append("  note: on this CPU (AMX) vLLM's default runs int4 checkpoints as W4A8 "
                          "(activations rounded to int8); quantkit runs them as written "

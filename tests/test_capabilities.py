@@ -14,9 +14,11 @@ import pytest
 from vllm_checks import vllm_runs
 
 from quantkit.engines.capabilities import (
+    FP8_SLOW_FACTOR,
     explain_vllm_failure,
     vllm_cannot_run,
     vllm_capabilities,
+    vllm_too_slow_to_time,
 )
 from quantkit.engines.vllm import run_vllm
 from quantkit.errors import EngineError
@@ -72,6 +74,13 @@ def test_reason_phrases_follow_the_probe():
              "by CPUWNA16, supported types are: (ScalarType.uint4, ScalarType.uint4b8)")
     assert explain_vllm_failure(w8a16) == vllm_cannot_run("int8")  # measured with RTN W8A16
     assert explain_vllm_failure("ValueError: something else") is None
+    # FP8 runs wherever torch._scaled_mm does, but may be a scalar reference path: the probe
+    # times it against bf16, and speed is not measured where it is far slower
+    if caps.fp8:
+        assert caps.fp8_vs_bf16_time is not None and caps.fp8_vs_bf16_time > 0
+        slow = vllm_too_slow_to_time("fp8-dynamic")
+        assert (slow is None) == (caps.fp8_vs_bf16_time <= FP8_SLOW_FACTOR)
+    assert vllm_too_slow_to_time("int4") is None
     # quantized experts go through vLLM's fused-MoE kernels, not the Linear ones
     assert (vllm_cannot_run("int4", moe=True) is None) == (caps.int4_wna16 and caps.moe_quantized)
     assert vllm_cannot_run("fp8-dynamic", moe=True) == vllm_cannot_run("fp8-static", moe=True)

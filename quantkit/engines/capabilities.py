@@ -26,12 +26,13 @@ from pathlib import Path
 from quantkit.errors import EngineError
 from quantkit.types import QuantScheme
 
-__all__ = ["VllmCapabilities", "vllm_capabilities", "vllm_cannot_run", "explain_vllm_failure",
+__all__ = ["VllmCapabilities", "vllm_capabilities", "vllm_cannot_run", "vllm_too_slow_to_time",
+           "explain_vllm_failure",
            "cpu_info", "llamacpp_info", "machine_report", "what_runs_here", "probe_cache_dir"]
 
 _WORKER = Path(__file__).with_name("vllm_probe_worker.py")
 _PROBE_TIMEOUT_S = 300
-_PROBE_VERSION = 2  # bump when vllm_probe_worker.py asks something new: old answers lack it
+_PROBE_VERSION = 3  # bump when vllm_probe_worker.py asks something new: old answers lack it
 
 # one phrase per missing capability: vllm_cannot_run returns these, error messages reuse them
 _WHY = {
@@ -67,6 +68,9 @@ class VllmCapabilities:
     # vLLM's own default on this CPU runs int4 checkpoints as W4A8 (int8 activations, AMX):
     # quantkit's vLLM runs turn that off (VLLM_CPU_INT4_W4A8=0) unless the user set it
     int4_w4a8_default: bool = False
+    # one FP8 torch._scaled_mm / the same bf16 matmul here (None: not measured); far above 1
+    # where torch's CPU FP8 GEMM is a scalar reference path
+    fp8_vs_bf16_time: float | None = None
     # vLLM's CPU fused-MoE kernels for int4 / FP8 experts (vLLM asks its torch for AMX)
     moe_quantized: bool = False
     wna16_weight_types: list[str] = field(default_factory=list)
@@ -142,6 +146,7 @@ def _from_probe(raw: dict, python: Path, cache_file: Path) -> VllmCapabilities:
             "create_onednn_scaled_mm_handler", "onednn_scaled_mm", "static_scaled_int8_quant",
             "dynamic_scaled_int8_quant")),
         moe_quantized=not cpu or bool(raw.get("amx_tile")),
+        fp8_vs_bf16_time=raw.get("fp8_vs_bf16_time"),
         int4_w4a8_default=cpu and bool(raw.get("amx_tile"))
         and _real_op(ops.get("int4_scaled_mm_cpu")),
         wna16_weight_types=types if isinstance(types, list) else [],
@@ -223,6 +228,24 @@ def _scheme_fields(scheme: QuantScheme | Mapping | str) -> tuple[str, int, int]:
     if not m:
         raise ValueError(f"unknown scheme name {scheme!r}")
     return "int", int(m.group(1)), 128
+
+
+FP8_SLOW_FACTOR = 20  # FP8 GEMM this many times slower than bf16: not worth timing
+
+
+def vllm_too_slow_to_time(scheme: QuantScheme | Mapping | str) -> str | None:
+    """A reason not to measure `scheme`'s speed in vLLM here although it runs: vLLM's CPU FP8
+    Linears call torch._scaled_mm, which on some CPUs is a scalar reference path (measured on an
+    AMX Xeon: one 2048x576x1536 product 32 s vs 0.08 s in bf16; a `compare --speed` row ran
+    over 14 minutes). None when the speed is worth measuring."""
+    kind, _, group = _scheme_fields(scheme)
+    caps = vllm_capabilities()
+    slow = caps.fp8_vs_bf16_time
+    if kind == "fp8" and group < 0 and caps.platform == "CpuPlatform" and slow and \
+            slow > FP8_SLOW_FACTOR:
+        return (f"vLLM's FP8 CPU path is torch's reference GEMM here (~{slow:.0f}x slower than "
+                "bf16): speed not measured")
+    return None
 
 
 def vllm_cannot_run(scheme: QuantScheme | Mapping | str, *, moe: bool = False) -> str | None:

@@ -60,6 +60,33 @@ def _fp8_scaled_mm(torch) -> str | None:
         return f"{type(exc).__name__}: {exc}"
 
 
+def _fp8_vs_bf16_time(torch) -> float | None:
+    """How many times slower one FP8 torch._scaled_mm is than the same bf16 matmul here (the
+    median of 3): on CPUs where torch has no vectorized FP8 GEMM it runs a scalar reference
+    path (measured ~400x on an AMX Xeon), which vLLM then uses for every FP8 Linear."""
+    import time
+
+    try:
+        a = torch.randn(128, 512).to(torch.float8_e4m3fn)
+        b = torch.randn(256, 512).to(torch.float8_e4m3fn).t()
+        x, w = a.to(torch.bfloat16), b.to(torch.bfloat16)
+        one = torch.ones(1, dtype=torch.float32)
+
+        def median(fn) -> float:
+            times = []
+            for _ in range(3):
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
+            return sorted(times)[1]
+
+        fp8 = median(lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one,
+                                              out_dtype=torch.bfloat16))
+        return fp8 / max(median(lambda: x @ w), 1e-6)
+    except Exception:  # noqa: BLE001 - no FP8 path at all: reported by _fp8_scaled_mm
+        return None
+
+
 def main(resp_path: str) -> None:
     import torch
     import vllm
@@ -72,7 +99,8 @@ def main(resp_path: str) -> None:
     out = {"vllm_version": vllm.__version__, "torch_version": torch.__version__,
            "platform": type(current_platform).__name__, "kernel_libraries": loaded,
            "ops": {name: _schema(ns, name) for name in OPS},
-           "fp8_scaled_mm_error": _fp8_scaled_mm(torch)}
+           "fp8_scaled_mm_error": _fp8_scaled_mm(torch),
+           "fp8_vs_bf16_time": _fp8_vs_bf16_time(torch)}
     # vLLM's CPUWNA16 kernel runs int4 checkpoints as W4A8 (activations rounded to int8 per
     # token) where torch reports AMX and VLLM_CPU_INT4_W4A8 is on (its default)
     try:

@@ -42,10 +42,15 @@ def default_engine(artifact: str) -> str:
 
 
 def vllm_blocker(artifact: str) -> str | None:
-    """Why vLLM cannot run `artifact` here (the engine probe, before any work), or None.
+    """Why vLLM cannot run `artifact` here, or cannot time it in reasonable time (the engine
+    probe, before any work), or None.
     A model alias or directory without a quantization scheme is a dense model: it needs only
     a vLLM that starts."""
-    from quantkit.engines.capabilities import vllm_cannot_run, vllm_capabilities
+    from quantkit.engines.capabilities import (
+        vllm_cannot_run,
+        vllm_capabilities,
+        vllm_too_slow_to_time,
+    )
 
     path = Path(str(artifact))
     if path.suffix == ".gguf":
@@ -60,7 +65,7 @@ def vllm_blocker(artifact: str) -> str | None:
             config = read_json(path / "config.json")
             moe = bool(config.get("num_experts") or config.get("num_local_experts"))
     if scheme:
-        return vllm_cannot_run(scheme, moe=moe)
+        return vllm_cannot_run(scheme, moe=moe) or vllm_too_slow_to_time(scheme)
     caps = vllm_capabilities()
     return None if caps.available else f"vLLM cannot start here ({caps.error.rstrip('.')})"
 
