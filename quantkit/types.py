@@ -118,6 +118,13 @@ class QuantResult:
         """The weight this result stands for (what the pipeline propagates)."""
         if self.scheme.kind != "int":
             raise NotImplementedError(f"dequantize for kind {self.scheme.kind}")
+        n, k = self.codes.shape
+        g = self.scheme.effective_group(k)
+        if self.g_idx is None and k % g == 0:  # contiguous groups: broadcast, no [N, K] gather
+            q = self.codes.float().reshape(n, k // g, g)
+            if self.zero is not None:
+                q = q - self.zero.float()[..., None]
+            return (q * self.scale.float()[..., None]).reshape(n, k).to(dtype)
         gi = self.column_groups()
         scale = self.scale.float()[:, gi]
         zero = self.zero.float()[:, gi] if self.zero is not None else 0.0
