@@ -73,7 +73,7 @@ class QuantScheme:
             g = "per-channel" if self.group_size in (-1, 0) else f"g{self.group_size}"
             if self.activations:
                 inputs = "dynamic per-token" if self.activations == "dynamic" else "static per-tensor"
-                return f"W{self.bits}A{self.bits} int {g} {'sym' if self.symmetric else 'asym'}, {inputs} inputs"
+                return f"W{self.bits}A{self.bits} int{self.bits} {g} {'sym' if self.symmetric else 'asym'}, {inputs} inputs"
             return f"W{self.bits}A16 {g} {'sym' if self.symmetric else 'asym'}"
         return self.gguf_type or self.kind
 

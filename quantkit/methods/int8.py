@@ -114,7 +114,8 @@ class Int8Quantizer:
             self.history += smooth.history
             if self._gptq is not None:
                 _smooth_hessians(ctx, smooth)
-        originals = {n: _unsmoothed(lin.weight.data, n, smooth) for n, lin in ctx.linears.items()}
+        originals = {n: _unsmoothed(lin.weight.data, n, smooth) for n, lin in ctx.linears.items()
+                     } if smooth is not None else {}
         if self._gptq is not None:
             results = self._gptq.quantize_block(ctx)  # reads ctx.scheme: int8 per-channel sym
         else:
@@ -125,8 +126,9 @@ class Int8Quantizer:
                 results[name] = res
         for name, res in results.items():
             res.scheme = self._scheme
-            w_hat = _unsmoothed(res.dequantize().to(originals[name].device), name, smooth)
-            res.loss = relative_error(originals[name], w_hat)
+            if smooth is not None:  # the error in the original weights' terms, as AWQ reports it
+                w_hat = _unsmoothed(res.dequantize().to(originals[name].device), name, smooth)
+                res.loss = relative_error(originals[name], w_hat)
         if self.static:
             for group in fused_groups(ctx):
                 scale = _static_input_scale(ctx, group, smooth)
