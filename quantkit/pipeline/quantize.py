@@ -206,7 +206,8 @@ def plan_request(req: QuantizeRequest, config, spec: ArchSpec, quantizer,
                     calib_batch=getattr(quantizer, "calib_batch_size", 1),
                     store_dtype=_storage_dtype(raw_config), streaming=req.stream is not False,
                     resume=req.resume and not hasattr(quantizer, "quantize_rest"),
-                    true_sequential=getattr(quantizer, "true_sequential", False))
+                    true_sequential=getattr(quantizer, "true_sequential", False),
+                    hessians="hessian" in getattr(quantizer, "stats", ()))
 
 
 def plan(req: QuantizeRequest) -> tuple[MemoryPlan, dict]:
