@@ -91,7 +91,7 @@ def _method_options(f):
     """The flags `quantize` and `plan` share (one definition, so they cannot drift apart)."""
     opts = [
         click.argument("model"),
-        click.option("--method", type=click.Choice(["rtn", "gptq", "awq", "fp8", "gguf"]),
+        click.option("--method", type=click.Choice(["rtn", "gptq", "awq", "fp8", "int8", "gguf"]),
                      required=True, help="Quantization algorithm."),
         click.option("--bits", type=int, default=_DEFAULT.bits, show_default=True,
                      help="Weight bits."),
@@ -115,7 +115,15 @@ def _method_options(f):
         click.option("--imatrix", type=click.Path(dir_okay=False), default=None,
                      help="GGUF: importance matrix file (llama.cpp's or quantkit's); or give "
                           "--calib to collect one from calibration data."),
-        click.option("--scheme", "fp8_scheme", default=None, help="FP8: dynamic, static or block."),
+        click.option("--scheme", "fp8_scheme", default=None,
+                     help="FP8: dynamic, static or block. int8: dynamic (per-token inputs) or "
+                          "static (one calibrated per-tensor input scale)."),
+        click.option("--smoothquant", "smoothquant", type=click.FloatRange(0.0, 1.0), default=None,
+                     metavar="ALPHA",
+                     help="int8: migrate activation outliers into the weights with strength "
+                          "ALPHA (0.5 usual), folded into the preceding norm / Linear."),
+        click.option("--rounding", type=click.Choice(["rtn", "gptq"]), default=None,
+                     help="int8: round the int8 weights to nearest (rtn, default) or with GPTQ."),
         click.option("--calib", default="mixed", show_default=True,
                      help="Calibration data: built-in set (mixed, prose, code, techdoc), a "
                           ".txt/.jsonl/.parquet file, or hf:DATASET[:CONFIG][:SPLIT][:COLUMN]."),
@@ -146,14 +154,15 @@ def _method_options(f):
 
 
 _INT_METHODS = ("rtn", "gptq", "awq")
-_CALIBRATED = ("gptq", "awq", "gguf", "fp8")
+_CALIBRATED = ("gptq", "awq", "gguf", "fp8", "int8")
 _CALIB_FLAGS = ("calib", "calib_samples", "calib_seqlen", "chat", "seed", "text_column")
 # which methods read each flag (click parameter names); given explicitly to another method, a
 # flag is refused rather than silently ignored or recorded as if it had been applied
 FLAG_READERS: dict[str, tuple[str, ...]] = {
     "bits": _INT_METHODS, "group_size": _INT_METHODS, "sym": _INT_METHODS,
-    "act_order": ("gptq",), "damp": ("gptq",), "true_sequential": ("gptq",),
-    "gguf_type": ("gguf",), "imatrix": ("gguf",), "fp8_scheme": ("fp8",),
+    "act_order": ("gptq",), "damp": ("gptq", "int8"), "true_sequential": ("gptq",),
+    "gguf_type": ("gguf",), "imatrix": ("gguf",), "fp8_scheme": ("fp8", "int8"),
+    "smoothquant": ("int8",), "rounding": ("int8",),
     **dict.fromkeys(_CALIB_FLAGS, _CALIBRATED),
     # per-expert statistics: only GPTQ gathers them for mixture-of-experts blocks so far
     "moe_calibrate_all_experts": ("gptq",), "expert_min_tokens": ("gptq",),
@@ -182,6 +191,18 @@ def check_flags_apply(ctx: click.Context, method: str, fp8_scheme: str | None,
                 f"{flag} is read by --method {' / '.join(readers)} only; --method {method} does "
                 "not use it.", f"Drop {flag}, or use --method {readers[0]}.")
     calib = [given[n] for n in _CALIB_FLAGS if n in given]
+    if method == "int8":
+        rounding = ctx.params.get("rounding") or "rtn"
+        if "damp" in given and rounding != "gptq":
+            raise QuantkitError("--damp is read by --method int8 only with --rounding gptq.",
+                                "Drop --damp, or pass --rounding gptq.")
+        reads = ((fp8_scheme or "dynamic") == "static" or ctx.params.get("smoothquant") is not None
+                 or rounding == "gptq")
+        if calib and not reads:
+            raise QuantkitError(
+                f"{calib[0]} is read by --method int8 only with --scheme static, --smoothquant "
+                "or --rounding gptq; dynamic int8 with round-to-nearest needs no calibration.",
+                f"Drop {calib[0]}, or pass one of those flags.")
     if method == "fp8" and calib and (fp8_scheme or "dynamic") != "static":
         raise QuantkitError(
             f"{calib[0]} is read by --method fp8 only with --scheme static; --scheme "
@@ -200,7 +221,8 @@ def check_flags_apply(ctx: click.Context, method: str, fp8_scheme: str | None,
 
 def _request(model, method, bits, group_size, sym, act_order, damp, true_sequential, fmt,
              gguf_type, imatrix, fp8_scheme, calib, calib_samples, calib_seqlen, chat, seed,
-             device, allow_pickle, trust_remote_code, stream, moe_calibrate_all_experts=False,
+             device, allow_pickle, trust_remote_code, stream, smoothquant=None, rounding=None,
+             moe_calibrate_all_experts=False,
              expert_min_tokens=_EXPERT_MIN_TOKENS, text_column=None, output=".", force=False,
              **extra):
     ctx = click.get_current_context()
@@ -236,6 +258,16 @@ def _request(model, method, bits, group_size, sym, act_order, damp, true_sequent
         bits, group_size = 8, _fp8_scheme(options["scheme"]).group_size  # what quantkit.json records
     scheme = QuantScheme(kind=kind, bits=bits, group_size=group_size, symmetric=sym,
                          act_order=act_order, gguf_type=gguf_type)
+    if method == "int8":
+        from quantkit.methods.int8 import int8_scheme
+
+        options["scheme"] = fp8_scheme or "dynamic"
+        if smoothquant is not None:
+            options["smoothquant"] = smoothquant
+        if rounding:
+            options["rounding"] = rounding
+        scheme = int8_scheme(options["scheme"])  # per-channel weights: no group size to fit
+        group_size_auto = False
     return QuantizeRequest(model=model, method=method, scheme=scheme, out=Path(output), format=fmt,
                            force=force, calib=calib, calib_samples=calib_samples,
                            calib_seqlen=calib_seqlen, seed=seed, chat=chat,

@@ -72,7 +72,7 @@ def _bits_per_weight(path: Path, bits: int) -> dict:
         nbytes = h["data_offsets"][1] - h["data_offsets"][0]
         all_bytes += nbytes
         base = next((name[: -len(s)] for s in _QUANT_SUFFIXES if name.endswith(s)), None)
-        if h["dtype"] in ("F8_E4M3", "F8_E5M2") and name.endswith(".weight"):  # FP8 Linears
+        if h["dtype"] in ("F8_E4M3", "F8_E5M2", "I8") and name.endswith(".weight"):  # FP8 / int8 W8A8
             q_bytes += nbytes
             q_params += _numel(h["shape"])
             all_params += _numel(h["shape"])

@@ -33,6 +33,7 @@ class Method(str, Enum):
     GPTQ = "gptq"
     AWQ = "awq"
     FP8 = "fp8"
+    INT8 = "int8"
     GGUF = "gguf"
 
 
@@ -47,7 +48,11 @@ def int_qrange(bits: int) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class QuantScheme:
-    """What a weight is turned into. `group_size=-1` means one group per output row."""
+    """What a weight is turned into. `group_size=-1` means one group per output row.
+
+    `activations`: None for weight-only schemes; "dynamic" (per-token scales computed by the
+    engine) or "static" (one calibrated per-tensor scale) when the engine also quantizes the
+    Linear's inputs to the weights' integer type (int8 W8A8)."""
 
     kind: str = "int"  # "int" | "fp8" | "kquant"
     bits: int = 4
@@ -55,6 +60,7 @@ class QuantScheme:
     symmetric: bool = True
     act_order: bool = False
     gguf_type: str | None = None
+    activations: str | None = None
 
     def groups(self, in_features: int) -> int:
         return 1 if self.group_size in (-1, 0) else -(-in_features // self.group_size)
@@ -65,6 +71,9 @@ class QuantScheme:
     def describe(self) -> str:
         if self.kind == "int":
             g = "per-channel" if self.group_size in (-1, 0) else f"g{self.group_size}"
+            if self.activations:
+                inputs = "dynamic per-token" if self.activations == "dynamic" else "static per-tensor"
+                return f"W{self.bits}A{self.bits} int{self.bits} {g} {'sym' if self.symmetric else 'asym'}, {inputs} inputs"
             return f"W{self.bits}A16 {g} {'sym' if self.symmetric else 'asym'}"
         return self.gguf_type or self.kind
 
@@ -109,6 +118,13 @@ class QuantResult:
         """The weight this result stands for (what the pipeline propagates)."""
         if self.scheme.kind != "int":
             raise NotImplementedError(f"dequantize for kind {self.scheme.kind}")
+        n, k = self.codes.shape
+        g = self.scheme.effective_group(k)
+        if self.g_idx is None and k % g == 0:  # contiguous groups: broadcast, no [N, K] gather
+            q = self.codes.float().reshape(n, k // g, g)
+            if self.zero is not None:
+                q = q - self.zero.float()[..., None]
+            return (q * self.scale.float()[..., None]).reshape(n, k).to(dtype)
         gi = self.column_groups()
         scale = self.scale.float()[:, gi]
         zero = self.zero.float()[:, gi] if self.zero is not None else 0.0

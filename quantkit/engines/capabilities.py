@@ -47,6 +47,8 @@ _WHY = {
            "CPU kernels need AMX)",
     "moe_fp8": "vLLM's CPU FP8 mixture-of-experts kernels take 128x128 block-scaled experts "
                "only, on CPUs with AMX",
+    "int8_w8a8": "vLLM's CPU build has no int8 W8A8 kernel here (oneDNN int8 GEMM and int8 "
+                 "input quantization ops missing)",
 }
 
 
@@ -210,24 +212,30 @@ def vllm_capabilities(refresh: bool = False) -> VllmCapabilities:
     return _capabilities(os.environ.get("QUANTKIT_VLLM_PYTHON"), refresh)
 
 
-def _scheme_fields(scheme: QuantScheme | Mapping | str) -> tuple[str, int, int]:
-    """(kind, bits, group_size) of a QuantScheme, a quantkit.json `scheme` dict, or a short
-    name: int4, int8, fp8 / fp8-dynamic, fp8-static, fp8-block, gguf."""
+def _scheme_fields(scheme: QuantScheme | Mapping | str) -> tuple[str, int, int, str | None]:
+    """(kind, bits, group_size, activations) of a QuantScheme, a quantkit.json `scheme` dict,
+    or a short name: int4, int8, int8-w8a8 (or w8a8, int8-w8a8-static), fp8 / fp8-dynamic,
+    fp8-static, fp8-block, gguf. activations: None for weight-only, else dynamic / static."""
     if isinstance(scheme, QuantScheme):
-        return scheme.kind, scheme.bits, scheme.group_size
+        return scheme.kind, scheme.bits, scheme.group_size, scheme.activations
     if isinstance(scheme, Mapping):
         return (str(scheme.get("kind", "int")), int(scheme.get("bits") or 4),
-                int(scheme.get("group_size") if scheme.get("group_size") is not None else 128))
+                int(scheme.get("group_size") if scheme.get("group_size") is not None else 128),
+                scheme.get("activations"))
     name = scheme.lower().replace("_", "-")
     fp8 = {"fp8": -1, "fp8-dynamic": -1, "fp8-static": 0, "fp8-block": 128}
     if name in fp8:
-        return "fp8", 8, fp8[name]
+        return "fp8", 8, fp8[name], None
     if name in ("gguf", "kquant"):
-        return "kquant", 4, 256
+        return "kquant", 4, 256, None
+    w8a8 = {"w8a8": "dynamic", "int8-w8a8": "dynamic", "int8-w8a8-dynamic": "dynamic",
+            "int8-w8a8-static": "static"}
+    if name in w8a8:
+        return "int", 8, -1, w8a8[name]
     m = re.fullmatch(r"(?:int|w)(\d+)(?:a16)?", name)
     if not m:
         raise ValueError(f"unknown scheme name {scheme!r}")
-    return "int", int(m.group(1)), 128
+    return "int", int(m.group(1)), 128, None
 
 
 FP8_SLOW_FACTOR = 20  # FP8 GEMM this many times slower than bf16: not worth timing
@@ -238,7 +246,7 @@ def vllm_too_slow_to_time(scheme: QuantScheme | Mapping | str) -> str | None:
     Linears call torch._scaled_mm, which on some CPUs is a scalar reference path (measured on an
     AMX Xeon: one 2048x576x1536 product 32 s vs 0.08 s in bf16; a `compare --speed` row ran
     over 14 minutes). None when the speed is worth measuring."""
-    kind, _, group = _scheme_fields(scheme)
+    kind, _, group, _ = _scheme_fields(scheme)
     caps = vllm_capabilities()
     slow = caps.fp8_vs_bf16_time
     if kind == "fp8" and group < 0 and caps.platform == "CpuPlatform" and slow and \
@@ -252,9 +260,9 @@ def vllm_cannot_run(scheme: QuantScheme | Mapping | str, *, moe: bool = False) -
     """None when vLLM here has a kernel for `scheme`, else ONE short phrase saying why not.
 
     `scheme`: a QuantScheme, the `scheme` dict of quantkit.json, or a short name (int4,
-    fp8-dynamic, fp8-static, fp8-block, gguf). `moe`: the model has quantized experts, which
-    vLLM runs through its fused-MoE kernels, not the Linear kernels."""
-    kind, bits, group = _scheme_fields(scheme)
+    int8-w8a8, fp8-dynamic, fp8-static, fp8-block, gguf). `moe`: the model has quantized
+    experts, which vLLM runs through its fused-MoE kernels, not the Linear kernels."""
+    kind, bits, group, activations = _scheme_fields(scheme)
     if kind == "kquant":
         return _WHY["gguf"]
     caps = vllm_capabilities()
@@ -264,6 +272,8 @@ def vllm_cannot_run(scheme: QuantScheme | Mapping | str, *, moe: bool = False) -
         return _WHY["moe_fp8"]  # vLLM 0.32: CPUExpertsFp8 takes 128-blocks (W8A16 / AMX W8A8)
     if moe and not caps.moe_quantized:
         return _WHY["moe"]
+    if kind == "int" and activations:  # W8A8: oneDNN int8 GEMM + int8 input quantization
+        return None if caps.int8_w8a8 else _WHY["int8_w8a8"]
     if kind == "int":
         if bits == 4:
             return None if caps.int4_wna16 else _WHY["int4"]
@@ -363,6 +373,9 @@ _NO_INT4 = ("accuracy: `quantkit eval ARTIFACT --base MODEL` (quantkit's loader,
 _VLLM_ARTIFACTS = [
     ("int4 RTN / GPTQ / AWQ artifacts (compressed-tensors, gptq, awq) in vLLM", "int4", _NO_INT4),
     ("int8 weight-only artifacts (--bits 8) in vLLM", "int8", _NO_INT4),
+    ("int8 W8A8 artifacts (--method int8) in vLLM", "int8-w8a8",
+     "`quantkit eval ARTIFACT` scores it in torch (inputs rounded to int8 as vLLM does); or "
+     "quantize with `--method fp8 --scheme dynamic` (vLLM)"),
     ("FP8 dynamic artifacts (--method fp8 --scheme dynamic) in vLLM", "fp8-dynamic",
      "evaluate accuracy with `quantkit eval ARTIFACT` (torch) and speed on a GPU machine"),
     ("FP8 static per-tensor artifacts (--scheme static) in vLLM", "fp8-static",

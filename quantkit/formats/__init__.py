@@ -103,12 +103,18 @@ def read_dense_state(path: Path, fmt: str, dtype: torch.dtype = torch.float32) -
 
 
 def prepare_model(model: torch.nn.Module, path: Path, fmt: str) -> None:
-    """Run-time behaviour beyond the stored weights: FP8 artifacts round Linear inputs to E4M3
-    the way the engine does (dynamic or static scales), so CPU eval measures W8A8."""
+    """Run-time behaviour beyond the stored weights: W8A8 artifacts round Linear inputs the way
+    the engine does (FP8 E4M3 or int8; dynamic or static scales), so CPU eval measures W8A8."""
     if fmt == "compressed-tensors":
         from quantkit.formats.common import read_config
 
-        if read_config(path)["quantization_config"].get("format") != "float-quantized":
+        ct_format = read_config(path)["quantization_config"].get("format")
+        if ct_format == "int-quantized":  # int8 W8A8: inputs rounded through int8
+            from quantkit.formats.compressed_tensors import prepare_int8_model
+
+            prepare_int8_model(model, path)
+            return
+        if ct_format != "float-quantized":
             return
     elif fmt not in ("fp8", "modelopt"):
         return

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from quantkit.errors import ModelLoadError, SchemeMismatch
+from quantkit.formats.activations import install_input_quant, quantized_linear_inputs
 from quantkit.formats.common import load_tensors, read_config, save_tensors, write_config
 from quantkit.types import QuantResult, QuantScheme
 
@@ -304,31 +305,10 @@ def fake_quant_input(x: torch.Tensor, mode: str, group: int = 128,
     return q.to(x.dtype)
 
 
-def install_input_quant(model: torch.nn.Module, plan: dict[str, tuple]) -> int:
-    """Forward pre-hooks on the named Linears; returns how many were hooked."""
-    mods = dict(model.named_modules())
-    for name, (mode, group, scale) in plan.items():
-        def hook(_m, args, mode=mode, group=group, scale=scale):
-            return (fake_quant_input(args[0], mode, group, scale), *args[1:])
-        mods[name].register_forward_pre_hook(hook)
-    return len(plan)
-
-
 def prepare_fp8_model(model: torch.nn.Module, path: Path, fmt: str) -> int:
     """Make quantkit's CPU model compute what the engine computes: weights were dequantized by
     the reader; here each FP8 Linear also rounds its input through E4M3."""
-    from safetensors import safe_open
-
-    from quantkit.readers import safetensors_files
-
-    names, scales = set(), {}
-    for file in safetensors_files(path):
-        with safe_open(str(file), framework="pt") as f:
-            for key in f.keys():
-                if key.endswith(".weight") and f.get_slice(key).get_dtype() == "F8_E4M3":
-                    names.add(key[: -len(".weight")])
-                elif key.endswith(".input_scale"):
-                    scales[key[: -len(".input_scale")]] = f.get_tensor(key)
+    names, scales = quantized_linear_inputs(path, "F8_E4M3")
     if fmt == "modelopt":
         from quantkit.formats.modelopt_fp8 import modelopt_activation_plan
 
@@ -338,4 +318,4 @@ def prepare_fp8_model(model: torch.nn.Module, path: Path, fmt: str) -> int:
     plan = {n: (mode, group, scales.get(n)) for n in sorted(names)}
     if mode == "static" and any(s is None for _, _, s in plan.values()):
         raise ModelLoadError(f"{path}: static FP8 activations but some Linears lack input_scale.")
-    return install_input_quant(model, plan)
+    return install_input_quant(model, plan, fake_quant_input)

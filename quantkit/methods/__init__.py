@@ -7,7 +7,7 @@ from quantkit.types import Quantizer
 
 __all__ = ["get_quantizer", "METHODS"]
 
-METHODS = ("rtn", "gptq", "gguf", "fp8", "awq")
+METHODS = ("rtn", "gptq", "gguf", "fp8", "awq", "int8")
 
 
 def get_quantizer(name: str, **options) -> Quantizer:
@@ -32,4 +32,8 @@ def get_quantizer(name: str, **options) -> Quantizer:
         from quantkit.methods.awq import AWQQuantizer
 
         return AWQQuantizer(**options)
+    if name == "int8":
+        from quantkit.methods.int8 import Int8Quantizer
+
+        return Int8Quantizer(**options)
     raise SchemeMismatch(f"Unknown method {name!r}.", f"Choose one of: {', '.join(METHODS)}.")

@@ -42,8 +42,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from quantkit.arch import ArchSpec, AwqGroup
-from quantkit.errors import CalibrationError, SchemeMismatch, UnsupportedArchitecture
+from quantkit.arch import ArchSpec
+from quantkit.errors import CalibrationError, SchemeMismatch
 from quantkit.methods.intquant import (
     check_int_scheme,
     check_no_act_order,
@@ -51,6 +51,14 @@ from quantkit.methods.intquant import (
     quantize_to_codes,
     relative_error,
     rtn_quantize_weight,
+)
+from quantkit.methods.scaling import (
+    ScalePlan,
+    fold_scale,
+    linear_pair_problem,
+    require_scaling_table,
+    scale_plans,
+    submodule,
 )
 from quantkit.types import BlockContext, QuantResult, QuantScheme
 
@@ -244,17 +252,6 @@ def search_clip(w: torch.Tensor, x: torch.Tensor, scheme: QuantScheme, n_grid: i
 
 # ---------------------------------------------------------------- the pipeline-facing side
 
-@dataclass
-class _Plan:
-    """One scaling group resolved on a live block."""
-
-    group: AwqGroup
-    prev: torch.nn.Module
-    balance: dict[str, torch.nn.Linear]
-    mode: str  # "norm" | "linear" | "pre_quant_scale" | "skip"
-    reason: str = ""
-
-
 class AWQQuantizer:
     """AWQ for the block pipeline. Options (all keyword):
 
@@ -310,15 +307,16 @@ class AWQQuantizer:
     def prepare(self, *, config=None, spec: ArchSpec, shapes: dict | None = None, **_) -> None:
         """Before calibration: refuse an architecture without a scaling table; say which
         Linear -> Linear pairs the shapes forbid."""
-        _require_table(spec)
+        require_scaling_table(spec, "AWQ", "quantize with --method gptq or rtn")
         if not shapes or self.pre_quant_scale:
             return
         prefix = f"{spec.block_path}.0."
         first = {n[len(prefix):]: s for n, s in shapes.items() if n.startswith(prefix)}
         for grp in spec.awq_groups:
             if grp.prev in first:
-                reason = _linear_pair_problem(grp, first[grp.prev][0],
-                                              {b: first[b][1] for b in grp.balance if b in first})
+                reason = linear_pair_problem(grp, first[grp.prev][0],
+                                             {b: first[b][1] for b in grp.balance if b in first},
+                                             still="clipped and quantized")
                 if reason:
                     self._log_once(reason)
 
@@ -332,7 +330,7 @@ class AWQQuantizer:
     def quantize_block(self, ctx: BlockContext) -> dict[str, QuantResult]:
         t0 = time.perf_counter()
         spec = ctx.arch
-        _require_table(spec)
+        require_scaling_table(spec, "AWQ", "quantize with --method gptq or rtn")
         scheme = ctx.scheme
         dev = next(ctx.block.parameters()).device
         plans = self._plans(ctx)
@@ -345,7 +343,7 @@ class AWQQuantizer:
                 "Pass more --calib-samples or a longer --calib-seqlen (AWQ usually takes "
                 "128 x 512 tokens).")
         batches = self._search_batches(ctx, dev)
-        inspect = {p.group.inspect: _module(ctx.block, p.group.inspect) for p in plans
+        inspect = {p.group.inspect: submodule(ctx.block, p.group.inspect) for p in plans
                    if p.mode != "skip" and not _is_single_linear(p)}
         seen = _capture(ctx, inspect, ctx.linears, batches)
         for key in list(seen):
@@ -354,7 +352,7 @@ class AWQQuantizer:
         xs = _linear_inputs(seen, ctx.linears)
 
         # 1-2: search every group on the unmodified block
-        found: list[tuple[_Plan, torch.Tensor]] = []
+        found: list[tuple[ScalePlan, torch.Tensor]] = []
         for plan in plans:
             if plan.mode == "skip":
                 continue
@@ -366,7 +364,7 @@ class AWQQuantizer:
         pqs: dict[str, torch.Tensor] = {}
         with torch.no_grad():
             for plan, s in found:
-                _fold(plan, s, col, row, pqs)
+                fold_scale(plan, s, col, row, pqs)
                 scaled: dict[int, torch.Tensor] = {}  # balance Linears sharing x share x / s
                 for bname in plan.balance:
                     x = xs[bname]
@@ -397,36 +395,9 @@ class AWQQuantizer:
             res.seconds = seconds * ctx.linears[name].weight.numel() / total
         return results
 
-    def _plans(self, ctx: BlockContext) -> list[_Plan]:
-        plans = []
-        for grp in ctx.arch.awq_groups:
-            balance = {b: ctx.linears[b] for b in grp.balance if b in ctx.linears}
-            if not balance:
-                continue
-            prev = _module(ctx.block, grp.prev)
-            k = {lin.in_features for lin in balance.values()}
-            if len(k) != 1:
-                raise SchemeMismatch(f"AWQ group {grp} mixes input widths {sorted(k)}.")
-            if isinstance(prev, torch.nn.Linear):
-                reason = _linear_pair_problem(grp, prev.out_features,
-                                              {b: lin.in_features for b, lin in balance.items()})
-                if self.pre_quant_scale:
-                    mode = "pre_quant_scale"
-                elif reason:
-                    self._log_once(reason)
-                    mode = "skip"
-                else:
-                    mode = "linear"
-                plans.append(_Plan(grp, prev, balance, mode, reason))
-            else:
-                weight = getattr(prev, "weight", None)
-                if weight is None or tuple(weight.shape) != (k.pop(),):
-                    self._log_once(f"AWQ: skipping group {grp.prev} -> {', '.join(grp.balance)}: "
-                                   f"{grp.prev} has no per-channel weight to fold scales into.")
-                    plans.append(_Plan(grp, prev, balance, "skip"))
-                else:
-                    plans.append(_Plan(grp, prev, balance, "norm"))
-        return plans
+    def _plans(self, ctx: BlockContext) -> list[ScalePlan]:
+        return scale_plans(ctx, pre_quant_scale=self.pre_quant_scale, log=self._log_once,
+                           still="clipped and quantized")
 
     def _search_batches(self, ctx: BlockContext, dev: torch.device) -> int:
         budget = self.search_tokens or AUTO_SEARCH_TOKENS["cpu" if dev.type == "cpu" else "accel"]
@@ -438,7 +409,7 @@ class AWQQuantizer:
             n += 1
         return max(n, 1)
 
-    def _search(self, ctx: BlockContext, plan: _Plan, xs: dict, seen: dict,
+    def _search(self, ctx: BlockContext, plan: ScalePlan, xs: dict, seen: dict,
                 dev: torch.device) -> torch.Tensor:
         """The best scale s [K] of one group (ones when plain RTN is best)."""
         names = list(plan.balance)
@@ -456,7 +427,7 @@ class AWQQuantizer:
                 lambda idx: linear_scale_losses(stacked, x, cands[idx], ctx.scheme, gram).cpu(),
                 self.n_grid, self.coarse_to_fine)
         else:
-            mod = _module(ctx.block, plan.group.inspect)
+            mod = submodule(ctx.block, plan.group.inspect)
             ref = seen["mod:" + plan.group.inspect]
 
             def module_losses(idx: list[int]) -> torch.Tensor:
@@ -504,30 +475,7 @@ def _grid_losses(losses_of, n_grid: int, coarse_to_fine: bool) -> torch.Tensor:
     return losses
 
 
-def _require_table(spec: ArchSpec | None) -> None:
-    if spec is None or not spec.awq_groups:
-        name = getattr(spec, "name", None) or "this model"
-        raise UnsupportedArchitecture(
-            f"AWQ has no scaling table for architecture {name!r}.",
-            "Add its AwqGroup rows (prev op, balance Linears, inspect module) to its ArchSpec "
-            "in quantkit/arch/__init__.py, or quantize with --method gptq or rtn.")
-
-
-def _linear_pair_problem(grp: AwqGroup, prev_out: int, balance_in: dict[str, int]) -> str:
-    bad = {b: k for b, k in balance_in.items() if k != prev_out}
-    if not bad:
-        return ""
-    b, k = next(iter(bad.items()))
-    return (f"AWQ: skipping scaling pair {grp.prev} -> {b}: {grp.prev} has {prev_out} outputs "
-            f"but {b} has {k} inputs (grouped-query attention), so the scale cannot be folded; "
-            f"AutoAWQ's rule. {b} is still clipped and quantized.")
-
-
-def _module(block: torch.nn.Module, name: str) -> torch.nn.Module:
-    return block if name == "" else block.get_submodule(name)
-
-
-def _is_single_linear(plan: _Plan) -> bool:
+def _is_single_linear(plan: ScalePlan) -> bool:
     """The inspect module is the (only) balance Linear: its loss is computed vectorised."""
     return list(plan.balance) == [plan.group.inspect]
 
@@ -655,28 +603,3 @@ def _module_loss(mod: torch.nn.Module, ref: _Seen) -> torch.Tensor:
     if total is None:
         return torch.zeros((), dtype=torch.float64)
     return total / max(1, count)
-
-
-def _fold(plan: _Plan, s: torch.Tensor, col: dict, row: dict, pqs: dict) -> None:
-    """Apply scale s: balance columns *= s, and 1/s into the previous op (or a pre_quant_scale)."""
-    if torch.all(s == 1):
-        return
-    for bname, lin in plan.balance.items():
-        lin.weight.data.mul_(s[None, :].to(lin.weight.dtype))
-        col[bname] = col[bname] * s
-        if plan.mode == "pre_quant_scale":
-            pqs[bname] = pqs.get(bname, torch.ones_like(s)) / s
-    prev = plan.prev
-    if plan.mode == "norm":
-        prev.weight.data.div_(s.to(prev.weight.dtype))
-        if getattr(prev, "bias", None) is not None:
-            prev.bias.data.div_(s.to(prev.bias.dtype))
-    elif plan.mode == "linear":
-        k = s.shape[0]
-        prev.weight.data[-k:].div_(s[:, None].to(prev.weight.dtype))
-        if prev.bias is not None:
-            prev.bias.data[-k:].div_(s.to(prev.bias.dtype))
-        pname = plan.group.prev
-        if pname in row:
-            row[pname] = row[pname].clone()
-            row[pname][-k:] = row[pname][-k:] / s

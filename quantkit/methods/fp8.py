@@ -28,7 +28,7 @@ import torch
 from quantkit.errors import CalibrationError, SchemeMismatch
 from quantkit.types import BlockContext, QuantResult, QuantScheme
 
-__all__ = ["FP8Quantizer", "FP8Layout", "PRESETS", "fp8_scheme", "resolve_layout",
+__all__ = ["FP8Quantizer", "FP8Layout", "PRESETS", "fp8_scheme", "resolve_layout", "fused_groups",
            "quantize_fp8_weight", "dequantize_fp8", "FP8_MAX"]
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -139,7 +139,7 @@ def dequantize_fp8(codes: torch.Tensor, scale: torch.Tensor, block: int = BLOCK)
 
 # ---------------------------------------------------------------- the quantizer ----
 
-def _fused_groups(ctx: BlockContext) -> list[tuple[str, ...]]:
+def fused_groups(ctx: BlockContext) -> list[tuple[str, ...]]:
     """Linears that share one input and that engines fuse into one GEMM (q/k/v, gate/up):
     the multi-member groups of the architecture's sequential table."""
     seq = getattr(ctx.arch, "sequential", ()) or ()
@@ -254,7 +254,7 @@ class FP8Quantizer:
     def quantize_block(self, ctx: BlockContext) -> dict[str, QuantResult]:
         results: dict[str, QuantResult] = {}
         lay = self.layout
-        for group in _fused_groups(ctx):
+        for group in fused_groups(ctx):
             weights = {n: ctx.linears[n].weight.data for n in group}
             if any(self.indivisible(tuple(w.shape)) for w in weights.values()):
                 for n, w in weights.items():

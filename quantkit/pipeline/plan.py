@@ -107,8 +107,12 @@ def _param_counts(config, spec: ArchSpec):
 def estimate(config, spec: ArchSpec, *, method: str, scheme: QuantScheme, calib_samples: int,
              calib_seqlen: int, calibrated: bool, device: str = "cpu", calib_batch: int = 1,
              store_dtype: torch.dtype = torch.bfloat16, streaming: bool = True,
-             resume: bool = True, true_sequential: bool = True) -> MemoryPlan:
+             resume: bool = True, true_sequential: bool = True,
+             hessians: bool | None = None) -> MemoryPlan:
     """Expected peaks for `quantize` with these settings (see the module docstring).
+
+    `hessians`: the method gathers GPTQ Hessians and solves with them (default: method gptq;
+    int8 with GPTQ rounding does too).
 
     `true_sequential` (GPTQ) sets the block forwards per block: on a GPU the replay runs
     ~2.5 partial forwards for the groups + 1 for the outputs, or 1 + 1 without it; on the
@@ -146,7 +150,8 @@ def estimate(config, spec: ArchSpec, *, method: str, scheme: QuantScheme, calib_
 
     stats = 0
     gram_phase = 0  # GPU GPTQ: Hessians alive while the forward accumulates them
-    if method == "gptq":  # K x K fp32 per Linear of a sequential group, + ~3 K^2 of working set
+    hessians = method == "gptq" if hessians is None else hessians
+    if hessians:  # K x K fp32 per Linear of a sequential group, + ~3 K^2 of working set
         # (a MoE block: one Hessian per expert Linear, hidden^2 for every gate/up of the
         # expert group; only the current block's exist at a time)
         hessians = []
@@ -189,7 +194,7 @@ def estimate(config, spec: ArchSpec, *, method: str, scheme: QuantScheme, calib_
     block_ram = (0 if cuda else block_params * load_bytes) + largest * sb + 4 * largest_linear * 4
 
     def working_set(fwd: int) -> int:
-        if method == "gptq":
+        if hessians:
             # the forward (Hessians accumulating) and the solve (Hessian, inverse factor,
             # fp32 weights, codes) come one after the other: the larger of the two
             return max(fwd + gram_phase, stats + largest_linear * 4 * (1 if cuda else 4))
@@ -218,7 +223,7 @@ def estimate(config, spec: ArchSpec, *, method: str, scheme: QuantScheme, calib_
     if method == "gguf":
         bpw = GGUF_NOMINAL_BPW.get(str(scheme.gguf_type or "q4_k_m"), 5.0)
         disk = int(quantized * bpw / 8 + outside * 2)
-    elif method == "fp8":
+    elif method in ("fp8", "int8"):  # one byte per weight, float32 scales
         disk = quantized + scales * 4 + dense_outside
     else:
         disk = packed + scales * sb + (scales * scheme.bits // 8 if not scheme.symmetric else 0) \
@@ -228,9 +233,10 @@ def estimate(config, spec: ArchSpec, *, method: str, scheme: QuantScheme, calib_
     disk += block_norms
 
     gptq_passes = (3.5 if cuda else 1) if true_sequential else 2
-    passes = {"gptq": gptq_passes, "awq": 8, "fp8": 1, "gguf": 1}.get(method, 0)
+    passes = {"gptq": gptq_passes, "awq": 8, "fp8": 1, "gguf": 1,
+              "int8": 2 if hessians else 1}.get(method, 0)
     flops = 2 * quantized * tokens * passes
-    if method == "gptq":
+    if hessians:
         flops += sum(n * k * k * 2 + k**3 for lin in linears for n, k in lin.values())
     dev = "cuda" if cuda else "cpu"
     io = (total_params * sb) / 1.5e9  # reading the shards

@@ -108,6 +108,12 @@ class QuantizeRequest:
             args += ["--gguf-type", str(self.method_options.get("gguf_type") or s.gguf_type)]
         elif self.method == "fp8":
             args += ["--scheme", str(self.method_options.get("scheme", "dynamic"))]
+        elif self.method == "int8":
+            args += ["--scheme", str(self.method_options.get("scheme", "dynamic"))]
+            if self.method_options.get("smoothquant") is not None:
+                args += ["--smoothquant", str(self.method_options["smoothquant"])]
+            if self.method_options.get("rounding"):
+                args += ["--rounding", str(self.method_options["rounding"])]
         else:
             args += ["--bits", str(s.bits), "--group-size", str(s.group_size),
                      "--sym" if s.symmetric else "--asym"] + (["--act-order"] if s.act_order else [])
@@ -122,7 +128,10 @@ class QuantizeRequest:
             args += ["--imatrix", imatrix]
         reads_calib = (self.method in ("gptq", "awq")
                        or self.method_options.get("scheme") == "static"
-                       or (self.method == "gguf" and imatrix in ("calib", True)))
+                       or (self.method == "gguf" and imatrix in ("calib", True))
+                       or (self.method == "int8" and (
+                           self.method_options.get("smoothquant") is not None
+                           or self.method_options.get("rounding") == "gptq")))
         if reads_calib:  # the CLI refuses calibration flags a method would not read
             args += ["--calib", self.calib, "--calib-samples", str(self.calib_samples),
                      "--calib-seqlen", str(self.calib_seqlen), "--seed", str(self.seed)]
@@ -197,7 +206,8 @@ def plan_request(req: QuantizeRequest, config, spec: ArchSpec, quantizer,
                     calib_batch=getattr(quantizer, "calib_batch_size", 1),
                     store_dtype=_storage_dtype(raw_config), streaming=req.stream is not False,
                     resume=req.resume and not hasattr(quantizer, "quantize_rest"),
-                    true_sequential=getattr(quantizer, "true_sequential", False))
+                    true_sequential=getattr(quantizer, "true_sequential", False),
+                    hessians="hessian" in getattr(quantizer, "stats", ()))
 
 
 def plan(req: QuantizeRequest) -> tuple[MemoryPlan, dict]:

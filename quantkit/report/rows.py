@@ -120,6 +120,8 @@ def scheme_text(scheme: dict | None, info: dict) -> str:
     if kind == "fp8":
         return "fp8"
     gs = scheme.get("group_size")
+    if scheme.get("activations"):  # int8 W8A8
+        return f"int{scheme.get('bits')} W8A8 {scheme['activations']}"
     parts = [f"int{scheme.get('bits')}", "per-channel" if gs in (-1, None) else f"g{gs}",
              "sym" if scheme.get("symmetric", True) else "asym"]
     if scheme.get("act_order"):

@@ -1,0 +1,90 @@
+"""SmoothQuant (Xiao et al. 2022): move activation outliers into the weights before W8A8.
+
+Why: with int8 inputs, one input channel that runs 50x larger than the others sets every
+token's scale, and the other channels are left with a few integer steps. SmoothQuant divides
+input channel j by s_j and multiplies column j of the weights by s_j, so the product is
+unchanged and the difficulty is shared between activations and weights:
+
+    s_j = max|X_j|^alpha / max|W_:,j|^(1 - alpha)          alpha: migration strength (0.5)
+
+max|X_j| is the pipeline's "absmax" statistic over every calibration token of the shared
+loader; max|W_:,j| runs over the rows of every balance Linear of the group (q/k/v share one
+s). A channel that saw no activation or holds no weight keeps s = 1; s is clamped at 1e-5
+(the paper's code). The 1/s goes into the previous op exactly as AWQ's scales do
+(`quantkit.methods.scaling`, the architecture's scaling table): norm -> q/k/v, norm ->
+gate/up, up -> down, and v -> o where the shapes allow (not under grouped-query attention).
+Folding alone leaves the block's function unchanged (tests check it before any rounding).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from quantkit.errors import CalibrationError, SchemeMismatch
+from quantkit.methods.scaling import fold_scale, scale_plans
+from quantkit.types import BlockContext
+
+__all__ = ["smoothing_scales", "smooth_block", "Smoothing", "check_alpha"]
+
+MIN_SCALE = 1e-5
+
+
+def check_alpha(alpha: float) -> float:
+    alpha = float(alpha)
+    if not 0.0 <= alpha <= 1.0:
+        raise SchemeMismatch(f"SmoothQuant strength {alpha} is outside [0, 1].",
+                             "Use e.g. --smoothquant 0.5 (the paper's value for most models).")
+    return alpha
+
+
+def smoothing_scales(act_absmax: torch.Tensor, weights: list[torch.Tensor],
+                     alpha: float) -> torch.Tensor:
+    """s [K] for inputs whose per-channel max |x| is `act_absmax` [K], read by `weights`
+    (each [N_i, K]); float32."""
+    a = act_absmax.float()
+    w = torch.cat([x.detach().float().abs() for x in weights]).amax(0)
+    s = a.pow(alpha) / w.pow(1 - alpha)
+    ok = (a > 0) & (w > 0) & torch.isfinite(s)
+    return torch.where(ok, s, torch.ones_like(s)).clamp(min=MIN_SCALE)
+
+
+@dataclass
+class Smoothing:
+    """What smooth_block did: `col[name]` [K] multiplies each Linear's input columns (its input
+    is now x / col), `row[name]` [N] its output rows (a Linear -> Linear fold divides the
+    previous Linear's rows); `history` one record per folded group."""
+
+    col: dict[str, torch.Tensor]
+    row: dict[str, torch.Tensor]
+    history: list[dict] = field(default_factory=list)
+
+    def input_divisor(self, name: str) -> torch.Tensor:
+        return self.col[name]
+
+
+def smooth_block(ctx: BlockContext, alpha: float, log=None) -> Smoothing:
+    """Fold SmoothQuant scales into the block in place, group by group in table order
+    (each group's s from the weights as they are when its turn comes)."""
+    dev = next(ctx.block.parameters()).device
+    col = {n: torch.ones(lin.in_features, device=dev) for n, lin in ctx.linears.items()}
+    row = {n: torch.ones(lin.out_features, device=dev) for n, lin in ctx.linears.items()}
+    out = Smoothing(col, row)
+    with torch.no_grad():
+        for plan in scale_plans(ctx, log=log, method="SmoothQuant"):
+            if plan.mode == "skip":
+                continue
+            first = next(iter(plan.balance))
+            st = ctx.stats.get(first) or {}
+            if "absmax" not in st or not st.get("tokens"):
+                raise CalibrationError(
+                    f"SmoothQuant: {first} of block {ctx.index} received no calibration tokens.",
+                    "Pass calibration data (--calib, --calib-samples >= 1), or drop --smoothquant.")
+            s = smoothing_scales(st["absmax"].to(dev), [lin.weight.data for lin in
+                                                        plan.balance.values()], alpha)
+            fold_scale(plan, s, col, row, {})
+            out.history.append({"block": ctx.index, "prev": plan.group.prev,
+                                "balance": list(plan.balance), "mode": plan.mode,
+                                "s_min": float(s.min()), "s_max": float(s.max())})
+    return out

