@@ -2,9 +2,10 @@
 
 The memory model follows the streaming path (quantkit.pipeline.streaming), phase by phase;
 the peak is the largest phase plus a measured constant for Python + torch + transformers:
-  capture  embedding table (stored dtype) + block-0 inputs
+  capture  embedding table (stored dtype) + block-0 inputs + every batch's rotary tables
   blocks   one block in the load dtype (+ the largest tensor as read from the shard)
-           + hidden states in and out + per-method statistics + one batch's activations
+           + hidden states in and out + rotary tables + per-method statistics + one batch's
+           activations
            (+ all earlier blocks' results, 1 byte per weight, when checkpoints are off)
   write    the packed results + the unquantized tensors in the stored dtype (results are
            read back from the checkpoint one at a time)
@@ -121,10 +122,20 @@ def estimate(config, spec: ArchSpec, *, method: str, scheme: QuantScheme, calib_
     hidden = int(config.hidden_size)
     inter = int(getattr(config, "intermediate_size", 4 * hidden) or 4 * hidden)
     heads = int(getattr(config, "num_attention_heads", 1) or 1)
+    head_dim = int(getattr(config, "head_dim", None) or hidden // heads)
     tokens = calib_samples * calib_seqlen if calibrated else 0
     act_bytes = 2 if cuda else 4
     hidden_io = 2 * tokens * hidden * act_bytes  # inputs + outputs of the current block
     batch_tokens = min(calib_batch, max(calib_samples, 1)) * calib_seqlen if calibrated else 0
+
+    def rotary_tables(batch: int) -> int:
+        """The captured keyword arguments: the model's forward made cos and sin [1, seqlen,
+        head_dim] for every batch, and each batch keeps its own (AWQ's batches of one sample,
+        head_dim 128, hidden 256: as large as the hidden states)."""
+        batches = -(-calib_samples // max(1, min(batch, calib_samples))) if calibrated else 0
+        return batches * 2 * calib_seqlen * head_dim * act_bytes
+
+    kwargs_bytes = rotary_tables(calib_batch)
     # one batch through a block: MLP intermediates (gate, up, act) + attention scores
     # attention scores: materialised by the CPU path; CUDA's SDPA kernels (flash / memory-
     # efficient) never hold them (measured on the H100: GPTQ 8.8 GiB peak, 2 GiB below the
@@ -196,16 +207,16 @@ def estimate(config, spec: ArchSpec, *, method: str, scheme: QuantScheme, calib_
         return stats + fwd + 4 * largest_linear * 4
 
     work = working_set(forward)
-    gpu_block = _CUDA_CONTEXT_BYTES + block_params * load_bytes + hidden_io + work
+    gpu_block = _CUDA_CONTEXT_BYTES + block_params * load_bytes + hidden_io + kwargs_bytes + work
     offload_tokens = min(calib_batch, OFFLOAD_BATCH, max(calib_samples, 1)) * calib_seqlen \
         if calibrated else 0
     gpu_offloaded = _CUDA_CONTEXT_BYTES + block_params * load_bytes \
-        + 3 * offload_tokens * hidden * act_bytes \
+        + 3 * offload_tokens * hidden * act_bytes + rotary_tables(min(calib_batch, OFFLOAD_BATCH)) \
         + working_set(forward * offload_tokens // max(batch_tokens, 1))
     phases = {
-        "capture": embed_bytes + (0 if cuda else tokens * hidden * act_bytes),
-        "blocks": block_ram + (0 if cuda else hidden_io + stats + forward) + results_ram
-        + first_block_q,  # the block's own results and their checkpoint copy
+        "capture": embed_bytes + (0 if cuda else tokens * hidden * act_bytes + kwargs_bytes),
+        "blocks": block_ram + (0 if cuda else hidden_io + kwargs_bytes + stats + forward)
+        + results_ram + first_block_q,  # the block's own results and their checkpoint copy
         # packed results + scales + unquantized tensors + one result unpacked (uint8 codes,
         # int32 reshaped and shifted copies while packing)
         "write": packed + scales * sb + dense_outside + results_ram + 9 * largest_linear,
