@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import save_file
 
 from quantkit.pipeline.checkpoint import checkpoint_dir
+from quantkit.pipeline.plan import BASELINE_BYTES
 from quantkit.pipeline.quantize import QuantizeRequest, quantize
 from quantkit.types import QuantScheme
 
@@ -232,6 +233,23 @@ def test_plan_within_30_percent_gptq(tiny_model_factory, tmp_path):
     proc, peak = run_measured(["quantize", str(model), "--method", "gptq", *calib,
                                "-o", str(tmp_path / "out")])
     assert proc.returncode == 0, proc.stderr[-3000:]
+    predicted = _plan(model, "--method", "gptq", *calib)["peak_ram_bytes"]
+    assert abs(predicted - peak) / peak < 0.30, (predicted, peak)
+
+
+def test_plan_within_30_percent_gptq_when_activations_dominate(tiny_model_factory, tmp_path):
+    """CPU GPTQ of a narrow model on many tokens (280 x 512, nearly all of the built-in set: a
+    larger text file's tokenizing would raise the baseline): the one-pass true-sequential
+    forward holds every batch's activations at once, and the part of the peak above the
+    interpreter baseline is >= 75 % of it, so the +-30 % checks the activation model, not the
+    constant. Measured 3.14-3.43 GiB on 2 cores; planned 3.53, and 1.83 before the plan
+    counted the freed activations the heap keeps (quantkit.pipeline.plan)."""
+    model = tiny_model_factory("llama", hidden=128, intermediate=1536, layers=2, heads=4, kv_heads=2)
+    calib = ["--calib", "mixed", "--calib-samples", "280", "--calib-seqlen", "512"]
+    proc, peak = run_measured(["quantize", str(model), "--method", "gptq", *calib,
+                               "-o", str(tmp_path / "out")])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert peak - BASELINE_BYTES >= 0.75 * peak, f"activations do not dominate: {peak / 2**30:.2f} GiB"
     predicted = _plan(model, "--method", "gptq", *calib)["peak_ram_bytes"]
     assert abs(predicted - peak) / peak < 0.30, (predicted, peak)
 

@@ -10,12 +10,15 @@ from __future__ import annotations
 import contextlib
 import ctypes
 
-__all__ = ["trim_heap", "keep_heap_small", "reuse_freed_memory"]
+__all__ = ["trim_heap", "keep_heap_small", "reuse_freed_memory", "REUSE_MMAP_THRESHOLD"]
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 _M_ARENA_MAX = -8
 _SMALL = {"mmap": 256 * 2**10, "trim": 128 * 2**10}  # keep_heap_small's settings (glibc's trim default)
+# reuse_freed_memory: allocations from this size up still get their own mmap (quantkit plan
+# counts the freed activations below it as resident)
+REUSE_MMAP_THRESHOLD = 32 * 2**20
 _small_heap = False
 
 
@@ -61,7 +64,7 @@ def reuse_freed_memory():
     if not _small_heap or libc is None or not hasattr(libc, "mallopt"):
         yield
         return
-    libc.mallopt(_M_MMAP_THRESHOLD, 32 * 2**20)
+    libc.mallopt(_M_MMAP_THRESHOLD, REUSE_MMAP_THRESHOLD)
     libc.mallopt(_M_TRIM_THRESHOLD, 2**30)
     try:
         yield

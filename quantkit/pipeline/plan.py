@@ -2,9 +2,11 @@
 
 The memory model follows the streaming path (quantkit.pipeline.streaming), phase by phase;
 the peak is the largest phase plus a measured constant for Python + torch + transformers:
-  capture  embedding table (stored dtype) + block-0 inputs
+  capture  embedding table (stored dtype) + block-0 inputs + every batch's rotary tables
   blocks   one block in the load dtype (+ the largest tensor as read from the shard)
-           + hidden states in and out + per-method statistics + one batch's activations
+           + hidden states in and out + rotary tables + per-method statistics + one batch's
+           activations, or on the CPU with true-sequential GPTQ every batch's activations at
+           the worst pause of the one-pass forward (see _staged_floats_per_token)
            (+ all earlier blocks' results, 1 byte per weight, when checkpoints are off)
   write    the packed results + the unquantized tensors in the stored dtype (results are
            read back from the checkpoint one at a time)
@@ -27,6 +29,7 @@ import torch
 from quantkit.arch import ArchSpec
 from quantkit.errors import NotEnoughMemory
 from quantkit.methods.awq import AUTO_SEARCH_TOKENS as AWQ_SEARCH_TOKENS
+from quantkit.pipeline.heap import REUSE_MMAP_THRESHOLD
 from quantkit.types import QuantScheme
 
 __all__ = ["MemoryPlan", "estimate", "available_memory", "check_memory", "BASELINE_BYTES",
@@ -48,6 +51,9 @@ _FLOPS = {"cpu": 5e10, "cuda": 1.5e14}
 # weight model took 30 s on 2 CPU cores)
 _PER_WEIGHT_S = {"cpu": 5.5e-8, "cuda": 5e-9}
 _BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
+# share of the activations a paused one-pass forward allocated and freed that stays resident
+# (measured 0.44-0.59 on llama blocks of hidden 64-576, batches of 8 x 256-512 tokens, glibc 2.36)
+_STAGED_FREED_KEPT = 0.5
 # GGUF bits per weight of the quantized tensors (llama.cpp's numbers, mixes averaged)
 GGUF_NOMINAL_BPW = {"f16": 16, "bf16": 16, "q8_0": 8.5, "q6_k": 6.5625, "q5_k_m": 5.7, "q4_k_m": 4.9,
              "q4_k_s": 4.6}
@@ -104,6 +110,41 @@ def _param_counts(config, spec: ArchSpec):
     return per_block, linears, outside, largest
 
 
+def _staged_floats_per_token(hidden: int, inter: int, q_dim: int, kv_dim: int,
+                             batch_tokens: int, act_bytes: int) -> float:
+    """Resident floats per calibration token while the CPU one-pass true-sequential forward
+    (quantkit.pipeline.staged) holds every batch paused at a sequential group's entry.
+
+    At a pause each batch keeps what is alive in its forward there, and the heap keeps about
+    half of what the forwards allocated and freed before it (`_STAGED_FREED_KEPT`): under
+    quantkit.pipeline.heap.reuse_freed_memory freed activations stay in the heap, and the
+    tensors that every other paused batch still holds sit between them, so the next batch
+    reuses only part of them. Allocations from REUSE_MMAP_THRESHOLD per batch up are their
+    own mappings and go back to the OS when freed. Measured on a tiny llama (hidden 128,
+    intermediate 512, 50 batches of 8 x 512 tokens): at the down_proj pause the tensors
+    alive had grown 0.58 GiB since the capture, RSS 2.0 GiB; this gives 2.0 GiB, the plan
+    before it (the alive tensors, no heap) 0.65 GiB.
+
+    The llama block's activations (float32 widths per token; rotary: q*cos, -x2 (half
+    width), cat, *sin, sum; SDPA returns its output, then a contiguous copy):
+      o_proj's pause     alive: normed input, q and k after rotary, v, attention output
+                         freed: RMSNorm pow + product, q/k projections, rotary temporaries,
+                                SDPA's output before its copy
+      down_proj's pause  alive: residual, normed input, act(gate) * up
+                         freed: the above + everything alive at o_proj, o_proj's output,
+                                the second RMSNorm's temporaries, gate, act(gate), up
+    """
+    def kept(freed: list[tuple[float, float]]) -> float:
+        return _STAGED_FREED_KEPT * sum(
+            n * w for w, n in freed if batch_tokens * w * act_bytes < REUSE_MMAP_THRESHOLD)
+
+    freed_o = [(hidden, 2), (q_dim, 5), (q_dim / 2, 1), (kv_dim, 4), (kv_dim / 2, 1)]
+    at_o = hidden + 2 * q_dim + 2 * kv_dim + kept(freed_o)
+    freed_down = freed_o + [(hidden, 4), (q_dim, 2), (kv_dim, 2), (inter, 3)]
+    at_down = 2 * hidden + inter + kept(freed_down)
+    return max(at_o, at_down)
+
+
 def estimate(config, spec: ArchSpec, *, method: str, scheme: QuantScheme, calib_samples: int,
              calib_seqlen: int, calibrated: bool, device: str = "cpu", calib_batch: int = 1,
              store_dtype: torch.dtype = torch.bfloat16, streaming: bool = True,
@@ -125,10 +166,21 @@ def estimate(config, spec: ArchSpec, *, method: str, scheme: QuantScheme, calib_
     hidden = int(config.hidden_size)
     inter = int(getattr(config, "intermediate_size", 4 * hidden) or 4 * hidden)
     heads = int(getattr(config, "num_attention_heads", 1) or 1)
+    head_dim = int(getattr(config, "head_dim", None) or hidden // heads)
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
     tokens = calib_samples * calib_seqlen if calibrated else 0
     act_bytes = 2 if cuda else 4
     hidden_io = 2 * tokens * hidden * act_bytes  # inputs + outputs of the current block
     batch_tokens = min(calib_batch, max(calib_samples, 1)) * calib_seqlen if calibrated else 0
+
+    def rotary_tables(batch: int) -> int:
+        """The captured keyword arguments: the model's forward made cos and sin [1, seqlen,
+        head_dim] for every batch, and each batch keeps its own (AWQ's batches of one sample,
+        head_dim 128, hidden 256: as large as the hidden states)."""
+        batches = -(-calib_samples // max(1, min(batch, calib_samples))) if calibrated else 0
+        return batches * 2 * calib_seqlen * head_dim * act_bytes
+
+    kwargs_bytes = rotary_tables(calib_batch)
     # one batch through a block: MLP intermediates (gate, up, act) + attention scores
     # attention scores: materialised by the CPU path; CUDA's SDPA kernels (flash / memory-
     # efficient) never hold them (measured on the H100: GPTQ 8.8 GiB peak, 2 GiB below the
@@ -138,9 +190,9 @@ def estimate(config, spec: ArchSpec, *, method: str, scheme: QuantScheme, calib_
          if calibrated and not cuda else 0)
     moe = spec.experts is not None and spec.experts.count(config) > 0
     # one-pass true-sequential (CPU): every batch paused mid-block; MoE blocks replay instead
-    if method == "gptq" and not cuda and not moe:
-        # (residual + normed hidden + the down_proj input, or q/k/v/attention at o_proj)
-        forward += tokens * (2 * hidden + max(inter, 3 * hidden)) * act_bytes
+    if method == "gptq" and true_sequential and not cuda and not moe:
+        forward = max(forward, int(tokens * act_bytes * _staged_floats_per_token(
+            hidden, inter, heads * head_dim, kv_heads * head_dim, batch_tokens, act_bytes)))
 
     block_params = max(per_block.values(), default=0)
     quantized = sum(n * k for lin in linears for n, k in lin.values())
@@ -201,16 +253,16 @@ def estimate(config, spec: ArchSpec, *, method: str, scheme: QuantScheme, calib_
         return stats + fwd + 4 * largest_linear * 4
 
     work = working_set(forward)
-    gpu_block = _CUDA_CONTEXT_BYTES + block_params * load_bytes + hidden_io + work
+    gpu_block = _CUDA_CONTEXT_BYTES + block_params * load_bytes + hidden_io + kwargs_bytes + work
     offload_tokens = min(calib_batch, OFFLOAD_BATCH, max(calib_samples, 1)) * calib_seqlen \
         if calibrated else 0
     gpu_offloaded = _CUDA_CONTEXT_BYTES + block_params * load_bytes \
-        + 3 * offload_tokens * hidden * act_bytes \
+        + 3 * offload_tokens * hidden * act_bytes + rotary_tables(min(calib_batch, OFFLOAD_BATCH)) \
         + working_set(forward * offload_tokens // max(batch_tokens, 1))
     phases = {
-        "capture": embed_bytes + (0 if cuda else tokens * hidden * act_bytes),
-        "blocks": block_ram + (0 if cuda else hidden_io + stats + forward) + results_ram
-        + first_block_q,  # the block's own results and their checkpoint copy
+        "capture": embed_bytes + (0 if cuda else tokens * hidden * act_bytes + kwargs_bytes),
+        "blocks": block_ram + (0 if cuda else hidden_io + kwargs_bytes + stats + forward)
+        + results_ram + first_block_q,  # the block's own results and their checkpoint copy
         # packed results + scales + unquantized tensors + one result unpacked (uint8 codes,
         # int32 reshaped and shifted copies while packing)
         "write": packed + scales * sb + dense_outside + results_ram + 9 * largest_linear,

@@ -153,12 +153,19 @@ class StagedForward:
                 raise RuntimeError(f"a sequential group ran twice in one block forward: "
                                    f"{self._groups[worker.paused_at]}")
             outs.append(worker.output)
+            worker.output = None
         self.close()
         return outs
 
     def close(self) -> None:
+        """Stop the workers and drop them. Why: each worker points back at this object (a
+        reference cycle), so what they held waited for Python's cyclic collector, and
+        with their outputs that was one more block's hidden states per block until a
+        collection ran (CLI GPTQ of SmolLM2 on 64 x 512 tokens: RSS +75 MB per block,
+        peak 2.86 GiB; 2.16 GiB with the workers and their outputs dropped)."""
         for worker in self._workers:
             worker.stop()
+        self._workers = []
         for h in self._handles:
             h.remove()
         self._handles = []
