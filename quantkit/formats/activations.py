@@ -60,12 +60,12 @@ def fake_quant_int8_input(x: torch.Tensor, mode: str, group: int = 0,
     xf = x.float()
     if mode == "static":
         s = scale.float().reshape(())
-    elif mode == "token":
-        s = xf.abs().amax(-1, keepdim=True) / INT8_MAX
+    elif mode == "token":  # max|x| without an |x| temporary
+        s = torch.linalg.vector_norm(xf, float("inf"), dim=-1, keepdim=True) / INT8_MAX
     else:
         raise ValueError(f"int8 input mode {mode!r}: vLLM quantizes int8 inputs per token or "
                          "per tensor (static)")
     s = s.clamp_min(torch.finfo(torch.float32).tiny)  # an all-zero token stays zero
     inv = (1.0 / s.double()).float()  # the kernel multiplies by a float reciprocal
-    q = torch.round(xf * inv).clamp(INT8_MIN, INT8_MAX)
-    return (q * s).to(x.dtype)
+    q = xf * inv  # one full-size temporary, rounded, clamped and rescaled in place
+    return q.round_().clamp_(INT8_MIN, INT8_MAX).mul_(s).to(x.dtype)
