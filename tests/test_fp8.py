@@ -19,7 +19,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from compressed_tensors.quantization import preset_name_to_scheme
-from safetensors import safe_open
+from tiny_models import tensor_headers
 
 from quantkit.cli import main
 from quantkit.errors import CalibrationError, SchemeMismatch
@@ -40,16 +40,6 @@ def _q(model, out, preset="dynamic", fmt="compressed-tensors", samples=4, seqlen
     return quantize(QuantizeRequest(model=str(model), method="fp8", scheme=fp8_scheme(preset),
                                     out=Path(out), format=fmt, calib_samples=samples,
                                     calib_seqlen=seqlen, method_options={"scheme": preset, **opts}))
-
-
-def _header(path: Path) -> dict[str, tuple[str, list[int]]]:
-    out = {}
-    for f in sorted(Path(path).glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as sf:
-            for k in sf.keys():
-                sl = sf.get_slice(k)
-                out[k] = (sl.get_dtype(), list(sl.get_shape()))
-    return out
 
 
 # ------------------------------------------------------------------------ E4M3 math ----
@@ -121,7 +111,7 @@ def test_three_formats_round_trip(tiny_model_factory, tmp_path):
     for (preset, fmt), engines in cases.items():
         out = tmp_path / f"{preset}-{fmt}"
         _q(model, out, preset, fmt)
-        h = _header(out)
+        h = tensor_headers(out)
         assert h[f"{name}.weight"] == ("F8_E4M3", [256, 512])
         scale_key = f"{name}.weight_scale_inv" if (preset, fmt) == ("block", "fp8") else f"{name}.weight_scale"
         want = {"dynamic": [256, 1], "block": [2, 4]}.get(preset, [1] if fmt == "compressed-tensors" else [])
@@ -189,7 +179,7 @@ def test_block_width_not_multiple_of_128_falls_back_or_refuses(tiny_model_factor
     cfg = json.loads((out / "config.json").read_text())["quantization_config"]
     mlp = [f"model.layers.{i}.mlp.{n}" for i in range(2) for n in ("down_proj", "gate_proj", "up_proj")]
     assert cfg["ignored_layers"] == ["lm_head", *sorted(mlp)]
-    h = _header(out)
+    h = tensor_headers(out)
     assert h["model.layers.0.mlp.up_proj.weight"][0] == "BF16"
     assert h["model.layers.0.self_attn.q_proj.weight"][0] == "F8_E4M3"
     lm = load_artifact(out)  # still loads (attention FP8, MLP bf16)
@@ -356,7 +346,7 @@ def _compare_modelopt(preset: str, ours: Path, ref: Path) -> None:
     for k in set(c_ours) | set(c_ref):
         if k not in ("transformers_version",):
             assert c_ours.get(k) == c_ref.get(k), k
-    h_ours, h_ref = _header(ours), _header(ref)
+    h_ours, h_ref = tensor_headers(ours), tensor_headers(ref)
     assert set(h_ours) == set(h_ref)
     a, b = load_tensors(ours), load_tensors(ref)
     for k, (dtype, shape) in h_ref.items():

@@ -16,7 +16,7 @@ from compressed_tensors.compressors.naive_quantized.base import IntQuantizationC
 from compressed_tensors.quantization import QuantizationArgs, preset_name_to_scheme
 from compressed_tensors.quantization.lifecycle.forward import quantize as ct_quantize
 from compressed_tensors.quantization.utils import calculate_qparams
-from safetensors import safe_open
+from tiny_models import tensor_headers
 from vllm_checks import vllm_runs
 
 from quantkit.arch import spec_for_config
@@ -39,16 +39,6 @@ def _q(model, out, scheme="dynamic", samples=4, seqlen=64, **opts):
     return quantize(QuantizeRequest(model=str(model), method="int8", scheme=int8_scheme(scheme),
                                     out=Path(out), calib_samples=samples, calib_seqlen=seqlen,
                                     method_options={"scheme": scheme, **opts}))
-
-
-def _header(path: Path) -> dict[str, tuple[str, list[int]]]:
-    out = {}
-    for f in sorted(Path(path).glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as sf:
-            for k in sf.keys():
-                sl = sf.get_slice(k)
-                out[k] = (sl.get_dtype(), list(sl.get_shape()))
-    return out
 
 
 # ------------------------------------------------------------------------- the grid ----
@@ -106,7 +96,7 @@ def test_tiny_export_layout_config_and_round_trip(tiny):
     src = load_tensors(model)
     name = "model.layers.1.mlp.down_proj"  # [256, 512]
     for scheme, art in arts.items():
-        h = _header(art)
+        h = tensor_headers(art)
         assert h[f"{name}.weight"] == ("I8", [256, 512])
         assert h[f"{name}.weight_scale"] == ("F32", [256, 1])
         assert (f"{name}.input_scale" in h) == (scheme == "static")

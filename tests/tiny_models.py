@@ -59,3 +59,17 @@ def make_tiny_model(out: Path, arch: str = "llama", *, hidden: int = 256, interm
             if (src / f).exists():
                 shutil.copy2(src / f, out / f)
     return out
+
+
+def tensor_headers(path: Path) -> dict[str, tuple[str, list[int]]]:
+    """Every tensor of an artifact's safetensors files: name -> (dtype, shape), read from
+    the headers only."""
+    from safetensors import safe_open
+
+    out = {}
+    for f in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as sf:
+            for k in sf.keys():
+                sl = sf.get_slice(k)
+                out[k] = (sl.get_dtype(), list(sl.get_shape()))
+    return out
