@@ -228,13 +228,14 @@ def measure_speed(artifact: str, engine: str | None = None, *, prompt_tokens: in
     return {"engine": engine, "engine_version": version, "settings": settings, **res}
 
 
-_ENGINE_NAMES = {"vllm": "vLLM", "llamacpp": "llama.cpp", "transformers": "transformers"}
+ENGINE_NAMES = {"vllm": "vLLM", "llamacpp": "llama.cpp", "transformers": "transformers"}
+"""How each speed engine's id is written for people (reports, messages)."""
 
 
 def unmeasured_reason(exc: BaseException, engine: str) -> str:
     """Why `engine` could not measure an artifact here, in one short phrase, read from the
     engine's own failure (its refusal is the truth; nothing is predicted from CPU flags)."""
-    name = _ENGINE_NAMES.get(engine, engine)
+    name = ENGINE_NAMES.get(engine, engine)
     text = f"{getattr(exc, 'message', exc)}\n{getattr(exc, 'log', '')}"
     if engine == "vllm":  # the phrases of the engine probe: one wording in doctor and reports
         from quantkit.engines.capabilities import explain_vllm_failure

@@ -12,6 +12,8 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from quantkit.eval.speed import ENGINE_NAMES
+
 __all__ = ["NOT_MEASURED", "SPEED_KEYS", "Column", "columns", "cells", "omitted", "fmt_bytes"]
 
 NOT_MEASURED = "not measured"
@@ -72,7 +74,14 @@ def _method(r: dict) -> tuple:
 
 
 def _engine(r: dict) -> tuple:
-    return (r.get("engine") or {}).get("name") or None, None
+    """The engine that scored accuracy, and the one that measured speed where that differs
+    (e.g. quantkit-torch for PPL/KLD, vLLM for tokens/s): one name would hide which is which."""
+    name = (r.get("engine") or {}).get("name") or None
+    speed = r.get("speed_engine") if r.get("speed") else None
+    speed = ENGINE_NAMES.get(speed, speed)
+    if speed and name and speed.lower() != name.lower():
+        return f"{name}; speed: {speed}", None
+    return name or speed, None
 
 
 def _engine_tip(r: dict) -> str:
@@ -163,7 +172,7 @@ def columns(rows: list[dict]) -> list[Column]:
     cols += [c for c in optional
              if any(c.get(r)[0] is not None or r.get("speed_unmeasured") for r in rows)]
     cols += [Column("format", "format", None, _text("format"), numeric=False),
-             Column("engine", "engine", None, _engine, "where the metrics were measured",
+             Column("engine", "engine", None, _engine, "where accuracy (and, if different, speed) was measured",
                     numeric=False, tip=_engine_tip)]
     return cols
 
