@@ -29,7 +29,6 @@ import torch
 from quantkit.arch import ArchSpec
 from quantkit.errors import NotEnoughMemory
 from quantkit.methods.awq import AUTO_SEARCH_TOKENS as AWQ_SEARCH_TOKENS
-from quantkit.pipeline.heap import REUSE_MMAP_THRESHOLD
 from quantkit.types import QuantScheme
 
 __all__ = ["MemoryPlan", "estimate", "available_memory", "check_memory", "BASELINE_BYTES",
@@ -51,9 +50,6 @@ _FLOPS = {"cpu": 5e10, "cuda": 1.5e14}
 # weight model took 30 s on 2 CPU cores)
 _PER_WEIGHT_S = {"cpu": 5.5e-8, "cuda": 5e-9}
 _BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
-# share of the activations a paused one-pass forward allocated and freed that stays resident
-# (measured 0.44-0.59 on llama blocks of hidden 64-576, batches of 8 x 256-512 tokens, glibc 2.36)
-_STAGED_FREED_KEPT = 0.5
 # GGUF bits per weight of the quantized tensors (llama.cpp's numbers, mixes averaged)
 GGUF_NOMINAL_BPW = {"f16": 16, "bf16": 16, "q8_0": 8.5, "q6_k": 6.5625, "q5_k_m": 5.7, "q4_k_m": 4.9,
              "q4_k_s": 4.6}
@@ -110,38 +106,22 @@ def _param_counts(config, spec: ArchSpec):
     return per_block, linears, outside, largest
 
 
-def _staged_floats_per_token(hidden: int, inter: int, q_dim: int, kv_dim: int,
-                             batch_tokens: int, act_bytes: int) -> float:
+def _staged_floats_per_token(hidden: int, inter: int, q_dim: int, kv_dim: int) -> float:
     """Resident floats per calibration token while the CPU one-pass true-sequential forward
-    (quantkit.pipeline.staged) holds every batch paused at a sequential group's entry.
+    (quantkit.pipeline.staged) holds every batch paused at a sequential group's entry: what
+    is alive in each batch's forward there. What the forwards allocated and freed before the
+    pause is not resident: the one-pass forward runs without
+    quantkit.pipeline.heap.reuse_freed_memory, so each activation is its own mapping and goes
+    back to the OS when freed (with reuse, the heap kept about half of it between the paused
+    batches' live tensors: a tiny llama, hidden 128, intermediate 1536, 280 x 512 tokens,
+    peaked at 3.1-3.4 GiB, 1.8 GiB without).
 
-    At a pause each batch keeps what is alive in its forward there, and the heap keeps about
-    half of what the forwards allocated and freed before it (`_STAGED_FREED_KEPT`): under
-    quantkit.pipeline.heap.reuse_freed_memory freed activations stay in the heap, and the
-    tensors that every other paused batch still holds sit between them, so the next batch
-    reuses only part of them. Allocations from REUSE_MMAP_THRESHOLD per batch up are their
-    own mappings and go back to the OS when freed. Measured on a tiny llama (hidden 128,
-    intermediate 512, 50 batches of 8 x 512 tokens): at the down_proj pause the tensors
-    alive had grown 0.58 GiB since the capture, RSS 2.0 GiB; this gives 2.0 GiB, the plan
-    before it (the alive tensors, no heap) 0.65 GiB.
-
-    The llama block's activations (float32 widths per token; rotary: q*cos, -x2 (half
-    width), cat, *sin, sum; SDPA returns its output, then a contiguous copy):
-      o_proj's pause     alive: normed input, q and k after rotary, v, attention output
-                         freed: RMSNorm pow + product, q/k projections, rotary temporaries,
-                                SDPA's output before its copy
-      down_proj's pause  alive: residual, normed input, act(gate) * up
-                         freed: the above + everything alive at o_proj, o_proj's output,
-                                the second RMSNorm's temporaries, gate, act(gate), up
+    The llama block's activations (float32 widths per token):
+      o_proj's pause     normed input, q and k after rotary, v, attention output
+      down_proj's pause  residual, normed input, act(gate) * up
     """
-    def kept(freed: list[tuple[float, float]]) -> float:
-        return _STAGED_FREED_KEPT * sum(
-            n * w for w, n in freed if batch_tokens * w * act_bytes < REUSE_MMAP_THRESHOLD)
-
-    freed_o = [(hidden, 2), (q_dim, 5), (q_dim / 2, 1), (kv_dim, 4), (kv_dim / 2, 1)]
-    at_o = hidden + 2 * q_dim + 2 * kv_dim + kept(freed_o)
-    freed_down = freed_o + [(hidden, 4), (q_dim, 2), (kv_dim, 2), (inter, 3)]
-    at_down = 2 * hidden + inter + kept(freed_down)
+    at_o = hidden + 2 * q_dim + 2 * kv_dim
+    at_down = 2 * hidden + inter
     return max(at_o, at_down)
 
 
@@ -192,7 +172,7 @@ def estimate(config, spec: ArchSpec, *, method: str, scheme: QuantScheme, calib_
     # one-pass true-sequential (CPU): every batch paused mid-block; MoE blocks replay instead
     if method == "gptq" and true_sequential and not cuda and not moe:
         forward = max(forward, int(tokens * act_bytes * _staged_floats_per_token(
-            hidden, inter, heads * head_dim, kv_heads * head_dim, batch_tokens, act_bytes)))
+            hidden, inter, heads * head_dim, kv_heads * head_dim)))
 
     block_params = max(per_block.values(), default=0)
     quantized = sum(n * k for lin in linears for n, k in lin.values())
