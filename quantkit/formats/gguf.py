@@ -8,7 +8,7 @@ Layout written (gguf's GGUFWriter; tensor data 32-byte aligned, dims reversed on
        quantkit.* provenance (what quantkit.json holds for directory artifacts)
   data token_embd, blk.N.*, output_norm, output (absent when embeddings are tied),
        rope_freqs (llama3 rope scaling); norms, biases and 1-D tensors F32 (norms as
-       norm_offset + w: Gemma's (1 + w), added in the checkpoint's dtype as llama.cpp's
+       norm_offset + w: Gemma's (1 + w), added in float32 as llama.cpp's
        converter does); quantized weights as the bytes in QuantResult.extra["gguf_bytes"];
        other 2-D weights F16/BF16. Fused Linears (Phi-3's qkv_proj, gate_up_proj) stay fused.
 The llama arch wants q/k rows permuted for its rotary layout; that is a row permutation, so
@@ -211,7 +211,7 @@ class GGUFFileWriter:
             if base in permute:
                 t = _permute(t, permute[base])
             if gname.endswith("norm.weight") and spec.norm_offset:
-                t = t + spec.norm_offset
+                t = t.float() + spec.norm_offset
             if t.dim() <= 1 or gname.endswith("_norm.weight") or not gname.endswith(".weight"):
                 w.add_tensor(gname, t.float().numpy())
             elif dense_2d == Q.BF16:

@@ -5,7 +5,6 @@ The type mix of a preset (Q4_K_M, Q5_K_M, ...) is a data table, `PRESETS`, read 
 
   output.weight (and token_embd when tied) -> Q6_K, or Q8_0 when the row width is not a
                                                multiple of the preset's block (Q8_0 stays Q8_0)
-  attn_qkv (fused, Phi-3)                   -> the preset's attn_qkv type (Q4_K_M: Q5_K)
   attn_v / ffn_down                         -> the preset's rule (e.g. Q6_K where
                                                use_more_bits(i, n), counted in llama.cpp's
                                                tensor order: layer, then name)
@@ -63,7 +62,6 @@ class Preset:
     base: Q
     attn_v: tuple[str, Q] | None = None
     ffn_down: tuple[str, Q] | None = None
-    attn_qkv: Q | None = None  # llama.cpp's ATTENTION_QKV rule: one type, no layer counter
 
     @property
     def quantized(self) -> bool:
@@ -71,11 +69,9 @@ class Preset:
 
 
 PRESETS: dict[str, Preset] = {p.name: p for p in (
-    Preset("q4_k_m", 15, Q.Q4_K, attn_v=("more_bits", Q.Q6_K), ffn_down=("more_bits", Q.Q6_K),
-           attn_qkv=Q.Q5_K),
+    Preset("q4_k_m", 15, Q.Q4_K, attn_v=("more_bits", Q.Q6_K), ffn_down=("more_bits", Q.Q6_K)),
     Preset("q4_k_s", 14, Q.Q4_K, attn_v=("first_4", Q.Q5_K), ffn_down=("first_eighth", Q.Q5_K)),
-    Preset("q5_k_m", 17, Q.Q5_K, attn_v=("more_bits", Q.Q6_K), ffn_down=("more_bits", Q.Q6_K),
-           attn_qkv=Q.Q6_K),
+    Preset("q5_k_m", 17, Q.Q5_K, attn_v=("more_bits", Q.Q6_K), ffn_down=("more_bits", Q.Q6_K)),
     Preset("q5_k_s", 16, Q.Q5_K),
     Preset("q6_k", 18, Q.Q6_K),
     Preset("q8_0", 7, Q.Q8_0),
@@ -135,9 +131,7 @@ def plan_types(preset: Preset | str, tensors: dict[str, tuple[int, ...]], n_laye
                 t = Q.Q8_0 if ncols % _block(t) else (t if t == Q.Q8_0 else Q.Q6_K)
             elif name == "token_embd.weight":
                 pass
-            elif "attn_qkv.weight" in name:  # counted in n_attn_v, but no i_attn_v step
-                t = p.attn_qkv or t
-            elif "attn_v.weight" in name:
+            elif "attn_qkv.weight" in name or "attn_v.weight" in name:
                 if p.attn_v and _RULES[p.attn_v[0]](i_attn_v, n_attn_v):
                     t = p.attn_v[1]
                 if is_70b and t in (Q.Q3_K, Q.Q4_K):
