@@ -60,11 +60,26 @@ def _make(out: Path, family: str) -> Path:
     return d
 
 
+class Family:
+    """A family's tiny model and the artifacts made from it (each made once per module)."""
+
+    def __init__(self, name: str, root: Path):
+        self.name, self.root = name, root
+        # no family name in the path: llama.cpp sets Phi-3 token attributes when general.name
+        # contains "phi3" and then needs </s>, <unk> and <s> in the vocabulary (llama-vocab.cpp)
+        self.src = _make(root / "model", name)
+        self._made: dict[str, Path] = {}
+
+    def artifact(self, method: str) -> Path:
+        if method not in self._made:
+            out = self.root / (f"{method}.gguf" if method in ("q4_k_m", "bf16") else method)
+            self._made[method] = _quantize(self.src, out, method)
+        return self._made[method]
+
+
 @pytest.fixture(scope="module", params=FAMILIES)
-def family(request, tmp_path_factory):
-    # no family name in the path: llama.cpp sets Phi-3 token attributes when general.name
-    # contains "phi3" and then needs </s>, <unk> and <s> in the vocabulary (llama-vocab.cpp)
-    return request.param, _make(tmp_path_factory.mktemp("family") / "model", request.param)
+def family(request, tmp_path_factory) -> Family:
+    return Family(request.param, tmp_path_factory.mktemp("family"))
 
 
 def _quantize(src: Path, out: Path, method: str) -> Path:
@@ -115,16 +130,16 @@ def _gguf_contents(path: Path) -> tuple[dict, dict]:
 
 # ---------------------------------------------------------------- methods, through the pipeline
 
-def test_family_quantizes_with_every_method(family, tmp_path):
+def test_family_quantizes_with_every_method(family):
     """rtn, gptq, awq, fp8 (compressed-tensors) and Q4_K_M (GGUF) run on CPU; each directory
     artifact loads back and predicts what the model predicts."""
-    name, src = family
+    name, src = family.name, family.src
     base = load_artifact(src)
     ids = torch.randint(10, 40000, (1, 48), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ref = base.model(ids).logits.float()
     for method in ("rtn", "gptq", "awq", "fp8"):
-        out = _quantize(src, tmp_path / method, method)
+        out = family.artifact(method)
         meta = json.loads((out / "quantkit.json").read_text())
         assert meta["source_model"]["architecture"] == name
         with torch.no_grad():
@@ -135,8 +150,7 @@ def test_family_quantizes_with_every_method(family, tmp_path):
         # int4 g64 on a random tiny model: cosine ~0.93-0.95 (int8 RTN: 0.9998); a wrong layout
         # or a lost norm offset is far below
         assert cos > (0.99 if method == "fp8" else 0.85), (method, cos)
-    gguf = _quantize(src, tmp_path / "q4_k_m.gguf", "q4_k_m")
-    kv, tensors = read_gguf(gguf)
+    kv, tensors = read_gguf(family.artifact("q4_k_m"))
     assert kv["general.architecture"] == spec_for_config(base.model.config).gguf_arch
     assert {"Q4_K", "Q6_K"} <= {t.qtype.name for t in tensors.values()}
 
@@ -211,8 +225,8 @@ def test_bf16_gguf_equals_llama_cpp_converter_and_runs(family, tmp_path):
 
     from quantkit.engines.llamacpp import LlamaCppModel
 
-    name, src = family
-    ours = _quantize(src, tmp_path / "ours.bf16.gguf", "bf16")
+    name, src = family.name, family.src
+    ours = family.artifact("bf16")
     lc = _reference_converter()
     ref = tmp_path / "ref.bf16.gguf"
     proc = subprocess.run([sys.executable, str(lc / "convert_hf_to_gguf.py"), "--outtype", "bf16",
@@ -256,9 +270,9 @@ def test_q4_k_m_equals_llama_quantize_and_generates(family, tmp_path):
     from quantkit.engines.vllm import run_vllm
     from quantkit.errors import EngineError
 
-    name, src = family
-    ours = _quantize(src, tmp_path / "ours.q4_k_m.gguf", "q4_k_m")
-    llama_quantize(_quantize(src, tmp_path / "bf16.gguf", "bf16"), tmp_path / "lq.gguf", "q4_k_m")
+    name = family.name
+    ours = family.artifact("q4_k_m")
+    llama_quantize(family.artifact("bf16"), tmp_path / "lq.gguf", "q4_k_m")
     (_, t_a), (_, t_b) = _gguf_contents(ours), _gguf_contents(tmp_path / "lq.gguf")
     assert {t: v[:2] for t, v in t_a.items()} == {t: v[:2] for t, v in t_b.items()}
     assert [t for t in t_b if t_a[t][2] != t_b[t][2]] == []
@@ -270,7 +284,7 @@ def test_q4_k_m_equals_llama_quantize_and_generates(family, tmp_path):
     finally:
         llm.close()
 
-    rtn = _quantize(src, tmp_path / "rtn", "rtn")
+    rtn = family.artifact("rtn")
     prompt = [{"prompt": "The capital of France is", "max_tokens": 4}]
     if vllm_runs("int4"):
         assert len(run_vllm(rtn, generate=prompt, max_model_len=128)["generate"][0]) > 0
@@ -278,3 +292,17 @@ def test_q4_k_m_equals_llama_quantize_and_generates(family, tmp_path):
         with pytest.raises(EngineError) as e:
             run_vllm(rtn, generate=prompt, max_model_len=128)
         assert "object has no attribute 'cpu_gemm_wna16'" in str(e.value) + e.value.log
+
+
+def test_gemma3_gguf_refuses_layer_types_llama_cpp_would_not_run(tmp_path):
+    """llama.cpp's gemma3 takes every 6th layer as global (the converter writes no pattern):
+    other layer_types are refused before any work, not written into a GGUF that runs wrong."""
+    from quantkit.errors import UnsupportedArchitecture
+
+    src = make_tiny_model(tmp_path / "g", "gemma3_text", layers=2)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["layer_types"] = ["sliding_attention", "full_attention"]
+    (src / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedArchitecture, match="every 6th layer global"):
+        _quantize(src, tmp_path / "x.gguf", "bf16")
+    assert not (tmp_path / "x.gguf").exists()
