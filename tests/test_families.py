@@ -44,8 +44,8 @@ I4 = QuantScheme(bits=4, group_size=64)
 
 
 def _make(out: Path, family: str) -> Path:
-    d = make_tiny_model(out, family, layers=6 if family == "gemma3_text" else 2, seed=5,
-                        tie=family == "gemma3_text")
+    # tied embeddings: the 49152-row vocabulary is most of the model, one copy keeps it fast
+    d = make_tiny_model(out, family, layers=6 if family == "gemma3_text" else 2, seed=5, tie=True)
     if family == "phi3":  # llama.cpp's Phi-3 converter reads a BPE vocabulary only for this class
         p = d / "tokenizer_config.json"
         p.write_text(json.dumps({**json.loads(p.read_text()), "tokenizer_class": "GPT2Tokenizer"}))
