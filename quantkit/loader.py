@@ -81,8 +81,24 @@ def _per_expert_linears(model, config) -> None:
 
 
 def _rebuild_meta_buffers(model) -> None:
-    """Non-persistent buffers (rotary inv_freq) are not in the checkpoint: rebuild them on CPU."""
+    """Non-persistent buffers (rotary inv_freq, Gemma's embed_scale) are not in the
+    checkpoint: rebuild them on CPU (a module with a config anew; any other by the model's own
+    _init_weights, with its loaded parameters set aside so that only the buffers change)."""
     for parent in list(model.modules()):
         for child_name, child in list(parent.named_children()):
-            if any(b.is_meta for b in child.buffers(recurse=False)) and hasattr(child, "config"):
+            if not any(b.is_meta for b in child.buffers(recurse=False)):
+                continue
+            if hasattr(child, "config"):
                 setattr(parent, child_name, type(child)(child.config))
+                continue
+            params = dict(child.named_parameters(recurse=False))
+            for name, b in list(child.named_buffers(recurse=False)):
+                if b.is_meta:
+                    child._buffers[name] = torch.empty_like(b, device="cpu")
+            for name, prm in params.items():
+                child._parameters[name] = torch.nn.Parameter(torch.empty_like(prm, device="meta"),
+                                                             requires_grad=prm.requires_grad)
+            try:
+                model._init_weights(child)
+            finally:
+                child._parameters.update(params)

@@ -13,7 +13,14 @@ ARCH_CONFIGS = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM"),
 }
+
+# family-specific config values: Gemma 3 with a short sliding window (so calibration text
+# crosses it) and llama.cpp's attention scale (1/sqrt(head_dim)); tests build it with 6
+# layers so that its default pattern has one global layer (block 5)
+FAMILY_DEFAULTS = {"gemma3_text": dict(sliding_window=32)}
 
 # mixture-of-experts defaults (make_tiny_model's `moe` overrides them)
 MOE_DEFAULTS = {"qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256,
@@ -40,8 +47,11 @@ def make_tiny_model(out: Path, arch: str = "llama", *, hidden: int = 256, interm
                   num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab,
                   max_position_embeddings=1024, tie_word_embeddings=tie, bos_token_id=1,
                   eos_token_id=2, pad_token_id=2)
-    if arch in ("qwen3", "qwen3_moe"):
+    if arch in ("qwen3", "qwen3_moe", "gemma3_text"):
         kwargs["head_dim"] = hidden // heads
+    if arch == "gemma3_text":
+        kwargs.update(query_pre_attn_scalar=hidden // heads,
+                      sliding_window=FAMILY_DEFAULTS[arch]["sliding_window"])
     if arch in MOE_DEFAULTS:
         kwargs.update({**MOE_DEFAULTS[arch], **(moe or {})})
     config = cfg_cls(**kwargs)

@@ -26,6 +26,9 @@ class AwqGroup:
     prev: str
     balance: tuple[str, ...]
     inspect: str
+    # `prev` is a fused Linear whose LAST rows feed the balance Linears (Phi-3's gate_up_proj
+    # -> down_proj: the up half); the fold then divides only those rows
+    prev_tail: bool = False
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,12 @@ class ArchSpec:
     roles: dict[str, str] = field(default_factory=dict)
     # mixture of experts: per-expert Linears appear in `sequential` as templates with EXPERT
     experts: ExpertsSpec | None = None
+    # RMSNorms compute x * (norm_offset + w): Gemma's (1 + w). Scales fold into (offset + w),
+    # and GGUF stores offset + w (llama.cpp multiplies by the stored weight)
+    norm_offset: float = 0.0
+    # optional {arch}.* hyper-parameter keys this GGUF arch carries (formats/gguf.py's
+    # _OPTIONAL_KV writes each); the rest of the GGUF header is common to every arch
+    gguf_kv: tuple[str, ...] = ("vocab_size", "rope_dimension_count", "head_dim_if_set")
 
     @property
     def block_linears(self) -> tuple[str, ...]:
@@ -145,6 +154,48 @@ _QWEN3_MOE_LINEARS = _LLAMA_LINEARS + (
     (_QWEN3_MOE_EXPERTS.linear("down"),),
 )
 
+# Gemma 3: q/k norms, and norms after attention and after the MLP (on their outputs, before
+# the residual add), so the MLP's input norm is pre_feedforward_layernorm, not
+# post_attention_layernorm as in llama
+_GEMMA3_AWQ = (
+    AwqGroup("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "self_attn"),
+    AwqGroup("self_attn.v_proj", ("self_attn.o_proj",), "self_attn.o_proj"),
+    AwqGroup("pre_feedforward_layernorm", ("mlp.gate_proj", "mlp.up_proj"), "mlp"),
+    AwqGroup("mlp.up_proj", ("mlp.down_proj",), "mlp.down_proj"),
+)
+
+_GEMMA3_GGUF_NAMES = {
+    **_GGUF_BLOCK_NAMES,
+    "post_attention_layernorm": "blk.{bid}.post_attention_norm",
+    "pre_feedforward_layernorm": "blk.{bid}.ffn_norm",
+    "post_feedforward_layernorm": "blk.{bid}.post_ffw_norm",
+}
+
+# Phi-3: one fused Linear for q/k/v and one for gate/up (gate rows first); llama.cpp keeps
+# them fused (attn_qkv, ffn_up). v rows -> o_proj is no AWQ pair (the fused qkv_proj's last
+# rows are v only without grouped-query attention), as in AutoAWQ's Phi-3 table
+_PHI3_LINEARS = (
+    ("self_attn.qkv_proj",),
+    ("self_attn.o_proj",),
+    ("mlp.gate_up_proj",),
+    ("mlp.down_proj",),
+)
+
+_PHI3_AWQ = (
+    AwqGroup("input_layernorm", ("self_attn.qkv_proj",), "self_attn"),
+    AwqGroup("post_attention_layernorm", ("mlp.gate_up_proj",), "mlp"),
+    AwqGroup("mlp.gate_up_proj", ("mlp.down_proj",), "mlp.down_proj", prev_tail=True),
+)
+
+_PHI3_GGUF_NAMES = {
+    "input_layernorm": "blk.{bid}.attn_norm",
+    "self_attn.qkv_proj": "blk.{bid}.attn_qkv",
+    "self_attn.o_proj": "blk.{bid}.attn_output",
+    "post_attention_layernorm": "blk.{bid}.ffn_norm",
+    "mlp.gate_up_proj": "blk.{bid}.ffn_up",
+    "mlp.down_proj": "blk.{bid}.ffn_down",
+}
+
 ARCHS: tuple[ArchSpec, ...] = (
     ArchSpec("llama", ("LlamaForCausalLM",), ("llama",), gguf_arch="llama", gguf_permute_qk=True,
              **_LLAMA_LIKE),
@@ -155,6 +206,17 @@ ARCHS: tuple[ArchSpec, ...] = (
     # GGUF (qwen3moe, ffn_*_exps) and AWQ groups for experts are not written yet: no rows
     ArchSpec("qwen3_moe", ("Qwen3MoeForCausalLM",), ("qwen3_moe",), gguf_arch="qwen3moe",
              sequential=_QWEN3_MOE_LINEARS, experts=_QWEN3_MOE_EXPERTS, roles=_ROLES),
+    ArchSpec("gemma3_text", ("Gemma3ForCausalLM",), ("gemma3_text",), gguf_arch="gemma3",
+             sequential=_LLAMA_LINEARS, awq_groups=_GEMMA3_AWQ, gguf_names=_GEMMA3_GGUF_NAMES,
+             roles=_ROLES, norm_offset=1.0,
+             gguf_kv=("head_dim", "rope_freq_base_swa", "sliding_window",
+                      "final_logit_softcapping")),
+    ArchSpec("phi3", ("Phi3ForCausalLM",), ("phi3",), gguf_arch="phi3",
+             sequential=_PHI3_LINEARS, awq_groups=_PHI3_AWQ, gguf_names=_PHI3_GGUF_NAMES,
+             roles={"attn_qkv": "self_attn.qkv_proj", "attn_output": "self_attn.o_proj",
+                    "ffn_up": "mlp.gate_up_proj", "ffn_down": "mlp.down_proj"},
+             gguf_kv=("rope_scaling_original_context", "rope_dimension_count",
+                      "sliding_window_or_0")),
 )
 
 

@@ -2,12 +2,15 @@
 
 Layout written (gguf's GGUFWriter; tensor data 32-byte aligned, dims reversed on disk):
   KV   general.* (architecture, name, file_type, quantization_version)
-       {arch}.* hyper-parameters from config.json (llama / qwen2 / qwen3)
+       {arch}.* hyper-parameters from config.json (llama / qwen2 / qwen3 / gemma3 / phi3;
+       the optional keys each arch carries are its ArchSpec.gguf_kv, written by _OPTIONAL_KV)
        tokenizer.ggml.* and tokenizer.chat_template (gguf_tokenizer.py)
        quantkit.* provenance (what quantkit.json holds for directory artifacts)
   data token_embd, blk.N.*, output_norm, output (absent when embeddings are tied),
-       rope_freqs (llama3 rope scaling); norms, biases and 1-D tensors F32; quantized
-       weights as the bytes in QuantResult.extra["gguf_bytes"]; other 2-D weights F16/BF16.
+       rope_freqs (llama3 rope scaling); norms, biases and 1-D tensors F32 (norms as
+       norm_offset + w: Gemma's (1 + w), added in float32 as llama.cpp's
+       converter does); quantized weights as the bytes in QuantResult.extra["gguf_bytes"];
+       other 2-D weights F16/BF16. Fused Linears (Phi-3's qkv_proj, gate_up_proj) stay fused.
 The llama arch wants q/k rows permuted for its rotary layout; that is a row permutation, so
 it is applied to encoded rows too (`_permute`).
 """
@@ -33,7 +36,10 @@ from quantkit.types import QuantResult, QuantScheme
 __all__ = ["GGUFFileWriter", "gguf_name", "FILE_TYPES", "read_gguf", "gguf_metadata", "GGUFTensor"]
 
 Q = GGMLQuantizationType
-GGUF_ARCHS = ("llama", "qwen2", "qwen3")
+GGUF_ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "phi3")
+# llama.cpp's gemma3 loader assumes every 6th layer is global (load_swa_pattern(ml, 6)): the
+# converter writes no pattern, so other layer_types would run differently there
+_GEMMA3_SWA_PATTERN = 6
 # gguf_type -> (general.file_type, type of 2-D weights that have no quantized result)
 FILE_TYPES = {"f16": (1, Q.F16), "bf16": (32, Q.BF16), "q8_0": (7, Q.F16), "q6_k": (18, Q.F16),
               "q5_k_m": (17, Q.F16), "q5_k_s": (16, Q.F16), "q4_k_m": (15, Q.F16),
@@ -124,6 +130,14 @@ def _check_config(spec: ArchSpec, config: dict) -> None:
     if rtype not in ok:
         raise UnsupportedArchitecture(f"RoPE scaling {rtype!r} is not written by quantkit's GGUF "
                                       f"writer for {spec.gguf_arch}.", f"Supported: {sorted(ok)}.")
+    if "sliding_window" in spec.gguf_kv and config.get("layer_types"):
+        want = ["full_attention" if (i + 1) % _GEMMA3_SWA_PATTERN == 0 else "sliding_attention"
+                for i in range(config["num_hidden_layers"])]
+        if list(config["layer_types"]) != want:
+            raise UnsupportedArchitecture(
+                f"layer_types {config['layer_types']} differ from llama.cpp's {spec.gguf_arch} "
+                f"pattern (every {_GEMMA3_SWA_PATTERN}th layer global).",
+                "llama.cpp would run other layers with sliding-window attention; use another format.")
     if config.get("use_sliding_window"):
         raise UnsupportedArchitecture("Sliding-window attention is not written to GGUF by quantkit.")
     if config.get("attention_bias") and spec.gguf_arch == "qwen3":
@@ -196,6 +210,8 @@ class GGUFFileWriter:
             base = gname.rsplit(".", 1)[0]
             if base in permute:
                 t = _permute(t, permute[base])
+            if gname.endswith("norm.weight") and spec.norm_offset:
+                t = t.float() + spec.norm_offset
             if t.dim() <= 1 or gname.endswith("_norm.weight") or not gname.endswith(".weight"):
                 w.add_tensor(gname, t.float().numpy())
             elif dense_2d == Q.BF16:
@@ -219,8 +235,13 @@ class GGUFFileWriter:
 
     # ------------------------------------------------------------------ metadata
     @staticmethod
-    def _rope(config: dict) -> dict:
+    def _rope(config: dict, layer_type: str = "full_attention") -> dict:
+        """RoPE parameters (of the global layers where each layer type has its own: Gemma 3)."""
         rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+        if isinstance(rope.get(layer_type), dict):
+            rope = dict(rope[layer_type])
+        elif any(isinstance(v, dict) for v in rope.values()):
+            return {}
         rope.setdefault("rope_type", rope.get("type", ""))
         if "rope_theta" not in rope and config.get("rope_theta") is not None:
             rope["rope_theta"] = config["rope_theta"]
@@ -245,11 +266,8 @@ class GGUFFileWriter:
         if rope.get("rope_theta") is not None:
             w.add_rope_freq_base(float(rope["rope_theta"]))
         w.add_layer_norm_rms_eps(float(config.get("rms_norm_eps", 1e-6)))
-        w.add_vocab_size(config["vocab_size"])
-        w.add_rope_dimension_count(self._head_dim(config))
-        if config.get("head_dim"):
-            w.add_key_length(config["head_dim"])
-            w.add_value_length(config["head_dim"])
+        for key in spec.gguf_kv:
+            _OPTIONAL_KV[key](w, config)
         rtype, factor = rope.get("rope_type", "").lower(), rope.get("factor")
         if rtype == "linear" and factor:
             w.add_rope_scaling_type(_rope_scaling("LINEAR"))
@@ -264,6 +282,48 @@ class GGUFFileWriter:
             w.add_string("quantkit.version", str(meta.get("quantkit_version", "")))
             w.add_string("quantkit.method", str(meta.get("method", "")))
             w.add_string("quantkit.metadata", json.dumps(meta, default=str))
+
+
+def _rope_dims(config: dict) -> int:
+    rope = GGUFFileWriter._rope(config)
+    part = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+    return int(part * GGUFFileWriter._head_dim(config))
+
+
+def _head_dim_lengths(w: GGUFWriter, config: dict) -> None:
+    w.add_key_length(GGUFFileWriter._head_dim(config))
+    w.add_value_length(GGUFFileWriter._head_dim(config))
+
+
+def _swa_rope_base(w: GGUFWriter, config: dict) -> None:
+    theta = GGUFFileWriter._rope(config, "sliding_attention").get("rope_theta")
+    if theta is not None:
+        w.add_rope_freq_base_swa(float(theta))
+
+
+def _orig_ctx(w: GGUFWriter, config: dict) -> None:
+    rope = GGUFFileWriter._rope(config)
+    w.add_rope_scaling_orig_ctx_len(int(rope.get("original_max_position_embeddings")
+                                        or config["original_max_position_embeddings"]))
+
+
+def _softcap(w: GGUFWriter, config: dict) -> None:
+    if config.get("final_logit_softcapping"):
+        w.add_final_logit_softcapping(float(config["final_logit_softcapping"]))
+
+
+# ArchSpec.gguf_kv key -> how that {arch}.* key is written (as llama.cpp's converter does)
+_OPTIONAL_KV = {
+    "vocab_size": lambda w, c: w.add_vocab_size(c["vocab_size"]),
+    "rope_dimension_count": lambda w, c: w.add_rope_dimension_count(_rope_dims(c)),
+    "head_dim_if_set": lambda w, c: c.get("head_dim") and _head_dim_lengths(w, c),
+    "head_dim": _head_dim_lengths,
+    "rope_freq_base_swa": _swa_rope_base,
+    "sliding_window": lambda w, c: w.add_sliding_window(int(c["sliding_window"])),
+    "sliding_window_or_0": lambda w, c: w.add_sliding_window(int(c.get("sliding_window") or 0)),
+    "final_logit_softcapping": _softcap,
+    "rope_scaling_original_context": _orig_ctx,
+}
 
 
 def _rope_scaling(name: str):

@@ -36,6 +36,7 @@ class ScalePlan:
     balance: dict[str, torch.nn.Linear]
     mode: str  # "norm" | "linear" | "pre_quant_scale" | "skip"
     reason: str = ""
+    norm_offset: float = 0.0  # the norm computes x * (norm_offset + w) (ArchSpec.norm_offset)
 
 
 def submodule(block: torch.nn.Module, name: str) -> torch.nn.Module:
@@ -54,7 +55,8 @@ def require_scaling_table(spec: ArchSpec | None, method: str, instead: str) -> N
 def linear_pair_problem(grp: AwqGroup, prev_out: int, balance_in: dict[str, int],
                         method: str = "AWQ", still: str = "quantized") -> str:
     """Why a Linear -> Linear group cannot fold (the reason logged), or ""."""
-    bad = {b: k for b, k in balance_in.items() if k != prev_out}
+    fits = (lambda k: k <= prev_out) if grp.prev_tail else (lambda k: k == prev_out)
+    bad = {b: k for b, k in balance_in.items() if not fits(k)}
     if not bad:
         return ""
     b, k = next(iter(bad.items()))
@@ -96,7 +98,8 @@ def scale_plans(ctx: BlockContext, *, pre_quant_scale: bool = False, log=None,
                     f"{grp.prev} has no per-channel weight to fold scales into.")
                 plans.append(ScalePlan(grp, prev, balance, "skip"))
             else:
-                plans.append(ScalePlan(grp, prev, balance, "norm"))
+                plans.append(ScalePlan(grp, prev, balance, "norm",
+                                       norm_offset=ctx.arch.norm_offset))
     return plans
 
 
@@ -113,7 +116,12 @@ def fold_scale(plan: ScalePlan, s: torch.Tensor, col: dict, row: dict, pqs: dict
         if plan.mode == "pre_quant_scale":
             pqs[bname] = pqs.get(bname, torch.ones_like(s)) / s
     prev = plan.prev
-    if plan.mode == "norm":
+    if plan.mode == "norm" and plan.norm_offset:  # (offset + w) / s = offset + w'
+        off = plan.norm_offset
+        prev.weight.data.copy_(((prev.weight.float() + off) / s.float() - off).to(prev.weight.dtype))
+        if getattr(prev, "bias", None) is not None:
+            prev.bias.data.div_(s.to(prev.bias.dtype))
+    elif plan.mode == "norm":
         prev.weight.data.div_(s.to(prev.weight.dtype))
         if getattr(prev, "bias", None) is not None:
             prev.bias.data.div_(s.to(prev.bias.dtype))

@@ -163,7 +163,7 @@ def quantize_blocks(
         if dense is not None:
             dense.update(resumed.dense)
         if inputs is not None:
-            inputs = BlockInputs(resumed.hidden, inputs.kwargs).to(device, inputs.device is not None)
+            inputs = inputs.with_hidden(resumed.hidden, start).to(device, inputs.device is not None)
         if on_progress:
             on_progress(f"resuming at block {start + 1}/{total}" if start < total else
                         f"resuming: all {total} blocks were finished, writing the artifact",
@@ -237,7 +237,7 @@ def quantize_blocks(
                     outs = run.finish()
                 else:
                     outs = outputs_fp if outputs_fp is not None else run_block(block, inputs)
-                inputs = inputs.with_hidden(outs)
+                inputs = inputs.with_hidden(outs, i + 1)
         mine = {k: r for k, r in results.items() if k.startswith(prefix)}
         _block_and_results_to_cpu(block, orig_dtype, list(mine.values()))
         kept = block_dense(block, prefix, mine, dense_dtype) if dp is None or dp.is_main else {}

@@ -1,7 +1,11 @@
-"""Catch the inputs of the first decoder block for every calibration batch.
+"""Catch the inputs of the first decoder block for every calibration batch, and the keyword
+arguments of every block.
 
-A pre-hook on block 0 records (hidden_states, kwargs) and raises a private sentinel, so the
-rest of the model never runs (AutoAWQ's Catcher idea, without catching broad exceptions).
+Block 0's hidden states and every block's kwargs are recorded while each block's forward is
+swapped for a pass-through (no block computes); the last block raises a private sentinel, so
+the norm and head never run (AutoAWQ's Catcher idea, without catching broad exceptions).
+Every block's kwargs, not only block 0's: Gemma 3 gives its sliding-window and global layers
+their own masks and rotary tables (the values are shared, not copied, where blocks agree).
 """
 
 from __future__ import annotations
@@ -31,19 +35,36 @@ class BlockInputs:
     hidden: list[torch.Tensor] = field(default_factory=list)
     kwargs: list[dict] = field(default_factory=list)
     device: torch.device | None = None
+    # kwargs per batch of every block (block index -> batches); `kwargs` is the current block's
+    block_kwargs: list[list[dict]] = field(default_factory=list)
+    block: int = 0
 
     def to(self, device: torch.device | str, offload: bool = False) -> BlockInputs:
         """On `device`; with `offload` the hidden states go to (pinned) host memory instead
-        and only the keyword arguments (masks, rotary tables: small) move to `device`."""
-        move = lambda v: v.to(device) if torch.is_tensor(v) else (  # noqa: E731
-            tuple(t.to(device) if torch.is_tensor(t) else t for t in v) if isinstance(v, tuple) else v)
-        hidden = [to_host(h) for h in self.hidden] if offload else [h.to(device) for h in self.hidden]
-        return BlockInputs(hidden, [{k: move(v) for k, v in kw.items()} for kw in self.kwargs],
-                           torch.device(device) if offload else None)
+        and only the keyword arguments (masks, rotary tables: small) move to `device`
+        (a tensor shared by several blocks moves once)."""
+        moved: dict[int, torch.Tensor] = {}
 
-    def with_hidden(self, hidden: list[torch.Tensor]) -> BlockInputs:
-        """The same kwargs and placement with new hidden states (a block's outputs)."""
-        return BlockInputs(hidden, self.kwargs, self.device)
+        def one(t):
+            if torch.is_tensor(t) and id(t) not in moved:
+                moved[id(t)] = t.to(device)
+            return moved[id(t)] if torch.is_tensor(t) else t
+
+        move = lambda v: tuple(one(t) for t in v) if isinstance(v, tuple) else one(v)  # noqa: E731
+        hidden = [to_host(h) for h in self.hidden] if offload else [h.to(device) for h in self.hidden]
+        per_block = [[{k: move(v) for k, v in kw.items()} for kw in kws]
+                     for kws in (self.block_kwargs or [self.kwargs])]
+        index = self.block if self.block_kwargs else 0
+        return BlockInputs(hidden, per_block[index], torch.device(device) if offload else None,
+                           per_block if self.block_kwargs else [], index)
+
+    def with_hidden(self, hidden: list[torch.Tensor], block: int | None = None) -> BlockInputs:
+        """The same placement with new hidden states (a block's outputs), and the kwargs of
+        `block` (default: the current block's)."""
+        block = self.block if block is None else block
+        kwargs = self.block_kwargs[block] if self.block_kwargs and block < len(self.block_kwargs) \
+            else self.kwargs
+        return BlockInputs(hidden, kwargs, self.device, self.block_kwargs, block)
 
     def batches(self) -> Iterator[tuple[torch.Tensor, dict]]:
         """(hidden states on the compute device, kwargs) for every batch, in order."""
@@ -52,17 +73,24 @@ class BlockInputs:
 
 
 def capture_block_inputs(model, blocks: torch.nn.ModuleList, batches, dtype: torch.dtype) -> BlockInputs:
-    captured = BlockInputs()
+    captured = BlockInputs(block_kwargs=[[] for _ in blocks])
+    last = len(blocks) - 1
 
-    def pre_hook(_module, args, kwargs):
-        hidden = args[0] if args else kwargs.pop("hidden_states")
-        kw = {k: v for k, v in kwargs.items() if k not in ("past_key_values", "past_key_value")}
-        kw["use_cache"] = False
-        captured.hidden.append(hidden.detach().to(dtype))
-        captured.kwargs.append(kw)
-        raise _Captured
+    def pass_through(index: int):
+        def forward(*args, **kwargs):
+            hidden = args[0] if args else kwargs.pop("hidden_states")
+            kw = {k: v for k, v in kwargs.items() if k not in ("past_key_values", "past_key_value")}
+            kw["use_cache"] = False
+            if index == 0:
+                captured.hidden.append(hidden.detach().to(dtype))
+            captured.block_kwargs[index].append(kw)
+            if index == last:
+                raise _Captured
+            return hidden
+        return forward
 
-    handle = blocks[0].register_forward_pre_hook(pre_hook, with_kwargs=True)
+    for i, block in enumerate(blocks):  # an instance attribute shadows the class's forward
+        block.forward = pass_through(i)
     try:
         with torch.no_grad():
             for ids in batches:
@@ -71,7 +99,9 @@ def capture_block_inputs(model, blocks: torch.nn.ModuleList, batches, dtype: tor
                 except _Captured:
                     pass
     finally:
-        handle.remove()
+        for block in blocks:
+            del block.forward
+    captured.kwargs = captured.block_kwargs[0]
     return captured
 
 

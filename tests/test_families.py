@@ -1,0 +1,308 @@
+"""Dense families beyond Llama: Gemma 3 (gemma3_text) and Phi-3, on tiny random models built
+with their real transformers config classes (widths multiples of 256 for the K-quants).
+
+Per family: every method quantizes through the one pipeline and loads back close to the
+model; AWQ's scale folds keep the block's function (Gemma's (1 + w) norms, Phi-3's fused
+gate_up_proj); the BF16 GGUF equals llama.cpp's own convert_hf_to_gguf.py output for the
+same directory; the Q4_K_M GGUF equals llama.cpp's quantizer on that BF16 file, loads and
+generates in real llama.cpp, and the int4 artifact generates in real vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from tiny_models import make_tiny_model
+
+from quantkit.arch import spec_for_config
+from quantkit.formats.gguf import read_gguf
+from quantkit.loader import load_artifact
+from quantkit.methods.fp8 import fp8_scheme
+from quantkit.model_io import cache_dir
+from quantkit.pipeline.quantize import QuantizeRequest, quantize
+from quantkit.types import QuantScheme
+
+FAMILIES = ["gemma3_text", "phi3"]
+LLAMA_CPP_SDIST = "llama_cpp_python-0.3.36"
+# keys whose values are provenance, not the model (general.name, size label, ...)
+PROVENANCE = ("general.",)
+# quantkit writes these tokenizer flags always (from what the HF tokenizer does); the
+# converter omits them when tokenizer_config.json has none, and llama.cpp's default for a
+# "gpt2"/"smollm" vocabulary is the same False (llama-vocab.cpp)
+EXPLICIT_DEFAULTS = {"tokenizer.ggml.add_bos_token": False, "tokenizer.ggml.add_eos_token": False,
+                     "tokenizer.ggml.add_space_prefix": False}
+TEXT = "The quick brown fox jumps over the lazy dog. def f(x): return x**2  # squares"
+I4 = QuantScheme(bits=4, group_size=64)
+
+
+def _make(out: Path, family: str) -> Path:
+    # tied embeddings: the 49152-row vocabulary is most of the model, one copy keeps it fast
+    d = make_tiny_model(out, family, layers=6 if family == "gemma3_text" else 2, seed=5, tie=True)
+    if family == "phi3":  # llama.cpp's Phi-3 converter reads a BPE vocabulary only for this class
+        p = d / "tokenizer_config.json"
+        p.write_text(json.dumps({**json.loads(p.read_text()), "tokenizer_class": "GPT2Tokenizer"}))
+    # non-trivial norms, so a wrong (1 + w) or a missed norm shows
+    from safetensors.torch import load_file, save_file
+    sd = load_file(d / "model.safetensors")
+    g = torch.Generator().manual_seed(1)
+    for k, v in sd.items():
+        if v.ndim == 1:
+            sd[k] = (v.float() + 0.2 * torch.randn(v.shape, generator=g)).to(v.dtype)
+    save_file(sd, d / "model.safetensors", metadata={"format": "pt"})
+    return d
+
+
+class Family:
+    """A family's tiny model and the artifacts made from it (each made once per module)."""
+
+    def __init__(self, name: str, root: Path):
+        self.name, self.root = name, root
+        # no family name in the path: llama.cpp sets Phi-3 token attributes when general.name
+        # contains "phi3" and then needs </s>, <unk> and <s> in the vocabulary (llama-vocab.cpp)
+        self.src = _make(root / "model", name)
+        self._made: dict[str, Path] = {}
+
+    def artifact(self, method: str) -> Path:
+        if method not in self._made:
+            out = self.root / (f"{method}.gguf" if method in ("q4_k_m", "bf16") else method)
+            self._made[method] = _quantize(self.src, out, method)
+        return self._made[method]
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request, tmp_path_factory) -> Family:
+    return Family(request.param, tmp_path_factory.mktemp("family"))
+
+
+def _quantize(src: Path, out: Path, method: str) -> Path:
+    scheme, fmt, opts = {
+        "rtn": (I4, "compressed-tensors", {}), "gptq": (I4, "compressed-tensors", {}),
+        "awq": (I4, "compressed-tensors", {}),
+        "fp8": (fp8_scheme("dynamic"), "compressed-tensors", {"scheme": "dynamic"}),
+        "q4_k_m": (QuantScheme(kind="kquant", gguf_type="q4_k_m"), "gguf", {"gguf_type": "q4_k_m"}),
+        "bf16": (QuantScheme(kind="kquant", gguf_type="bf16"), "gguf", {"gguf_type": "bf16"}),
+    }[method]
+    quantize(QuantizeRequest(model=str(src), method="gguf" if fmt == "gguf" else method,
+                             scheme=scheme, out=out, format=fmt, method_options=opts,
+                             calib="mixed", calib_samples=4, calib_seqlen=64))
+    return out
+
+
+def _reference_converter() -> Path:
+    """vendor/llama.cpp of the llama-cpp-python sdist (convert_hf_to_gguf.py, conversion/,
+    gguf-py), unpacked once under the quantkit cache; the sdist is fetched with pip if absent."""
+    root = cache_dir() / "sdists"
+    lc = root / LLAMA_CPP_SDIST / "vendor" / "llama.cpp"
+    if (lc / "convert_hf_to_gguf.py").exists() and (lc / "conversion").is_dir():
+        return lc
+    sdist = root / f"{LLAMA_CPP_SDIST}.tar.gz"
+    if not sdist.exists():
+        root.mkdir(parents=True, exist_ok=True)
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary",
+                        ":all:", "-d", str(root), "llama-cpp-python==0.3.36"], check=True)
+    want = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
+    prefix = f"{LLAMA_CPP_SDIST}/vendor/llama.cpp/"
+    with tarfile.open(sdist) as tar:
+        members = [m for m in tar.getmembers()
+                   if m.name.startswith(prefix) and m.name[len(prefix):].startswith(want)]
+        tar.extractall(root, members=members, filter="data")
+    return lc
+
+
+def _gguf_contents(path: Path) -> tuple[dict, dict]:
+    from gguf import GGUFReader
+
+    r = GGUFReader(str(path))
+    kv = {k: f.contents() for k, f in r.fields.items()
+          if not k.startswith(PROVENANCE) and not k.startswith("quantkit.") and k != "GGUF.kv_count"}
+    tensors = {t.name: (t.tensor_type.name, [int(x) for x in t.shape], t.data.tobytes())
+               for t in r.tensors}
+    return kv, tensors
+
+
+# ---------------------------------------------------------------- methods, through the pipeline
+
+def test_family_quantizes_with_every_method(family):
+    """rtn, gptq, awq, fp8 (compressed-tensors) and Q4_K_M (GGUF) run on CPU; each directory
+    artifact loads back and predicts what the model predicts."""
+    name, src = family.name, family.src
+    base = load_artifact(src)
+    ids = torch.randint(10, 40000, (1, 48), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = base.model(ids).logits.float()
+    for method in ("rtn", "gptq", "awq", "fp8"):
+        out = family.artifact(method)
+        meta = json.loads((out / "quantkit.json").read_text())
+        assert meta["source_model"]["architecture"] == name
+        with torch.no_grad():
+            got = load_artifact(out).model(ids).logits.float()
+        cos = torch.nn.functional.cosine_similarity(got.flatten(), ref.flatten(), dim=0).item()
+        top1 = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
+        print(f"{name} {method}: logits cosine {cos:.4f}, top-1 agreement {top1:.2f}")
+        # int4 g64 on a random tiny model: cosine ~0.93-0.95 (int8 RTN: 0.9998); a wrong layout
+        # or a lost norm offset is far below
+        assert cos > (0.99 if method == "fp8" else 0.85), (method, cos)
+    kv, tensors = read_gguf(family.artifact("q4_k_m"))
+    assert kv["general.architecture"] == spec_for_config(base.model.config).gguf_arch
+    assert {"Q4_K", "Q6_K"} <= {t.qtype.name for t in tensors.values()}
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_awq_folds_keep_the_block_function(tmp_path, name):
+    """Every scaling group's fold, with random scales, leaves the float block's output as it
+    was: Gemma's norms fold into (1 + w), Phi-3's gate_up_proj -> down_proj into the up rows."""
+    from transformers import AutoModelForCausalLM
+
+    from quantkit.methods.scaling import fold_scale, scale_plans
+    from quantkit.pipeline.blocks import get_blocks
+    from quantkit.pipeline.capture import capture_block_inputs, run_block
+    from quantkit.types import BlockContext
+
+    src = _make(tmp_path / "m", name)
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    spec = spec_for_config(model.config)
+    blocks = get_blocks(model, spec)
+    inputs = capture_block_inputs(model, blocks, [torch.randint(10, 40000, (1, 40))], torch.float32)
+    block = blocks[0]
+    before = run_block(block, inputs)[0]
+    linears = {n: m for n, m in block.named_modules() if n in spec.block_linears}
+    ctx = BlockContext(index=0, block=block, linears=linears, stats={}, scheme=I4, inputs=[],
+                       rerun=lambda: [], arch=spec, options={}, collect=lambda *_: {})
+    plans = scale_plans(ctx)
+    assert {p.mode for p in plans} - {"skip"} and all(p.mode != "skip" or p.reason for p in plans)
+    g = torch.Generator().manual_seed(2)
+    for plan in plans:
+        if plan.mode in ("norm", "linear"):
+            k = next(iter(plan.balance.values())).in_features
+            ones = {b: torch.ones(k) for b in plan.balance}
+            fold_scale(plan, 0.5 + torch.rand(k, generator=g), ones, {}, {})
+    after = run_block(block, inputs)[0]
+    err = ((after - before).norm() / before.norm()).item()
+    assert err < 1e-4, err
+    folded = [p.group.prev for p in plans if p.mode in ("norm", "linear")]
+    assert folded == {"gemma3_text": ["input_layernorm", "pre_feedforward_layernorm", "mlp.up_proj"],
+                      "phi3": ["input_layernorm", "post_attention_layernorm", "mlp.gate_up_proj"]}[name]
+
+
+def test_every_block_gets_its_own_kwargs(tmp_path):
+    """Gemma 3's global layer (block 5) runs with its own mask and rotary table: blocks fed the
+    captured inputs one after the other reproduce the model's hidden states exactly."""
+    from transformers import AutoModelForCausalLM
+
+    from quantkit.pipeline.blocks import get_blocks
+    from quantkit.pipeline.capture import capture_block_inputs, run_block
+
+    model = AutoModelForCausalLM.from_pretrained(_make(tmp_path / "g", "gemma3_text"),
+                                                 dtype=torch.float32).eval()
+    assert model.config.layer_types[5] == "full_attention" and model.config.sliding_window < 80
+    blocks = get_blocks(model, spec_for_config(model.config))
+    ids = torch.randint(10, 40000, (1, 80))
+    inputs = capture_block_inputs(model, blocks, [ids], torch.float32)
+    cos0, cos5 = (inputs.block_kwargs[i][0]["position_embeddings"][0] for i in (0, 5))
+    assert not torch.equal(cos0, cos5)  # local (10k) and global (1M) rotary bases
+    for i, block in enumerate(blocks):
+        inputs = inputs.with_hidden(run_block(block, inputs), i + 1)
+    with torch.no_grad():
+        want = model.model(ids).last_hidden_state
+    assert torch.equal(model.model.norm(inputs.hidden[0]), want)
+
+
+# ---------------------------------------------------------------- GGUF: llama.cpp's converter
+
+@pytest.mark.engine
+def test_bf16_gguf_equals_llama_cpp_converter_and_runs(family, tmp_path):
+    """Same tensor names, shapes, types and bytes and the same KV (but general.* provenance)
+    as convert_hf_to_gguf.py --outtype bf16; llama.cpp then computes transformers' logits."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from quantkit.engines.llamacpp import LlamaCppModel
+
+    name, src = family.name, family.src
+    ours = family.artifact("bf16")
+    lc = _reference_converter()
+    ref = tmp_path / "ref.bf16.gguf"
+    proc = subprocess.run([sys.executable, str(lc / "convert_hf_to_gguf.py"), "--outtype", "bf16",
+                           "--outfile", str(ref), str(src)], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(lc / "gguf-py")})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (kv_a, t_a), (kv_b, t_b) = _gguf_contents(ours), _gguf_contents(ref)
+    assert sorted(t_a) == sorted(t_b)
+    for t in t_b:
+        assert t_a[t][:2] == t_b[t][:2], (t, t_a[t][:2], t_b[t][:2])
+        assert t_a[t][2] == t_b[t][2], f"{t}: bytes differ"
+    for key, value in EXPLICIT_DEFAULTS.items():
+        if key not in kv_b:
+            assert kv_a.pop(key) == value
+    assert kv_a == kv_b
+    assert kv_a["GGUF.tensor_count"] == len(t_b)
+
+    tok = AutoTokenizer.from_pretrained(src)
+    ids = tok.encode(TEXT, add_special_tokens=False)[:40]
+    hf = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = hf(torch.tensor([ids])).logits[0].numpy()
+    llm = LlamaCppModel(ours, n_ctx=64, logits_all=True)
+    try:
+        got = llm.logits(ids)
+    finally:
+        llm.close()
+    err = np.abs(got - want).max() / np.abs(want).max()
+    print(f"{name}: llama.cpp BF16 vs transformers max logit error {err:.4f} of the range")
+    assert err < 0.03 and (got.argmax(1) == want.argmax(1)).mean() > 0.9
+
+
+@pytest.mark.engine
+def test_q4_k_m_equals_llama_quantize_and_generates(family, tmp_path):
+    """quantkit's Q4_K_M = llama_model_quantize(Q4_K_M) of the BF16 export, type and byte for
+    byte (Phi-3's fused attn_qkv follows attn_v's rule: llama.cpp's category_is_attn_v branch
+    comes before its ATTENTION_QKV one); it generates in llama.cpp; the int4 artifact in vLLM."""
+    from vllm_checks import vllm_runs
+
+    from quantkit.engines.llamacpp import LlamaCppModel, llama_quantize
+    from quantkit.engines.vllm import run_vllm
+    from quantkit.errors import EngineError
+
+    name = family.name
+    ours = family.artifact("q4_k_m")
+    llama_quantize(family.artifact("bf16"), tmp_path / "lq.gguf", "q4_k_m")
+    (_, t_a), (_, t_b) = _gguf_contents(ours), _gguf_contents(tmp_path / "lq.gguf")
+    assert {t: v[:2] for t, v in t_a.items()} == {t: v[:2] for t, v in t_b.items()}
+    assert [t for t in t_b if t_a[t][2] != t_b[t][2]] == []
+    if name == "phi3":  # use_more_bits(i, 2): layer 1 only
+        assert [t_a[f"blk.{i}.attn_qkv.weight"][0] for i in (0, 1)] == ["Q4_K", "Q6_K"]
+    llm = LlamaCppModel(ours, n_ctx=64)
+    try:
+        assert len(llm.tokenize(llm.greedy("The capital of France is", max_tokens=6))) > 0
+    finally:
+        llm.close()
+
+    rtn = family.artifact("rtn")
+    prompt = [{"prompt": "The capital of France is", "max_tokens": 4}]
+    if vllm_runs("int4"):
+        assert len(run_vllm(rtn, generate=prompt, max_model_len=128)["generate"][0]) > 0
+    else:  # vLLM's int4 CPU kernel is missing on AVX2-only CPUs
+        with pytest.raises(EngineError) as e:
+            run_vllm(rtn, generate=prompt, max_model_len=128)
+        assert "object has no attribute 'cpu_gemm_wna16'" in str(e.value) + e.value.log
+
+
+def test_gemma3_gguf_refuses_layer_types_llama_cpp_would_not_run(tmp_path):
+    """llama.cpp's gemma3 takes every 6th layer as global (the converter writes no pattern):
+    other layer_types are refused before any work, not written into a GGUF that runs wrong."""
+    from quantkit.errors import UnsupportedArchitecture
+
+    src = make_tiny_model(tmp_path / "g", "gemma3_text", layers=2)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["layer_types"] = ["sliding_attention", "full_attention"]
+    (src / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedArchitecture, match="every 6th layer global"):
+        _quantize(src, tmp_path / "x.gguf", "bf16")
+    assert not (tmp_path / "x.gguf").exists()
