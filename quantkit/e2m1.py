@@ -27,12 +27,13 @@ class FP4GroupError(ValueError):
 
 def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
     """uint8 E2M1 codes (sign << 3 | magnitude index) of x, already divided by its scale:
-    round half to even, clamped to +-6 (compressed-tensors' `cast_to_fp4`)."""
+    round half to even, clamped to +-6 (compressed-tensors' `cast_to_fp4`); a negative value
+    that rounds to zero keeps its sign bit (their x * sign(x) is -0.0 there)."""
     mag = x.abs()
     idx = torch.bucketize(mag, _MIDPOINTS.to(mag.device))  # lower index on a midpoint
     tie = torch.isin(mag, _MIDPOINTS.to(mag.device))
     idx = torch.where(tie & (idx % 2 == 1), idx + 1, idx)  # ties go to the even code
-    return (idx | (torch.signbit(x).to(idx.dtype) << 3)).to(torch.uint8)
+    return (idx | ((x < 0).to(idx.dtype) << 3)).to(torch.uint8)  # -0.0 in: +0 out, as theirs
 
 
 def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
@@ -99,14 +100,16 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def dequantize_fp4(codes: torch.Tensor, scale: torch.Tensor,
                    global_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """float32 weight of E2M1 codes: NVFP4 (E4M3 scale, global scale) or MXFP4 (uint8 E8M0)."""
+    """float32 weight of E2M1 codes (or of their float values, as a packer's unpacking gives
+    them): NVFP4 (E4M3 scale, global scale) or MXFP4 (uint8 E8M0)."""
     n, k = codes.shape
     if scale.dtype == torch.uint8:
         step = torch.exp2(scale.float() - 127)
     else:
         step = scale.float() / global_scale.float().to(scale.device)
     group = k // scale.shape[1]
-    vals = e2m1_decode(codes).reshape(n, k // group, group)
+    vals = codes.float() if codes.is_floating_point() else e2m1_decode(codes)
+    vals = vals.reshape(n, k // group, group)
     return (vals * step[..., None]).reshape(n, k)
 
 

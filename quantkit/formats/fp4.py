@@ -27,7 +27,7 @@ from compressed_tensors.compressors.nvfp4.helpers import pack_fp4_to_uint8, unpa
 from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme
 from compressed_tensors.quantization.quant_scheme import preset_name_to_scheme
 
-from quantkit.e2m1 import E2M1_VALUES, dequantize_fp4, e2m1_codes, fake_quant_nvfp4
+from quantkit.e2m1 import E2M1_VALUES, dequantize_fp4, fake_quant_nvfp4
 from quantkit.errors import ModelLoadError
 from quantkit.formats.activations import install_input_quant
 from quantkit.formats.common import load_tensors, read_config, save_tensors, write_config
@@ -128,7 +128,7 @@ def read_fp4_pack_quantized(path: Path, dtype: torch.dtype = torch.float32
         if scale.dtype != torch.uint8 and g is None:
             raise ModelLoadError(f"{path}: NVFP4 weight {key} has no weight_global_scale.",
                                  "The artifact is incomplete; quantize again.")
-        out[f"{base}.weight"] = dequantize_fp4(e2m1_codes(values), scale, g).to(dtype)
+        out[f"{base}.weight"] = dequantize_fp4(values, scale, g).to(dtype)
     return out
 
 
