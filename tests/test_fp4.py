@@ -253,3 +253,83 @@ def test_unpack_reads_back_what_was_packed():
     vals = unpack_fp4_from_uint8(pack_e2m1(codes), 8, 32, dtype=torch.float32)
     ours = e2m1_decode(codes)  # code 8 is -0.0 both ways
     assert torch.equal(vals, ours) and torch.equal(vals.signbit(), ours.signbit())
+
+
+# ------------------------------------------------------- ModelOpt NVFP4 for TensorRT-LLM ----
+
+def test_modelopt_nvfp4_equals_nvidia_modelopt(fp4_artifacts, tmp_path, capsys):
+    """nvidia-modelopt 0.47 quantizes (NVFP4_DEFAULT_CFG) and exports the same tiny Llama on
+    CPU from the same windows (test_fp8's reference runner, a subprocess); quantkit's
+    `--format modelopt` NVFP4 has its hf_quant_config, config, tensor names, dtypes and shapes.
+    Values: ModelOpt derives scales from amax / 2688 where compressed-tensors (whose codes
+    quantkit keeps) multiplies by a bf16-rounded 2688 / amax, so a few codes and scales sit one
+    step apart (share printed). `verify --engine trtllm` passes both; quantkit's loader reads
+    ModelOpt's and its own back to the same weights as the compressed-tensors artifact."""
+    import sys
+
+    from quantkit.verify import verify
+
+    model, ours_ct, _ = fp4_artifacts
+    ref_root = tmp_path / "ref"
+    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("test_fp8.py")),
+                           "--modelopt-reference", str(model), str(model.parent / "ids.pt"),
+                           str(ref_root), "NVFP4_DEFAULT_CFG"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((ref_root / "outcome.json").read_text()) == {"NVFP4_DEFAULT_CFG": "ok"}
+    ref = ref_root / "NVFP4_DEFAULT_CFG"
+    ours = tmp_path / "ours"
+    quantize(QuantizeRequest(model=str(model), method="nvfp4", scheme=fp4_scheme("nvfp4", "w4a4"),
+                             out=ours, format="modelopt", method_options={"scheme": "w4a4"},
+                             **CALIB))
+    hq_ours = json.loads((ours / "hf_quant_config.json").read_text())
+    hq_ref = json.loads((ref / "hf_quant_config.json").read_text())
+    assert hq_ours["producer"]["name"] == "quantkit" and hq_ref["producer"]["name"] == "modelopt"
+    assert hq_ours["quantization"] == hq_ref["quantization"]
+    assert hq_ref["quantization"]["quant_algo"] == "NVFP4"
+    c_ours = json.loads((ours / "config.json").read_text())["quantization_config"]
+    c_ref = json.loads((ref / "config.json").read_text())["quantization_config"]
+    c_ours.pop("producer"), c_ref.pop("producer")
+    assert c_ours == c_ref
+    assert tensor_headers(ours) == tensor_headers(ref)
+    a, b = load_tensors(ours), load_tensors(ref)
+    same_codes = same_scales = n_codes = n_scales = 0
+    for k, t in b.items():
+        if t.dtype == torch.uint8:  # packed E2M1 pairs: the same nibble order as ours
+            va, vb = e2m1_decode(_nibbles(a[k])), e2m1_decode(_nibbles(t))
+            same_codes += int((va == vb).sum())
+            n_codes += va.numel()
+            ia, ib = (torch.bucketize(v.abs(), E2M1_VALUES) * v.sign() for v in (va, vb))
+            assert int((ia - ib).abs().max()) <= 1, k  # within one FP4 step
+        elif t.dtype == torch.float8_e4m3fn:
+            ua, ub = a[k].view(torch.uint8).int(), t.view(torch.uint8).int()
+            same_scales += int((ua == ub).sum())
+            n_scales += ua.numel()
+            assert int((ua - ub).abs().max()) <= 1, k  # within one E4M3 step
+        elif k.endswith(("weight_scale_2", "input_scale")):  # bf16 rounding on both sides
+            assert abs(float(a[k]) / float(t) - 1) <= 2 ** -6, (k, float(a[k]), float(t))
+        else:
+            assert torch.equal(a[k], t), k
+    with capsys.disabled():
+        print(f"\nquantkit vs nvidia-modelopt 0.47 NVFP4 (tiny Llama): codes identical "
+              f"{same_codes / n_codes:.4f}, E4M3 scales identical {same_scales / n_scales:.4f}")
+    assert same_codes / n_codes > 0.95 and same_scales / n_scales > 0.9
+    for art in (ours, ref):
+        rep = verify(art, "trtllm")
+        assert rep.conformant and rep.quant_algo == "NVFP4", rep.render()
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy2(model / f, ref / f)
+    w_ct = load_artifact(ours_ct["nvfp4-w4a4"]).model.state_dict()
+    lm = load_artifact(ours)
+    assert sum(len(m._forward_pre_hooks) for m in lm.model.modules()) == 14  # W4A4 inputs
+    for name, w in lm.model.state_dict().items():
+        assert torch.allclose(w, w_ct[name], rtol=1e-6, atol=0), name
+    # a broken fused group: q's weight_scale_2 differs from k/v's, which TensorRT-LLM asserts
+    bad = tmp_path / "bad"
+    shutil.copytree(ours, bad)
+    t = load_tensors(bad)
+    t["model.layers.0.self_attn.q_proj.weight_scale_2"] *= 2
+    from safetensors.torch import save_file
+    save_file(t, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    rep = verify(bad, "trtllm")
+    assert not rep.conformant and "weight_scale_2 differs over the shards" in rep.render()

@@ -130,7 +130,15 @@ def prepare_model(model: torch.nn.Module, path: Path, fmt: str) -> None:
             return
         if ct_format != "float-quantized":
             return
-    elif fmt not in ("fp8", "modelopt"):
+    elif fmt == "modelopt":
+        from quantkit.formats.modelopt_fp8 import read_hf_quant_config
+
+        if read_hf_quant_config(path).get("quant_algo") == "NVFP4":
+            from quantkit.formats.fp4 import prepare_modelopt_nvfp4_model
+
+            prepare_modelopt_nvfp4_model(model, path)
+            return
+    elif fmt != "fp8":
         return
     from quantkit.formats.fp8 import prepare_fp8_model
 

@@ -34,7 +34,8 @@ from quantkit.formats.common import load_tensors, read_config, save_tensors, wri
 from quantkit.types import QuantResult, QuantScheme
 
 __all__ = ["FP4CompressedTensorsWriter", "fp4_quantization_config", "read_fp4_pack_quantized",
-           "prepare_nvfp4_model", "pack_e2m1", "FP4_FORMATS", "preset_for"]
+           "prepare_nvfp4_model", "pack_e2m1", "FP4_FORMATS", "preset_for", "ModelOptNVFP4Writer",
+           "read_modelopt_nvfp4", "prepare_modelopt_nvfp4_model", "NVFP4_ALGO"]
 
 FP4_FORMATS = {"nvfp4": "nvfp4-pack-quantized", "mxfp4": "mxfp4-pack-quantized"}
 _PACK_ROWS = 256  # the library's packer holds 8 floats per value: pack a few rows at a time
@@ -150,4 +151,90 @@ def prepare_nvfp4_model(model: torch.nn.Module, path: Path) -> int:
                 if key.endswith(".input_global_scale"):
                     scales[key[: -len(".input_global_scale")]] = f.get_tensor(key)
     plan = {name: ("nvfp4", 16, s) for name, s in sorted(scales.items())}
+    return install_input_quant(model, plan, lambda x, _mode, _group, s: fake_quant_nvfp4(x, s))
+
+
+# ------------------------------------------------------------------ ModelOpt NVFP4 ----
+# TensorRT-LLM's NVFP4 checkpoint as nvidia-modelopt 0.47's export_hf_checkpoint writes it
+# (checked against it on CPU: tests/test_fp4.py), per quantized Linear:
+#   weight          uint8 [N, K/2]        the same E2M1 nibbles as compressed-tensors
+#   weight_scale    float8_e4m3fn [N, K/16]
+#   weight_scale_2  float32 []            1 / g (ModelOpt multiplies where compressed-tensors
+#                                         divides: amax / (448 * 6))
+#   input_scale     float32 []            1 / input_global_scale
+# hf_quant_config.json: quant_algo NVFP4, group_size 16, exclude_modules; q/k/v and gate/up
+# share weight_scale_2 and input_scale (TensorRT-LLM fuses them), as quantkit's results do.
+
+NVFP4_ALGO = "NVFP4"
+
+
+class ModelOptNVFP4Writer:
+    name = "modelopt"
+    engines: tuple[str, ...] = ("trtllm",)
+
+    def check(self, scheme: QuantScheme, shapes: dict[str, tuple[int, int]]) -> list[str]:
+        if scheme.kind != "nvfp4" or not scheme.activations:
+            return ["ModelOpt FP4 is written here as NVFP4 W4A4 (quant_algo NVFP4): use "
+                    "--method nvfp4 --scheme w4a4, or --format compressed-tensors for "
+                    "NVFP4A16 / MXFP4"]
+        return FP4CompressedTensorsWriter().check(scheme, shapes)
+
+    def write(self, out_dir: Path, *, config: dict, dense: dict[str, torch.Tensor],
+              results: dict[str, QuantResult], ignore: list[str], dtype: torch.dtype) -> None:
+        import json
+
+        import quantkit
+        from quantkit.formats.modelopt_fp8 import QUANT_CONFIG_FILE, _exclusions
+
+        tensors = dict(dense)
+        for name, r in results.items():
+            tensors[f"{name}.weight"] = pack_e2m1(r.codes)
+            tensors[f"{name}.weight_scale"] = r.scale.contiguous()
+            tensors[f"{name}.weight_scale_2"] = (
+                1.0 / r.extra["global_scale"].double()).float().reshape(())
+            tensors[f"{name}.input_scale"] = (
+                1.0 / r.extra["input_global_scale"].double()).float().reshape(())
+            if r.bias is not None:
+                tensors[f"{name}.bias"] = r.bias.to(dtype)
+        quant = {"quant_algo": NVFP4_ALGO, "kv_cache_quant_algo": None, "group_size": 16,
+                 "exclude_modules": _exclusions(list(ignore), dense, [])}
+        hf_quant = {"producer": {"name": "quantkit", "version": quantkit.__version__},
+                    "quantization": quant}
+        fp4 = {"dynamic": False, "num_bits": 4, "type": "float", "group_size": 16}
+        inline = {"config_groups": {"group_0": {"input_activations": dict(fp4),
+                                                "weights": dict(fp4), "targets": ["Linear"]}},
+                  "ignore": quant["exclude_modules"], "quant_algo": NVFP4_ALGO,
+                  "producer": hf_quant["producer"], "quant_method": "modelopt"}
+        save_tensors(out_dir, tensors)
+        (out_dir / QUANT_CONFIG_FILE).write_text(json.dumps(hf_quant, indent=4))
+        write_config(out_dir, {**config, "quantization_config": inline})
+
+
+def read_modelopt_nvfp4(path: Path, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """A dense state dict of a ModelOpt NVFP4 checkpoint (uint8 `.weight` + scales)."""
+    raw = load_tensors(path)
+    out: dict[str, torch.Tensor] = {}
+    for key, t in raw.items():
+        if key.endswith((".weight_scale", ".weight_scale_2", ".input_scale")):
+            continue
+        base = key[: -len(".weight")]
+        if key.endswith(".weight") and t.dtype == torch.uint8:
+            scale, s2 = raw.get(f"{base}.weight_scale"), raw.get(f"{base}.weight_scale_2")
+            if scale is None or s2 is None:
+                raise ModelLoadError(f"{path}: NVFP4 weight {key} lacks weight_scale(_2).",
+                                     "The checkpoint is incomplete; export it again.")
+            n, half = t.shape
+            values = unpack_fp4_from_uint8(t, n, half * 2, dtype=torch.float32)
+            out[key] = dequantize_fp4(values, scale, 1.0 / s2.double().reshape(1)).to(dtype)
+        else:
+            out[key] = t.to(dtype) if t.is_floating_point() else t
+    return out
+
+
+def prepare_modelopt_nvfp4_model(model: torch.nn.Module, path: Path) -> int:
+    """ModelOpt NVFP4: every FP4 Linear rounds its input through NVFP4 under 1 / input_scale."""
+    scales = {k[: -len(".input_scale")]: t for k, t in load_tensors(path).items()
+              if k.endswith(".input_scale")}
+    plan = {n: ("nvfp4", 16, (1.0 / s.double()).float().reshape(1))
+            for n, s in sorted(scales.items())}
     return install_input_quant(model, plan, lambda x, _mode, _group, s: fake_quant_nvfp4(x, s))
