@@ -225,6 +225,7 @@ def test_cli_refusals_and_plan(fp4_artifacts, tmp_path):
         (["--method", "nvfp4", "--bits", "4"], "--bits is read by --method rtn"),
         (["--method", "mxfp4", "--calib-samples", "4"], "--calib-samples is read by"),
         (["--method", "nvfp4", "--smoothquant", "0.5"], "--smoothquant is read by --method int8"),
+        (["--method", "mxfp4", "--format", "modelopt"], "ModelOpt FP4 is written here as NVFP4 W4A4"),
     ]
     for i, (args, msg) in enumerate(cases):
         res = run(main, ["quantize", str(model), *args, "-o", str(tmp_path / f"o{i}")])
