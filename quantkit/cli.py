@@ -91,7 +91,8 @@ def _method_options(f):
     """The flags `quantize` and `plan` share (one definition, so they cannot drift apart)."""
     opts = [
         click.argument("model"),
-        click.option("--method", type=click.Choice(["rtn", "gptq", "awq", "fp8", "int8", "gguf"]),
+        click.option("--method", type=click.Choice(["rtn", "gptq", "awq", "fp8", "int8", "nvfp4", "mxfp4",
+                                                    "gguf"]),
                      required=True, help="Quantization algorithm."),
         click.option("--bits", type=int, default=_DEFAULT.bits, show_default=True,
                      help="Weight bits."),
@@ -117,7 +118,9 @@ def _method_options(f):
                           "--calib to collect one from calibration data."),
         click.option("--scheme", "fp8_scheme", default=None,
                      help="FP8: dynamic, static or block. int8: dynamic (per-token inputs) or "
-                          "static (one calibrated per-tensor input scale)."),
+                          "static (one calibrated per-tensor input scale). nvfp4: w4a16 "
+                          "(weights only, default) or w4a4 (NVFP4 inputs, calibrated global "
+                          "input scales)."),
         click.option("--smoothquant", "smoothquant", type=click.FloatRange(0.0, 1.0), default=None,
                      metavar="ALPHA",
                      help="int8: migrate activation outliers into the weights with strength "
@@ -154,14 +157,14 @@ def _method_options(f):
 
 
 _INT_METHODS = ("rtn", "gptq", "awq")
-_CALIBRATED = ("gptq", "awq", "gguf", "fp8", "int8")
+_CALIBRATED = ("gptq", "awq", "gguf", "fp8", "int8", "nvfp4")
 _CALIB_FLAGS = ("calib", "calib_samples", "calib_seqlen", "chat", "seed", "text_column")
 # which methods read each flag (click parameter names); given explicitly to another method, a
 # flag is refused rather than silently ignored or recorded as if it had been applied
 FLAG_READERS: dict[str, tuple[str, ...]] = {
     "bits": _INT_METHODS, "group_size": _INT_METHODS, "sym": _INT_METHODS,
     "act_order": ("gptq",), "damp": ("gptq", "int8"), "true_sequential": ("gptq",),
-    "gguf_type": ("gguf",), "imatrix": ("gguf",), "fp8_scheme": ("fp8", "int8"),
+    "gguf_type": ("gguf",), "imatrix": ("gguf",), "fp8_scheme": ("fp8", "int8", "nvfp4"),
     "smoothquant": ("int8",), "rounding": ("int8",),
     **dict.fromkeys(_CALIB_FLAGS, _CALIBRATED),
     # per-expert statistics: only GPTQ gathers them for mixture-of-experts blocks so far
@@ -203,6 +206,11 @@ def check_flags_apply(ctx: click.Context, method: str, fp8_scheme: str | None,
                 f"{calib[0]} is read by --method int8 only with --scheme static, --smoothquant "
                 "or --rounding gptq; dynamic int8 with round-to-nearest needs no calibration.",
                 f"Drop {calib[0]}, or pass one of those flags.")
+    if method == "nvfp4" and calib and (fp8_scheme or "w4a16") != "w4a4":
+        raise QuantkitError(
+            f"{calib[0]} is read by --method nvfp4 only with --scheme w4a4 (input scales); "
+            "W4A16 computes its scales from the weights alone.",
+            f"Drop {calib[0]}, or pass --scheme w4a4.")
     if method == "fp8" and calib and (fp8_scheme or "dynamic") != "static":
         raise QuantkitError(
             f"{calib[0]} is read by --method fp8 only with --scheme static; --scheme "
@@ -267,6 +275,13 @@ def _request(model, method, bits, group_size, sym, act_order, damp, true_sequent
         if rounding:
             options["rounding"] = rounding
         scheme = int8_scheme(options["scheme"])  # per-channel weights: no group size to fit
+        group_size_auto = False
+    if method in ("nvfp4", "mxfp4"):
+        from quantkit.methods.fp4 import fp4_scheme
+
+        if fp8_scheme is not None:
+            options["scheme"] = fp8_scheme
+        scheme = fp4_scheme(method, options.get("scheme", "w4a16"))  # groups fixed: 16 / 32
         group_size_auto = False
     return QuantizeRequest(model=model, method=method, scheme=scheme, out=Path(output), format=fmt,
                            force=force, calib=calib, calib_samples=calib_samples,

@@ -15,7 +15,8 @@ _BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2,
           "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 _QUANT_SUFFIXES = (".weight_packed", ".weight_scale", ".weight_zero_point", ".weight_g_idx",
                    ".weight_shape", ".qweight", ".qzeros", ".scales", ".g_idx",
-                   ".weight_scale_inv", ".input_scale", ".pre_quant_scale")
+                   ".weight_scale_inv", ".input_scale", ".pre_quant_scale",
+                   ".weight_global_scale", ".input_global_scale", ".weight_scale_2")
 
 
 def _numel(shape) -> int:
@@ -79,7 +80,10 @@ def _bits_per_weight(path: Path, bits: int) -> dict:
         elif base is not None:
             q_bytes += nbytes
             if name.endswith((".weight_packed", ".qweight")):
-                shape = shapes.get(base) or [h["shape"][0] * 32 // bits, h["shape"][1]]
+                if h["dtype"] == "U8":  # FP4: two E2M1 codes per byte along K
+                    shape = [h["shape"][0], h["shape"][1] * 2]
+                else:
+                    shape = shapes.get(base) or [h["shape"][0] * 32 // bits, h["shape"][1]]
                 q_params += _numel(shape)
                 all_params += _numel(shape)
         else:
@@ -107,6 +111,8 @@ def nominal_bits_per_weight(scheme: dict | None) -> float | None:
         return GGUF_NOMINAL_BPW.get(str(scheme.get("gguf_type")))
     if scheme.get("kind") == "fp8":
         return 8.0
+    if scheme.get("kind") in ("nvfp4", "mxfp4"):  # E2M1 + one 8-bit scale (E4M3 / E8M0) per group
+        return 4 + 8 / scheme["group_size"]
     bits, group = scheme.get("bits"), scheme.get("group_size")
     if not isinstance(bits, int):
         return None

@@ -34,6 +34,8 @@ class Method(str, Enum):
     AWQ = "awq"
     FP8 = "fp8"
     INT8 = "int8"
+    NVFP4 = "nvfp4"
+    MXFP4 = "mxfp4"
     GGUF = "gguf"
 
 
@@ -54,7 +56,7 @@ class QuantScheme:
     engine) or "static" (one calibrated per-tensor scale) when the engine also quantizes the
     Linear's inputs to the weights' integer type (int8 W8A8)."""
 
-    kind: str = "int"  # "int" | "fp8" | "kquant"
+    kind: str = "int"  # "int" | "fp8" | "kquant" | "nvfp4" | "mxfp4"
     bits: int = 4
     group_size: int = 128
     symmetric: bool = True
@@ -75,6 +77,10 @@ class QuantScheme:
                 inputs = "dynamic per-token" if self.activations == "dynamic" else "static per-tensor"
                 return f"W{self.bits}A{self.bits} int{self.bits} {g} {'sym' if self.symmetric else 'asym'}, {inputs} inputs"
             return f"W{self.bits}A16 {g} {'sym' if self.symmetric else 'asym'}"
+        if self.kind in ("nvfp4", "mxfp4"):
+            scale = "FP8 E4M3" if self.kind == "nvfp4" else "E8M0"
+            inputs = "A4 (NVFP4 inputs)" if self.activations else "A16"
+            return f"{self.kind.upper()} W4{inputs}, E2M1 with a {scale} scale per {self.group_size}"
         return self.gguf_type or self.kind
 
 

@@ -9,7 +9,9 @@ read from its 1.x PyTorch backend (cited per rule):
   tensors     _torch/modules/linear.py: FP8QDQLinearMethod (scalar weight_scale, optional scalar
               input_scale), FP8RowwiseLinearMethod (weight_scale [N]), FP8BlockScalesLinearMethod
               (weight_scale_inv | weight_scale [ceil(N/128), ceil(K/128)], fused shard offsets
-              remapped with ceil(offset / 128))
+              remapped with ceil(offset / 128)), NVFP4LinearMethod (in_features % 16 == 0,
+              weight float4_e2m1x2 [N, K/2], weight_scale float8_e4m3fn [N, K/16] (asserted),
+              scalar weight_scale_2 and input_scale, both equal over fused shards (asserted))
   exclusions  QuantConfig.is_module_excluded_from_quantization: fnmatch on TensorRT-LLM's own
               module names (q/k/v fuse into qkv_proj, gate/up into gate_up_proj)
 """
@@ -41,7 +43,7 @@ QUANT_ALGOS = {"W8A16", "W4A16", "W4A16_AWQ", "W4A8_AWQ", "W8A16_GPTQ", "W4A16_G
                "FP8_BLOCK_SCALES", "INT8", "MIXED_PRECISION", "NVFP4", "W4A16_NVFP4",
                "W4A8_NVFP4_FP8", "W4A16_MXFP4", "W4A8_MXFP4_FP8", "W4A8_MXFP4_MXFP8", "MXFP8",
                "NVFP4_AWQ", "NO_QUANT"}
-CHECKED_ALGOS = ("FP8", "FP8_PER_CHANNEL_PER_TOKEN", "FP8_BLOCK_SCALES", "W4A16_AWQ")
+CHECKED_ALGOS = ("FP8", "FP8_PER_CHANNEL_PER_TOKEN", "FP8_BLOCK_SCALES", "W4A16_AWQ", "NVFP4")
 FUSED = {"q_proj": ("qkv_proj", ("q_proj", "k_proj", "v_proj")),
          "k_proj": ("qkv_proj", ("q_proj", "k_proj", "v_proj")),
          "v_proj": ("qkv_proj", ("q_proj", "k_proj", "v_proj")),
@@ -228,6 +230,13 @@ def _detect_compressed_tensors(qcfg: dict, exclude: list[str], rep: VerifyReport
                  "block with compressed-tensors, or keep --scheme static and write --format modelopt")
         return None
     bits, kind = w.get("num_bits"), w.get("type", "int")
+    if (bits, kind) == (4, "float"):  # NVFP4 / MXFP4: TensorRT-LLM has a branch; quantkit no rules
+        rep.fail(where, f"compressed-tensors FP4 ({qcfg.get('format')})",
+                 "TensorRT-LLM maps compressed-tensors NVFP4/MXFP4 groups, but quantkit's checker "
+                 "has tensor rules only for ModelOpt's NVFP4 layout (NVFP4LinearMethod)",
+                 "for TensorRT-LLM write `quantkit quantize MODEL --method nvfp4 --scheme w4a4 "
+                 "--format modelopt` (quant_algo NVFP4), which this checks")
+        return None
     rep.fail(where, f"{kind}{bits} weights, {'weight-only' if not a else 'with activations'} "
              f"(strategy {w.get('strategy')}, group_size {w.get('group_size')})",
              "compressed-tensors is accepted only for FP8 channel+token, FP8 block+group-128, NVFP4 "
@@ -285,6 +294,9 @@ def _check_linear(name: str, shape: tuple[int, int] | None, algo: str, headers: 
     if algo == "W4A16_AWQ":
         _check_awq(name, n, k, w, headers, group_size, rep)
         return
+    if algo == "NVFP4":
+        _check_nvfp4(name, n, k, w, headers, rep)
+        return
     if w["dtype"] != FP8 or w["shape"] != [n, k]:
         rep.fail(name, f"weight {w['dtype']} {w['shape']}",
                  f"{algo} creates weight as float8_e4m3fn [{n}, {k}] and copies the checkpoint into it")
@@ -335,7 +347,37 @@ def _check_awq(name, n, k, w, headers, group_size, rep) -> None:
                  f"W4A16_AWQ reads weight_scale [{n}, {k // g}] (group_size {g})")
 
 
-def _check_fused(linears: dict, algo: str, headers: dict, quantized: set[str], rep: VerifyReport) -> None:
+def _check_nvfp4(name, n, k, w, headers, rep) -> None:
+    """NVFP4LinearMethod: packed E2M1 pairs, E4M3 scales per 16, scalar global scales."""
+    if k % 16:
+        rep.fail(name, f"in_features {k}", "create_weights asserts in_features % 16 == 0")
+        return
+    if w["dtype"] != "U8" or w["shape"] != [n, k // 2]:
+        rep.fail(name, f"weight {w['dtype']} {w['shape']}",
+                 f"NVFP4 creates weight as float4_e2m1x2 [{n}, {k // 2}] (two E2M1 per byte)")
+    s = headers.get(f"{name}.weight_scale")
+    if s is None or s["dtype"] != FP8 or s["shape"] != [n, k // 16]:
+        got = None if s is None else f"{s['dtype']} {s['shape']}"
+        rep.fail(name, f"weight_scale {got}", "load_weight_scales asserts float8_e4m3fn; "
+                 f"block_scale_interleave takes [{n}, {k // 16}] (one scale per 16 inputs)")
+    for key, what in (("weight_scale_2", "amax_w / (448 * 6)"), ("input_scale", "amax_x / (448 * 6)")):
+        t = headers.get(f"{name}.{key}")
+        if t is None or math.prod(t["shape"]) != 1:
+            rep.fail(name, f"{key} {None if t is None else t['shape']}",
+                     f"load_weight_scales reads one scalar {key} ({what}); alpha = input_scale * "
+                     "weight_scale_2")
+
+
+def _scalars(path: Path, names: list[str]) -> list[float | None]:
+    """Values of one-element tensors (fused-shard global scales), read from the shards."""
+    from quantkit.formats.common import load_tensors
+
+    found = load_tensors(path, set(names))
+    return [float(found[n].float().reshape(-1)[0]) if n in found else None for n in names]
+
+
+def _check_fused(linears: dict, algo: str, headers: dict, quantized: set[str], rep: VerifyReport,
+                 path: Path | None = None) -> None:
     """Shards TensorRT-LLM fuses: one precision for all, consistent input scales, and for
     FP8_BLOCK_SCALES every shard but the last a multiple of 128 rows."""
     seen = set()
@@ -360,6 +402,13 @@ def _check_fused(linears: dict, algo: str, headers: dict, quantized: set[str], r
                 rep.fail(fused, "input_scale on some shards only",
                          "rescale_fused_weights takes the max of every shard's input_scale "
                          "(uninitialized for shards without one)")
+        if algo == "NVFP4" and path is not None:
+            for key in ("weight_scale_2", "input_scale"):
+                vals = _scalars(path, [f"{m}.{key}" for m in members])
+                if None not in vals and len(set(vals)) > 1:
+                    rep.fail(fused, f"{key} differs over the shards: {vals}",
+                             f"NVFP4 load_weight_scales asserts 'The {key} should be same for all "
+                             "the weights'", "share one global scale per fused group")
         if algo == "FP8_BLOCK_SCALES":
             bad = [m for m in members[:-1] if linears[m] and linears[m][0] % 128]
             if bad:
@@ -423,7 +472,7 @@ def verify(artifact: str | Path, engine: str = "trtllm") -> VerifyReport:
             continue
         quantized.add(name)
         _check_linear(name, shape, algo, headers, bool(found.get("ct")), group_size, rep)
-    _check_fused(linears, algo, headers, quantized, rep)
+    _check_fused(linears, algo, headers, quantized, rep, path)
     lm = headers.get("lm_head.weight")
     if lm is not None and lm["dtype"] not in FLOAT:
         rep.fail("lm_head", f"weight {lm['dtype']}", "the LM head is built unquantized")

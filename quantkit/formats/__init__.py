@@ -19,11 +19,15 @@ WRITERS = ("compressed-tensors", "gptq", "gguf", "fp8", "modelopt", "awq")
 
 
 def get_writer(name: str):
-    if name == "compressed-tensors":  # pack-quantized for int schemes, float-quantized for fp8
+    if name == "compressed-tensors":  # pack-quantized for int schemes, float-quantized for fp8,
+        # nvfp4/mxfp4-pack-quantized for FP4
         from quantkit.formats.compressed_tensors import CompressedTensorsWriter
+        from quantkit.formats.fp4 import FP4CompressedTensorsWriter
         from quantkit.formats.fp8 import FP8CompressedTensorsWriter, KindDispatch
 
-        return KindDispatch(name, {"fp8": FP8CompressedTensorsWriter}, CompressedTensorsWriter)
+        return KindDispatch(name, {"fp8": FP8CompressedTensorsWriter,
+                                   "nvfp4": FP4CompressedTensorsWriter,
+                                   "mxfp4": FP4CompressedTensorsWriter}, CompressedTensorsWriter)
     if name == "fp8":  # vLLM's native quant_method "fp8"
         from quantkit.formats.fp8 import VllmFP8Writer
 
@@ -81,10 +85,15 @@ def read_dense_state(path: Path, fmt: str, dtype: torch.dtype = torch.float32) -
         from quantkit.formats.common import read_config
         from quantkit.formats.compressed_tensors import read_compressed_tensors
 
-        if read_config(path)["quantization_config"].get("format") == "float-quantized":
+        ct_format = read_config(path)["quantization_config"].get("format")
+        if ct_format == "float-quantized":
             from quantkit.formats.fp8 import read_float_quantized
 
             return read_float_quantized(path, dtype)
+        if ct_format in ("nvfp4-pack-quantized", "mxfp4-pack-quantized"):
+            from quantkit.formats.fp4 import read_fp4_pack_quantized
+
+            return read_fp4_pack_quantized(path, dtype)
         return read_compressed_tensors(path, dtype)
     if fmt in ("fp8", "modelopt"):
         from quantkit.formats.fp8 import read_vllm_fp8
@@ -103,8 +112,8 @@ def read_dense_state(path: Path, fmt: str, dtype: torch.dtype = torch.float32) -
 
 
 def prepare_model(model: torch.nn.Module, path: Path, fmt: str) -> None:
-    """Run-time behaviour beyond the stored weights: W8A8 artifacts round Linear inputs the way
-    the engine does (FP8 E4M3 or int8; dynamic or static scales), so CPU eval measures W8A8."""
+    """Run-time behaviour beyond the stored weights: W8A8 / W4A4 artifacts round Linear inputs
+    the way the engine does (FP8 E4M3, int8 or NVFP4), so CPU eval measures what runs."""
     if fmt == "compressed-tensors":
         from quantkit.formats.common import read_config
 
@@ -114,9 +123,22 @@ def prepare_model(model: torch.nn.Module, path: Path, fmt: str) -> None:
 
             prepare_int8_model(model, path)
             return
+        if ct_format == "nvfp4-pack-quantized":  # W4A4: inputs rounded through NVFP4
+            from quantkit.formats.fp4 import prepare_nvfp4_model
+
+            prepare_nvfp4_model(model, path)
+            return
         if ct_format != "float-quantized":
             return
-    elif fmt not in ("fp8", "modelopt"):
+    elif fmt == "modelopt":
+        from quantkit.formats.modelopt_fp8 import read_hf_quant_config
+
+        if read_hf_quant_config(path).get("quant_algo") == "NVFP4":
+            from quantkit.formats.fp4 import prepare_modelopt_nvfp4_model
+
+            prepare_modelopt_nvfp4_model(model, path)
+            return
+    elif fmt != "fp8":
         return
     from quantkit.formats.fp8 import prepare_fp8_model
 

@@ -146,8 +146,12 @@ def _awq_writer():
 
 
 def ModelOptDispatch() -> KindDispatch:  # noqa: N802 (a factory that reads like the class it builds)
-    """`--format modelopt`: FP8 schemes here, integer (W4A16_AWQ) in quantkit/formats/modelopt.py."""
-    return KindDispatch("modelopt", {"fp8": ModelOptFP8Writer}, _awq_writer)
+    """`--format modelopt`: FP8 schemes here, NVFP4 in quantkit/formats/fp4.py, integer
+    (W4A16_AWQ) in quantkit/formats/modelopt.py."""
+    from quantkit.formats.fp4 import ModelOptNVFP4Writer
+
+    return KindDispatch("modelopt", {"fp8": ModelOptFP8Writer, "nvfp4": ModelOptNVFP4Writer,
+                                     "mxfp4": ModelOptNVFP4Writer}, _awq_writer)
 
 
 # --------------------------------------------------------------------------- reading ----
@@ -179,6 +183,10 @@ def modelopt_activation_plan(path: Path, has_input_scales: bool) -> tuple[str, i
 def read_modelopt(path: Path, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """Dense state dict of a ModelOpt checkpoint: FP8 here, W4A16_AWQ via formats/modelopt.py."""
     algo = read_hf_quant_config(path).get("quant_algo")
+    if algo == "NVFP4":
+        from quantkit.formats.fp4 import read_modelopt_nvfp4
+
+        return read_modelopt_nvfp4(path, dtype)
     if algo not in FP8_ALGOS:
         try:
             from quantkit.formats import modelopt as awq_mod

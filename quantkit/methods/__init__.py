@@ -7,7 +7,7 @@ from quantkit.types import Quantizer
 
 __all__ = ["get_quantizer", "METHODS"]
 
-METHODS = ("rtn", "gptq", "gguf", "fp8", "awq", "int8")
+METHODS = ("rtn", "gptq", "gguf", "fp8", "awq", "int8", "nvfp4", "mxfp4")
 
 
 def get_quantizer(name: str, **options) -> Quantizer:
@@ -36,4 +36,8 @@ def get_quantizer(name: str, **options) -> Quantizer:
         from quantkit.methods.int8 import Int8Quantizer
 
         return Int8Quantizer(**options)
+    if name in ("nvfp4", "mxfp4"):
+        from quantkit.methods.fp4 import FP4Quantizer
+
+        return FP4Quantizer(method=name, **options)
     raise SchemeMismatch(f"Unknown method {name!r}.", f"Choose one of: {', '.join(METHODS)}.")

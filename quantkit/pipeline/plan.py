@@ -257,6 +257,8 @@ def estimate(config, spec: ArchSpec, *, method: str, scheme: QuantScheme, calib_
         disk = int(quantized * bpw / 8 + outside * 2)
     elif method in ("fp8", "int8"):  # one byte per weight, float32 scales
         disk = quantized + scales * 4 + dense_outside
+    elif method in ("nvfp4", "mxfp4"):  # two E2M1 codes per byte, one-byte scales (E4M3 / E8M0)
+        disk = quantized // 2 + scales + dense_outside
     else:
         disk = packed + scales * sb + (scales * scheme.bits // 8 if not scheme.symmetric else 0) \
             + dense_outside
@@ -265,7 +267,7 @@ def estimate(config, spec: ArchSpec, *, method: str, scheme: QuantScheme, calib_
     disk += block_norms
 
     gptq_passes = (3.5 if cuda else 1) if true_sequential else 2
-    passes = {"gptq": gptq_passes, "awq": 8, "fp8": 1, "gguf": 1,
+    passes = {"gptq": gptq_passes, "awq": 8, "fp8": 1, "gguf": 1, "nvfp4": 1, "mxfp4": 1,
               "int8": 2 if hessians else 1}.get(method, 0)
     flops = 2 * quantized * tokens * passes
     if hessians:

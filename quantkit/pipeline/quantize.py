@@ -108,6 +108,10 @@ class QuantizeRequest:
             args += ["--gguf-type", str(self.method_options.get("gguf_type") or s.gguf_type)]
         elif self.method == "fp8":
             args += ["--scheme", str(self.method_options.get("scheme", "dynamic"))]
+        elif self.method == "nvfp4":
+            args += ["--scheme", str(self.method_options.get("scheme", "w4a16"))]
+        elif self.method == "mxfp4":
+            pass
         elif self.method == "int8":
             args += ["--scheme", str(self.method_options.get("scheme", "dynamic"))]
             if self.method_options.get("smoothquant") is not None:
@@ -127,7 +131,7 @@ class QuantizeRequest:
         if self.method == "gguf" and isinstance(imatrix, str) and imatrix != "calib":
             args += ["--imatrix", imatrix]
         reads_calib = (self.method in ("gptq", "awq")
-                       or self.method_options.get("scheme") == "static"
+                       or self.method_options.get("scheme") in ("static", "w4a4")
                        or (self.method == "gguf" and imatrix in ("calib", True))
                        or (self.method == "int8" and (
                            self.method_options.get("smoothquant") is not None
