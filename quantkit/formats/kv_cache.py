@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["KV_FORMATS", "kv_scale_tensors", "add_kv_cache_config", "is_kv_scale",
+__all__ = ["KV_FORMATS", "declares_fp8_kv_cache", "kv_scale_tensors", "add_kv_cache_config", "is_kv_scale",
            "read_kv_scales", "fake_quant_kv", "prepare_kv_cache", "ct_kv_cache_scheme"]
 
 KV_FORMATS = ("compressed-tensors", "fp8", "modelopt")
@@ -94,6 +94,23 @@ def add_kv_cache_config(out_dir: Path, format_name: str) -> None:
         raise ValueError(f"format {format_name} carries no KV-cache scales")
     cfg["quantization_config"] = qcfg
     cfg_file.write_text(json.dumps(cfg, indent=2))
+
+
+def declares_fp8_kv_cache(path: Path) -> bool:
+    """Whether an artifact directory declares FP8 KV-cache scales (any of the three layouts)."""
+    path = Path(path)
+    if not path.is_dir() or not (path / "config.json").is_file():
+        return False
+    from quantkit.readers import read_config_json
+
+    meta = path / "quantkit.json"
+    if meta.is_file() and (json.loads(meta.read_text()).get("kv_cache") or {}):
+        return True
+    if (read_config_json(path).get("quantization_config") or {}).get("kv_cache_scheme"):
+        return True
+    hf = path / "hf_quant_config.json"
+    return hf.is_file() and json.loads(hf.read_text()).get("quantization", {}).get(
+        "kv_cache_quant_algo") == "FP8"
 
 
 def is_kv_scale(name: str) -> bool:
