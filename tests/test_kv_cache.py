@@ -34,7 +34,8 @@ SAMPLES, SEQLEN = 4, 64  # the reference's calibration (benchmarks/kv_cache_llmc
 
 def _q(model, out, method="fp8", fmt="compressed-tensors", preset="dynamic", **kw) -> Path:
     schemes = {"fp8": lambda: fp8_scheme(preset), "int8": lambda: int8_scheme(preset),
-               "rtn": lambda: QuantScheme(bits=4, group_size=64)}
+               "rtn": lambda: QuantScheme(bits=4, group_size=64),
+               "gptq": lambda: QuantScheme(bits=4, group_size=64)}
     options = {"scheme": preset} if method in ("fp8", "int8") else {}
     quantize(QuantizeRequest(model=str(model), method=method, scheme=schemes[method](),
                              out=Path(out), format=fmt, calib_samples=SAMPLES,
@@ -150,14 +151,21 @@ def test_loader_rounds_keys_and_values_through_fp8(kv_artifacts):
     assert 0 < diff < 0.2 * plain.abs().max(), float(diff)
 
 
-def test_kv_cache_with_int_and_int8_methods(tiny_model_factory, tmp_path):
-    """Beside a weight-only and an int8 W8A8 scheme: the same config key and tensors."""
+def test_kv_cache_beside_other_methods_and_formats(tiny_model_factory, tmp_path):
+    """Beside weight-only RTN, GPTQ (its one-pass staged block forward), int8 W8A8: the same
+    config key and tensors; vLLM-native fp8: self_attn.k_scale float32 [] and no config key."""
     model = tiny_model_factory("llama", name="m")
-    for method in ("rtn", "int8"):
+    for method in ("rtn", "gptq", "int8"):
         out = _q(model, tmp_path / method, method=method)
         qcfg = json.loads((out / "config.json").read_text())["quantization_config"]
         assert qcfg["kv_cache_scheme"] == ct_kv_cache_scheme(), method
         assert len(read_kv_scales(out)) == 2
+    out = _q(model, tmp_path / "fp8", fmt="fp8")
+    assert "kv_cache_scheme" not in json.loads((out / "config.json").read_text())["quantization_config"]
+    assert tensor_headers(out)["model.layers.1.self_attn.v_scale"] == ("F32", [])
+    fp8_scales = read_kv_scales(out)
+    assert fp8_scales.keys() == read_kv_scales(tmp_path / "rtn").keys()
+    assert all(k > 0 and v > 0 for k, v in fp8_scales.values())
 
 
 def test_formats_without_kv_scales_are_refused_before_any_work(tiny_model_factory, tmp_path):
@@ -171,6 +179,13 @@ def test_formats_without_kv_scales_are_refused_before_any_work(tiny_model_factor
         assert "cannot carry KV-cache scales" in res.output, res.output
         assert "--format compressed-tensors" in res.output and "hint" in res.output
         assert not (tmp_path / "out").exists()
+    # plan counts the calibration pass the KV scales need, and refuses what quantize refuses
+    res = runner.invoke(main, ["plan", str(model), "--method", "rtn", "--kv-cache", "fp8", "--json"])
+    assert res.exit_code == 0, res.output
+    planned = json.loads(res.output)
+    assert (planned["kv_cache"], planned["calib_samples"]) == ("fp8", 128)
+    res = runner.invoke(main, ["plan", str(model), "--method", "gguf", "--kv-cache", "fp8"])
+    assert res.exit_code == 2 and "cannot carry KV-cache scales" in res.output, res.output
     # calibration flags are read by every method once --kv-cache calibrates
     res = runner.invoke(main, ["quantize", str(model), "--method", "rtn", "--calib-samples", "2",
                                "--calib-seqlen", "32", "--kv-cache", "fp8", "-o",

@@ -208,10 +208,12 @@ def plan_request(req: QuantizeRequest, config, spec: ArchSpec, quantizer,
     """The memory / disk / time plan of `req` (quantkit plan; quantize's early memory check)."""
     return estimate(config, spec, method=req.method, scheme=req.scheme,
                     calib_samples=req.calib_samples, calib_seqlen=req.calib_seqlen,
-                    calibrated=quantizer.needs_calibration, device=_device(req.device),
+                    calibrated=quantizer.needs_calibration or bool(req.kv_cache),
+                    device=_device(req.device),
                     calib_batch=getattr(quantizer, "calib_batch_size", 1),
                     store_dtype=_storage_dtype(raw_config), streaming=req.stream is not False,
-                    resume=req.resume and not hasattr(quantizer, "quantize_rest"),
+                    resume=req.resume and not hasattr(quantizer, "quantize_rest")
+                    and not req.kv_cache,
                     true_sequential=getattr(quantizer, "true_sequential", False),
                     hessians="hessian" in getattr(quantizer, "stats", ()))
 
@@ -225,10 +227,14 @@ def plan(req: QuantizeRequest) -> tuple[MemoryPlan, dict]:
     spec = spec_for_config(raw_config)
     config = load_config(source.path, trust_remote_code=req.trust_remote_code)
     req, group_note = resolve_group_size(req, linear_shapes(config, spec))
+    if req.kv_cache:
+        check_kv_cache(req.kv_cache, req.format, spec, False)
+    calibrated = quantizer.needs_calibration or bool(req.kv_cache)
     info = {"model": str(source.path), "architecture": spec.name, "method": req.method,
             "scheme": req.scheme.describe(), "device": _device(req.device),
-            "calib_samples": req.calib_samples if quantizer.needs_calibration else 0,
-            "calib_seqlen": req.calib_seqlen if quantizer.needs_calibration else 0,
+            "calib_samples": req.calib_samples if calibrated else 0,
+            "calib_seqlen": req.calib_seqlen if calibrated else 0,
+            **({"kv_cache": req.kv_cache} if req.kv_cache else {}),
             **({"group_size_choice": group_note} if group_note else {})}
     return plan_request(req, config, spec, quantizer, raw_config), info
 
