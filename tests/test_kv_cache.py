@@ -160,7 +160,7 @@ def test_kv_cache_beside_other_methods_and_formats(tiny_model_factory, tmp_path)
         qcfg = json.loads((out / "config.json").read_text())["quantization_config"]
         assert qcfg["kv_cache_scheme"] == ct_kv_cache_scheme(), method
         assert len(read_kv_scales(out)) == 2
-    out = _q(model, tmp_path / "fp8", fmt="fp8")
+    out = _q(model, tmp_path / "fp8", fmt="fp8", preset="static")
     assert "kv_cache_scheme" not in json.loads((out / "config.json").read_text())["quantization_config"]
     assert tensor_headers(out)["model.layers.1.self_attn.v_scale"] == ("F32", [])
     fp8_scales = read_kv_scales(out)
