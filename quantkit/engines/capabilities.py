@@ -410,6 +410,9 @@ _VLLM_ARTIFACTS = [
     ("FP8 block artifacts (--scheme block) in vLLM", "fp8-block",
      "quantize with `--method fp8 --scheme dynamic`; `quantkit eval` scores the block artifact "
      "in torch"),
+    ("FP8 KV-cache scales (--kv-cache fp8) in vLLM with kv_cache_dtype fp8", "fp8-kv-cache",
+     "`quantkit eval ARTIFACT` scores it in torch (keys/values rounded through FP8 with the "
+     "stored scales); vLLM runs the same artifact with kv_cache_dtype auto (bf16 cache)"),
     ("quantized mixture-of-experts artifacts (Qwen3-MoE experts, int4 or FP8) in vLLM",
      "moe", "`quantkit eval ARTIFACT` scores them in torch (quantkit's loader); vLLM runs the "
      "same model unquantized"),
