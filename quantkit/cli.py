@@ -127,6 +127,9 @@ def _method_options(f):
                           "ALPHA (0.5 usual), folded into the preceding norm / Linear."),
         click.option("--rounding", type=click.Choice(["rtn", "gptq"]), default=None,
                      help="int8: round the int8 weights to nearest (rtn, default) or with GPTQ."),
+        click.option("--kv-cache", "kv_cache", type=click.Choice(["fp8"]), default=None,
+                     help="Also calibrate per-layer FP8 E4M3 k/v scales for the engine's KV "
+                          "cache (formats compressed-tensors, fp8, modelopt)."),
         click.option("--calib", default="mixed", show_default=True,
                      help="Calibration data: built-in set (mixed, prose, code, techdoc), a "
                           ".txt/.jsonl/.parquet file, or hf:DATASET[:CONFIG][:SPLIT][:COLUMN]."),
@@ -187,6 +190,8 @@ def check_flags_apply(ctx: click.Context, method: str, fp8_scheme: str | None,
                       imatrix: str | None) -> None:
     """Refuse a flag that --method (with its other flags) would not read."""
     given = _given_flags(ctx)
+    if ctx.params.get("kv_cache") and method != "gguf":  # KV scales calibrate on the data
+        given = {n: f for n, f in given.items() if n not in _CALIB_FLAGS}
     for name, flag in given.items():
         readers = FLAG_READERS[name]
         if method not in readers:
@@ -232,7 +237,7 @@ def _request(model, method, bits, group_size, sym, act_order, damp, true_sequent
              device, allow_pickle, trust_remote_code, stream, smoothquant=None, rounding=None,
              moe_calibrate_all_experts=False,
              expert_min_tokens=_EXPERT_MIN_TOKENS, text_column=None, output=".", force=False,
-             **extra):
+             kv_cache=None, **extra):
     ctx = click.get_current_context()
     check_flags_apply(ctx, method, fp8_scheme, imatrix)  # before torch is imported: instant
     from quantkit.pipeline.quantize import QuantizeRequest
@@ -290,7 +295,7 @@ def _request(model, method, bits, group_size, sym, act_order, damp, true_sequent
                            device=device, method_options=options, stream=stream,
                            group_size_auto=group_size_auto, text_column=text_column,
                            moe_calibrate_all_experts=moe_calibrate_all_experts,
-                           expert_min_tokens=expert_min_tokens,
+                           expert_min_tokens=expert_min_tokens, kv_cache=kv_cache,
                            command="quantkit " + shlex.join(sys.argv[1:]), **extra)
 
 

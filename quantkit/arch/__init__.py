@@ -72,6 +72,8 @@ class ArchSpec:
     embed: str = "model.embed_tokens"
     final_norm: str = "model.norm"
     lm_head: str = "lm_head"
+    # the attention module of a block (its k/v states are what the engine's KV cache holds)
+    attention: str = "self_attn"
     # Linears of one block, in true-sequential order: each inner tuple shares inputs.
     sequential: tuple[tuple[str, ...], ...] = ()
     awq_groups: tuple[AwqGroup, ...] = ()

@@ -32,7 +32,7 @@ __all__ = ["VllmCapabilities", "vllm_capabilities", "vllm_cannot_run", "vllm_too
 
 _WORKER = Path(__file__).with_name("vllm_probe_worker.py")
 _PROBE_TIMEOUT_S = 300
-_PROBE_VERSION = 3  # bump when vllm_probe_worker.py asks something new: old answers lack it
+_PROBE_VERSION = 4  # bump when vllm_probe_worker.py asks something new: old answers lack it
 
 # one phrase per missing capability: vllm_cannot_run returns these, error messages reuse them
 _WHY = {
@@ -47,6 +47,9 @@ _WHY = {
            "CPU kernels need AMX)",
     "moe_fp8": "vLLM's CPU FP8 mixture-of-experts kernels take 128x128 block-scaled experts "
                "only, on CPUs with AMX",
+    "fp8_kv_cache": "vLLM's CPU attention has no FP8 KV cache here ({why})",
+    "fp8_kv_cache_head": "vLLM's CPU attention takes an FP8 KV cache only for head sizes "
+                         "divisible by 32",
     "int8_w8a8": "vLLM's CPU build has no int8 W8A8 kernel here (oneDNN int8 GEMM and int8 "
                  "input quantization ops missing)",
 }
@@ -75,6 +78,9 @@ class VllmCapabilities:
     fp8_vs_bf16_time: float | None = None
     # vLLM's CPU fused-MoE kernels for int4 / FP8 experts (vLLM asks its torch for AMX)
     moe_quantized: bool = False
+    # kv_cache_dtype fp8 (per-layer k/v scales): vLLM's CPU attention needs AVX-512 or AMX
+    fp8_kv_cache: bool = False
+    fp8_kv_cache_error: str | None = None  # vLLM's own refusal where it has none
     wna16_weight_types: list[str] = field(default_factory=list)
     ops: dict[str, str | None] = field(default_factory=dict)  # op -> schema (None: missing)
     kernels: dict[str, list] = field(default_factory=dict)  # vLLM kernel class -> [ok, reason]
@@ -148,6 +154,8 @@ def _from_probe(raw: dict, python: Path, cache_file: Path) -> VllmCapabilities:
             "create_onednn_scaled_mm_handler", "onednn_scaled_mm", "static_scaled_int8_quant",
             "dynamic_scaled_int8_quant")),
         moe_quantized=not cpu or bool(raw.get("amx_tile")),
+        fp8_kv_cache=not cpu or ("fp8_kv_cache_error" in raw and raw["fp8_kv_cache_error"] is None),
+        fp8_kv_cache_error=raw.get("fp8_kv_cache_error") if cpu else None,
         fp8_vs_bf16_time=raw.get("fp8_vs_bf16_time"),
         int4_w4a8_default=cpu and bool(raw.get("amx_tile"))
         and _real_op(ops.get("int4_scaled_mm_cpu")),
@@ -261,6 +269,8 @@ def vllm_cannot_run(scheme: QuantScheme | Mapping | str, *, moe: bool = False) -
     `scheme`: a QuantScheme, the `scheme` dict of quantkit.json, or a short name (int4,
     int8-w8a8, fp8-dynamic, fp8-static, fp8-block, gguf). `moe`: the model has quantized
     experts, which vLLM runs through its fused-MoE kernels, not the Linear kernels."""
+    if isinstance(scheme, str) and scheme.lower().replace("_", "-") == "fp8-kv-cache":
+        return vllm_cannot_run_fp8_kv_cache()
     kind, bits, group, activations = _scheme_fields(scheme)
     if kind == "kquant":
         return _WHY["gguf"]
@@ -290,6 +300,19 @@ def vllm_cannot_run(scheme: QuantScheme | Mapping | str, *, moe: bool = False) -
     return None
 
 
+def vllm_cannot_run_fp8_kv_cache(head_dim: int | None = None) -> str | None:
+    """None when vLLM here runs kv_cache_dtype fp8 (for `head_dim`, when given), else why not."""
+    caps = vllm_capabilities()
+    if not caps.available:
+        return f"vLLM cannot start here ({caps.error.rstrip('.')})"
+    if not caps.fp8_kv_cache:
+        why = (caps.fp8_kv_cache_error or "not probed; run quantkit doctor --refresh")
+        return _WHY["fp8_kv_cache"].format(why=why.split(": ", 1)[-1].rstrip("."))
+    if caps.platform == "CpuPlatform" and head_dim is not None and head_dim % 32:
+        return _WHY["fp8_kv_cache_head"]
+    return None
+
+
 # known vLLM failures (a regex on its log) -> the capability that was missing
 _KNOWN_FAILURES = [
     (r"has no attribute 'cpu_gemm_wna16'", "int4"),
@@ -298,6 +321,8 @@ _KNOWN_FAILURES = [
     (r"CPUFp8BlockScaledMMKernel requires AMX|requires AMX tile support", "fp8_block"),
     (r"No WNA16 MoE backend supports", "moe"),
     (r"Unsupported FP8 MoE backend: NONE", "moe_fp8"),
+    (r"FP8 KV cache on CPU requires x86 with AVX-512 or AMX", "fp8_kv_cache"),
+    (r"FP8 KV cache requires head_size divisible by 32 on CPU", "fp8_kv_cache_head"),
 ]
 
 
@@ -305,7 +330,8 @@ def explain_vllm_failure(log: str) -> str | None:
     """The reason phrase for a vLLM failure quantkit knows (a missing CPU kernel), else None."""
     for pattern, key in _KNOWN_FAILURES:
         if re.search(pattern, log):
-            why = "requires AMX tile support (Sapphire Rapids or newer)"
+            why = ("needs x86 with AVX-512 or AMX" if key == "fp8_kv_cache"
+                   else "requires AMX tile support (Sapphire Rapids or newer)")
             return _WHY[key].format(why=why, types="uint4, uint4b8")
     return None
 
@@ -383,6 +409,9 @@ _VLLM_ARTIFACTS = [
     ("FP8 block artifacts (--scheme block) in vLLM", "fp8-block",
      "quantize with `--method fp8 --scheme dynamic`; `quantkit eval` scores the block artifact "
      "in torch"),
+    ("FP8 KV-cache scales (--kv-cache fp8) in vLLM with kv_cache_dtype fp8", "fp8-kv-cache",
+     "`quantkit eval ARTIFACT` scores it in torch (keys/values rounded through FP8 with the "
+     "stored scales); vLLM runs the same artifact with kv_cache_dtype auto (bf16 cache)"),
     ("quantized mixture-of-experts artifacts (Qwen3-MoE experts, int4 or FP8) in vLLM",
      "moe", "`quantkit eval ARTIFACT` scores them in torch (quantkit's loader); vLLM runs the "
      "same model unquantized"),

@@ -64,13 +64,22 @@ def vllm_env() -> dict[str, str]:
 def run_vllm(model_dir: Path, *, generate: list[dict] | None = None,
              score: list[list[int]] | None = None, speed: dict | None = None,
              dtype: str = "bfloat16",
-             max_model_len: int = 2048, timeout: float = 1800) -> dict:
-    """Load `model_dir` in vLLM, greedy-generate and/or score token sequences."""
+             max_model_len: int = 2048, timeout: float = 1800,
+             kv_cache_dtype: str | None = None, kv_scales: bool = False) -> dict:
+    """Load `model_dir` in vLLM, greedy-generate and/or score token sequences.
+    `kv_cache_dtype` None: "fp8" where the artifact carries FP8 KV-cache scales (vLLM's
+    default "auto" would ignore them), else "auto". `kv_scales`: also return the k/v scale
+    each attention layer of vLLM's model holds after loading."""
+    if kv_cache_dtype is None:
+        from quantkit.formats.kv_cache import declares_fp8_kv_cache
+
+        kv_cache_dtype = "fp8" if declares_fp8_kv_cache(Path(model_dir)) else "auto"
     python = vllm_python()
     with tempfile.TemporaryDirectory(prefix="quantkit-vllm-") as tmp:
         req, resp = Path(tmp) / "req.json", Path(tmp) / "resp.json"
         req.write_text(json.dumps({"model": str(Path(model_dir).resolve()), "dtype": dtype,
                                    "max_model_len": max_model_len, "generate": generate or [],
+                                   "kv_cache_dtype": kv_cache_dtype, "kv_scales": kv_scales,
                                    "score": score or [], "speed": speed}))
         proc = subprocess.run([str(python), str(_WORKER), str(req), str(resp)], env=vllm_env(),
                               capture_output=True, text=True, timeout=timeout, cwd=tmp)

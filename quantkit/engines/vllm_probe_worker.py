@@ -113,6 +113,15 @@ def main(resp_path: str) -> None:
         out["wna16_weight_types"] = [str(t) for t in wna16._CPUWNA16_SUPPORTED_QUANT_TYPES]
     except Exception as exc:  # noqa: BLE001
         out["wna16_weight_types"] = f"? {type(exc).__name__}: {exc}"
+    # FP8 KV cache: vLLM's CPU attention backend picks its ISA per layer and refuses an FP8
+    # cache there (cpu_attn.py: _get_attn_isa); asked with a head size it takes (64)
+    try:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        _get_attn_isa(torch.bfloat16, 32, 64, "fp8")
+        out["fp8_kv_cache_error"] = None
+    except Exception as exc:  # noqa: BLE001 - vLLM's own refusal is the answer
+        out["fp8_kv_cache_error"] = f"{type(exc).__name__}: {exc}"
     scaled = "vllm.model_executor.kernels.linear.scaled_mm.cpu"
     out["kernels"] = {name: _kernel_supported(scaled, name) for name in (
         "CPUInt8ScaledMMLinearKernel", "CPUFp8PerTensorScaledMMLinearKernel",

@@ -81,6 +81,15 @@ def detect_format(path: Path) -> str:
 
 
 def read_dense_state(path: Path, fmt: str, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """The artifact's weights, dequantized; KV-cache scales are left out (prepare_model
+    applies them)."""
+    from quantkit.formats.kv_cache import is_kv_scale
+
+    state = _read_dense_state(path, fmt, dtype)
+    return {k: t for k, t in state.items() if not is_kv_scale(k)}
+
+
+def _read_dense_state(path: Path, fmt: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     if fmt == "compressed-tensors":
         from quantkit.formats.common import read_config
         from quantkit.formats.compressed_tensors import read_compressed_tensors
@@ -113,7 +122,17 @@ def read_dense_state(path: Path, fmt: str, dtype: torch.dtype = torch.float32) -
 
 def prepare_model(model: torch.nn.Module, path: Path, fmt: str) -> None:
     """Run-time behaviour beyond the stored weights: W8A8 / W4A4 artifacts round Linear inputs
-    the way the engine does (FP8 E4M3, int8 or NVFP4), so CPU eval measures what runs."""
+    the way the engine does (FP8 E4M3, int8 or NVFP4; dynamic or static scales), so CPU eval
+    measures what runs; artifacts with KV-cache scales round keys and values through FP8 as
+    they enter the cache."""
+    if fmt in ("compressed-tensors", "fp8", "modelopt"):
+        from quantkit.formats.kv_cache import prepare_kv_cache
+
+        prepare_kv_cache(model, path)
+    _prepare_activations(model, path, fmt)
+
+
+def _prepare_activations(model: torch.nn.Module, path: Path, fmt: str) -> None:
     if fmt == "compressed-tensors":
         from quantkit.formats.common import read_config
 

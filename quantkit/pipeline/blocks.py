@@ -20,6 +20,7 @@ from quantkit.model_io import check_finite
 from quantkit.pipeline.capture import BlockInputs, capture_block_inputs, run_block
 from quantkit.pipeline.experts import num_experts
 from quantkit.pipeline.heap import reuse_freed_memory
+from quantkit.pipeline.kvcache import kv_absmax as observe_kv
 from quantkit.pipeline.staged import StagedForward
 from quantkit.pipeline.stats import StatCollector
 from quantkit.pipeline.transfer import any_finite_problem, fetch_to_cpu
@@ -111,6 +112,7 @@ def quantize_blocks(
     staged: bool | None = None,
     offload_activations: bool = False,
     expert_min_tokens: int = EXPERT_MIN_TOKENS,
+    kv_absmax: dict[str, tuple[float, float]] | None = None,
 ) -> dict[str, QuantResult]:
     """Quantize every block Linear of `model` in place; return results keyed by full name.
 
@@ -135,6 +137,9 @@ def quantize_blocks(
     blocks always replay: their expert groups do not share one input (each expert reads its
     own routed tokens). Each result records the calibration tokens its Linear saw;
     experts below `expert_min_tokens` are named in a warning.
+    `kv_absmax` (when given) receives, per attention module, the max |key| and |value| its
+    KV cache would hold, observed on the quantized block (quantkit.pipeline.kvcache); the
+    calibration inputs are then captured even for a method that needs none.
     """
     if dp is not None:
         dp.check_method(quantizer)
@@ -147,7 +152,7 @@ def quantize_blocks(
     warm_up = getattr(quantizer, "warm_up", None)
     if warm_up is not None:  # e.g. compile a GPU kernel while the inputs are captured
         warm_up(scheme, torch.device(device))
-    if quantizer.needs_calibration:
+    if quantizer.needs_calibration or kv_absmax is not None:
         if not batches:
             raise ValueError("this method needs calibration batches")
         with source.embedding():
@@ -177,6 +182,7 @@ def quantize_blocks(
         orig_dtype = next(block.parameters()).dtype
         _check_block_finite(block, prefix, device)
         block.to(device=device, dtype=compute_dtype)
+        block_inputs = inputs
         with contextlib.ExitStack() as scope:
             experts = num_experts(block, spec)
             groups = spec.groups_for(experts) if true_sequential else (spec.linears_for(experts),)
@@ -238,6 +244,8 @@ def quantize_blocks(
                 else:
                     outs = outputs_fp if outputs_fp is not None else run_block(block, inputs)
                 inputs = inputs.with_hidden(outs, i + 1)
+        if kv_absmax is not None and block_inputs is not None:
+            kv_absmax[prefix + spec.attention] = observe_kv(block, spec.attention, block_inputs)
         mine = {k: r for k, r in results.items() if k.startswith(prefix)}
         _block_and_results_to_cpu(block, orig_dtype, list(mine.values()))
         kept = block_dense(block, prefix, mine, dense_dtype) if dp is None or dp.is_main else {}

@@ -18,7 +18,9 @@ import quantkit
 from quantkit.arch import ArchSpec, spec_for_config
 from quantkit.errors import ModelLoadError, QuantkitError, SchemeMismatch
 from quantkit.formats import get_writer
+from quantkit.formats.kv_cache import KV_FORMATS, add_kv_cache_config, kv_scale_tensors
 from quantkit.methods import get_quantizer
+from quantkit.methods.kvcache import fp8_kv_scales
 from quantkit.model_io import (
     TOKENIZER_FILES,
     check_finite,
@@ -95,6 +97,7 @@ class QuantizeRequest:
     # mixture of experts: every token through every expert for statistics (routing unchanged)
     moe_calibrate_all_experts: bool = False
     expert_min_tokens: int = EXPERT_MIN_TOKENS  # warn about experts calibrated on fewer
+    kv_cache: str | None = None  # "fp8": calibrate per-layer k/v scales for an FP8 KV cache
 
     def cli_equivalent(self) -> str:
         """The `quantkit quantize` command that makes this request (for API callers)."""
@@ -127,6 +130,8 @@ class QuantizeRequest:
             args += ["--no-true-sequential"]
         if self.moe_calibrate_all_experts:
             args += ["--moe-calibrate-all-experts"]
+        if self.kv_cache:
+            args += ["--kv-cache", self.kv_cache]
         imatrix = self.method_options.get("imatrix")
         if self.method == "gguf" and isinstance(imatrix, str) and imatrix != "calib":
             args += ["--imatrix", imatrix]
@@ -135,7 +140,8 @@ class QuantizeRequest:
                        or (self.method == "gguf" and imatrix in ("calib", True))
                        or (self.method == "int8" and (
                            self.method_options.get("smoothquant") is not None
-                           or self.method_options.get("rounding") == "gptq")))
+                           or self.method_options.get("rounding") == "gptq"))
+                       or bool(self.kv_cache))
         if reads_calib:  # the CLI refuses calibration flags a method would not read
             args += ["--calib", self.calib, "--calib-samples", str(self.calib_samples),
                      "--calib-seqlen", str(self.calib_seqlen), "--seed", str(self.seed)]
@@ -206,10 +212,12 @@ def plan_request(req: QuantizeRequest, config, spec: ArchSpec, quantizer,
     """The memory / disk / time plan of `req` (quantkit plan; quantize's early memory check)."""
     return estimate(config, spec, method=req.method, scheme=req.scheme,
                     calib_samples=req.calib_samples, calib_seqlen=req.calib_seqlen,
-                    calibrated=quantizer.needs_calibration, device=_device(req.device),
+                    calibrated=quantizer.needs_calibration or bool(req.kv_cache),
+                    device=_device(req.device),
                     calib_batch=getattr(quantizer, "calib_batch_size", 1),
                     store_dtype=_storage_dtype(raw_config), streaming=req.stream is not False,
-                    resume=req.resume and not hasattr(quantizer, "quantize_rest"),
+                    resume=req.resume and not hasattr(quantizer, "quantize_rest")
+                    and not req.kv_cache,
                     true_sequential=getattr(quantizer, "true_sequential", False),
                     hessians="hessian" in getattr(quantizer, "stats", ()))
 
@@ -223,10 +231,14 @@ def plan(req: QuantizeRequest) -> tuple[MemoryPlan, dict]:
     spec = spec_for_config(raw_config)
     config = load_config(source.path, trust_remote_code=req.trust_remote_code)
     req, group_note = resolve_group_size(req, linear_shapes(config, spec))
+    if req.kv_cache:
+        check_kv_cache(req.kv_cache, req.format, spec, False)
+    calibrated = quantizer.needs_calibration or bool(req.kv_cache)
     info = {"model": str(source.path), "architecture": spec.name, "method": req.method,
             "scheme": req.scheme.describe(), "device": _device(req.device),
-            "calib_samples": req.calib_samples if quantizer.needs_calibration else 0,
-            "calib_seqlen": req.calib_seqlen if quantizer.needs_calibration else 0,
+            "calib_samples": req.calib_samples if calibrated else 0,
+            "calib_seqlen": req.calib_seqlen if calibrated else 0,
+            **({"kv_cache": req.kv_cache} if req.kv_cache else {}),
             **({"group_size_choice": group_note} if group_note else {})}
     return plan_request(req, config, spec, quantizer, raw_config), info
 
@@ -287,6 +299,9 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
     raw_config = read_config_json(source.path)
     spec = spec_for_config(raw_config)  # before transformers parses it: cheap, clear errors
     check_moe_support(spec, req.method, writer.name, quantizer.needs_calibration)
+    if req.kv_cache:
+        check_kv_cache(req.kv_cache, writer.name, spec, dp is not None)
+    calibrate = quantizer.needs_calibration or bool(req.kv_cache)
     config = load_config(source.path, trust_remote_code=req.trust_remote_code)
     shapes = linear_shapes(config, spec)
     req, group_note = resolve_group_size(req, shapes)
@@ -316,11 +331,11 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
     # before any work, so a broken tokenizer fails fast; a writer that embeds the tokenizer
     # (GGUF) has loaded and checked it in check_source, and only calibration needs it again
     tokenizer = None
-    if quantizer.needs_calibration or not hasattr(writer, "check_source"):
+    if calibrate or not hasattr(writer, "check_source"):
         tokenizer = load_tokenizer(source.path, trust_remote_code=req.trust_remote_code)
 
     calib = None
-    if quantizer.needs_calibration:
+    if calibrate:
         from quantkit.calibration import load_calibration
 
         calib = load_calibration(req.calib, tokenizer, n_samples=req.calib_samples,
@@ -332,7 +347,8 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
     streaming, reader, model = _open_model(req, source.path, config, load_dtype, spec)
     ckpt = None
     # data-parallel ranks hold only their shard's hidden states: no per-block checkpoints
-    if req.resume and dp is None and not hasattr(quantizer, "quantize_rest"):  # GGUF keeps cross-block state
+    # GGUF keeps cross-block state; KV-cache scales are not checkpointed (yet)
+    if req.resume and dp is None and not hasattr(quantizer, "quantize_rest") and not req.kv_cache:
         describe = {"model": str(source.path), "model_files": model_fingerprint(source.path),
                     "method": req.method, "format": writer.name,
                     "scheme": dataclasses.asdict(req.scheme), "options": req.method_options,
@@ -349,12 +365,14 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
         batches = dp.shard(batches)
     t_quant = time.perf_counter()
     kept: dict[str, torch.Tensor] = {}
+    kv_absmax: dict[str, tuple[float, float]] | None = {} if req.kv_cache else None
     results = quantize_blocks(model, spec, quantizer, req.scheme, batches, device=device,
                               compute_dtype=compute_dtype, options=req.method_options,
                               on_progress=on_progress, checkpoint=ckpt, dense=kept,
                               dense_dtype=store_dtype, expert_min_tokens=req.expert_min_tokens,
                               source=StreamingSource(model, reader, spec, load_dtype)
-                              if streaming else None, dp=dp, offload_activations=offload)
+                              if streaming else None, dp=dp, offload_activations=offload,
+                              kv_absmax=kv_absmax)
     if dp is not None and not dp.is_main:  # rank 0 alone writes the artifact
         return {"rank": dp.rank, "world_size": dp.world}
     if hasattr(quantizer, "quantize_rest"):  # tensors outside the blocks (GGUF embeddings)
@@ -365,6 +383,7 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
         for name in outside:
             to_meta(model.get_submodule(name))
     quant_seconds = time.perf_counter() - t_quant
+    kv_scales = {name: fp8_kv_scales(*amax) for name, amax in (kv_absmax or {}).items()}
 
     if streaming:
         dense = _streamed_dense(model, reader, spec, results, kept, load_dtype, store_dtype)
@@ -383,6 +402,9 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
                          "architecture": spec.name},
         "calibration": calib.provenance if calib is not None else None,
         "method_options": req.method_options,
+        **({"kv_cache": {"dtype": "fp8_e4m3", "strategy": "tensor",
+                         "scales": {n: {"k_scale": k, "v_scale": v}
+                                    for n, (k, v) in kv_scales.items()}}} if req.kv_cache else {}),
         **({"group_size_choice": group_note} if group_note else {}),
         **({"moe": {"calibrate_all_experts": req.moe_calibrate_all_experts,
                     "expert_min_tokens": req.expert_min_tokens,
@@ -404,9 +426,13 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
         if ckpt is not None:
             ckpt.remove()
         return meta
+    if req.kv_cache:  # the scale tensors as the format names them, beside the weights
+        dense.update(kv_scale_tensors(writer.name, kv_scales, store_dtype))
     with atomic_output(out, req.force) as tmp:
         writer.write(tmp, config=out_config, dense=dense, results=results,
                      ignore=_ignored(spec), dtype=store_dtype)
+        if req.kv_cache:
+            add_kv_cache_config(tmp, writer.name)
         meta["engines"] = list(writer.engines)  # a writer may narrow them by what it wrote (FP8)
         for name in TOKENIZER_FILES:
             if (source.path / name).is_file():
@@ -462,6 +488,24 @@ def check_moe_support(spec: ArchSpec, method: str, format_name: str, calibrated:
         raise SchemeMismatch(
             f"Method {method} does not handle the experts of {spec.name} (mixture of experts) yet.",
             "Use --method gptq or --method rtn, or --method fp8 --scheme dynamic (or block).")
+
+
+def check_kv_cache(kv_cache: str, format_name: str, spec: ArchSpec, data_parallel: bool) -> None:
+    """Refuse, before any work, a KV-cache request the artifact or the run cannot carry."""
+    if kv_cache != "fp8":
+        raise SchemeMismatch(f"--kv-cache {kv_cache!r} is not known.", "Use --kv-cache fp8.")
+    if format_name not in KV_FORMATS:
+        raise SchemeMismatch(
+            f"Format {format_name} cannot carry KV-cache scales (--kv-cache fp8): its engine "
+            "loads no k_scale / v_scale from it.",
+            f"Use --format {' or --format '.join(KV_FORMATS)}, or drop --kv-cache "
+            "(llama.cpp picks its KV-cache type at run time: --cache-type-k / --cache-type-v).")
+    if data_parallel:
+        raise SchemeMismatch("--kv-cache fp8 is not wired into data-parallel (torchrun) runs yet.",
+                             "Run it as one process (no torchrun).")
+    if spec.experts is not None:
+        raise SchemeMismatch(f"--kv-cache fp8 is not built for {spec.name} (mixture of experts) yet.",
+                             "Drop --kv-cache.")
 
 
 def _ignored(spec: ArchSpec) -> list[str]:
