@@ -7,6 +7,13 @@ Llama-3.1-8B layer shapes (random bf16 weights), on one GPU.
 Random weights are fine for TIME and MEMORY (the work per layer does not depend on the values);
 they say nothing about accuracy. Prints one JSON line per method and a final table.
 usage: python llmcompressor_gpu_peer.py [--layers 4] [--samples 128] [--seqlen 2048] [--methods gptq,awq]
+
+Disk to disk (`--checkpoint DIR --calib-ids FILE --save OUT`, one method): what a user of
+llm-compressor runs, timed from after the imports and the CUDA context to the artifact on disk:
+`AutoModelForCausalLM.from_pretrained` (the model stays on the CPU, so the sequential pipeline
+onloads one layer at a time, as above) + `oneshot` on the token ids in FILE +
+`save_pretrained(OUT, save_compressed=True)` (compressed-tensors pack-quantized) and the
+tokenizer. The row splits the time into load, oneshot and save.
 """
 import argparse
 import json
@@ -55,18 +62,71 @@ def calibration(samples, seqlen):
     return Dataset.from_dict({"input_ids": ids, "attention_mask": [[1] * seqlen] * samples})
 
 
+def make_recipe(method):
+    if method == "gptq":
+        from llmcompressor.modifiers.quantization import GPTQModifier
+        return GPTQModifier(targets="Linear", scheme="W4A16", ignore=["lm_head"])
+    if method == "awq":
+        from llmcompressor.modifiers.awq import AWQModifier
+        return AWQModifier(targets="Linear", scheme="W4A16_ASYM", ignore=["lm_head"])
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+    return QuantizationModifier(targets="Linear", scheme="W4A16", ignore=["lm_head"])
+
+
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def run_from_checkpoint(method, args):
+    """Checkpoint on disk -> compressed-tensors artifact on disk (see the module docstring)."""
+    from datasets import Dataset
+    from llmcompressor import oneshot
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.zeros(1, device="cuda")  # the CUDA context, outside the timer
+    recipe = make_recipe(method)
+    _sync()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(args.checkpoint, dtype=torch.bfloat16)
+    tokenizer = AutoTokenizer.from_pretrained(args.checkpoint)
+    ids = load_file(args.calib_ids)["input_ids"][: args.samples, : args.seqlen]
+    ds = Dataset.from_dict({"input_ids": ids.tolist(),
+                            "attention_mask": [[1] * ids.shape[1]] * ids.shape[0]})
+    t_load = time.perf_counter()
+    oneshot(model=model, dataset=ds, recipe=recipe, max_seq_length=args.seqlen,
+            num_calibration_samples=args.samples, processor=tokenizer)
+    _sync()
+    t_oneshot = time.perf_counter()
+    model.save_pretrained(args.save, save_compressed=True)
+    tokenizer.save_pretrained(args.save)
+    _sync()
+    t_end = time.perf_counter()
+    row = {
+        "peer": "llm-compressor", "method": method, "layers": model.config.num_hidden_layers,
+        "samples": int(ids.shape[0]), "seqlen": int(ids.shape[1]),
+        "model_device": str(next(model.parameters()).device),
+        "seconds": round(t_end - t0, 2),
+        "phase_seconds": {"load": round(t_load - t0, 2), "oneshot": round(t_oneshot - t_load, 2),
+                          "save": round(t_end - t_oneshot, 2)},
+        "peak_gpu_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else 0.0,
+        "peak_gpu_reserved_gib":
+            round(torch.cuda.max_memory_reserved() / 2**30, 2) if cuda else 0.0,
+        "gpu": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
+    }
+    print("RESULT " + json.dumps(row), flush=True)
+    return row
+
+
 def run(method, args):
     from llmcompressor import oneshot
 
-    if method == "gptq":
-        from llmcompressor.modifiers.quantization import GPTQModifier
-        recipe = GPTQModifier(targets="Linear", scheme="W4A16", ignore=["lm_head"])
-    elif method == "awq":
-        from llmcompressor.modifiers.awq import AWQModifier
-        recipe = AWQModifier(targets="Linear", scheme="W4A16_ASYM", ignore=["lm_head"])
-    else:
-        from llmcompressor.modifiers.quantization import QuantizationModifier
-        recipe = QuantizationModifier(targets="Linear", scheme="W4A16", ignore=["lm_head"])
+    recipe = make_recipe(method)
     model = synthetic_llama_8b(args.layers, args.model_device)
     ds = calibration(args.samples, args.seqlen)
     torch.cuda.synchronize()
@@ -97,7 +157,17 @@ def main():
     p.add_argument("--methods", default="gptq,awq")
     p.add_argument("--model-device", choices=["cpu", "cuda"], default="cpu",
                    help="where the model waits between layers (cpu: as quantkit streams; cuda: all on the GPU)")
+    p.add_argument("--checkpoint", default=None,
+                   help="disk to disk: an HF checkpoint directory to quantize (one method)")
+    p.add_argument("--calib-ids", default=None,
+                   help="disk to disk: a safetensors file whose input_ids [samples, seqlen] calibrate")
+    p.add_argument("--save", default=None, help="disk to disk: where the artifact goes")
     args = p.parse_args()
+    if args.checkpoint:
+        if not (args.calib_ids and args.save) or "," in args.methods:
+            p.error("--checkpoint needs --calib-ids, --save and one method")
+        run_from_checkpoint(args.methods, args)
+        return
     rows = [run(m, args) for m in args.methods.split(",")]
     for r in rows:
         print(f"{r['method']:5s} {r['seconds']:8.1f} s  {r['seconds_per_layer']:6.1f} s/layer  "
