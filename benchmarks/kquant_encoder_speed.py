@@ -1,6 +1,6 @@
 """Throughput of quantkit's bit-exact GGML encoders, per type and backend, on SmolLM2's weights.
 
-  .venv/bin/python benchmarks/kquant_encoder_speed.py [--threads 2] [--out FILE.json]
+  .venv/bin/python benchmarks/kquant_encoder_speed.py [--threads 2] [--types Q3_K,Q2_K] [--out FILE.json]
 
 Every 2-D weight of the built-in model whose width the type accepts is encoded, timed as a
 whole, by both backends of encode_rows: "compiled" (numba, the CPU default) and "torch" (the
@@ -31,6 +31,8 @@ from quantkit.model_io import resolve_model  # noqa: E402
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--types", default=",".join(GGMLQuantizationType(t).name for t in SUPPORTED),
+                    help="comma-separated GGML type names (default: every supported one)")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "kquant_encoder_speed_cpu.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -41,7 +43,7 @@ def main() -> None:
             weights.update({k: s.get_tensor(k).float() for k in s.keys() if len(s.get_slice(k).get_shape()) == 2})
     rows: dict[str, dict] = {}
     for imatrix in (False, True):
-        for qtype in SUPPORTED:
+        for qtype in [GGMLQuantizationType[t.strip().upper()] for t in args.types.split(",")]:
             name = GGMLQuantizationType(qtype).name + (" imatrix" if imatrix else "")
             block = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)][0]
             todo = [w for w in weights.values() if w.shape[1] % block == 0]

@@ -21,6 +21,7 @@ from quantkit.errors import SchemeMismatch
 from quantkit.formats.gguf import read_gguf
 from quantkit.methods.imatrix import load_imatrix, save_imatrix
 from quantkit.methods.kquants import (
+    PRESETS,
     GGUFQuantizer,
     dequantize_tensor,
     plan_types,
@@ -32,7 +33,7 @@ from quantkit.methods.kquants_encode import BACKENDS, encode_rows, row_bytes
 llama_cpp = pytest.importorskip("llama_cpp")
 from quantkit.engines.llamacpp import llama_quantize  # noqa: E402
 
-TYPES = [Q.Q8_0, Q.Q4_0, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+TYPES = [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q2_K, Q.Q3_K, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K]
 
 
 def _ggml():
@@ -93,7 +94,8 @@ def test_encoder_bytes_equal_ggml(qtype, backend):
                           gguf_dequantize(ours, qtype))
     plain = torch.from_numpy(encode_rows(w, qtype, backend=backend).numpy()[9:])  # the ordinary gaussian rows
     rel = float((dequantize_tensor(plain, qtype) - w[9:]).norm() / w[9:].norm())
-    assert rel < {Q.Q8_0: 0.01, Q.Q6_K: 0.03, Q.Q5_K: 0.05, Q.Q5_0: 0.06, Q.Q5_1: 0.06}.get(qtype, 0.12)
+    assert rel < {Q.Q8_0: 0.01, Q.Q6_K: 0.03, Q.Q5_K: 0.05, Q.Q5_0: 0.06, Q.Q5_1: 0.06, Q.Q3_K: 0.2,
+                  Q.Q2_K: 0.35}.get(qtype, 0.12)
 
 
 def test_encoder_rejects_bad_width_and_backend():
@@ -155,13 +157,39 @@ def test_q4_k_m_type_mix_equals_llama_cpp(tmp_path, n_layer, hidden, ffn, tied):
     assert ours == theirs
 
 
-@pytest.mark.parametrize("preset", ["q4_k_s", "q5_k_m", "q5_k_s", "q6_k", "q8_0"])
-def test_other_presets_type_mix_equals_llama_cpp(tmp_path, preset):
+_MIXES = ["q4_k_s", "q5_k_m", "q5_k_s", "q6_k", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0", "q3_k_l", "q3_k_m",
+          "q3_k_s", "q2_k"]
+
+
+@pytest.mark.parametrize("preset,ffn,imat", [(p, 288, False) for p in _MIXES] + [(p, 272, False) for p in _MIXES]
+                         + [(p, 288, True) for p in ("q4_0", "q5_0", "q3_k_m", "q2_k")])  # 272: not % 32
+def test_other_presets_type_mix_equals_llama_cpp(tmp_path, preset, ffn, imat):
+    """Same types as llama-quantize, fallbacks included; with an imatrix Q4_0/Q5_0 give the
+    first eighth of ffn_down Q4_1/Q5_1 (llama.cpp's guard, seen from 8 layers on)."""
     src = tmp_path / "f16.gguf"
-    shapes = _write_plain_gguf(src, "qwen2", 16, 256, 288, vocab=256, tied=False)  # ffn_down: fallbacks
-    llama_quantize(src, tmp_path / "q.gguf", preset)
-    plans = plan_types(preset, shapes, 16)
+    shapes = _write_plain_gguf(src, "qwen2", 16, 256, ffn, vocab=256, tied=False)
+    imatrix = {n: np.ones(s[-1], np.float32) for n, s in shapes.items()
+               if n.startswith("blk.") and len(s) == 2} if imat else None
+    llama_quantize(src, tmp_path / "q.gguf", preset, imatrix=imatrix)
+    plans = plan_types(preset, shapes, 16, has_imatrix=imat)
     assert {n: (plans[n].qtype if n in plans else Q.F32) for n in shapes} == _types(tmp_path / "q.gguf")
+    guard = {"q4_0": Q.Q4_1, "q5_0": Q.Q5_1}.get(preset) if imat else None
+    if guard:
+        assert [plans[f"blk.{i}.ffn_down.weight"].qtype for i in range(3)] == [guard, guard, PRESETS[preset].base]
+
+
+@pytest.mark.parametrize("preset", ["q3_k_m", "q2_k"])
+def test_low_bit_mixes_with_gqa_4_equal_llama_cpp(tmp_path, preset):
+    """32 layers, 4 query heads per KV head: Q2_K's attn_v goes Q4_K, Q3_K_M's first two
+    attn_v and first 32/16 ffn_down Q5_K; untied output Q6_K."""
+    src = tmp_path / "f16.gguf"
+    shapes = _write_plain_gguf(src, "llama", 32, 256, 512, vocab=256, tied=False, n_kv=1)
+    llama_quantize(src, tmp_path / "q.gguf", preset)
+    plans = plan_types(preset, shapes, 32, n_gqa=4)
+    ours = {n: (plans[n].qtype if n in plans else Q.F32) for n in shapes}
+    assert ours == _types(tmp_path / "q.gguf")
+    assert ours["blk.5.attn_v.weight"] == Q.Q4_K
+    assert ours["blk.1.ffn_down.weight"] == (Q.Q3_K if preset == "q2_k" else Q.Q5_K)
 
 
 def test_use_more_bits_worked_example():
@@ -248,31 +276,54 @@ def _compare_file(tiny, preset: str, with_imatrix: bool) -> set[Q]:
     ("tiny_gguf", "q4_k_m", True, {Q.Q4_K, Q.Q6_K}), ("tiny_gguf", "q6_k", True, {Q.Q6_K}),
     ("tiny_qwen2_gguf", "q4_k_m", False, {Q.Q4_K, Q.Q6_K}),
     ("tiny_qwen2_gguf", "q4_k_m", True, {Q.Q4_K, Q.Q6_K}),
-    ("tiny_qwen2_gguf", "q6_k", True, {Q.Q6_K})])
+    ("tiny_qwen2_gguf", "q6_k", True, {Q.Q6_K}),
+    ("tiny_gguf", "q4_0", False, {Q.Q4_0, Q.Q6_K}), ("tiny_gguf", "q4_0", True, {Q.Q4_0, Q.Q6_K}),
+    ("tiny_gguf", "q4_1", False, {Q.Q4_1, Q.Q6_K}), ("tiny_gguf", "q4_1", True, {Q.Q4_1, Q.Q6_K}),
+    ("tiny_gguf", "q5_k_s", False, {Q.Q5_K, Q.Q6_K}),
+    ("tiny_qwen2_gguf", "q5_0", False, {Q.Q5_0, Q.Q6_K}), ("tiny_qwen2_gguf", "q5_0", True, {Q.Q5_0, Q.Q6_K}),
+    ("tiny_qwen2_gguf", "q5_1", False, {Q.Q5_1, Q.Q6_K}), ("tiny_qwen2_gguf", "q5_1", True, {Q.Q5_1, Q.Q6_K}),
+    ("tiny_gguf", "q3_k_m", False, {Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K}),
+    ("tiny_gguf", "q3_k_m", True, {Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K}),
+    ("tiny_gguf", "q2_k", False, {Q.Q2_K, Q.Q3_K, Q.Q6_K}), ("tiny_gguf", "q2_k", True, {Q.Q2_K, Q.Q3_K, Q.Q6_K})])
 def test_every_tensor_bit_exact_vs_llama_quantize(request, model, preset, imat, expect):
     assert _compare_file(request.getfixturevalue(model), preset, imat) == expect
 
 
-def test_pipeline_with_imatrix_file_equals_llama_quantize(tiny_gguf):
-    """The whole path: HF model -> quantize(method=gguf, imatrix=FILE) -> one GGUF file."""
+@pytest.mark.parametrize("preset", ["q4_k_m", "q4_0", "q3_k_m", "q2_k"])
+def test_pipeline_with_imatrix_file_equals_llama_quantize(tiny_gguf, preset):
+    """The whole path: HF model -> quantize(method=gguf, imatrix=FILE) -> one GGUF file, equal
+    to llama-quantize's, which llama.cpp then runs: its logits follow the 16-bit file's."""
+    from quantkit.engines.llamacpp import LlamaCppModel
     from quantkit.pipeline.quantize import QuantizeRequest, quantize
     from quantkit.types import QuantScheme
 
-    out = tiny_gguf["root"] / "ours.q4_k_m.imat.gguf"
+    out = tiny_gguf["root"] / f"ours.{preset}.imat.gguf"
     quantize(QuantizeRequest(model=str(tiny_gguf["model"]), method="gguf", format="gguf", out=out,
-                             scheme=QuantScheme(kind="kquant", gguf_type="q4_k_m"),
-                             method_options={"gguf_type": "q4_k_m", "imatrix": str(tiny_gguf["imatrix"])}))
-    ref = tiny_gguf["root"] / "ref.pipeline.gguf"
+                             scheme=QuantScheme(kind="kquant", gguf_type=preset),
+                             method_options={"gguf_type": preset, "imatrix": str(tiny_gguf["imatrix"])}))
+    ref = tiny_gguf["root"] / f"ref.pipeline.{preset}.gguf"
     values = load_imatrix(tiny_gguf["imatrix"]).values
-    llama_quantize(tiny_gguf["base"], ref, "q4_k_m", imatrix={k: v.numpy() for k, v in values.items()})
+    llama_quantize(tiny_gguf["base"], ref, preset, imatrix={k: v.numpy() for k, v in values.items()})
     ours, theirs = _gguf_tensors(out), _gguf_tensors(ref)
     assert set(ours) == set(theirs)
     for name, (qtype, data) in theirs.items():
         assert ours[name][0] == qtype, name
         assert np.array_equal(ours[name][1], data), name
-    meta = {k for k in read_gguf(out)[0] if k.startswith("quantkit.")}
-    assert {"quantkit.version", "quantkit.metadata", "quantkit.stats"} <= meta
+    kv = read_gguf(out)[0]
+    assert {"quantkit.version", "quantkit.metadata", "quantkit.stats"} <= set(kv)
+    assert kv["general.file_type"] == PRESETS[preset].ftype
     assert not list(out.parent.glob(f".{out.name}.tmp-*"))
+    base_llm, q_llm = (LlamaCppModel(p, n_ctx=64, logits_all=True) for p in (tiny_gguf["base"], out))
+    try:
+        ids = base_llm.tokenize("The quick brown fox jumps over the lazy dog.", add_bos=True)
+        a, b = base_llm.logits(ids).astype(np.float64), q_llm.logits(ids).astype(np.float64)
+        cos = (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
+        print(f"{preset}: logits cosine vs the 16-bit file, min {cos.min():.3f} mean {cos.mean():.3f}")
+        assert cos.min() > {"q2_k": 0.8}.get(preset, 0.95), cos  # measured: q2_k 0.83, q3_k_m 0.96
+        assert len(q_llm.tokenize(q_llm.greedy("The quick brown", max_tokens=4))) > 0
+    finally:
+        base_llm.close()
+        q_llm.close()
 
 
 # ---------------------------------------------------------------- imatrix files and collection

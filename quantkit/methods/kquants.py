@@ -5,11 +5,13 @@ The type mix of a preset (Q4_K_M, Q5_K_M, ...) is a data table, `PRESETS`, read 
 
   output.weight (and token_embd when tied) -> Q6_K, or Q8_0 when the row width is not a
                                                multiple of the preset's block (Q8_0 stays Q8_0)
-  attn_v / ffn_down                         -> the preset's rule (e.g. Q6_K where
+  attn_v / ffn_down / attn_output           -> the preset's rule (e.g. Q6_K where
                                                use_more_bits(i, n), counted in llama.cpp's
-                                               tensor order: layer, then name)
+                                               tensor order: layer, then name); Q4_0/Q5_0
+                                               with an imatrix: Q4_1/Q5_1 early ffn_down
   everything else                           -> the preset's base type
-  row width % block != 0                    -> Q4_K->Q5_0, Q5_K->Q5_1, Q6_K->Q8_0, then F16
+  row width % block != 0                    -> Q2_K/Q3_K->Q4_0, Q4_K->Q5_0, Q5_K->Q5_1,
+                                               Q6_K->Q8_0, then F16
 
 Methods never import quantkit.formats: the quantizer hands the writer encoded rows in
 `QuantResult.extra["gguf_bytes"]` (HF row order; the writer applies llama's q/k row
@@ -35,7 +37,7 @@ from quantkit.methods.kquants_decode import DECODABLE, decode_rows
 from quantkit.methods.kquants_encode import encode_rows, preload_compiled
 from quantkit.types import BlockContext, QuantResult, QuantScheme
 
-__all__ = ["PRESETS", "Preset", "TensorPlan", "plan_types", "quantize_tensor", "dequantize_tensor",
+__all__ = ["PRESETS", "Preset", "Rule", "TensorPlan", "plan_types", "quantize_tensor", "dequantize_tensor",
            "use_more_bits", "GGUFQuantizer", "gguf_linear_name"]
 
 Q = GGMLQuantizationType
@@ -47,38 +49,75 @@ def use_more_bits(i: int, n: int) -> bool:
     return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
 
 
-# rule: (condition, type). Conditions see (i, n): i the tensor's counter, n its total.
-_RULES = {
-    "more_bits": use_more_bits,
-    "first_4": lambda i, n: i < 4,
-    "first_eighth": lambda i, n: i < n // 8,
+# Conditions of a rule see (i, n, n_gqa): i the tensor's counter, n its total, n_gqa the
+# model's query heads per KV head.
+_CONDITIONS = {
+    "always": lambda i, n, g: True,
+    "more_bits": lambda i, n, g: use_more_bits(i, n),
+    "first_2": lambda i, n, g: i < 2,
+    "first_4": lambda i, n, g: i < 4,
+    "first_eighth": lambda i, n, g: i < n // 8,
+    "first_16th": lambda i, n, g: i < n // 16,
+    "gqa_4": lambda i, n, g: g >= 4,
 }
 
 
 @dataclass(frozen=True)
+class Rule:
+    """`then` where the condition holds, else `otherwise` (None: the preset's base type)."""
+    when: str
+    then: Q
+    otherwise: Q | None = None
+
+    def pick(self, i: int, n: int, n_gqa: int) -> Q | None:
+        return self.then if _CONDITIONS[self.when](i, n, n_gqa) else self.otherwise
+
+
+@dataclass(frozen=True)
 class Preset:
+    """One llama.cpp ftype: its base type and the per-tensor rules llama_tensor_get_type has
+    for it (attn_v counts attn_v/attn_qkv tensors, ffn_down counts layers)."""
     name: str
     ftype: int  # llama_ftype, written as general.file_type
     base: Q
-    attn_v: tuple[str, Q] | None = None
-    ffn_down: tuple[str, Q] | None = None
+    attn_v: Rule | None = None
+    ffn_down: Rule | None = None
+    attn_output: Rule | None = None
+    ffn_down_imatrix: Rule | None = None  # only when an imatrix is given (Q4_0 / Q5_0)
 
     @property
     def quantized(self) -> bool:
         return self.base not in (Q.F16, Q.BF16, Q.F32)
 
+    @property
+    def rules(self) -> tuple[Rule, ...]:
+        return tuple(r for r in (self.attn_v, self.ffn_down, self.attn_output, self.ffn_down_imatrix) if r)
 
+
+_MORE_BITS_Q6 = Rule("more_bits", Q.Q6_K)
 PRESETS: dict[str, Preset] = {p.name: p for p in (
-    Preset("q4_k_m", 15, Q.Q4_K, attn_v=("more_bits", Q.Q6_K), ffn_down=("more_bits", Q.Q6_K)),
-    Preset("q4_k_s", 14, Q.Q4_K, attn_v=("first_4", Q.Q5_K), ffn_down=("first_eighth", Q.Q5_K)),
-    Preset("q5_k_m", 17, Q.Q5_K, attn_v=("more_bits", Q.Q6_K), ffn_down=("more_bits", Q.Q6_K)),
+    Preset("q4_k_m", 15, Q.Q4_K, attn_v=_MORE_BITS_Q6, ffn_down=_MORE_BITS_Q6),
+    Preset("q4_k_s", 14, Q.Q4_K, attn_v=Rule("first_4", Q.Q5_K), ffn_down=Rule("first_eighth", Q.Q5_K)),
+    Preset("q5_k_m", 17, Q.Q5_K, attn_v=_MORE_BITS_Q6, ffn_down=_MORE_BITS_Q6),
     Preset("q5_k_s", 16, Q.Q5_K),
     Preset("q6_k", 18, Q.Q6_K),
     Preset("q8_0", 7, Q.Q8_0),
+    Preset("q5_1", 9, Q.Q5_1),
+    Preset("q5_0", 8, Q.Q5_0, ffn_down_imatrix=Rule("first_eighth", Q.Q5_1)),
+    Preset("q4_1", 3, Q.Q4_1),
+    Preset("q4_0", 2, Q.Q4_0, ffn_down_imatrix=Rule("first_eighth", Q.Q4_1)),
+    Preset("q3_k_l", 13, Q.Q3_K, attn_v=Rule("always", Q.Q5_K), ffn_down=Rule("always", Q.Q5_K),
+           attn_output=Rule("always", Q.Q5_K)),
+    Preset("q3_k_m", 12, Q.Q3_K, attn_v=Rule("first_2", Q.Q5_K, Q.Q4_K),
+           ffn_down=Rule("first_16th", Q.Q5_K, Q.Q4_K), attn_output=Rule("always", Q.Q4_K)),
+    Preset("q3_k_s", 11, Q.Q3_K),
+    Preset("q2_k", 10, Q.Q2_K, attn_v=Rule("gqa_4", Q.Q4_K, Q.Q3_K), ffn_down=Rule("always", Q.Q3_K),
+           attn_output=Rule("always", Q.Q3_K)),
     Preset("f16", 1, Q.F16),
     Preset("bf16", 32, Q.BF16),
 )}
-FALLBACK = {Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0}
+# a 256-wide type on rows whose width is not a multiple of 256 (then F16 if 32 fails too)
+FALLBACK = {Q.Q2_K: Q.Q4_0, Q.Q3_K: Q.Q4_0, Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0}
 
 
 @dataclass(frozen=True)
@@ -108,11 +147,13 @@ def _quantizable(name: str, shape: tuple[int, ...]) -> bool:
 
 
 def plan_types(preset: Preset | str, tensors: dict[str, tuple[int, ...]], n_layer: int, *,
-               is_70b: bool = False) -> dict[str, TensorPlan]:
+               is_70b: bool = False, has_imatrix: bool = False, n_gqa: int = 1
+               ) -> dict[str, TensorPlan]:
     """GGML type of every quantizable tensor, by GGUF name ({name: torch-order shape}).
 
     Tensors not in the result (norms, biases, 1-D) keep their float type. Counters run in
     llama.cpp's order (layer number, then name), as its quantizer iterates its weights map.
+    has_imatrix: llama.cpp was given an imatrix at all (Q4_0/Q5_0 then guard early ffn_down).
     """
     p = PRESETS[preset] if isinstance(preset, str) else preset
     names = sorted(tensors, key=lambda s: (_layer(s), s))
@@ -120,6 +161,11 @@ def plan_types(preset: Preset | str, tensors: dict[str, tuple[int, ...]], n_laye
     n_attn_v = sum(1 for s in names if "attn_v.weight" in s or "attn_qkv.weight" in s)
     i_attn_v = i_ffn_down = 0
     plans = {}
+
+    def apply(rule: Rule | None, t: Q, i: int, n: int) -> Q:
+        picked = rule.pick(i, n, n_gqa) if rule else None
+        return picked if picked is not None else t
+
     for name in names:
         shape = tuple(tensors[name])
         if not _quantizable(name, shape):
@@ -132,15 +178,17 @@ def plan_types(preset: Preset | str, tensors: dict[str, tuple[int, ...]], n_laye
             elif name == "token_embd.weight":
                 pass
             elif "attn_qkv.weight" in name or "attn_v.weight" in name:
-                if p.attn_v and _RULES[p.attn_v[0]](i_attn_v, n_attn_v):
-                    t = p.attn_v[1]
+                t = apply(p.attn_v, t, i_attn_v, n_attn_v)
                 if is_70b and t in (Q.Q3_K, Q.Q4_K):
                     t = Q.Q5_K
                 i_attn_v += 1
             elif "ffn_down" in name:
-                if p.ffn_down and _RULES[p.ffn_down[0]](i_ffn_down, n_layer):
-                    t = p.ffn_down[1]
+                t = apply(p.ffn_down, t, i_ffn_down, n_layer)
+                if has_imatrix:
+                    t = apply(p.ffn_down_imatrix, t, i_ffn_down, n_layer)
                 i_ffn_down += 1
+            elif "attn_output.weight" in name:
+                t = apply(p.attn_output, t, 0, 1)
             wanted = t
             if ncols % _block(t):
                 t = FALLBACK.get(t, t)
@@ -254,7 +302,7 @@ class GGUFQuantizer:
     def _possible_types(self) -> set[Q]:
         """Every type this preset can write: its rules, output/embeddings, row-width fallbacks."""
         p = self.preset
-        types = {p.base, Q.Q6_K, Q.Q8_0} | {rule[1] for rule in (p.attn_v, p.ffn_down) if rule}
+        types = {p.base, Q.Q6_K, Q.Q8_0} | {t for r in p.rules for t in (r.then, r.otherwise) if t}
         return types | {FALLBACK[t] for t in types if t in FALLBACK}
 
     def prepare(self, config, spec, shapes: dict[str, tuple[int, int]]) -> None:
@@ -270,8 +318,11 @@ class GGUFQuantizer:
             if gname is None:
                 raise SchemeMismatch(f"{full} has no GGUF name for architecture {spec.name}.")
             tensors[gname] = tuple(shape)
+        n_head = get("num_attention_heads") or 1
         self.plans = plan_types(self.preset, tensors, int(get("num_hidden_layers")),
-                                is_70b=_is_70b(spec, config))
+                                is_70b=_is_70b(spec, config),
+                                has_imatrix=self.collect or self.imatrix_path is not None,
+                                n_gqa=n_head // (get("num_key_value_heads") or n_head))
         groups: dict[str, list[str]] = {}
         for name, plan in sorted(self.plans.items(), key=lambda kv: (_layer(kv[0]), kv[0])):
             if plan.note:

@@ -113,11 +113,12 @@ def _lanes(x, n, out):
 
 
 @njit(**_JIT)
-def _make_qkx(xt, wt, nmax, rmin, rdelta, nstep, scale, the_min, Lt):
+def _make_qkx(xt, wt, nmax, rmin, rdelta, nstep, scale, the_min, Lt, mad=False):
     """make_qkx2_quants / make_qkx3_quants (the same when weights are given), every lane.
 
     xt, wt [n, G]: values and weights of G sub-blocks. Writes scale[G], the_min[G] (= -min)
-    and Lt [n, G] codes in [0, nmax]. A candidate inverse scale replaces the best only when
+    and Lt [n, G] codes in [0, nmax]; mad: errors are w*|diff| (Q2_K's use_mad), else w*diff^2.
+    A candidate inverse scale replaces the best only when
     its weighted error is strictly smaller, and the running min feeds the next candidate, as
     in C; the winner's codes are recomputed at the end from its (iscale, min).
     """
@@ -163,7 +164,7 @@ def _make_qkx(xt, wt, nmax, rmin, rdelta, nstep, scale, the_min, Lt):
         for g in range(G):
             li = _clamp(_nint(iscale[g] * (xt[i, g] - mn[g])), F32(0), fnmax)
             diff = scale[g] * li + mn[g] - xt[i, g]
-            best[g] += wt[i, g] * (diff * diff)
+            best[g] += wt[i, g] * (abs(diff) if mad else diff * diff)
     for step in range(nstep + 1):
         num = rmin + rdelta * F32(step) + fnmax
         for g in range(G):
@@ -191,7 +192,7 @@ def _make_qkx(xt, wt, nmax, rmin, rdelta, nstep, scale, the_min, Lt):
         for i in range(n):
             for g in range(G):
                 diff = t_scale[g] * laux[i, g] + t_min[g] - xt[i, g]
-                s_l[g] += wt[i, g] * (diff * diff)
+                s_l[g] += wt[i, g] * (abs(diff) if mad else diff * diff)
         for g in range(G):
             if take[g] and s_l[g] < best[g]:
                 best[g] = s_l[g]
@@ -445,7 +446,8 @@ def _q5_0(x2, qw, out, err):
 
 
 @njit(**_JIT)
-def _q5_1(x2, qw, out, err):
+def _legacy_asym(x2, qw, out, err, nmax, size):
+    """Q4_1 (nmax 15, 20 B) / Q5_1 (nmax 31, 24 B): x = d*q + m, codes in [0, nmax]."""
     rows, k = x2.shape
     nb = k // 32
     use_w = qw.shape[0] > 0
@@ -458,13 +460,13 @@ def _q5_1(x2, qw, out, err):
     for r in range(rows):
         e = 0.0
         xr = x2[r]
-        if use_w:  # quantize_row_q5_1_impl: make_qkx3_quants(-0.9, 0.05, 36) per block
+        if use_w:  # quantize_row_q*_1_impl: make_qkx3_quants(-0.9, 0.05, 36) per block
             _lanes(xr, 32, xt)
             _imatrix_lanes(xt, qw, _row_sigma2(xr), wt)
-            _make_qkx(xt, wt, 31, F32(-0.9), F32(0.05), 36, ds, mins, Lt)
+            _make_qkx(xt, wt, nmax, F32(-0.9), F32(0.05), 36, ds, mins, Lt)
         for b in range(nb):
             x = xr[32 * b:32 * b + 32]
-            o = out[r, 24 * b:24 * b + 24]
+            o = out[r, size * b:size * b + size]
             if use_w:
                 d, m = ds[b], -mins[b]
                 for j in range(32):
@@ -477,18 +479,33 @@ def _q5_1(x2, qw, out, err):
                         mn = x[j]
                     if x[j] > mx:
                         mx = x[j]
-                d = (mx - mn) / F32(31)
+                d = (mx - mn) / F32(nmax)
                 inv = F32(1) / d if d != 0 else F32(0)
                 for j in range(32):
-                    L[j] = int((x[j] - mn) * inv + F32(0.5))  # (uint8_t) truncates
+                    v = int((x[j] - mn) * inv + F32(0.5))  # the C casts truncate
+                    L[j] = min(15, v) if nmax == 15 else v  # Q4_1 clamps, Q5_1 masks
                 m = mn
             d16 = _put_f16(o, 0, d)
             m16 = _put_f16(o, 2, m)
-            _put_qh_qs(o, 4, L)
+            if nmax == 15:
+                for j in range(16):
+                    o[4 + j] = (L[j] & 15) | ((L[j + 16] & 15) << 4)
+            else:
+                _put_qh_qs(o, 4, L)
             for j in range(32):
-                e += _sq_diff(F32(L[j] & 31) * d16 + m16, x[j])
+                e += _sq_diff(F32(L[j] & nmax) * d16 + m16, x[j])
         err[r] += e
     return out
+
+
+@njit(**_JIT)
+def _q4_1(x2, qw, out, err):
+    return _legacy_asym(x2, qw, out, err, 15, 20)
+
+
+@njit(**_JIT)
+def _q5_1(x2, qw, out, err):
+    return _legacy_asym(x2, qw, out, err, 31, 24)
 
 
 # ----------------------------------------------------------------- 256-wide K-quants
@@ -681,6 +698,268 @@ def _q6_k(x2, qw, out, err):
     return out
 
 
+@njit(**_JIT)
+def _nint_c(v, buf):
+    """C's nearest_int for any float32, huge and non-finite values included: the bits of
+    v + 1.5 * 2^23 (buf: a 1-element float32 scratch array)."""
+    buf[0] = v + F32(12582912)
+    return F32((buf.view(np.int32)[0] & 0x007FFFFF) - 0x00400000)
+
+
+@njit(**_JIT)
+def _make_q3(x, L, buf):
+    """make_q3_quants(16, nmax 4, do_rmse): codes from -4/max, then up to 5 passes of
+    coordinate descent weighted by x^2; L gets codes + 4 in [0, 8). Returns the scale."""
+    n = x.shape[0]
+    mx = F32(0)
+    amax = F32(0)
+    for i in range(n):
+        ax = abs(x[i])
+        if ax > amax:
+            amax = ax
+            mx = x[i]
+    if amax < EPS:
+        for i in range(n):
+            L[i] = 0
+        return F32(0)
+    iscale = F32(-4) / mx
+    sumlx = F32(0)
+    suml2 = F32(0)
+    for i in range(n):
+        li = _clamp(_nint(iscale * x[i]), F32(-4), F32(3))
+        L[i] = int(li)
+        w = x[i] * x[i]
+        sumlx += w * x[i] * li
+        suml2 += w * li * li
+    for _ in range(5):
+        changed = 0
+        for i in range(n):
+            w = x[i] * x[i]
+            fl = F32(L[i])
+            slx = sumlx - w * x[i] * fl
+            if slx > 0:
+                sl2 = suml2 - w * fl * fl
+                new_l = _clamp(_nint_c(x[i] * sl2 / slx, buf), F32(-4), F32(3))
+                if new_l != fl:
+                    slx += w * x[i] * new_l
+                    sl2 += w * new_l * new_l
+                    if sl2 > 0 and slx * slx * suml2 > sumlx * sumlx * sl2:
+                        L[i] = int(new_l)
+                        sumlx = slx
+                        suml2 = sl2
+                        changed += 1
+        if changed == 0:
+            break
+    for i in range(n):
+        L[i] += 4
+    return sumlx / suml2 if suml2 > 0 else F32(0)
+
+
+@njit(**_JIT)
+def _q3_k(x2, qw, out, err):
+    """Q3_K, 110 B / 256: | hmask[32] | qs[64] | scales[12] | d f16 |, x = d*(sc-32)*(q-4),
+    16 sub-blocks of 16; the _ref path (make_q3_quants), or _impl with qw (make_qx_quants
+    for the codes and, weighted by each sub-block's sum of weights, for the 6-bit scales)."""
+    rows, k = x2.shape
+    nb = k // 256
+    ng = 16 * nb
+    use_w = qw.shape[0] > 0
+    xt = np.empty((16, ng), np.float32)
+    wt = np.empty((16, ng), np.float32)
+    Lt = np.empty((16, ng), np.float32)
+    scales = np.empty(ng, np.float32)
+    st = np.empty((16, nb), np.float32)  # sub-block scales as lanes of super-blocks
+    swt = np.empty((16, nb), np.float32)
+    lst = np.empty((16, nb), np.float32)
+    dblk = np.empty(nb, np.float32)
+    L = np.empty(256, np.int64)
+    ls = np.empty(16, np.int64)
+    sc = np.zeros(12, np.int64)
+    buf = np.empty(1, np.float32)
+    for r in range(rows):
+        e = 0.0
+        xr = x2[r]
+        if use_w:
+            _lanes(xr, 16, xt)
+            for b in range(nb):
+                sum_x2 = F32(0)
+                for j in range(256):
+                    sum_x2 += xr[256 * b + j] * xr[256 * b + j]
+                sigma2 = F32(2) * sum_x2 / F32(256)
+                for g in range(16 * b, 16 * b + 16):
+                    s = F32(0)
+                    for i in range(16):
+                        wt[i, g] = qw[16 * g + i] * np.sqrt(sigma2 + xt[i, g] * xt[i, g])
+                        s += wt[i, g]
+                    swt[g - 16 * b, b] = s
+            _make_qx(xt, wt, True, 4, scales, Lt)
+            for b in range(nb):
+                for j in range(16):
+                    st[j, b] = scales[16 * b + j]
+            _make_qx(st, swt, True, 32, dblk, lst)
+        for b in range(nb):
+            xs = xr[256 * b:256 * b + 256]
+            o = out[r, 110 * b:110 * b + 110]
+            if use_w:
+                for j in range(16):
+                    for i in range(16):
+                        L[16 * j + i] = int(Lt[i, 16 * b + j])
+                    ls[j] = int(lst[j, b])
+                d = dblk[b]
+            else:
+                max_scale = F32(0)
+                amax = F32(0)
+                for j in range(16):
+                    s = _make_q3(xs[16 * j:16 * j + 16], L[16 * j:16 * j + 16], buf)
+                    scales[j] = s
+                    if abs(s) > amax:
+                        amax = abs(s)
+                        max_scale = s
+                if max_scale != 0:
+                    iscale = F32(-32) / max_scale
+                    for j in range(16):
+                        ls[j] = int(_clamp(_nint(iscale * scales[j]), F32(-32), F32(31))) + 32
+                    d = F32(1) / iscale
+                else:
+                    for j in range(16):
+                        ls[j] = 0  # the C leaves the packed scales zeroed
+                    d = F32(0)
+            for j in range(12):
+                sc[j] = 0
+            for j in range(16):
+                if j < 8:
+                    sc[j] = ls[j] & 15
+                else:
+                    sc[j - 8] |= (ls[j] & 15) << 4
+                sc[8 + j % 4] |= ((ls[j] & 255) >> 4) << (2 * (j // 4))
+            d16 = _put_f16(o, 108, d)
+            for j in range(12):
+                o[96 + j] = sc[j] & 255
+            for j in range(16):
+                dq = d16 * F32(ls[j] - 32)
+                if dq != 0:
+                    for i in range(16):
+                        q = _clamp(_nint(xs[16 * j + i] / dq), F32(-4), F32(3))
+                        L[16 * j + i] = int(q) + 4
+                for i in range(16):
+                    e += _sq_diff(dq * F32(L[16 * j + i] - 4), xs[16 * j + i])
+            for m in range(32):
+                h = 0
+                for bit in range(8):
+                    if L[32 * bit + m] > 3:
+                        h |= 1 << bit
+                o[m] = h
+            for h in range(2):
+                for i in range(32):
+                    v = 0
+                    for q4 in range(4):
+                        v |= (L[128 * h + 32 * q4 + i] & 3) << (2 * q4)
+                    o[32 + 32 * h + i] = v
+        err[r] += e
+    return out
+
+
+@njit(**_JIT)
+def _q2_k(x2, qw, out, err):
+    """Q2_K, 84 B / 256: | scales[16] | qs[64] | d f16 | dmin f16 |, x = d*sc*q - dmin*m,
+    16 sub-blocks of 16, 2-bit codes, 4-bit sc (low nibble) and m (high nibble); the _ref
+    path (make_qkx2_quants with |x| weights and absolute errors), or _impl with qw
+    (make_qkx3_quants, then make_qp_quants for the 4-bit scales and mins)."""
+    rows, k = x2.shape
+    nb = k // 256
+    ng = 16 * nb
+    use_w = qw.shape[0] > 0
+    xt = np.empty((16, ng), np.float32)
+    wt = np.empty((16, ng), np.float32)
+    Lt = np.empty((16, ng), np.float32)
+    scales = np.empty(ng, np.float32)
+    mins = np.empty(ng, np.float32)
+    sw = np.empty(16, np.float32)
+    L = np.empty(256, np.int64)
+    ls = np.empty(16, np.uint8)
+    lm = np.empty(16, np.uint8)
+    byte = np.empty(16, np.int64)
+    for r in range(rows):
+        e = 0.0
+        xr = x2[r]
+        _lanes(xr, 16, xt)
+        if use_w:
+            for b in range(nb):
+                sum_x2 = F32(0)
+                for j in range(256):
+                    sum_x2 += xr[256 * b + j] * xr[256 * b + j]
+                sigma2 = sum_x2 / F32(256)
+                for g in range(16 * b, 16 * b + 16):
+                    for i in range(16):
+                        wt[i, g] = qw[16 * g + i] * np.sqrt(sigma2 + xt[i, g] * xt[i, g])
+            _make_qkx(xt, wt, 3, F32(-0.9), F32(0.05), 36, scales, mins, Lt, False)
+        else:
+            for g in range(ng):
+                for i in range(16):
+                    wt[i, g] = abs(xt[i, g])
+            _make_qkx(xt, wt, 3, F32(-0.5), F32(0.1), 15, scales, mins, Lt, True)
+        for b in range(nb):
+            xs = xr[256 * b:256 * b + 256]
+            o = out[r, 84 * b:84 * b + 84]
+            for j in range(16):
+                for i in range(16):
+                    L[16 * j + i] = int(Lt[i, 16 * b + j])
+            bs = scales[16 * b:16 * b + 16]
+            bm = mins[16 * b:16 * b + 16]
+            if use_w:
+                for j in range(16):
+                    s = F32(0)
+                    for i in range(16):
+                        s += wt[i, 16 * b + j]
+                    sw[j] = s
+                d = _make_qp(bs, sw, 15, ls)
+                dmin = _make_qp(bm, sw, 15, lm)
+                for j in range(16):
+                    byte[j] = (int(ls[j]) | (int(lm[j]) << 4)) & 255
+            else:
+                max_scale = F32(0)
+                max_min = F32(0)
+                for j in range(16):
+                    if bs[j] > max_scale:
+                        max_scale = bs[j]
+                    if bm[j] > max_min:
+                        max_min = bm[j]
+                for j in range(16):
+                    byte[j] = 0
+                d = F32(0)
+                dmin = F32(0)
+                if max_scale > 0:
+                    iscale = F32(15) / max_scale
+                    for j in range(16):
+                        byte[j] = int(_nint(iscale * bs[j])) & 255
+                    d = max_scale / F32(15)
+                if max_min > 0:
+                    iscale = F32(15) / max_min
+                    for j in range(16):
+                        byte[j] = (byte[j] | (int(_nint(iscale * bm[j])) << 4)) & 255
+                    dmin = max_min / F32(15)
+            d16 = _put_f16(o, 80, d)
+            dmin16 = _put_f16(o, 82, dmin)
+            for j in range(16):
+                o[j] = byte[j]
+                dq = d16 * F32(byte[j] & 15)
+                dm = dmin16 * F32(byte[j] >> 4)
+                if dq != 0:
+                    for i in range(16):
+                        q = _clamp(_nint((xs[16 * j + i] + dm) / dq), F32(0), F32(3))
+                        L[16 * j + i] = int(q)
+                for i in range(16):
+                    e += _sq_diff(dq * F32(L[16 * j + i] & 3) - dm, xs[16 * j + i])
+            for h in range(2):
+                for i in range(32):
+                    v = 0
+                    for q4 in range(4):
+                        v |= (L[128 * h + 32 * q4 + i] & 3) << (2 * q4)
+                    o[16 + 32 * h + i] = v
+        err[r] += e
+    return out
+
+
 # GGML type id -> encoder(x [rows, K] float32 C-contiguous, qw [K] float32 or empty,
 # out [rows, row_bytes] uint8, err [rows] float64 += sum over the row of (decoded - x)^2)
-ENCODERS = {8: _q8_0, 2: _q4_0, 6: _q5_0, 7: _q5_1, 12: _q4_k, 13: _q5_k, 14: _q6_k}
+ENCODERS = {8: _q8_0, 2: _q4_0, 3: _q4_1, 6: _q5_0, 7: _q5_1, 10: _q2_k, 11: _q3_k, 12: _q4_k, 13: _q5_k, 14: _q6_k}

@@ -41,6 +41,11 @@ def _q4_0(b: torch.Tensor) -> torch.Tensor:
     return torch.cat([lo, hi], 1).sub(8).float() * _f16(b[:, :2])[:, None]
 
 
+def _q4_1(b: torch.Tensor) -> torch.Tensor:
+    lo, hi = _lo_hi(b[:, 4:])
+    return torch.cat([lo, hi], 1).float() * _f16(b[:, :2])[:, None] + _f16(b[:, 2:4])[:, None]
+
+
 def _q5(b: torch.Tensor, off: int) -> torch.Tensor:
     lo, hi = _lo_hi(b[:, off + 4:])
     return torch.cat([lo, hi], 1) | (_bit4(b[:, off:off + 4]) << 4)
@@ -79,6 +84,30 @@ def _qk45(b: torch.Tensor, five: bool) -> torch.Tensor:
     return (dl * q - ml).reshape(nb, 256)
 
 
+def _q2_k(b: torch.Tensor) -> torch.Tensor:
+    nb = b.shape[0]
+    sc, qs = b[:, :16].to(torch.int32), b[:, 16:80].to(torch.int32)
+    d, dmin = _f16(b[:, 80:82]), _f16(b[:, 82:84])
+    q = (qs.reshape(nb, 2, 1, 32) >> (2 * torch.arange(4, device=b.device))[None, None, :, None]) & 3
+    dl = (d[:, None] * (sc & 15).float()).repeat_interleave(16, 1)
+    ml = (dmin[:, None] * (sc >> 4).float()).repeat_interleave(16, 1)
+    return dl * q.reshape(nb, 256).float() - ml
+
+
+def _q3_k(b: torch.Tensor) -> torch.Tensor:
+    nb = b.shape[0]
+    hm, qs, s = (b[:, a:z].to(torch.int32) for a, z in ((0, 32), (32, 96), (96, 108)))
+    d = _f16(b[:, 108:110])
+    four = torch.arange(4, device=b.device)
+    high = ((s[:, None, 8:12] >> (2 * four)[None, :, None]) & 3).reshape(nb, 16)  # j = 4c + k
+    sc = torch.cat([s[:, 0:8] & 15, s[:, 0:8] >> 4], 1) | (high << 4)
+    lo = (qs.reshape(nb, 2, 1, 32) >> (2 * four)[None, None, :, None]) & 3  # value 128h + 32k + l
+    hi = (hm[:, None, :] >> torch.arange(8, device=b.device)[None, :, None]) & 1  # value 32b + m
+    q = (lo.reshape(nb, 256) | (hi.reshape(nb, 256) << 2)) - 4
+    dl = d[:, None] * (sc - 32).float()
+    return dl.repeat_interleave(16, 1) * q.float()
+
+
 def _q6_k(b: torch.Tensor) -> torch.Tensor:
     nb = b.shape[0]
     ql = b[:, :128].to(torch.int32).reshape(nb, 2, 2, 32)  # half, (l | l+32), lane
@@ -95,8 +124,8 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
     return (scale * q.float()).reshape(nb, 256)
 
 
-_DECODERS = {Q.Q8_0: (_q8_0, 32, 34), Q.Q4_0: (_q4_0, 32, 18), Q.Q5_0: (_q5_0, 32, 22),
-             Q.Q5_1: (_q5_1, 32, 24), Q.Q4_K: (lambda b: _qk45(b, False), 256, 144),
+_DECODERS = {Q.Q8_0: (_q8_0, 32, 34), Q.Q4_0: (_q4_0, 32, 18), Q.Q4_1: (_q4_1, 32, 20), Q.Q5_0: (_q5_0, 32, 22),
+             Q.Q5_1: (_q5_1, 32, 24), Q.Q2_K: (_q2_k, 256, 84), Q.Q3_K: (_q3_k, 256, 110), Q.Q4_K: (lambda b: _qk45(b, False), 256, 144),
              Q.Q5_K: (lambda b: _qk45(b, True), 256, 176), Q.Q6_K: (_q6_k, 256, 210)}
 DECODABLE = tuple(_DECODERS)
 

@@ -1,4 +1,4 @@
-"""GGML block encoders (Q8_0, Q4_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K), bit-exact with ggml-quants.c.
+"""GGML block encoders (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K), bit-exact with ggml-quants.c.
 
 `encode_rows(w, qtype, qw)` turns float32 rows [N, K] into the bytes llama.cpp writes,
 [N, K / block * block_bytes] uint8. `qw` is the imatrix row ([K], shared by every row);
@@ -7,6 +7,7 @@ Block layouts (little endian, byte offsets):
 
   Q8_0  34 B / 32:  | d f16 | qs[32] int8 |                         x = d*q
   Q4_0  18 B / 32:  | d f16 | qs[16] |                              x = d*(q-8)
+  Q4_1  20 B / 32:  | d f16 | m f16 | qs[16] |                      x = d*q + m
   Q5_0  22 B / 32:  | d f16 | qh u32 | qs[16] |                     x = d*(q-16)
   Q5_1  24 B / 32:  | d f16 | m f16 | qh u32 | qs[16] |             x = d*q + m
         qs[j] = q[j] & 15 | (q[j+16] & 15) << 4; qh bit j = q[j] >> 4, bit j+16 = q[j+16] >> 4
@@ -17,6 +18,12 @@ Block layouts (little endian, byte offsets):
           j>=4: scales[j+4] = (sc_j & 15) | (m_j & 15) << 4
         qs byte 32c+l = q[64c+l] & 15 | (q[64c+32+l] & 15) << 4 (c = 0..3)
         Q5_K qh[l] bit 2c = q[64c+l] >> 4, bit 2c+1 = q[64c+32+l] >> 4
+  Q2_K  84 B / 256: | scales[16] | qs[64] | d f16 | dmin f16 |     x = d*sc*q - dmin*m
+        16 sub-blocks of 16, 2-bit codes packed as Q3_K's low bits; scales[j] = sc_j | m_j << 4
+  Q3_K 110 B / 256: | hmask[32] | qs[64] | scales[12] | d f16 |      x = d*(sc-32)*(q-4)
+        16 sub-blocks of 16, 3-bit codes q = lo | hi << 2, 6-bit scales sc:
+          hmask[m] bit b = hi of value 32b+m; qs[32h+l] = lo of v[32k+l] at bit 2k (v = q[128h:])
+          scales[j] = sc_j & 15 | (sc_{j+8} & 15) << 4 (j < 8); scales[8+k] bits 2c = sc_{4c+k} >> 4
   Q6_K 210 B / 256: | ql[128] | qh[64] | scales[16] int8 | d f16 |  x = d*sc*(q-32)
         16 sub-blocks of 16; per half h (128 values, v = q[128h:]):
           ql[64h+l]    = v[l] & 15    | (v[l+64] & 15) << 4
@@ -36,6 +43,7 @@ from quantkit.methods.jit import compiled_available
 from quantkit.methods.kquants_math import (
     GROUP_MAX_EPS,
     divs,
+    make_q3,
     make_qkx,
     make_qp,
     make_qx,
@@ -48,13 +56,13 @@ from quantkit.methods.kquants_math import (
 __all__ = ["encode_rows", "SUPPORTED", "row_bytes", "BACKENDS", "preload_compiled"]
 
 Q = GGMLQuantizationType
-SUPPORTED = (Q.Q8_0, Q.Q4_0, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K)
+SUPPORTED = (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)
 # values per encoder call on CPU: small enough that an encoder's temporaries stay in cache,
 # large enough to amortise the per-op cost of its long op chains. Measured on 2 cores
 # (benchmarks/kquant_encoder_speed.py): Q6_K's 19-candidate [16, 19, G] arrays want 64K,
 # Q4_K 128K, the 32-wide legacy types 256K.
 _CHUNK = 1 << 16
-_CHUNK_BY_TYPE = {Q.Q4_K: 1 << 17, Q.Q8_0: 1 << 18, Q.Q4_0: 1 << 18, Q.Q5_0: 1 << 18, Q.Q5_1: 1 << 18}
+_CHUNK_BY_TYPE = {Q.Q4_K: 1 << 17, Q.Q8_0: 1 << 18, Q.Q4_0: 1 << 18, Q.Q4_1: 1 << 18, Q.Q5_0: 1 << 18, Q.Q5_1: 1 << 18}
 _CHUNK_GPU = 1 << 24
 _SLAB = 1 << 23  # values per slab for the whole-row / super-block sums
 
@@ -155,18 +163,29 @@ def _q5_0(x, qw, prep=None):
     return torch.cat([_f16_bytes(d), _qh32(q), _nibbles(q[:, :16], q[:, 16:])], 1)
 
 
-def _q5_1(x: torch.Tensor, qw: torch.Tensor | None, sigma2=None) -> torch.Tensor:
+def _legacy_asym(x: torch.Tensor, qw: torch.Tensor | None, nmax: int, sigma2=None) -> tuple:
+    """Q4_1 (nmax 15) / Q5_1 (nmax 31): (d [B], m [B], q [B, 32] in [0, nmax]), x = d*q + m."""
     xb = x.reshape(-1, 32)
     if qw is None:
         mn, mx = xb.amin(1), xb.amax(1)
-        d = divs(mx - mn, 31.0)
+        d = divs(mx - mn, float(nmax))
         inv = torch.where(d != 0, rdiv(1.0, d), torch.zeros_like(d))
         q = torch.trunc((xb - mn[:, None]) * inv[:, None] + 0.5)
-        m = mn
-    else:
-        w = qw.reshape(1, -1, 32) * sqrt32(sigma2[:, None, None] + _sq(x.reshape(x.shape[0], -1, 32)))
-        d, the_min, q = make_qkx(_groups(xb, 32), _groups(w.reshape(-1, 32), 32), 31, -0.9, 0.05, 36)
-        q, m = _ungroup(q, xb.shape[0]), -the_min
+        if nmax == 15:
+            q = q.clamp_(max=15)  # Q4_1 clamps; Q5_1 keeps the low 5 bits
+        return d, mn, q
+    w = qw.reshape(1, -1, 32) * sqrt32(sigma2[:, None, None] + _sq(x.reshape(x.shape[0], -1, 32)))
+    d, the_min, q = make_qkx(_groups(xb, 32), _groups(w.reshape(-1, 32), 32), nmax, -0.9, 0.05, 36)
+    return d, -the_min, _ungroup(q, xb.shape[0])
+
+
+def _q4_1(x: torch.Tensor, qw: torch.Tensor | None, sigma2=None) -> torch.Tensor:
+    d, m, q = _legacy_asym(x, qw, 15, sigma2)
+    return torch.cat([_f16_bytes(d), _f16_bytes(m), _nibbles(q[:, :16], q[:, 16:])], 1)
+
+
+def _q5_1(x: torch.Tensor, qw: torch.Tensor | None, sigma2=None) -> torch.Tensor:
+    d, m, q = _legacy_asym(x, qw, 31, sigma2)
     return torch.cat([_f16_bytes(d), _f16_bytes(m), _qh32(q), _nibbles(q[:, :16], q[:, 16:])], 1)
 
 
@@ -226,6 +245,76 @@ def _q5_k(x, qw, prep=None):
     return _q45_k(x, qw, 31, prep)
 
 
+def _q2_k(x: torch.Tensor, qw: torch.Tensor | None, prep=None) -> torch.Tensor:
+    xb = x.reshape(-1, 256)
+    nb = xb.shape[0]
+    xg = _groups(xb, 16)  # [16, nb*16]
+    if qw is None:
+        scales, mins, L = make_qkx(xg, xg.abs(), 3, -0.5, 0.1, 15, mad=True)
+        scales, mins = scales.view(nb, 16), mins.view(nb, 16)
+        max_scale, max_min = _pos_max(scales), _pos_max(mins)
+        inv_s = torch.where(max_scale > 0, rdiv(15.0, max_scale), torch.zeros_like(max_scale))
+        inv_m = torch.where(max_min > 0, rdiv(15.0, max_min), torch.zeros_like(max_min))
+        ls = torch.round(inv_s[:, None] * scales).to(torch.int32)
+        lm = torch.round(inv_m[:, None] * mins).to(torch.int32)
+        d, dmin = divs(max_scale, 15.0), divs(max_min, 15.0)
+    else:
+        sigma2 = divs(prep, 256.0)  # prep: sum(x^2) per super-block, [nb]
+        qwb = qw.reshape(1, -1, 256).expand(x.shape[0], -1, -1).reshape(-1, 256)
+        w = _groups(qwb, 16) * sqrt32(sigma2.repeat_interleave(16)[None, :] + xg * xg)
+        sw = seq_sum(w).view(nb, 16).t()
+        scales, mins, L = make_qkx(xg, w, 3, -0.9, 0.05, 36)
+        d, ls = make_qp(scales.view(nb, 16).t(), 15, sw)
+        dmin, lm = make_qp(mins.view(nb, 16).t(), 15, sw)
+        ls, lm = ls.t().to(torch.int32), lm.t().to(torch.int32)
+    byte = (ls | (lm << 4)) & 255  # uint8 stores, as the C
+    d16, dmin16 = d.to(torch.float16), dmin.to(torch.float16)
+    dsub = (d16.float()[:, None] * (byte & 15).float()).reshape(-1)
+    dm = (dmin16.float()[:, None] * (byte >> 4).float()).reshape(-1)
+    requant = torch.round((xg + dm) / dsub).clamp_(0, 3)
+    L = _ungroup(torch.where(dsub != 0, requant, L), nb).to(torch.int32)
+    lo = L.view(nb, 2, 4, 32)
+    qs = _u8((lo << (2 * torch.arange(4, device=x.device))[None, None, :, None]).sum(2))
+    return torch.cat([_u8(byte), qs.reshape(nb, 64), _f16_bytes(d16.float()), _f16_bytes(dmin16.float())], 1)
+
+
+def _q3_k(x: torch.Tensor, qw: torch.Tensor | None, prep=None) -> torch.Tensor:
+    xb = x.reshape(-1, 256)
+    nb = xb.shape[0]
+    xg = _groups(xb, 16)  # [16, nb*16]
+    if qw is None:
+        scales, L = make_q3(xg)
+        scales = scales.view(nb, 16)
+        max_scale = scales.gather(1, scales.abs().argmax(1, keepdim=True))[:, 0]
+        nz = max_scale != 0
+        iscale = rdiv(-32.0, torch.where(nz, max_scale, torch.ones_like(max_scale)))
+        ls = torch.round(iscale[:, None] * scales).clamp_(-32, 31) + 32
+        ls = torch.where(nz[:, None], ls, torch.zeros_like(ls))
+        d = torch.where(nz, rdiv(1.0, iscale), torch.zeros_like(iscale))
+    else:
+        sigma2 = divs(2.0 * prep, 256.0)  # prep: sum(x^2) per super-block, [nb]
+        qwb = qw.reshape(1, -1, 256).expand(x.shape[0], -1, -1).reshape(-1, 256)
+        w = _groups(qwb, 16) * sqrt32(sigma2.repeat_interleave(16)[None, :] + xg * xg)
+        sw = seq_sum(w).view(nb, 16).t()
+        scales, L = make_qx(xg, 4, w)
+        d, ls = make_qx(scales.view(nb, 16).t(), 32, sw)
+        ls = ls.t()
+    ls = ls.to(torch.int32)
+    d16 = d.to(torch.float16)
+    dsub = (d16.float()[:, None] * (ls - 32).float()).reshape(-1)
+    requant = torch.round(xg / dsub).clamp_(-4, 3) + 4
+    L = _ungroup(torch.where(dsub != 0, requant, L), nb).to(torch.int32)  # [nb, 256] in [0, 8)
+    hi = (L >> 2).view(nb, 8, 32)  # bit 2 of value 32b + m -> bit b of hmask[m]
+    hmask = _u8((hi << torch.arange(8, device=x.device)[None, :, None]).sum(1))
+    lo = (L & 3).view(nb, 2, 4, 32)  # half, quarter, lane
+    qs = _u8((lo << (2 * torch.arange(4, device=x.device))[None, None, :, None]).sum(2))
+    sc = torch.zeros(nb, 12, dtype=torch.int32, device=x.device)
+    sc[:, 0:8] = (ls[:, 0:8] & 15) | ((ls[:, 8:16] & 15) << 4)
+    q = (ls.view(nb, 4, 4) >> 4) << (2 * torch.arange(4, device=x.device))[None, :, None]
+    sc[:, 8:12] = q.sum(1)  # scale j = 4q + k: 2 high bits into byte 8 + k at 2q
+    return torch.cat([hmask, qs.reshape(nb, 64), _u8(sc), _f16_bytes(d16.float())], 1)
+
+
 def _q6_k(x: torch.Tensor, qw: torch.Tensor | None, prep=None) -> torch.Tensor:
     xb = x.reshape(-1, 256)
     nb = xb.shape[0]
@@ -257,11 +346,11 @@ def _q6_k(x: torch.Tensor, qw: torch.Tensor | None, prep=None) -> torch.Tensor:
 
 # imatrix paths that weight by a whole-row / whole-super-block sum of x^2: computed once per
 # slab (a few long sequential loops) instead of per 64K-value chunk (many short ones)
-_PREP = {Q.Q4_0: _row_sigma2, Q.Q5_0: _row_sigma2, Q.Q5_1: _row_sigma2,
-         Q.Q4_K: _block_sum_x2, Q.Q5_K: _block_sum_x2}
+_PREP = {Q.Q4_0: _row_sigma2, Q.Q4_1: _row_sigma2, Q.Q5_0: _row_sigma2, Q.Q5_1: _row_sigma2,
+         Q.Q2_K: _block_sum_x2, Q.Q3_K: _block_sum_x2, Q.Q4_K: _block_sum_x2, Q.Q5_K: _block_sum_x2}
 
-_ENCODERS = {Q.Q8_0: _q8_0, Q.Q4_0: _q4_0, Q.Q5_0: _q5_0, Q.Q5_1: _q5_1,
-             Q.Q4_K: _q4_k, Q.Q5_K: _q5_k, Q.Q6_K: _q6_k}
+_ENCODERS = {Q.Q8_0: _q8_0, Q.Q4_0: _q4_0, Q.Q4_1: _q4_1, Q.Q5_0: _q5_0, Q.Q5_1: _q5_1,
+             Q.Q2_K: _q2_k, Q.Q3_K: _q3_k, Q.Q4_K: _q4_k, Q.Q5_K: _q5_k, Q.Q6_K: _q6_k}
 
 
 BACKENDS = ("compiled", "torch")

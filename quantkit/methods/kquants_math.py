@@ -21,7 +21,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-__all__ = ["seq_sum", "rdiv", "divs", "sqrt32", "roundf", "make_qkx", "make_qx", "make_qp", "f32"]
+__all__ = ["seq_sum", "rdiv", "divs", "sqrt32", "roundf", "nint_c", "make_qkx", "make_qx", "make_qp",
+           "make_q3", "f32"]
 
 GROUP_MAX_EPS = float(np.float32(1e-15))
 
@@ -72,11 +73,60 @@ def roundf(v: torch.Tensor) -> torch.Tensor:
     return r + torch.where(frac >= 0.5, torch.sign(v), torch.zeros_like(v))
 
 
+def nint_c(v: torch.Tensor) -> torch.Tensor:
+    """C's nearest_int bit trick, also for the huge and non-finite values torch.round keeps:
+    the low mantissa bits of v + 1.5 * 2^23, as float32."""
+    s = (v + 12582912.0).view(torch.int32)
+    return ((s & 0x007FFFFF) - 0x00400000).float()
+
+
+def make_q3(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """make_q3_quants(n, nmax 4, do_rmse) for every lane: x [n, G] -> (scale [G], L [n, G]
+    codes + 4 in [0, 8)). Codes from -4/max, then up to 5 passes of coordinate descent with
+    weights x^2, each element updated in order (sequential over n, vectorised over lanes)."""
+    ax = x.abs()
+    idx = ax.argmax(0, keepdim=True)
+    amax = ax.gather(0, idx)[0]
+    mx = x.gather(0, idx)[0]
+    zero_group = amax < GROUP_MAX_EPS
+    mx = torch.where(zero_group, torch.ones_like(mx), mx)
+    iscale = rdiv(-4.0, mx)
+    L = torch.round(x * iscale).clamp_(-4, 3)
+    w = x * x
+    wx = w * x
+    sumlx = seq_sum(wx * L)
+    suml2 = seq_sum((w * L) * L)
+    for _ in range(5):
+        changed = torch.zeros_like(zero_group)
+        for i in range(x.shape[0]):
+            li = L[i]
+            slx = sumlx - wx[i] * li
+            sl2 = suml2 - (w[i] * li) * li
+            new_l = nint_c((x[i] * sl2) / slx).clamp_(-4, 3)
+            ok = (slx > 0) & (new_l != li)
+            slx = slx + wx[i] * new_l
+            sl2 = sl2 + (w[i] * new_l) * new_l
+            ok &= (sl2 > 0) & ((slx * slx) * suml2 > (sumlx * sumlx) * sl2)
+            L[i] = torch.where(ok, new_l, li)
+            sumlx = torch.where(ok, slx, sumlx)
+            suml2 = torch.where(ok, sl2, suml2)
+            changed |= ok
+        if not bool(changed.any()):
+            break
+    pos = suml2 > 0
+    scale = torch.where(pos, sumlx / torch.where(pos, suml2, torch.ones_like(suml2)),
+                        torch.zeros_like(suml2))
+    scale = torch.where(zero_group, torch.zeros_like(scale), scale)
+    L = torch.where(zero_group[None, :], torch.zeros_like(L), L + 4)
+    return scale, L
+
+
 def make_qkx(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, rdelta: float,
-             nstep: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             nstep: int, mad: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """make_qkx2_quants / make_qkx3_quants (identical when weights are given): x = scale*L - the_min.
 
     x, w: [n, G]. Returns (scale [G], the_min [G], L [n, G] float codes in [0, nmax]).
+    mad: errors are w*|diff| (Q2_K's use_mad), else w*diff^2.
     A weighted least-squares fit of (scale, min) is tried for nstep+1 candidate inverse
     scales; a candidate replaces the best only when its weighted error is strictly smaller.
     The running `min` feeds the next candidate's inverse scale, as in the C loop. Codes are
@@ -104,7 +154,11 @@ def make_qkx(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, rdelta: f
     def error(s: torch.Tensor, m: torch.Tensor, l_: torch.Tensor) -> torch.Tensor:
         torch.mul(l_, s, out=diff)
         diff.add_(m).sub_(x)
-        diff.mul_(diff).mul_(w)
+        if mad:
+            diff.abs_()
+        else:
+            diff.mul_(diff)
+        diff.mul_(w)
         return seq_sum(diff)
 
     best = error(scale, mn, codes(iscale, mn))
