@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import shutil
 import subprocess
@@ -152,7 +153,9 @@ def rounding_compare(work: Path) -> None:
            "base_ppl": records[0]["metrics"]["base_ppl"]["value"], "results": rows,
            "kld_ratio_gptq_over_rtn": ratios, "eval_s": eval_s,
            "machine": {"cpu": platform.processor() or platform.machine(),
-                       "threads": torch.get_num_threads()},
+                       "threads": torch.get_num_threads(), "cores": os.cpu_count(),
+                       # other jobs share the cores: seconds are upper bounds
+                       "load_avg_at_end": list(os.getloadavg())},
            "torch": torch.__version__,
            "command": "PYTHONPATH=. .venv/bin/python benchmarks/fp4_vs_int4_smollm2.py "
                       "--rounding-compare"}
