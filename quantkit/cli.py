@@ -128,7 +128,8 @@ def _method_options(f):
                      help="int8: migrate activation outliers into the weights with strength "
                           "ALPHA (0.5 usual), folded into the preceding norm / Linear."),
         click.option("--rounding", type=click.Choice(["rtn", "gptq"]), default=None,
-                     help="int8: round the int8 weights to nearest (rtn, default) or with GPTQ."),
+                     help="int8, nvfp4, mxfp4: round the weights to nearest (rtn, default) or "
+                          "with GPTQ onto the same grid and scales (reads calibration data)."),
         click.option("--kv-cache", "kv_cache", type=click.Choice(["fp8"]), default=None,
                      help="Also calibrate per-layer FP8 E4M3 k/v scales for the engine's KV "
                           "cache (formats compressed-tensors, fp8, modelopt)."),
@@ -162,15 +163,16 @@ def _method_options(f):
 
 
 _INT_METHODS = ("rtn", "gptq", "awq")
-_CALIBRATED = ("gptq", "awq", "gguf", "fp8", "int8", "nvfp4")
+_CALIBRATED = ("gptq", "awq", "gguf", "fp8", "int8", "nvfp4", "mxfp4")
 _CALIB_FLAGS = ("calib", "calib_samples", "calib_seqlen", "chat", "seed", "text_column")
 # which methods read each flag (click parameter names); given explicitly to another method, a
 # flag is refused rather than silently ignored or recorded as if it had been applied
 FLAG_READERS: dict[str, tuple[str, ...]] = {
     "bits": _INT_METHODS, "group_size": _INT_METHODS, "sym": _INT_METHODS,
-    "act_order": ("gptq",), "damp": ("gptq", "int8"), "true_sequential": ("gptq",),
+    "act_order": ("gptq",), "damp": ("gptq", "int8", "nvfp4", "mxfp4"),
+    "true_sequential": ("gptq",),
     "gguf_type": ("gguf",), "imatrix": ("gguf",), "fp8_scheme": ("fp8", "int8", "nvfp4"),
-    "smoothquant": ("int8",), "rounding": ("int8",),
+    "smoothquant": ("int8",), "rounding": ("int8", "nvfp4", "mxfp4"),
     **dict.fromkeys(_CALIB_FLAGS, _CALIBRATED),
     # per-expert statistics: only GPTQ gathers them for mixture-of-experts blocks so far
     "moe_calibrate_all_experts": ("gptq",), "expert_min_tokens": ("gptq",),
@@ -201,11 +203,11 @@ def check_flags_apply(ctx: click.Context, method: str, fp8_scheme: str | None,
                 f"{flag} is read by --method {' / '.join(readers)} only; --method {method} does "
                 "not use it.", f"Drop {flag}, or use --method {readers[0]}.")
     calib = [given[n] for n in _CALIB_FLAGS if n in given]
+    rounding = ctx.params.get("rounding") or "rtn"
+    if method in ("int8", "nvfp4", "mxfp4") and "damp" in given and rounding != "gptq":
+        raise QuantkitError(f"--damp is read by --method {method} only with --rounding gptq.",
+                            "Drop --damp, or pass --rounding gptq.")
     if method == "int8":
-        rounding = ctx.params.get("rounding") or "rtn"
-        if "damp" in given and rounding != "gptq":
-            raise QuantkitError("--damp is read by --method int8 only with --rounding gptq.",
-                                "Drop --damp, or pass --rounding gptq.")
         reads = ((fp8_scheme or "dynamic") == "static" or ctx.params.get("smoothquant") is not None
                  or rounding == "gptq")
         if calib and not reads:
@@ -213,11 +215,16 @@ def check_flags_apply(ctx: click.Context, method: str, fp8_scheme: str | None,
                 f"{calib[0]} is read by --method int8 only with --scheme static, --smoothquant "
                 "or --rounding gptq; dynamic int8 with round-to-nearest needs no calibration.",
                 f"Drop {calib[0]}, or pass one of those flags.")
-    if method == "nvfp4" and calib and (fp8_scheme or "w4a16") != "w4a4":
+    if method == "nvfp4" and calib and (fp8_scheme or "w4a16") != "w4a4" and rounding != "gptq":
         raise QuantkitError(
-            f"{calib[0]} is read by --method nvfp4 only with --scheme w4a4 (input scales); "
-            "W4A16 computes its scales from the weights alone.",
-            f"Drop {calib[0]}, or pass --scheme w4a4.")
+            f"{calib[0]} is read by --method nvfp4 only with --scheme w4a4 (input scales) or "
+            "--rounding gptq; W4A16 rounded to nearest needs no calibration.",
+            f"Drop {calib[0]}, or pass --scheme w4a4 or --rounding gptq.")
+    if method == "mxfp4" and calib and rounding != "gptq":
+        raise QuantkitError(
+            f"{calib[0]} is read by --method mxfp4 only with --rounding gptq; MXFP4 rounded "
+            "to nearest computes its scales from the weights alone.",
+            f"Drop {calib[0]}, or pass --rounding gptq.")
     if method == "fp8" and calib and (fp8_scheme or "dynamic") != "static":
         raise QuantkitError(
             f"{calib[0]} is read by --method fp8 only with --scheme static; --scheme "
@@ -288,6 +295,8 @@ def _request(model, method, bits, group_size, sym, act_order, damp, true_sequent
 
         if fp8_scheme is not None:
             options["scheme"] = fp8_scheme
+        if rounding:
+            options["rounding"] = rounding
         scheme = fp4_scheme(method, options.get("scheme", "w4a16"))  # groups fixed: 16 / 32
         group_size_auto = False
     return QuantizeRequest(model=model, method=method, scheme=scheme, out=Path(output), format=fmt,

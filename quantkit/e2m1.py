@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 __all__ = ["E2M1_VALUES", "FP4_MAX", "FP8_MAX", "e2m1_codes", "e2m1_decode", "nvfp4_global_scale",
-           "quantize_nvfp4", "quantize_mxfp4", "dequantize_fp4", "fake_quant_nvfp4",
+           "quantize_nvfp4", "quantize_mxfp4", "dequantize_fp4", "fp4_step", "fake_quant_nvfp4",
            "FP4GroupError"]
 
 E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
@@ -98,15 +98,20 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes, exp
 
 
+def fp4_step(scale: torch.Tensor, global_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 [N, K/group] dequantization step of each group (a code's value times it is the
+    weight): NVFP4 E4M3 scale / global scale, or MXFP4 2 ** (E8M0 exponent - 127)."""
+    if scale.dtype == torch.uint8:
+        return torch.exp2(scale.float() - 127)
+    return scale.float() / global_scale.float().to(scale.device)
+
+
 def dequantize_fp4(codes: torch.Tensor, scale: torch.Tensor,
                    global_scale: torch.Tensor | None = None) -> torch.Tensor:
     """float32 weight of E2M1 codes (or of their float values, as a packer's unpacking gives
     them): NVFP4 (E4M3 scale, global scale) or MXFP4 (uint8 E8M0)."""
     n, k = codes.shape
-    if scale.dtype == torch.uint8:
-        step = torch.exp2(scale.float() - 127)
-    else:
-        step = scale.float() / global_scale.float().to(scale.device)
+    step = fp4_step(scale, global_scale)
     group = k // scale.shape[1]
     vals = codes.float() if codes.is_floating_point() else e2m1_decode(codes)
     vals = vals.reshape(n, k // group, group)

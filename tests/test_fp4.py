@@ -334,3 +334,188 @@ def test_modelopt_nvfp4_equals_nvidia_modelopt(fp4_artifacts, tmp_path, capsys):
     save_file(t, str(bad / "model.safetensors"), metadata={"format": "pt"})
     rep = verify(bad, "trtllm")
     assert not rep.conformant and "weight_scale_2 differs over the shards" in rep.render()
+
+
+# ------------------------------------------------- --rounding gptq onto the FP4 grid ----
+
+GPTQ_CALIB = {"calib_samples": 16, "calib_seqlen": 128}  # 2048 tokens: > down_proj's 512 inputs
+
+
+def _rtn_and_gptq_block(method: str, hessian) -> tuple[dict, dict]:
+    """One llama-shaped block's Linears (q/k/v fused, bf16) through FP4Quantizer with
+    rounding rtn and gptq, every Hessian given by `hessian(k)`."""
+    from quantkit.arch import spec_for_config
+    from quantkit.methods.fp4 import FP4Quantizer
+    from quantkit.types import BlockContext
+
+    torch.manual_seed(1)
+    spec = spec_for_config({"model_type": "llama", "architectures": ["LlamaForCausalLM"]})
+    shapes = {"self_attn.q_proj": (128, 128), "self_attn.k_proj": (64, 128),
+              "self_attn.v_proj": (64, 128), "mlp.down_proj": (128, 256)}
+    linears = {}
+    for n, (rows, cols) in shapes.items():
+        lin = torch.nn.Linear(cols, rows, bias=False)
+        lin.weight.data = (torch.randn(rows, cols) * 0.05 * (1 + 4 * (n == "self_attn.k_proj"))
+                           ).to(torch.bfloat16).float()
+        linears[n] = lin
+    out = {}
+    for rounding in ("rtn", "gptq"):
+        q = FP4Quantizer(method, rounding=rounding)
+        q.prepare(config=None, spec=spec, shapes=shapes)
+        stats = {n: {"hessian": hessian(lin.in_features), "tokens": 64}
+                 for n, lin in linears.items()}
+        ctx = BlockContext(index=0, block=torch.nn.Module(), linears=linears, stats=stats,
+                           scheme=q.scheme, inputs=[], rerun=list, arch=spec)
+        out[rounding] = q.quantize_block(ctx)
+    return out["rtn"], out["gptq"]
+
+
+@pytest.mark.parametrize("method", ["nvfp4", "mxfp4"])
+def test_gptq_with_identity_hessian_is_rtn_exactly(method):
+    """H = I (and any diagonal H) has an inverse factor with nothing above its diagonal, so
+    GPTQ feeds no error forward: every code, scale and global scale is RTN's, bit for bit,
+    including the global scale q/k/v share. A full H moves codes but not the scales."""
+    rtn, gptq = _rtn_and_gptq_block(method, lambda k: torch.eye(k))
+    _, gptq_diag = _rtn_and_gptq_block(method, lambda k: torch.diag(torch.rand(k) + 0.1))
+    for n, r in rtn.items():
+        for other in (gptq[n], gptq_diag[n]):
+            assert torch.equal(r.codes, other.codes), n
+            assert torch.equal(r.scale.view(torch.uint8), other.scale.view(torch.uint8)), n
+            assert r.extra.keys() == other.extra.keys()
+            for k, t in r.extra.items():
+                assert torch.equal(t, other.extra[k]), (n, k)
+    if method == "nvfp4":  # the fused group's shared global scale (k_proj is 5x larger)
+        gs = {n: float(r.extra["global_scale"]) for n, r in rtn.items() if "self_attn" in n}
+        assert len(set(gs.values())) == 1, gs
+
+    def full(k):
+        x = torch.randn(4 * k, k)
+        return x.T @ x
+
+    _, gptq_full = _rtn_and_gptq_block(method, full)
+    moved = sum(int((rtn[n].codes != gptq_full[n].codes).sum()) for n in rtn)
+    assert moved > 0
+    for n, r in rtn.items():
+        assert torch.equal(r.scale.view(torch.uint8), gptq_full[n].scale.view(torch.uint8)), n
+
+
+@pytest.fixture(scope="module")
+def gptq_artifacts(fp4_artifacts, tmp_path_factory):
+    """NVFP4 W4A16 and MXFP4 with --rounding gptq on the tiny Llama (16 x 128 windows)."""
+    model, ours, _ = fp4_artifacts
+    root = tmp_path_factory.mktemp("fp4-gptq")
+    arts = {}
+    rtn_of = {"nvfp4": "nvfp4-w4a16", "mxfp4": "mxfp4"}
+    for method in rtn_of:
+        arts[method] = root / method
+        opts = {"rounding": "gptq", **({"scheme": "w4a16"} if method == "nvfp4" else {})}
+        quantize(QuantizeRequest(model=str(model), method=method, scheme=fp4_scheme(method),
+                                 out=arts[method], method_options=opts, **GPTQ_CALIB))
+    return model, {m: ours[r] for m, r in rtn_of.items()}, arts
+
+
+def test_gptq_lowers_every_layer_output_error(gptq_artifacts, capsys):
+    """On the calibration windows, as each Linear sees them in the GPTQ-quantized model (the
+    inputs its Hessian summed: true-sequential, quantized outputs propagated), the output
+    error ||X W^T - X Q^T|| of GPTQ-FP4 is below RTN-FP4's for every Linear of the tiny model."""
+    from quantkit.calibration import load_calibration
+    from quantkit.formats.fp4 import read_fp4_pack_quantized
+    from quantkit.model_io import load_model, load_tokenizer
+
+    model, rtn_arts, gptq_arts = gptq_artifacts
+    ids = load_calibration("mixed", load_tokenizer(model), n_samples=GPTQ_CALIB["calib_samples"],
+                           seqlen=GPTQ_CALIB["calib_seqlen"], seed=0).input_ids
+    base = load_model(model, dtype=torch.float32).state_dict()
+    lines = []
+    for method in ("nvfp4", "mxfp4"):
+        w_gptq = read_fp4_pack_quantized(gptq_arts[method])
+        w_rtn = read_fp4_pack_quantized(rtn_arts[method])
+        lm = load_model(model, dtype=torch.float32)
+        lm.load_state_dict({k: w_gptq.get(k, v) for k, v in base.items()})
+        inputs: dict[str, list[torch.Tensor]] = {}
+        for name, mod in lm.named_modules():
+            if isinstance(mod, torch.nn.Linear) and ".layers." in name:
+                mod.register_forward_pre_hook(
+                    lambda m, a, name=name, seen=inputs: seen.setdefault(name, []).append(a[0]))
+        with torch.no_grad():
+            lm(ids)
+        ratios = {}
+        for name, xs in inputs.items():
+            x = torch.cat(xs).reshape(-1, xs[0].shape[-1])
+            w = base[name + ".weight"]
+            err = {k: float((x @ (w - q[name + ".weight"]).T).norm())
+                   for k, q in (("rtn", w_rtn), ("gptq", w_gptq))}
+            ratios[name] = err["gptq"] / err["rtn"]
+        assert len(ratios) == 14
+        assert all(r < 1 for r in ratios.values()), ratios
+        lines.append(f"{method}: GPTQ/RTN layer output error {min(ratios.values()):.2f} .. "
+                     f"{max(ratios.values()):.2f} over 14 Linears")
+    with capsys.disabled():
+        print("\n" + "; ".join(lines))
+
+
+def test_gptq_artifact_decodes_with_compressed_tensors(gptq_artifacts):
+    """The GPTQ artifact is an ordinary pack-quantized file: the same tensor names, dtypes,
+    shapes and quantization_config as the RTN one, the same scales (GPTQ moves codes only),
+    and compressed-tensors' own decompressor gives exactly quantkit's weights (in its bf16);
+    the loader reads it unchanged."""
+    from quantkit.formats.fp4 import read_fp4_pack_quantized
+
+    _, rtn_arts, gptq_arts = gptq_artifacts
+    for method, preset, comp in (("nvfp4", "NVFP4A16", NVFP4PackedCompressor),
+                                 ("mxfp4", "MXFP4A16", MXFP4PackedCompressor)):
+        art, rtn = gptq_arts[method], rtn_arts[method]
+        assert tensor_headers(art) == tensor_headers(rtn)
+        cfg = json.loads((art / "config.json").read_text())["quantization_config"]
+        assert cfg == json.loads((rtn / "config.json").read_text())["quantization_config"]
+        raw, raw_rtn = load_tensors(art), load_tensors(rtn)
+        ours = read_fp4_pack_quantized(art)
+        lm = load_artifact(art).model.state_dict()
+        moved = 0
+        for key in raw:
+            if not key.endswith(".weight_packed"):
+                if key.endswith(("weight_scale", "weight_global_scale")):
+                    assert torch.equal(raw[key].view(torch.uint8), raw_rtn[key].view(torch.uint8)), key
+                continue
+            base = key[: -len(".weight_packed")]
+            sd = {k.rsplit(".", 1)[1]: t for k, t in raw.items() if k.startswith(base + ".")}
+            lib = comp.decompress(sd, preset_name_to_scheme(preset, ["Linear"]))["weight"]
+            mine = ours[base + ".weight"]
+            assert torch.equal(lib, mine.to(lib.dtype)), key
+            assert torch.equal(lm[base + ".weight"].float(), mine.to(lm[base + ".weight"].dtype).float()), key
+            moved += int((raw[key] != raw_rtn[key]).sum())
+        assert moved > 0, method  # GPTQ did change codes
+        meta = json.loads((art / "quantkit.json").read_text())
+        assert f"--method {method}" in meta["command"] and "--rounding gptq" in meta["command"]
+        assert meta["calibration"]["n_samples"] == GPTQ_CALIB["calib_samples"]
+
+
+def test_gptq_rounding_cli_and_plan(gptq_artifacts, tmp_path):
+    model, _, _ = gptq_artifacts
+    run = CliRunner().invoke
+    cases = [
+        (["--method", "mxfp4", "--damp", "0.1"], "--damp is read by --method mxfp4 only with --rounding gptq"),
+        (["--method", "nvfp4", "--rounding", "nearest"], "'nearest' is not one of"),
+        (["--method", "fp8", "--rounding", "gptq"], "--rounding is read by --method int8 / nvfp4"),
+    ]
+    for i, (args, msg) in enumerate(cases):
+        res = run(main, ["quantize", str(model), *args, "-o", str(tmp_path / f"o{i}")])
+        assert res.exit_code == 2 and msg in res.output, (args, res.output)
+        assert not (tmp_path / f"o{i}").exists()
+    plans = {}
+    for rounding in ("rtn", "gptq"):
+        res = run(main, ["plan", str(model), "--method", "mxfp4", "--rounding", rounding, "--json"])
+        assert res.exit_code == 0, res.output
+        plans[rounding] = json.loads(res.output)
+    assert plans["gptq"]["rounding"] == "gptq" and plans["gptq"]["calib_samples"] == 128
+    assert plans["rtn"]["rounding"] == "rtn" and plans["rtn"]["calib_samples"] == 0
+    assert plans["gptq"]["seconds"] > plans["rtn"]["seconds"]
+    assert plans["gptq"]["disk_bytes"] == plans["rtn"]["disk_bytes"]
+    out = tmp_path / "cli"
+    res = run(main, ["quantize", str(model), "--method", "nvfp4", "--rounding", "gptq",
+                     "--damp", "0.05", "--calib-samples", "4", "--calib-seqlen", "64",
+                     "-o", str(out)])
+    assert res.exit_code == 0, res.output
+    meta = json.loads((out / "quantkit.json").read_text())
+    assert meta["method_options"] == {"rounding": "gptq", "damp": 0.05}
+    assert meta["calibration"]["n_samples"] == 4

@@ -18,6 +18,12 @@ step and in the same dtypes, so that the stored codes and scales are theirs:
 Engines fuse q/k/v and gate/up into one GEMM with one global scale: the group shares the
 smallest g (largest max|W|), as llm-compressor's `update_fused_layer_weight_global_scales`.
 
+`rounding="gptq"` keeps every scale above (from the original weights: they are what the
+format stores) and replaces only the rounding: GPTQ's column loop (quantkit.methods.gptq,
+error feedback through the inverse-Hessian factor, 128-column blocks) with each column rounded
+to the nearest E2M1 value of its group's step by the same `e2m1_codes`. With H = I the loop
+feeds back nothing and the codes are RTN's, bit for bit.
+
 How a result is encoded (formats read only this, never this module):
   QuantResult.scheme   QuantScheme(kind="nvfp4" | "mxfp4", bits=4, group_size=16 | 32,
                                    activations=None | "dynamic" (NVFP4 W4A4))
@@ -36,15 +42,34 @@ import time
 
 import torch
 
-from quantkit.e2m1 import dequantize_fp4, nvfp4_global_scale, quantize_mxfp4, quantize_nvfp4
+from quantkit.e2m1 import (
+    dequantize_fp4,
+    e2m1_codes,
+    e2m1_decode,
+    fp4_step,
+    nvfp4_global_scale,
+    quantize_mxfp4,
+    quantize_nvfp4,
+)
 from quantkit.errors import CalibrationError, SchemeMismatch
 from quantkit.methods.fp8 import fused_groups
+from quantkit.methods.gptq import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_DAMP,
+    gptq_column_loop,
+    inverse_hessian_factor,
+    one_cpu_thread,
+    prepare_hessian,
+    shared_input_sets,
+)
 from quantkit.types import BlockContext, QuantResult, QuantScheme
 
-__all__ = ["FP4Quantizer", "fp4_scheme", "NVFP4_SCHEMES", "GROUPS"]
+__all__ = ["FP4Quantizer", "FP4ColumnGrid", "fp4_scheme", "gptq_fp4", "NVFP4_SCHEMES", "GROUPS",
+           "ROUNDINGS"]
 
 GROUPS = {"nvfp4": 16, "mxfp4": 32}
 NVFP4_SCHEMES = ("w4a16", "w4a4")
+ROUNDINGS = ("rtn", "gptq")
 
 
 def fp4_scheme(method: str = "nvfp4", scheme: str = "w4a16") -> QuantScheme:
@@ -62,24 +87,73 @@ def fp4_scheme(method: str = "nvfp4", scheme: str = "w4a16") -> QuantScheme:
                        activations="dynamic" if scheme == "w4a4" else None)
 
 
+# ------------------------------------------------------------ GPTQ onto the grid ----
+
+class FP4ColumnGrid:
+    """GPTQ's round-to-grid step for FP4: column j of row r goes to the nearest E2M1 value of
+    its group's step (fixed beforehand from the original weights, as RTN chooses it)."""
+
+    def __init__(self, step: torch.Tensor, group: int) -> None:
+        self.step_t = step.float().T.contiguous()  # [K/group, N]: one group's steps contiguous
+        self.group = group
+
+    def round_column(self, col: int, block: torch.Tensor, i: int
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        step = self.step_t[col // self.group]
+        codes = e2m1_codes(block[:, i] / step)  # the division RTN does, element for element
+        return codes, e2m1_decode(codes) * step  # = dequantize_fp4's value of these codes
+
+
+def gptq_fp4(weight: torch.Tensor, hessian: torch.Tensor, step: torch.Tensor, group: int, *,
+             damp: float = DEFAULT_DAMP, block_size: int = DEFAULT_BLOCK_SIZE, name: str = "",
+             overwrite_hessian: bool = False) -> tuple[torch.Tensor, float]:
+    """E2M1 codes uint8 [N, K] of `weight` rounded by GPTQ under the fixed per-group steps
+    `step` [N, K/group] (fp4_step of the stored scales), and the dampening finally used."""
+    w = weight.detach().to(torch.float32, copy=True)
+    h = prepare_hessian(hessian, w.device, overwrite_hessian)
+    hinv, used_damp = inverse_hessian_factor(h, damp, name)
+    del h
+    with one_cpu_thread(w.device):  # thousands of tiny ops: worker threads only add waits
+        codes = gptq_column_loop(w, hinv, FP4ColumnGrid(step.to(w.device), group), block_size)
+    return codes.to(torch.uint8), used_damp
+
+
 # ---------------------------------------------------------------- the quantizer ----
 
 class FP4Quantizer:
-    """NVFP4 (W4A16 / W4A4) or MXFP4 (W4A16) weights, rounded to nearest. Options:
+    """NVFP4 (W4A16 / W4A4) or MXFP4 (W4A16) weights. Options:
 
-    method   nvfp4 | mxfp4
-    scheme   w4a16 | w4a4 (NVFP4 only: global input scales calibrated on the shared data)
+    method    nvfp4 | mxfp4
+    scheme    w4a16 | w4a4 (NVFP4 only: global input scales calibrated on the shared data)
+    rounding  rtn (nearest, no calibration for W4A16) | gptq (Hessian-aware, same scales)
+    damp, block_size   GPTQ's, when rounding="gptq"
     """
 
-    propagate_quantized = False  # input scales are observed on the unquantized model
-    true_sequential = False
-
-    def __init__(self, method: str = "nvfp4", scheme: str = "w4a16") -> None:
+    def __init__(self, method: str = "nvfp4", scheme: str = "w4a16", rounding: str = "rtn",
+                 damp: float = DEFAULT_DAMP, block_size: int = DEFAULT_BLOCK_SIZE) -> None:
         self.name = method
         self._scheme = fp4_scheme(method, scheme)
+        if rounding not in ROUNDINGS:
+            raise SchemeMismatch(f"Unknown {method} rounding {rounding!r}.",
+                                 f"Choose one of: {', '.join(ROUNDINGS)} (default rtn).")
+        if damp < 0:
+            raise SchemeMismatch(f"GPTQ damp must be >= 0, got {damp}.", "The usual value is 0.01.")
+        if block_size < 1:
+            raise SchemeMismatch(f"GPTQ block_size must be >= 1, got {block_size}.",
+                                 "The usual value is 128.")
+        self.rounding = rounding
+        self.gptq = rounding == "gptq"
+        self.damp, self.block_size = float(damp), int(block_size)
         self.w4a4 = self._scheme.activations is not None
-        self.needs_calibration = self.w4a4
-        self.stats: tuple[str, ...] = ("absmax",) if self.w4a4 else ()
+        self.stats: tuple[str, ...] = (("absmax",) if self.w4a4 else ()) + (
+            ("hessian",) if self.gptq else ())
+        self.needs_calibration = bool(self.stats)
+        # RTN: input scales are observed on the unquantized model. GPTQ: later Linears and
+        # blocks calibrate on the quantized outputs (q/k/v -> o -> gate/up -> down), as
+        # --method gptq does; on the CPU that order runs in one forward per block
+        self.propagate_quantized = self.gptq
+        self.true_sequential = self.gptq
+        self.calib_batch_size = 8 if self.gptq else 1  # the same sums, fewer and larger ops
         self.dtype: torch.dtype | None = None  # the checkpoint's: the reference's arithmetic
 
     @property
@@ -135,22 +209,62 @@ class FP4Quantizer:
                 if nv:
                     codes, scale, g = quantize_nvfp4(w, shared, self.dtype)
                     extra["global_scale"] = g
-                    deq = dequantize_fp4(codes, scale, g)
                 else:
                     codes, scale = quantize_mxfp4(w)
-                    deq = dequantize_fp4(codes, scale)
                 if in_scale is not None:
                     extra["input_global_scale"] = in_scale.clone()
-                extra["dequantized"] = deq
                 lin = ctx.linears[n]
-                res = QuantResult(name=n, scheme=self._scheme, codes=codes.cpu(),
-                                  scale=scale.cpu(), extra=extra,
+                res = QuantResult(name=n, scheme=self._scheme, codes=codes, scale=scale,
+                                  extra=extra,
                                   bias=None if lin.bias is None else lin.bias.data.clone())
-                wf = w.float()
-                res.loss = float((wf - deq).norm() / wf.norm().clamp_min(1e-12))
                 res.seconds = time.perf_counter() - t0
                 results[n] = res
+        if self.gptq:
+            self._gptq_codes(ctx, results)
+        for n, res in results.items():  # the stored weight, exactly: what later blocks see
+            w = ctx.linears[n].weight.data.float()
+            deq = dequantize_fp4(res.codes, res.scale, res.extra.get("global_scale"))
+            res.extra["dequantized"] = deq
+            res.loss = float((w - deq).norm() / w.norm().clamp_min(1e-12))
+            res.codes, res.scale = res.codes.cpu(), res.scale.cpu()
         return results
+
+    def _gptq_codes(self, ctx: BlockContext, results: dict[str, QuantResult]) -> None:
+        """Replace the RTN codes with GPTQ's under the same scales; Linears that read the same
+        input (q/k/v, gate/up) share H and are solved as one stacked weight."""
+        prefix = f"{ctx.arch.block_path}.{ctx.index}." if ctx.arch is not None else f"block {ctx.index} "
+        calibrated = []
+        for n in ctx.linears:
+            st = ctx.stats.get(n) or {}
+            if st.get("tokens") and "hessian" in st:
+                calibrated.append(n)
+            elif ctx.arch is None or not ctx.arch.is_expert_linear(n):
+                raise CalibrationError(
+                    f"GPTQ rounding: layer {prefix}{n} received no calibration tokens, so it has "
+                    "no Hessian to round with.",
+                    f"Use more or longer calibration samples, or drop --rounding gptq "
+                    f"(--method {self.name} rounds to nearest without calibration).")
+            # an expert routing chose for no token keeps its RTN codes
+        group = self._scheme.group_size
+        for names in shared_input_sets(ctx, calibrated):
+            t0 = time.perf_counter()
+            hessian = ctx.stats[names[0]]["hessian"]
+            for n in names:  # consumed here: the solve overwrites it (one K x K copy less)
+                del ctx.stats[n]["hessian"]
+            stacked = torch.cat([ctx.linears[n].weight.data for n in names])
+            step = torch.cat([fp4_step(results[n].scale, results[n].extra.get("global_scale"))
+                              for n in names])
+            codes, _ = gptq_fp4(stacked, hessian, step, group, damp=self.damp,
+                                block_size=self.block_size, name=prefix + "+".join(names),
+                                overwrite_hessian=True)
+            del hessian
+            seconds = time.perf_counter() - t0
+            start = 0
+            for n in names:
+                rows = ctx.linears[n].weight.shape[0]
+                results[n].codes = codes[start:start + rows].contiguous()
+                results[n].seconds += seconds * rows / stacked.shape[0]
+                start += rows
 
 
 def _stored_dtype(config) -> torch.dtype:

@@ -18,8 +18,9 @@ from __future__ import annotations
 import contextlib
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -36,7 +37,8 @@ from quantkit.methods.jit import compiled_available
 from quantkit.types import BlockContext, QuantResult, QuantScheme, int_qrange
 
 __all__ = ["GPTQQuantizer", "GPTQOutput", "gptq_quantize", "inverse_hessian_factor",
-           "DEFAULT_DAMP", "DEFAULT_BLOCK_SIZE"]
+           "ColumnGrid", "IntColumnGrid", "gptq_column_loop", "prepare_hessian",
+           "shared_input_sets", "one_cpu_thread", "DEFAULT_DAMP", "DEFAULT_BLOCK_SIZE"]
 
 DEFAULT_DAMP = 0.01  # fraction of mean(diag(H)) added to the diagonal
 DEFAULT_BLOCK_SIZE = 128  # columns per lazy batched update
@@ -118,6 +120,88 @@ def inverse_hessian_factor(h: torch.Tensor, damp: float, name: str = "") -> tupl
                      "Use more calibration samples, or quantize this layer with RTN.")
 
 
+class ColumnGrid(Protocol):
+    """GPTQ's round-to-grid step, the only part that differs between formats: the column
+    loop (error feedback through the inverse-Hessian factor) is `gptq_column_loop`'s alone."""
+
+    def round_column(self, col: int, block: torch.Tensor, i: int
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(codes, dequantized values) of processed column `col`, which is block[:, i] after
+        error feedback; block[:, i:] are the block's remaining updated columns."""
+        ...
+
+
+class IntColumnGrid:
+    """The integer grid of `quantkit.methods.intquant` (what RTN uses): per-group scale and
+    zero, fixed up front or taken from the updated columns when a group starts."""
+
+    def __init__(self, scheme: QuantScheme, scale: torch.Tensor, zero: torch.Tensor,
+                 col_group: list[int], group: int, fixed: bool) -> None:
+        self.bits, self.symmetric = scheme.bits, scheme.symmetric
+        self.scale, self.zero = scale, zero  # [NG, N], written here when not fixed
+        self.zs = zero * scale
+        self.col_group, self.group, self.fixed = col_group, group, fixed
+        self._grp = -1
+
+    def round_column(self, col: int, block: torch.Tensor, i: int
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        grp = self.col_group[col]
+        if grp != self._grp:
+            self._grp = grp
+            if not self.fixed:
+                s, z = group_qparams(block[:, i:i + self.group], self.bits, self.symmetric)
+                self.scale[grp], self.zero[grp] = s, z
+                self.zs[grp] = self.zero[grp] * s
+            self._s, self._z, self._nzs = self.scale[grp], self.zero[grp], self.zs[grp].neg()
+        q = quantize_to_codes(block[:, i], self._s, self._z, self.bits)
+        return q, torch.addcmul(self._nzs, q, self._s)
+
+
+BlockKernel = Callable[[torch.Tensor, torch.Tensor, int, int], tuple[torch.Tensor, torch.Tensor]]
+
+
+def gptq_column_loop(w: torch.Tensor, hinv: torch.Tensor, grid: ColumnGrid, block_size: int,
+                     block_kernel: BlockKernel | None = None) -> torch.Tensor:
+    """GPTQ's column loop over w [N, K] float32 (updated in place): round each column with
+    `grid`, fold its error / H^-1_ii into the block's later columns along row i of the upper
+    Cholesky factor `hinv` of H^-1, and the block's errors into the columns after it in one
+    matmul (the lazy batch update). `block_kernel(w1, hinv1, i1, i2) -> (codes, err)` runs a
+    whole block instead (the compiled integer loops). Returns the codes [N, K] as float32."""
+    n, k = w.shape
+    codes = torch.empty_like(w)
+    for i1 in range(0, k, block_size):
+        i2 = min(i1 + block_size, k)
+        hinv1 = hinv[i1:i2, i1:i2]
+        if block_kernel is not None:
+            q1, err1 = block_kernel(w[:, i1:i2], hinv1, i1, i2)
+            codes[:, i1:i2] = q1
+        else:
+            w1 = w[:, i1:i2].clone()
+            err1 = torch.empty_like(w1)
+            diag = hinv1.diagonal().tolist()
+            for i in range(i2 - i1):
+                q, deq = grid.round_column(i1 + i, w1, i)
+                e = torch.div(w1[:, i] - deq, diag[i], out=err1[:, i])
+                w1[:, i:].addr_(e, hinv1[i, i:], alpha=-1.0)  # fold the error into later columns
+                codes[:, i1 + i] = q
+        w[:, i2:].addmm_(err1, hinv[i1:i2, i2:], alpha=-1.0)  # lazy update of the rest
+    return codes
+
+
+def prepare_hessian(hessian: torch.Tensor, device: torch.device, overwrite: bool = False
+                    ) -> torch.Tensor:
+    """H as float32 on `device` (a copy unless `overwrite`), with columns whose input was
+    always zero decoupled (H_kk = 1): they carry no information, and their weight is then
+    rounded as RTN rounds it instead of zeroed as reference GPTQ does."""
+    h = hessian.detach().to(device=device, dtype=torch.float32)
+    if h.data_ptr() == hessian.data_ptr() and not overwrite:
+        h = h.clone()  # .to made no copy: keep the caller's H as it was
+    # (masked_fill_ on the diagonal view: the same entries as h[dead, dead] = 1.0, without the
+    # boolean-index nonzero() that waits for the GPU)
+    h.diagonal().masked_fill_(h.diagonal() == 0, 1.0)
+    return h
+
+
 def _reverse_in_place(t: torch.Tensor, chunk: int = 1 << 24) -> torch.Tensor:
     """t.flip(every dim) written into t itself (contiguous t): flipping every dim reverses the
     flattened elements, done by swapping mirrored chunks through chunk-sized temporaries
@@ -134,7 +218,7 @@ def _reverse_in_place(t: torch.Tensor, chunk: int = 1 << 24) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def _one_cpu_thread(device: torch.device) -> Iterator[None]:
+def one_cpu_thread(device: torch.device) -> Iterator[None]:
     """The torch column loop is thousands of tiny ops: on CPU, worker threads only add
     barrier waits (measured 40x slower with 2 threads on a busy 2-core machine), so use one."""
     if device.type != "cpu":
@@ -168,7 +252,7 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, scheme: QuantSche
         raise ValueError(f"GPTQ loop {loop!r}: choose 'compiled' or 'torch'")
     if loop is None:
         loop = "compiled" if compiled_available() else "torch"
-    ctx = _one_cpu_thread(weight.device) if loop == "torch" else contextlib.nullcontext()
+    ctx = one_cpu_thread(weight.device) if loop == "torch" else contextlib.nullcontext()
     with ctx:
         return _gptq(weight, hessian, scheme, damp, block_size, static_groups, name, loop,
                      overwrite_hessian)
@@ -185,16 +269,7 @@ def _gptq(weight: torch.Tensor, hessian: torch.Tensor, scheme: QuantScheme, damp
     n_groups = k // g
     _, qmax = int_qrange(scheme.bits)
     w = weight.detach().to(torch.float32, copy=True)  # one copy (.float().clone(): two)
-    h = hessian.detach().to(device=w.device, dtype=torch.float32)
-    if h.data_ptr() == hessian.data_ptr() and not overwrite_hessian:
-        h = h.clone()  # .to made no copy: keep the caller's H as it was
-
-    # Columns whose input was always zero carry no information: decouple them (H_kk = 1) and
-    # keep their weight (rounded like RTN) instead of zeroing it as reference GPTQ does.
-    # (masked_fill_ on the diagonal view: the same entries as h[dead, dead] = 1.0, without the
-    # boolean-index nonzero() that waits for the GPU)
-    dead = h.diagonal() == 0
-    h.diagonal().masked_fill_(dead, 1.0)
+    h = prepare_hessian(hessian, w.device, overwrite_hessian)
 
     # per-group parameters, stored [NG, N] so one group's row is contiguous in the loop
     scale = torch.empty(n_groups, n, device=w.device)
@@ -204,7 +279,6 @@ def _gptq(weight: torch.Tensor, hessian: torch.Tensor, scheme: QuantScheme, damp
         s, z = group_qparams(w.reshape(n, n_groups, g), scheme.bits, scheme.symmetric)
         scale.copy_(s.T)
         zero.copy_(z.T)
-    zs = zero * scale
 
     perm = None
     if scheme.act_order:  # most-activated columns first: their error is spread the widest
@@ -215,9 +289,7 @@ def _gptq(weight: torch.Tensor, hessian: torch.Tensor, scheme: QuantScheme, damp
     col_group = (perm // g if perm is not None and fixed else torch.arange(k) // g).tolist()
 
     hinv, used_damp = inverse_hessian_factor(h, damp, name)
-    codes = torch.empty_like(w)
     bs = column_block_width(block_size, g, fixed)
-    grp = -1
     # the same column loop as one kernel call per block: Triton on CUDA, numba on the CPU
     kernel, kernel_groups = None, None
     if gptq_triton.available(w.device):
@@ -228,33 +300,12 @@ def _gptq(weight: torch.Tensor, hessian: torch.Tensor, scheme: QuantScheme, damp
 
         kernel, kernel_groups = gptq_cpu.gptq_block, col_group
     kernel_kw = {"bits": scheme.bits, "symmetric": scheme.symmetric, "group_size": g, "fixed": fixed}
-    for i1 in range(0, k, bs):
-        i2 = min(i1 + bs, k)
-        if kernel is not None:
-            q1, err1 = kernel(w[:, i1:i2], hinv[i1:i2, i1:i2], scale, zero, kernel_groups[i1:i2],
-                              **kernel_kw)
-            codes[:, i1:i2] = q1
-            w[:, i2:].addmm_(err1, hinv[i1:i2, i2:], alpha=-1.0)
-            continue
-        w1 = w[:, i1:i2].clone()
-        err1 = torch.empty_like(w1)
-        hinv1 = hinv[i1:i2, i1:i2]
-        diag = hinv1.diagonal().tolist()
-        for i in range(i2 - i1):
-            col = i1 + i
-            if col_group[col] != grp:
-                grp = col_group[col]
-                if not fixed:
-                    s, z = group_qparams(w1[:, i:i + g], scheme.bits, scheme.symmetric)
-                    scale[grp], zero[grp] = s, z
-                    zs[grp] = zero[grp] * s
-                s, z, nzs = scale[grp], zero[grp], zs[grp].neg()
-            col_w = w1[:, i]
-            q = quantize_to_codes(col_w, s, z, scheme.bits)
-            e = torch.div(col_w - torch.addcmul(nzs, q, s), diag[i], out=err1[:, i])
-            w1[:, i:].addr_(e, hinv1[i, i:], alpha=-1.0)  # fold the error into later columns
-            codes[:, col] = q
-        w[:, i2:].addmm_(err1, hinv[i1:i2, i2:], alpha=-1.0)  # lazy update of the rest
+
+    def block_kernel(w1: torch.Tensor, hinv1: torch.Tensor, i1: int, i2: int):
+        return kernel(w1, hinv1, scale, zero, kernel_groups[i1:i2], **kernel_kw)
+
+    grid = IntColumnGrid(scheme, scale, zero, col_group, g, fixed)
+    codes = gptq_column_loop(w, hinv, grid, bs, block_kernel if kernel is not None else None)
 
     g_idx = None
     if perm is not None:
@@ -329,7 +380,7 @@ class GPTQQuantizer:
                     "Use more or longer calibration samples (MoE experts need tokens routed to "
                     "them), or quantize with --method rtn.")
         results = rtn_fallback(ctx, uncalibrated, "GPTQ")
-        for names in _shared_input_sets(ctx, [n for n in ctx.linears if n not in results]):
+        for names in shared_input_sets(ctx, [n for n in ctx.linears if n not in results]):
             results.update(self._quantize_set(ctx, names, prefix))
         return results
 
@@ -365,7 +416,7 @@ class GPTQQuantizer:
         return results
 
 
-def _shared_input_sets(ctx: BlockContext, names: list[str]) -> list[list[str]]:
+def shared_input_sets(ctx: BlockContext, names: list[str]) -> list[list[str]]:
     """Group Linears whose Hessians are identical (same input tensor), in ctx order.
 
     The diagonals are compared before the whole matrices: a MoE block has hundreds of expert

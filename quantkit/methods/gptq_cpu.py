@@ -6,8 +6,9 @@ GPTQ run on 2 cores). Rows of W are independent within a block (only the shared 
 couples columns), so the block is transposed to [column, row] and every step is a loop
 over contiguous rows, which compiles to SIMD; row ranges run in parallel threads.
 
-The arithmetic is `gptq._gptq`'s torch loop, op for op: group parameters from the
-error-updated columns at each group start, q = clamp(rint(w / s) + z, 0, qmax),
+The arithmetic is the torch loop's (`gptq.gptq_column_loop`, `IntColumnGrid`), op for op:
+group parameters from the error-updated columns at each group start,
+q = clamp(rint(w / s) + z, 0, qmax),
 err = (w - (q*s - z*s)) / H^-1_ii, then w_j -= err * H^-1_ij for the later columns.
 """
 

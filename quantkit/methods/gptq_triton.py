@@ -5,9 +5,10 @@ a GPU it is bound by kernel launches (~10 per column, 26k columns per Llama-8B b
 W are independent within a block (only the shared H^-1 row couples columns), so one program
 keeps a tile of rows in registers and walks the columns itself: one launch per block.
 
-The arithmetic is the same as `gptq._gptq`'s torch loop (group parameters from the
-error-updated columns at each group start, round half to even, clamp, error / H^-1_ii, rank-1
-update of the later columns); only the summation order of float ops may differ.
+The arithmetic is the torch loop's (`gptq.gptq_column_loop` with `IntColumnGrid`): group
+parameters from the error-updated columns at each group start, round half to even, clamp,
+error / H^-1_ii, rank-1 update of the later columns; only the summation order of float ops
+may differ.
 """
 
 from __future__ import annotations

@@ -134,7 +134,7 @@ def estimate(config, spec: ArchSpec, *, method: str, scheme: QuantScheme, calib_
     """Expected peaks for `quantize` with these settings (see the module docstring).
 
     `hessians`: the method gathers GPTQ Hessians and solves with them (default: method gptq;
-    int8 with GPTQ rounding does too).
+    int8, nvfp4 and mxfp4 with GPTQ rounding do too).
 
     `true_sequential` (GPTQ) sets the block forwards per block: on a GPU the replay runs
     ~2.5 partial forwards for the groups + 1 for the outputs, or 1 + 1 without it; on the
@@ -170,8 +170,9 @@ def estimate(config, spec: ArchSpec, *, method: str, scheme: QuantScheme, calib_
         (min(calib_batch, calib_samples) * heads * calib_seqlen**2 * act_bytes
          if calibrated and not cuda else 0)
     moe = spec.experts is not None and spec.experts.count(config) > 0
+    solves = method == "gptq" if hessians is None else hessians  # GPTQ Hessians gathered
     # one-pass true-sequential (CPU): every batch paused mid-block; MoE blocks replay instead
-    if method == "gptq" and true_sequential and not cuda and not moe:
+    if solves and true_sequential and not cuda and not moe:
         forward = max(forward, int(tokens * act_bytes * _staged_floats_per_token(
             hidden, inter, heads * head_dim, kv_heads * head_dim)))
 
@@ -182,12 +183,11 @@ def estimate(config, spec: ArchSpec, *, method: str, scheme: QuantScheme, calib_
     scales = sum(n * groups(k) for lin in linears for n, k in lin.values())
 
     stats = 0
+    group_hessians: list[int] = []  # bytes of each sequential group's Hessians
     gram_phase = 0  # GPU GPTQ: Hessians alive while the forward accumulates them
-    hessians = method == "gptq" if hessians is None else hessians
-    if hessians:  # K x K fp32 per Linear of a sequential group, + ~3 K^2 of working set
+    if solves:  # K x K fp32 per Linear of a sequential group, + ~3 K^2 of working set
         # (a MoE block: one Hessian per expert Linear, hidden^2 for every gate/up of the
         # expert group; only the current block's exist at a time)
-        hessians = []
         widest = max(linears, key=len, default={})  # a MoE block, not a dense one
         n_exp = spec.experts.count(config) if spec.experts else 0
         for seq in spec.groups_for(n_exp):
@@ -198,12 +198,13 @@ def estimate(config, spec: ArchSpec, *, method: str, scheme: QuantScheme, calib_
                 # (gptq.inverse_hessian_factor) + the group's fp32 weights
                 stats = max(stats, 3 * ks[0] ** 2 * 4 + rows * ks[0] * 4)
                 inputs = n_exp if spec.is_expert_linear(seq[0]) else 1  # each expert its own
-                hessians.append(inputs * ks[0] ** 2 * 4)
-        if hessians:
+                group_hessians.append(inputs * ks[0] ** 2 * 4)
+        if group_hessians:
             # true-sequential: one group's Hessian at a time; otherwise all of the block's
             # (+ one gram temporary of the widest either way)
-            others = sum(hessians) - max(hessians)
-            gram_phase = (max(hessians) if true_sequential else sum(hessians)) + max(hessians)
+            others = sum(group_hessians) - max(group_hessians)
+            widest_h = max(group_hessians)
+            gram_phase = (widest_h if true_sequential else sum(group_hessians)) + widest_h
             stats += 0 if true_sequential else others
     elif method == "awq":
         # the scale search holds every Linear's input over its search tokens (q/k/v, o,
@@ -227,7 +228,7 @@ def estimate(config, spec: ArchSpec, *, method: str, scheme: QuantScheme, calib_
     block_ram = (0 if cuda else block_params * load_bytes) + largest * sb + 4 * largest_linear * 4
 
     def working_set(fwd: int) -> int:
-        if hessians:
+        if group_hessians:
             # the forward (Hessians accumulating) and the solve (Hessian, inverse factor,
             # fp32 weights, codes) come one after the other: the larger of the two
             return max(fwd + gram_phase, stats + largest_linear * 4 * (1 if cuda else 4))
@@ -268,10 +269,10 @@ def estimate(config, spec: ArchSpec, *, method: str, scheme: QuantScheme, calib_
     disk += block_norms
 
     gptq_passes = (3.5 if cuda else 1) if true_sequential else 2
-    passes = {"gptq": gptq_passes, "awq": 8, "fp8": 1, "gguf": 1, "nvfp4": 1, "mxfp4": 1,
-              "int8": 2 if hessians else 1}.get(method, 0)
+    passes = gptq_passes if solves else {"awq": 8, "fp8": 1, "gguf": 1, "int8": 1, "nvfp4": 1,
+                                         "mxfp4": 1}.get(method, 0)
     flops = 2 * quantized * tokens * passes
-    if hessians:
+    if solves:
         flops += sum(n * k * k * 2 + k**3 for lin in linears for n, k in lin.values())
     dev = "cuda" if cuda else "cpu"
     io = (total_params * sb) / 1.5e9  # reading the shards

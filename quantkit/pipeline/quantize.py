@@ -119,8 +119,8 @@ class QuantizeRequest:
             args += ["--scheme", str(self.method_options.get("scheme", "dynamic"))]
             if self.method_options.get("smoothquant") is not None:
                 args += ["--smoothquant", str(self.method_options["smoothquant"])]
-            if self.method_options.get("rounding"):
-                args += ["--rounding", str(self.method_options["rounding"])]
+        if self.method in ("int8", "nvfp4", "mxfp4") and self.method_options.get("rounding"):
+            args += ["--rounding", str(self.method_options["rounding"])]
         else:
             args += ["--bits", str(s.bits), "--group-size", str(s.group_size),
                      "--sym" if s.symmetric else "--asym"] + (["--act-order"] if s.act_order else [])
@@ -138,9 +138,9 @@ class QuantizeRequest:
         reads_calib = (self.method in ("gptq", "awq")
                        or self.method_options.get("scheme") in ("static", "w4a4")
                        or (self.method == "gguf" and imatrix in ("calib", True))
-                       or (self.method == "int8" and (
-                           self.method_options.get("smoothquant") is not None
-                           or self.method_options.get("rounding") == "gptq"))
+                       or (self.method == "int8"
+                           and self.method_options.get("smoothquant") is not None)
+                       or self.method_options.get("rounding") == "gptq"
                        or bool(self.kv_cache))
         if reads_calib:  # the CLI refuses calibration flags a method would not read
             args += ["--calib", self.calib, "--calib-samples", str(self.calib_samples),
@@ -238,6 +238,7 @@ def plan(req: QuantizeRequest) -> tuple[MemoryPlan, dict]:
             "scheme": req.scheme.describe(), "device": _device(req.device),
             "calib_samples": req.calib_samples if calibrated else 0,
             "calib_seqlen": req.calib_seqlen if calibrated else 0,
+            **({"rounding": quantizer.rounding} if hasattr(quantizer, "rounding") else {}),
             **({"kv_cache": req.kv_cache} if req.kv_cache else {}),
             **({"group_size_choice": group_note} if group_note else {})}
     return plan_request(req, config, spec, quantizer, raw_config), info
