@@ -10,3 +10,9 @@ __version__ = "0.1.0"
 # 8.7 -> 5.8 s). OpenBLAS reads this when it loads (transformers loads scipy.linalg with a
 # model), so it is set here, first; a value the user set is kept.
 _os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
+
+# reproducible mode (QUANTKIT_REPRODUCIBLE=1): pin every library's kernels to its AVX2 path
+# before torch / numpy / scipy load (they read these switches only then); see reproducible.py
+from quantkit import reproducible as _reproducible  # noqa: E402
+
+_reproducible.apply_from_env()

@@ -320,11 +320,20 @@ def _request(model, method, bits, group_size, sym, act_order, damp, true_sequent
 @click.option("--no-memory-check", "no_memory_check", is_flag=True,
               help="Skip the early refusal when the planned peak RAM exceeds what is available "
                    "($QUANTKIT_MEMORY_LIMIT_BYTES caps what counts as available).")
-def quantize(resume, no_memory_check, **kw) -> None:
+@click.option("--reproducible", is_flag=True,
+              help="Pin torch, MKL, oneDNN and OpenBLAS to their AVX2 kernels, so the same "
+                   "command gives the same bytes on any x86-64 CPU with AVX2 (slower where "
+                   "the CPU has AVX-512; same as QUANTKIT_REPRODUCIBLE=1).")
+def quantize(resume, no_memory_check, reproducible, **kw) -> None:
     """Quantize MODEL with METHOD and write an engine-ready artifact to -o."""
+    from quantkit import reproducible as mode
+
+    if reproducible and not mode.active():  # the libraries are loaded: pin them in a new process
+        mode.reexec_with_mode()
     from quantkit.pipeline.quantize import quantize as run
 
-    req = _request(**kw, resume=resume, memory_check=not no_memory_check)
+    req = _request(**kw, resume=resume, memory_check=not no_memory_check,
+                   reproducible=mode.active())
     if os.environ.get("RANK", "0") != "0":  # a data-parallel worker (torchrun): rank 0 reports
         run(req)
         return

@@ -63,6 +63,9 @@ from quantkit.pipeline.streaming import (
     to_meta,
 )
 from quantkit.readers import read_config_json, scan_finite
+from quantkit.reproducible import ENV_VAR as REPRODUCIBLE_ENV
+from quantkit.reproducible import active as reproducible_active
+from quantkit.reproducible import check_cpu, kernel_facts
 from quantkit.types import EXPERT_MIN_TOKENS, ProgressFn, QuantResult, QuantScheme
 
 __all__ = ["QuantizeRequest", "quantize", "plan", "linear_shapes", "check_group_size",
@@ -98,6 +101,9 @@ class QuantizeRequest:
     moe_calibrate_all_experts: bool = False
     expert_min_tokens: int = EXPERT_MIN_TOKENS  # warn about experts calibrated on fewer
     kv_cache: str | None = None  # "fp8": calibrate per-layer k/v scales for an FP8 KV cache
+    # same kernels on every AVX2 CPU (quantkit.reproducible); the process must have pinned
+    # them before torch loaded (QUANTKIT_REPRODUCIBLE=1), else quantize() refuses
+    reproducible: bool = False
 
     def cli_equivalent(self) -> str:
         """The `quantkit quantize` command that makes this request (for API callers)."""
@@ -132,6 +138,8 @@ class QuantizeRequest:
             args += ["--moe-calibrate-all-experts"]
         if self.kv_cache:
             args += ["--kv-cache", self.kv_cache]
+        if self.reproducible:
+            args += ["--reproducible"]
         imatrix = self.method_options.get("imatrix")
         if self.method == "gguf" and isinstance(imatrix, str) and imatrix != "calib":
             args += ["--imatrix", imatrix]
@@ -287,6 +295,13 @@ def quantize(req: QuantizeRequest, on_progress: ProgressFn | None = None) -> dic
 def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dict:
     dp, dp_device = dist if dist is not None else (None, None)
     t_start = time.perf_counter()
+    if req.reproducible:
+        if not reproducible_active():
+            raise QuantkitError("reproducible=True needs the kernels pinned before torch loads, "
+                                "and this process loaded torch first.",
+                                f"Set {REPRODUCIBLE_ENV}=1 in the environment before Python "
+                                "starts, or run `quantkit quantize --reproducible`.")
+        check_cpu()
     if req.stream is not False:
         keep_heap_small()  # before torch's threads make their malloc arenas
     out = Path(req.out)
@@ -355,7 +370,8 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
                     "scheme": dataclasses.asdict(req.scheme), "options": req.method_options,
                     "calibration": calib.provenance if calib is not None else None,
                     "device": device, "quantkit": quantkit.__version__,
-                    "moe_calibrate_all_experts": req.moe_calibrate_all_experts}
+                    "moe_calibrate_all_experts": req.moe_calibrate_all_experts,
+                    "reproducible": req.reproducible}
         ckpt = BlockCheckpoint(checkpoint_dir(out), request_key(describe), describe)
     # methods may ask for larger calibration batches (fewer, bigger ops: much faster on CPU)
     batch = getattr(quantizer, "calib_batch_size", 1)
@@ -411,6 +427,8 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
                     "expert_min_tokens": req.expert_min_tokens,
                     "router": "unquantized"}} if spec.experts is not None else {}),
         "device": device,
+        # which float32 kernels ran: artifacts whose facts differ may differ in their codes
+        **({"kernels": kernel_facts()} if device == "cpu" else {}),
         **({"offload_activations": True} if offload else {}),
         "seconds": {"quantize": round(quant_seconds, 3)},
         **({"data_parallel": dp.describe()} if dp is not None else {}),
