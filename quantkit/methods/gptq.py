@@ -239,7 +239,7 @@ def _pinned_threads(device: torch.device) -> contextlib.AbstractContextManager:
     """One thread in reproducible mode: MKL's Cholesky and triangular solve split their sums
     by thread count even under MKL_CBWR=...,STRICT (measured: 1 vs 2 threads differ by up to
     6e-7), so the same factor on every machine needs a fixed count."""
-    return _one_cpu_thread(device) if reproducible.active() else contextlib.nullcontext()
+    return one_cpu_thread(device) if reproducible.active() else contextlib.nullcontext()
 
 
 def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, scheme: QuantScheme, *,
