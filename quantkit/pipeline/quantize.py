@@ -119,6 +119,8 @@ class QuantizeRequest:
             args += ["--scheme", str(self.method_options.get("scheme", "dynamic"))]
             if self.method_options.get("smoothquant") is not None:
                 args += ["--smoothquant", str(self.method_options["smoothquant"])]
+            if self.method_options.get("smoothquant_pairs"):
+                args += ["--smoothquant-pairs", str(self.method_options["smoothquant_pairs"])]
             if self.method_options.get("rounding"):
                 args += ["--rounding", str(self.method_options["rounding"])]
         else:
