@@ -15,15 +15,19 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import shutil
+import subprocess
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-from llmc_peer import calibration_ids, default_llmc_python, llmc_artifacts, score
 
+from quantkit.calibration import load_calibration
+from quantkit.eval.harness import evaluate
+from quantkit.info import artifact_info
 from quantkit.methods.fp4 import fp4_scheme
-from quantkit.model_io import resolve_model
+from quantkit.model_io import cache_dir, load_tokenizer, resolve_model
 from quantkit.pipeline.quantize import QuantizeRequest, quantize
 from quantkit.types import QuantScheme
 
@@ -36,7 +40,8 @@ LLMC = {"llmc_nvfp4a16": "NVFP4A16", "llmc_mxfp4a16": "MXFP4A16", "llmc_nvfp4": 
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--llmc-python", default=default_llmc_python())
+    p.add_argument("--llmc-python", default=str(cache_dir() / "venvs" / "llmcompressor-0.14.0.1"
+                                                / "bin" / "python"))
     p.add_argument("--workdir", type=Path, default=None)
     args = p.parse_args()
     work = args.workdir or Path(tempfile.mkdtemp(prefix="fp4bench-"))
@@ -56,11 +61,31 @@ def main() -> None:
         t0 = time.perf_counter()
         quantize(QuantizeRequest(model=MODEL, out=arts[name], force=True, **kw, **CALIB))
         seconds[name] = round(time.perf_counter() - t0, 1)
-    ids = calibration_ids(src, CALIB["calib_samples"], CALIB["calib_seqlen"], CALIB["seed"])
-    llmc, outcome, seconds["llmc_all_three"] = llmc_artifacts(src, ids, work, LLMC,
-                                                              args.llmc_python)
-    arts.update(llmc)
-    rows, records, eval_s = score(arts, MODEL, seconds=seconds)
+    ids = load_calibration("mixed", load_tokenizer(src), n_samples=CALIB["calib_samples"],
+                           seqlen=CALIB["calib_seqlen"], seed=CALIB["seed"]).input_ids
+    torch.save(ids, work / "ids.pt")
+    ref_root = work / "llmc"
+    ref_root.mkdir(exist_ok=True)
+    t0 = time.perf_counter()
+    subprocess.run([args.llmc_python, str(HERE.parent / "tests" / "llmc_reference.py"), str(src),
+                    str(work / "ids.pt"), str(ref_root), *LLMC.values()], check=True)
+    seconds["llmc_all_three"] = round(time.perf_counter() - t0, 1)
+    outcome = json.loads((ref_root / "outcome.json").read_text())
+    for name, preset in LLMC.items():
+        if outcome.get(preset) == "ok":
+            arts[name] = ref_root / preset
+            for f in ("tokenizer.json", "tokenizer_config.json"):
+                shutil.copy2(src / f, arts[name] / f)
+    t0 = time.perf_counter()
+    records = evaluate([str(a) for a in arts.values()], MODEL)
+    eval_s = round(time.perf_counter() - t0, 1)
+    rows = {}
+    for (name, art), rec in zip(arts.items(), records, strict=True):
+        m, info = rec["metrics"], artifact_info(art)
+        rows[name] = {"kld_mean": m["kld"]["mean"], "kld_stderr": m["kld"]["stderr"], "ppl": m["ppl"]["value"],
+                      "top1_agreement": m["top1_agreement"]["value"],
+                      "bits_per_weight_quantized": info.get("bits_per_weight_quantized"),
+                      "quantize_s": seconds.get(name)}
     out = {"benchmark": "fp4_vs_int4_smollm2_cpu", "model": MODEL,
            "heldout": "mixed (heldout split), 32 windows x 512 tokens, KLD vs bf16",
            "calibration": {**CALIB, "set": "mixed", "used_by": "W4A4 input scales only"},
