@@ -44,7 +44,7 @@ def llmc_artifacts(model_dir: Path, ids: torch.Tensor, work: Path, presets: dict
     outcome ("ok" or its own error) and the seconds the reference run took."""
     t0 = time.perf_counter()
     got = run_reference(model_dir, ids, work, list(presets.values()),
-                        python=Path(python) if python else None)
+                        python=Path(python) if python else None, timeout=None)
     seconds = round(time.perf_counter() - t0, 1)
     arts = {name: got[p] for name, p in presets.items() if isinstance(got[p], Path)}
     outcome = {p: "ok" if isinstance(r, Path) else r for p, r in got.items()}

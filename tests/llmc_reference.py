@@ -39,7 +39,7 @@ def llmc_python() -> Path:
 
 
 def run_reference(model_dir: Path, ids, root: Path, presets: list[str], *,
-                  python: Path | None = None, timeout: int = 900) -> dict[str, Path | str]:
+                  python: Path | None = None, timeout: int | None = 900) -> dict[str, Path | str]:
     """Run llm-compressor on `ids` (int64 [n, seqlen]) for each preset under root/llmc:
     preset -> its artifact directory, or the reference's own error message."""
     import shutil
