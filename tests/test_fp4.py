@@ -35,8 +35,10 @@ from quantkit.formats.fp4 import pack_e2m1
 from quantkit.info import artifact_info
 from quantkit.loader import load_artifact
 from quantkit.methods.fp4 import fp4_scheme
+from quantkit.model_io import cache_dir
 from quantkit.pipeline.quantize import QuantizeRequest, quantize
 
+LLMC_VENV = "llmcompressor-0.14.0.1"  # scripts/setup.sh builds it
 # quantkit's scheme -> the compressed-tensors preset llm-compressor is run with
 PRESETS = {"nvfp4-w4a16": "NVFP4A16", "nvfp4-w4a4": "NVFP4", "mxfp4": "MXFP4A16"}
 CALIB = {"calib_samples": 8, "calib_seqlen": 64}
@@ -95,11 +97,16 @@ def test_e2m1_grid_and_packing_are_compressed_tensors_own():
 
 # ------------------------------------------------ llm-compressor as the reference ----
 
+def _llmc_python() -> Path:
+    python = cache_dir() / "venvs" / LLMC_VENV / "bin" / "python"
+    assert python.is_file(), f"llm-compressor venv missing at {python}: run scripts/setup.sh"
+    return python
+
+
 @pytest.fixture(scope="module")
 def fp4_artifacts(tmp_path_factory):
     """The tiny Llama, quantkit's three artifacts and llm-compressor's for the same presets,
     all calibrated on the same 8 x 64 windows of `mixed`."""
-    from llmc_reference import run_reference
     from tiny_models import make_tiny_model
 
     from quantkit.calibration import load_calibration
@@ -109,14 +116,24 @@ def fp4_artifacts(tmp_path_factory):
     model = make_tiny_model(root / "llama", "llama")
     ids = load_calibration("mixed", load_tokenizer(model), n_samples=CALIB["calib_samples"],
                            seqlen=CALIB["calib_seqlen"], seed=0).input_ids
-    refs = run_reference(model, ids, root, list(PRESETS.values()), timeout=600)
-    assert all(isinstance(p, Path) for p in refs.values()), refs
+    torch.save(ids, root / "ids.pt")
+    ref_root = root / "llmc"
+    ref_root.mkdir()
+    proc = subprocess.run([str(_llmc_python()), str(Path(__file__).with_name("llmc_reference.py")),
+                           str(model), str(root / "ids.pt"), str(ref_root), *PRESETS.values()],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    outcome = json.loads((ref_root / "outcome.json").read_text())
+    assert outcome == dict.fromkeys(PRESETS.values(), "ok"), outcome
+    for preset in PRESETS.values():  # so that quantkit's loader can read theirs as well
+        shutil.copy2(model / "tokenizer.json", ref_root / preset / "tokenizer.json")
+        shutil.copy2(model / "tokenizer_config.json", ref_root / preset / "tokenizer_config.json")
     ours = {}
     for name in PRESETS:
         method, _, scheme = name.partition("-")
         ours[name] = root / name
         _q(model, ours[name], method, scheme or "w4a16")
-    return model, ours, {name: refs[p] for name, p in PRESETS.items()}
+    return model, ours, {name: ref_root / p for name, p in PRESETS.items()}
 
 
 def test_artifacts_equal_llm_compressor(fp4_artifacts, capsys):
