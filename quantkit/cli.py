@@ -127,6 +127,11 @@ def _method_options(f):
                      metavar="ALPHA",
                      help="int8: migrate activation outliers into the weights with strength "
                           "ALPHA (0.5 usual), folded into the preceding norm / Linear."),
+        click.option("--smoothquant-pairs", "smoothquant_pairs", type=click.Choice(["all", "norms"]),
+                     default=None,
+                     help="int8 --smoothquant: all (default: norm -> q/k/v, norm -> gate/up, "
+                          "up -> down, v -> o where shapes allow) or norms (the two norm groups "
+                          "only: llm-compressor's default SmoothQuant mappings)."),
         click.option("--rounding", type=click.Choice(["rtn", "gptq"]), default=None,
                      help="int8, nvfp4, mxfp4: round the weights to nearest (rtn, default) or "
                           "with GPTQ onto the same grid and scales (reads calibration data)."),
@@ -172,7 +177,8 @@ FLAG_READERS: dict[str, tuple[str, ...]] = {
     "act_order": ("gptq",), "damp": ("gptq", "int8", "nvfp4", "mxfp4"),
     "true_sequential": ("gptq",),
     "gguf_type": ("gguf",), "imatrix": ("gguf",), "fp8_scheme": ("fp8", "int8", "nvfp4"),
-    "smoothquant": ("int8",), "rounding": ("int8", "nvfp4", "mxfp4"),
+    "smoothquant": ("int8",), "smoothquant_pairs": ("int8",),
+    "rounding": ("int8", "nvfp4", "mxfp4"),
     **dict.fromkeys(_CALIB_FLAGS, _CALIBRATED),
     # per-expert statistics: only GPTQ gathers them for mixture-of-experts blocks so far
     "moe_calibrate_all_experts": ("gptq",), "expert_min_tokens": ("gptq",),
@@ -208,6 +214,10 @@ def check_flags_apply(ctx: click.Context, method: str, fp8_scheme: str | None,
         raise QuantkitError(f"--damp is read by --method {method} only with --rounding gptq.",
                             "Drop --damp, or pass --rounding gptq.")
     if method == "int8":
+        if "smoothquant_pairs" in given and ctx.params.get("smoothquant") is None:
+            raise QuantkitError("--smoothquant-pairs is read by --method int8 only with "
+                                "--smoothquant.", "Drop --smoothquant-pairs, or pass "
+                                "--smoothquant ALPHA.")
         reads = ((fp8_scheme or "dynamic") == "static" or ctx.params.get("smoothquant") is not None
                  or rounding == "gptq")
         if calib and not reads:
@@ -244,6 +254,7 @@ def check_flags_apply(ctx: click.Context, method: str, fp8_scheme: str | None,
 def _request(model, method, bits, group_size, sym, act_order, damp, true_sequential, fmt,
              gguf_type, imatrix, fp8_scheme, calib, calib_samples, calib_seqlen, chat, seed,
              device, allow_pickle, trust_remote_code, stream, smoothquant=None, rounding=None,
+             smoothquant_pairs=None,
              moe_calibrate_all_experts=False,
              expert_min_tokens=_EXPERT_MIN_TOKENS, text_column=None, output=".", force=False,
              kv_cache=None, **extra):
@@ -286,6 +297,8 @@ def _request(model, method, bits, group_size, sym, act_order, damp, true_sequent
         options["scheme"] = fp8_scheme or "dynamic"
         if smoothquant is not None:
             options["smoothquant"] = smoothquant
+        if smoothquant_pairs:
+            options["smoothquant_pairs"] = smoothquant_pairs
         if rounding:
             options["rounding"] = rounding
         scheme = int8_scheme(options["scheme"])  # per-channel weights: no group size to fit

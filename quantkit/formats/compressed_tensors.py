@@ -76,7 +76,9 @@ def int_quantized_config(activations: str, ignore: list[str]) -> dict:
                                   dynamic=True)
     cfg = QuantizationConfig(
         config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=weights,
-                                                     input_activations=inputs)},
+                                                     input_activations=inputs,
+                                                     # llm-compressor 0.14 names it per group too
+                                                     format="int-quantized")},
         ignore=ignore, format="int-quantized", quantization_status="compressed")
     out = cfg.to_dict()
     out["quant_method"] = "compressed-tensors"

@@ -30,7 +30,13 @@ from quantkit.methods.fp8 import fused_groups
 from quantkit.methods.gptq import DEFAULT_BLOCK_SIZE, DEFAULT_DAMP, GPTQQuantizer
 from quantkit.methods.intquant import relative_error, rtn_quantize_weight
 from quantkit.methods.scaling import require_scaling_table
-from quantkit.methods.smoothquant import Smoothing, check_alpha, smooth_block
+from quantkit.methods.smoothquant import (
+    SMOOTHQUANT_PAIRS,
+    SMOOTHQUANT_STATS,
+    Smoothing,
+    check_alpha,
+    smooth_block,
+)
 from quantkit.types import BlockContext, QuantResult, QuantScheme
 
 __all__ = ["Int8Quantizer", "int8_scheme", "SCHEMES", "ROUNDINGS", "STATIC_QMAX"]
@@ -55,6 +61,8 @@ class Int8Quantizer:
 
     scheme       dynamic (per-token inputs, no calibration needed) | static (per-tensor)
     smoothquant  None, or alpha in [0, 1]: migrate activation outliers into the weights
+    smoothquant_pairs  all (every group of the scaling table) | norms (norm -> Linear groups
+                 only: llm-compressor's default SmoothQuant mappings)
     rounding     rtn | gptq (Hessian-aware rounding; the next block sees quantized outputs)
     damp, block_size   GPTQ's, when rounding="gptq"
     """
@@ -64,17 +72,24 @@ class Int8Quantizer:
 
     def __init__(self, scheme: str = "dynamic", smoothquant: float | None = None,
                  rounding: str = "rtn", damp: float = DEFAULT_DAMP,
+                 smoothquant_pairs: str = "all",
                  block_size: int = DEFAULT_BLOCK_SIZE) -> None:
         self._scheme = int8_scheme(scheme)
         if rounding not in ROUNDINGS:
             raise SchemeMismatch(f"Unknown int8 rounding {rounding!r}.",
                                  f"Choose one of: {', '.join(ROUNDINGS)} (default rtn).")
         self.alpha = None if smoothquant is None else check_alpha(smoothquant)
+        if smoothquant_pairs not in SMOOTHQUANT_PAIRS:
+            raise SchemeMismatch(f"Unknown SmoothQuant pairs {smoothquant_pairs!r}.",
+                                 f"Choose one of: {', '.join(SMOOTHQUANT_PAIRS)} (default all).")
+        self.smoothquant_pairs = smoothquant_pairs
         self.rounding = rounding
         self.static = scheme == "static"
         self._gptq = (GPTQQuantizer(damp=damp, block_size=block_size, true_sequential=False)
                       if rounding == "gptq" else None)
-        stats = ["absmax"] if (self.alpha is not None or self.static) else []
+        stats = list(SMOOTHQUANT_STATS) if self.alpha is not None else []
+        if self.static:
+            stats.append("absmax")
         if self._gptq is not None:
             stats.append("hessian")
         self.stats: tuple[str, ...] = tuple(stats)
@@ -110,7 +125,8 @@ class Int8Quantizer:
         smooth = None
         if self.alpha is not None:
             require_scaling_table(ctx.arch, "SmoothQuant", "drop --smoothquant")
-            smooth = smooth_block(ctx, self.alpha, log=self._log_once)
+            smooth = smooth_block(ctx, self.alpha, log=self._log_once,
+                                  pairs=self.smoothquant_pairs)
             self.history += smooth.history
             if self._gptq is not None:
                 _smooth_hessians(ctx, smooth)

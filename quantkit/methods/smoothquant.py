@@ -3,16 +3,22 @@
 Why: with int8 inputs, one input channel that runs 50x larger than the others sets every
 token's scale, and the other channels are left with a few integer steps. SmoothQuant divides
 input channel j by s_j and multiplies column j of the weights by s_j, so the product is
-unchanged and the difficulty is shared between activations and weights:
+unchanged and the difficulty is shared between activations and weights. The scales are
+llm-compressor 0.14's (`SmoothQuantModifier._calculate_smoothing_scales`), so that its
+artifacts are the reference quantkit's are tested against value for value:
 
-    s_j = max|X_j|^alpha / max|W_:,j|^(1 - alpha)          alpha: migration strength (0.5)
+    s_j = R_j^alpha / (2 max|W_:,j|)^(1 - alpha)          alpha: migration strength (0.5)
 
-max|X_j| is the pipeline's "absmax" statistic over every calibration token of the shared
-loader; max|W_:,j| runs over the rows of every balance Linear of the group (q/k/v share one
-s). A channel that saw no activation or holds no weight keeps s = 1; s is clamped at 1e-5
-(the paper's code). The 1/s goes into the previous op exactly as AWQ's scales do
-(`quantkit.methods.scaling`, the architecture's scaling table): norm -> q/k/v, norm ->
-gate/up, up -> down, and v -> o where the shapes allow (not under grouped-query attention).
+R_j = max X_j - min X_j is channel j's dynamic range over every calibration token of the
+shared loader (the pipeline's "colmax" / "colmin" statistics); 2 max|W_:,j| the weights'
+range, over the rows of every balance Linear of the group (q/k/v share one s). For a channel
+symmetric about 0 this is the paper's max|X_j|^alpha / max|W_:,j|^(1 - alpha). A channel that
+saw no activation or holds no weight keeps s = 1 (llm-compressor: its activation range, which
+such a channel ignores anyway); s is clamped at 1e-5 (both). The 1/s goes into the previous op
+exactly as AWQ's scales do (`quantkit.methods.scaling`, the architecture's scaling table):
+norm -> q/k/v, norm -> gate/up, up -> down, and v -> o where the shapes allow (not under
+grouped-query attention). llm-compressor's default mappings are the two norm pairs only; its
+recipe takes the other pairs as `mappings` (tests/llmc_reference.py passes quantkit's).
 Folding alone leaves the block's function unchanged (tests check it before any rounding).
 """
 
@@ -26,9 +32,12 @@ from quantkit.errors import CalibrationError, SchemeMismatch
 from quantkit.methods.scaling import fold_scale, scale_plans
 from quantkit.types import BlockContext
 
-__all__ = ["smoothing_scales", "smooth_block", "Smoothing", "check_alpha"]
+__all__ = ["smoothing_scales", "smooth_block", "Smoothing", "check_alpha", "input_range",
+           "SMOOTHQUANT_STATS", "SMOOTHQUANT_PAIRS"]
 
 MIN_SCALE = 1e-5
+SMOOTHQUANT_STATS = ("colmax", "colmin")  # what smooth_block reads
+SMOOTHQUANT_PAIRS = ("all", "norms")  # norms: llm-compressor's default mappings
 
 
 def check_alpha(alpha: float) -> float:
@@ -39,15 +48,20 @@ def check_alpha(alpha: float) -> float:
     return alpha
 
 
-def smoothing_scales(act_absmax: torch.Tensor, weights: list[torch.Tensor],
+def smoothing_scales(act_range: torch.Tensor, weights: list[torch.Tensor],
                      alpha: float) -> torch.Tensor:
-    """s [K] for inputs whose per-channel max |x| is `act_absmax` [K], read by `weights`
-    (each [N_i, K]); float32."""
-    a = act_absmax.float()
-    w = torch.cat([x.detach().float().abs() for x in weights]).amax(0)
+    """s [K] for inputs whose per-channel range (max x - min x) is `act_range` [K], read by
+    `weights` (each [N_i, K]); float32."""
+    a = act_range.float()
+    w = 2.0 * torch.cat([x.detach().float().abs() for x in weights]).amax(0)
     s = a.pow(alpha) / w.pow(1 - alpha)
     ok = (a > 0) & (w > 0) & torch.isfinite(s)
     return torch.where(ok, s, torch.ones_like(s)).clamp(min=MIN_SCALE)
+
+
+def input_range(st: dict) -> torch.Tensor:
+    """Per-channel max x - min x from the pipeline's colmax / colmin statistics."""
+    return st["colmax"].float() - st["colmin"].float()
 
 
 @dataclass
@@ -64,25 +78,26 @@ class Smoothing:
         return self.col[name]
 
 
-def smooth_block(ctx: BlockContext, alpha: float, log=None) -> Smoothing:
+def smooth_block(ctx: BlockContext, alpha: float, log=None, pairs: str = "all") -> Smoothing:
     """Fold SmoothQuant scales into the block in place, group by group in table order
-    (each group's s from the weights as they are when its turn comes)."""
+    (each group's s from the weights as they are when its turn comes); pairs="norms" folds
+    only the norm -> Linear groups (llm-compressor's default mappings)."""
     dev = next(ctx.block.parameters()).device
     col = {n: torch.ones(lin.in_features, device=dev) for n, lin in ctx.linears.items()}
     row = {n: torch.ones(lin.out_features, device=dev) for n, lin in ctx.linears.items()}
     out = Smoothing(col, row)
     with torch.no_grad():
         for plan in scale_plans(ctx, log=log, method="SmoothQuant"):
-            if plan.mode == "skip":
+            if plan.mode == "skip" or (pairs == "norms" and plan.mode != "norm"):
                 continue
             first = next(iter(plan.balance))
             st = ctx.stats.get(first) or {}
-            if "absmax" not in st or not st.get("tokens"):
+            if "colmax" not in st or not st.get("tokens"):
                 raise CalibrationError(
                     f"SmoothQuant: {first} of block {ctx.index} received no calibration tokens.",
                     "Pass calibration data (--calib, --calib-samples >= 1), or drop --smoothquant.")
-            s = smoothing_scales(st["absmax"].to(dev), [lin.weight.data for lin in
-                                                        plan.balance.values()], alpha)
+            s = smoothing_scales(input_range(st).to(dev), [lin.weight.data for lin in
+                                                            plan.balance.values()], alpha)
             fold_scale(plan, s, col, row, {})
             out.history.append({"block": ctx.index, "prev": plan.group.prev,
                                 "balance": list(plan.balance), "mode": plan.mode,

@@ -125,11 +125,13 @@ class QuantizeRequest:
             args += ["--scheme", str(self.method_options.get("scheme", "dynamic"))]
             if self.method_options.get("smoothquant") is not None:
                 args += ["--smoothquant", str(self.method_options["smoothquant"])]
-        if self.method in ("int8", "nvfp4", "mxfp4") and self.method_options.get("rounding"):
-            args += ["--rounding", str(self.method_options["rounding"])]
+            if self.method_options.get("smoothquant_pairs"):
+                args += ["--smoothquant-pairs", str(self.method_options["smoothquant_pairs"])]
         else:
             args += ["--bits", str(s.bits), "--group-size", str(s.group_size),
                      "--sym" if s.symmetric else "--asym"] + (["--act-order"] if s.act_order else [])
+        if self.method in ("int8", "nvfp4", "mxfp4") and self.method_options.get("rounding"):
+            args += ["--rounding", str(self.method_options["rounding"])]
         if "damp" in self.method_options:
             args += ["--damp", str(self.method_options["damp"])]
         if self.method_options.get("true_sequential") is False:

@@ -6,6 +6,8 @@ Each statistic is a running sum plus a token count, so batches can come in any s
   absmean   sum_x |x| per column  [K]    float32  (AWQ)
   absmax    max_x |x| per column  [K]    float32  (FP8 static input scales, max observer)
   token_absmax  max |x| of every token, concatenated [T] float32 (FP8 percentile observer)
+  colmax / colmin  signed max / min x per column  [K] float32  (SmoothQuant's dynamic range,
+            max - min, as llm-compressor's SmoothQuantModifier measures it)
 """
 
 from __future__ import annotations
@@ -17,9 +19,10 @@ import torch
 
 __all__ = ["StatCollector", "STATS"]
 
-STATS = ("hessian", "sq_mean", "absmean", "absmax", "token_absmax")
+STATS = ("hessian", "sq_mean", "absmean", "absmax", "token_absmax", "colmax", "colmin")
 # how a new batch joins the running value (default: sum)
-_COMBINE = {"absmax": torch.maximum, "token_absmax": lambda a, b: torch.cat([a, b])}
+_COMBINE = {"absmax": torch.maximum, "token_absmax": lambda a, b: torch.cat([a, b]),
+            "colmax": torch.maximum, "colmin": torch.minimum}
 
 
 def _gram_reads_half(x_in: torch.Tensor) -> bool:
@@ -143,6 +146,10 @@ class StatCollector:
                     upd = x.abs().amax(0)
                 elif stat == "token_absmax":
                     upd = x.abs().amax(1)
+                elif stat == "colmax":
+                    upd = x.amax(0)
+                elif stat == "colmin":
+                    upd = x.amin(0)
                 else:
                     upd = x.abs().sum(0)
                 self._last_updates[stat] = upd
