@@ -22,19 +22,15 @@ import argparse
 import json
 import os
 import platform
-import shutil
-import subprocess
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+from llmc_peer import calibration_ids, llmc_artifacts, score
 
-from quantkit.calibration import load_calibration
-from quantkit.eval.harness import evaluate
-from quantkit.info import artifact_info
 from quantkit.methods.fp4 import fp4_scheme
-from quantkit.model_io import cache_dir, load_tokenizer, resolve_model
+from quantkit.model_io import cache_dir, resolve_model
 from quantkit.pipeline.quantize import QuantizeRequest, quantize
 from quantkit.types import QuantScheme
 
@@ -75,31 +71,11 @@ def main() -> None:
         t0 = time.perf_counter()
         quantize(QuantizeRequest(model=MODEL, out=arts[name], force=True, **kw, **CALIB))
         seconds[name] = round(time.perf_counter() - t0, 1)
-    ids = load_calibration("mixed", load_tokenizer(src), n_samples=CALIB["calib_samples"],
-                           seqlen=CALIB["calib_seqlen"], seed=CALIB["seed"]).input_ids
-    torch.save(ids, work / "ids.pt")
-    ref_root = work / "llmc"
-    ref_root.mkdir(exist_ok=True)
-    t0 = time.perf_counter()
-    subprocess.run([args.llmc_python, str(HERE.parent / "tests" / "llmc_reference.py"), str(src),
-                    str(work / "ids.pt"), str(ref_root), *LLMC.values()], check=True)
-    seconds["llmc_all_three"] = round(time.perf_counter() - t0, 1)
-    outcome = json.loads((ref_root / "outcome.json").read_text())
-    for name, preset in LLMC.items():
-        if outcome.get(preset) == "ok":
-            arts[name] = ref_root / preset
-            for f in ("tokenizer.json", "tokenizer_config.json"):
-                shutil.copy2(src / f, arts[name] / f)
-    t0 = time.perf_counter()
-    records = evaluate([str(a) for a in arts.values()], MODEL)
-    eval_s = round(time.perf_counter() - t0, 1)
-    rows = {}
-    for (name, art), rec in zip(arts.items(), records, strict=True):
-        m, info = rec["metrics"], artifact_info(art)
-        rows[name] = {"kld_mean": m["kld"]["mean"], "kld_stderr": m["kld"]["stderr"], "ppl": m["ppl"]["value"],
-                      "top1_agreement": m["top1_agreement"]["value"],
-                      "bits_per_weight_quantized": info.get("bits_per_weight_quantized"),
-                      "quantize_s": seconds.get(name)}
+    ids = calibration_ids(src, CALIB["calib_samples"], CALIB["calib_seqlen"], CALIB["seed"])
+    ref_arts, outcome, seconds["llmc_all_three"] = llmc_artifacts(src, ids, work / "llmc", LLMC,
+                                                                  python=args.llmc_python)
+    arts.update(ref_arts)
+    rows, records, eval_s = score(arts, MODEL, seconds=seconds)
     out = {"benchmark": "fp4_vs_int4_smollm2_cpu", "model": MODEL,
            "heldout": "mixed (heldout split), 32 windows x 512 tokens, KLD vs bf16",
            "calibration": {**CALIB, "set": "mixed", "used_by": "W4A4 input scales only"},
@@ -131,16 +107,9 @@ def rounding_compare(work: Path) -> None:
                                         **ROUNDING_CALIB))
         seconds[name] = round(time.perf_counter() - t0, 1)
         commands[name] = meta["command"].replace(str(arts[name]), f"<out>/{name}")
-    t0 = time.perf_counter()
-    records = evaluate([str(a) for a in arts.values()], MODEL)
-    eval_s = round(time.perf_counter() - t0, 1)
-    rows = {}
-    for (name, art), rec in zip(arts.items(), records, strict=True):
-        m, info = rec["metrics"], artifact_info(art)
-        rows[name] = {"kld_mean": m["kld"]["mean"], "kld_stderr": m["kld"]["stderr"],
-                      "ppl": m["ppl"]["value"], "top1_agreement": m["top1_agreement"]["value"],
-                      "bits_per_weight_quantized": info.get("bits_per_weight_quantized"),
-                      "quantize_s": seconds[name], "command": commands[name]}
+    rows, records, eval_s = score(arts, MODEL, seconds=seconds)
+    for name, row in rows.items():
+        row["command"] = commands[name]
     ratios = {m: rows[f"quantkit_{m}_w4a16_gptq"]["kld_mean"] / rows[f"quantkit_{m}_w4a16_rtn"]["kld_mean"]
               for m in ("nvfp4", "mxfp4")}
     out = {"benchmark": "fp4_gptq_vs_rtn_smollm2_cpu", "model": MODEL,
