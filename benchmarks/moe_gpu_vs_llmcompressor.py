@@ -51,6 +51,29 @@ from llmcompressor_moe_gpu_peer import QWEN3_30B_A3B, synthetic_qwen3_moe  # noq
 TINY = {"hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 256, "num_experts": 8,
         "num_experts_per_tok": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64}
 VARIANTS = {"routed": False, "all": True}  # name -> calibrate all experts
+PHASES = None  # --phases: a PhaseTimer around the pipeline's steps (synchronized on the GPU)
+
+
+def time_phases(device: str):
+    """Wrap the pipeline's own steps (no copy of their code) with a synchronizing timer."""
+    from phase_timer import PhaseTimer
+
+    from quantkit.methods import gptq
+    from quantkit.pipeline import blocks, experts
+
+    timer = PhaseTimer(sync=torch.cuda.synchronize if device == "cuda" else None)
+    timer.wrap(experts, "linearize_experts", "linearize experts")
+    timer.wrap(blocks, "capture_block_inputs", "capture inputs")
+    timer.wrap(blocks, "_check_block_finite", "block to device + finite check")
+    timer.wrap(blocks, "_group_stats", "statistics forwards")
+    timer.wrap(blocks, "run_block", "output forwards")
+    timer.wrap(gptq.GPTQQuantizer, "quantize_block", "GPTQ (all)")
+    timer.wrap(gptq, "shared_input_sets", "GPTQ: shared-input sets")
+    timer.wrap(gptq, "inverse_hessian_factor", "GPTQ: inverse Hessian factor")
+    timer.wrap(gptq, "gptq_column_loop", "GPTQ: column loop")
+    timer.wrap(gptq, "relative_error", "GPTQ: relative error")
+    timer.wrap(blocks, "_block_and_results_to_cpu", "block + results to CPU")
+    return timer
 
 
 def _sync(device: str) -> None:
@@ -90,6 +113,7 @@ def run_quantkit(variant: str, args, shape: dict) -> dict:
     if args.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     marks: list[float] = []
+    before = dict(PHASES.seconds) if PHASES is not None else {}
     t0 = time.perf_counter()
     linearize_experts(model, spec, calibrate_all=VARIANTS[variant])
     results = quantize_blocks(model, spec, quantizer, QuantScheme(bits=4, group_size=128, symmetric=True),
@@ -115,6 +139,8 @@ def run_quantkit(variant: str, args, shape: dict) -> dict:
                                    / max(len(results), 1), 5),
            "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
            "torch": torch.__version__}
+    if PHASES is not None:
+        row["phase_seconds"] = {k: round(v - before.get(k, 0.0), 2) for k, v in PHASES.seconds.items()}
     print("RESULT " + json.dumps(row), flush=True)
     del model, results
     if args.device == "cuda":
@@ -167,8 +193,13 @@ def main() -> None:
     p.add_argument("--peer-python", default="", help="python with llm-compressor (default: this one)")
     p.add_argument("--warm-up", action="store_true",
                    help="one untimed quantkit run first (1 layer, 8 x 256): Triton's compile off the clock")
+    p.add_argument("--phases", action="store_true",
+                   help="time the pipeline's steps in each quantkit run (synchronizing: a little slower)")
     p.add_argument("--out", default="")
     args = p.parse_args()
+    global PHASES
+    if args.phases:
+        PHASES = time_phases(args.device)
     shape = TINY if args.tiny else {}
     variants = [v for v in args.variants.split(",") if v]
     tools = args.tools.split(",")

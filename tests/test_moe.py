@@ -290,3 +290,24 @@ def test_moe_artifact_in_real_vllm(moe_model, tmp_path):
     share = agreement(artifact, res["score"][0]["top1"], ids)
     print(f"vLLM (decoded bf16) vs quantkit loader top-1 agreement: {share:.3f}")
     assert share >= 0.9
+
+
+def test_linearize_copies_fused_experts_without_random_init(moe_model):
+    """The per-expert Linears are the fused tensors' slices, made without nn.Linear's random
+    init (it cost seconds per Qwen3-30B-A3B block on the CPU): the global RNG is not advanced."""
+    from transformers import AutoModelForCausalLM
+
+    from quantkit.pipeline.experts import LinearExperts, linearize_experts
+
+    model = AutoModelForCausalLM.from_pretrained(moe_model, dtype=torch.bfloat16)
+    fused = model.model.layers[1].mlp.experts
+    gate_up, down = fused.gate_up_proj.detach().clone(), fused.down_proj.detach().clone()
+    inter = gate_up.shape[1] // 2
+    rng = torch.random.get_rng_state()
+    linearize_experts(model, spec_for_config(model.config))
+    assert torch.equal(torch.random.get_rng_state(), rng)
+    experts = model.model.layers[1].mlp.experts
+    assert isinstance(experts, LinearExperts) and len(experts) == 8
+    assert torch.equal(experts[5].gate_proj.weight, gate_up[5, :inter])
+    assert torch.equal(experts[5].up_proj.weight, gate_up[5, inter:])
+    assert torch.equal(experts[7].down_proj.weight, down[7])

@@ -29,7 +29,11 @@ class _Expert(nn.Module):
 
     def __init__(self, spec: ExpertsSpec, hidden: int, inter: int, act_fn, dtype, device):
         super().__init__()
-        make = lambda i, o: nn.Linear(i, o, bias=False, dtype=dtype, device=device)  # noqa: E731
+        # skip_init: no random init of weights that are copied from the fused tensors (or
+        # streamed in) right after: nn.Linear's kaiming init of 128 experts x 3 Linears of
+        # Qwen3-30B-A3B shapes took seconds per block on the CPU
+        make = lambda i, o: nn.utils.skip_init(  # noqa: E731
+            nn.Linear, i, o, bias=False, dtype=dtype, device=device)
         setattr(self, spec.gate, make(hidden, inter))
         setattr(self, spec.up, make(hidden, inter))
         setattr(self, spec.down, make(inter, hidden))
