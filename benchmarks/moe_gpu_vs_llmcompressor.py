@@ -50,7 +50,12 @@ from llmcompressor_moe_gpu_peer import QWEN3_30B_A3B, synthetic_qwen3_moe  # noq
 # hidden 256, 8 experts, top-2: a CPU dry run of the whole script in seconds
 TINY = {"hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 256, "num_experts": 8,
         "num_experts_per_tok": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64}
-VARIANTS = {"routed": False, "all": True}  # name -> calibrate all experts
+# quantkit variant -> (calibrate all experts, true-sequential GPTQ). `-layerwise`: every Linear
+# of a block calibrated on the unquantized block (--no-true-sequential), llm-compressor's order:
+# one statistics forward per block instead of one per sequential group. The peer runs each
+# experts setting once (`routed`, `all`); a `-layerwise` row is compared with the same setting.
+VARIANTS = {"routed": (False, True), "all": (True, True),
+            "routed-layerwise": (False, False), "all-layerwise": (True, False)}
 PHASES = None  # --phases: a PhaseTimer around the pipeline's steps (synchronized on the GPU)
 
 
@@ -81,7 +86,7 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def planned_peak_gib(config, samples: int, seqlen: int, batch: int) -> float:
+def planned_peak_gib(config, samples: int, seqlen: int, batch: int, true_sequential: bool) -> float:
     """`quantkit plan`'s GPU peak for this run, context included (GPTQ W4A16 g128, sym)."""
     from quantkit.arch import spec_for_config
     from quantkit.pipeline.plan import estimate
@@ -90,7 +95,7 @@ def planned_peak_gib(config, samples: int, seqlen: int, batch: int) -> float:
     plan = estimate(config, spec_for_config(config), method="gptq",
                     scheme=QuantScheme(bits=4, group_size=128, symmetric=True),
                     calib_samples=samples, calib_seqlen=seqlen, calibrated=True, device="cuda",
-                    calib_batch=batch, true_sequential=True)
+                    calib_batch=batch, true_sequential=true_sequential)
     return plan.peak_gpu_bytes / 2**30
 
 
@@ -105,7 +110,8 @@ def run_quantkit(variant: str, args, shape: dict) -> dict:
     if args.device == "cuda":
         torch.cuda.empty_cache()
     spec = spec_for_config(model.config)
-    quantizer = GPTQQuantizer()
+    all_experts, true_sequential = VARIANTS[variant]
+    quantizer = GPTQQuantizer(true_sequential=true_sequential)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 128000, (args.samples, args.seqlen), generator=g)
     batches = list(ids.split(quantizer.calib_batch_size))
@@ -115,17 +121,19 @@ def run_quantkit(variant: str, args, shape: dict) -> dict:
     marks: list[float] = []
     before = dict(PHASES.seconds) if PHASES is not None else {}
     t0 = time.perf_counter()
-    linearize_experts(model, spec, calibrate_all=VARIANTS[variant])
+    linearize_experts(model, spec, calibrate_all=all_experts)
     results = quantize_blocks(model, spec, quantizer, QuantScheme(bits=4, group_size=128, symmetric=True),
                               batches, device=args.device, compute_dtype=torch.bfloat16,
                               on_progress=lambda *_: (_sync(args.device), marks.append(time.perf_counter())))
     _sync(args.device)
     dt = time.perf_counter() - t0
     peak = torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else 0.0
-    planned = planned_peak_gib(model.config, args.samples, args.seqlen, quantizer.calib_batch_size)
+    planned = planned_peak_gib(model.config, args.samples, args.seqlen, quantizer.calib_batch_size,
+                               true_sequential)
     experts = {k: r for k, r in results.items() if ".experts." in k}
     tokens = [r.calib_tokens or 0 for r in experts.values()]
-    row = {"tool": "quantkit", "method": "gptq", "variant": variant, "all_experts": VARIANTS[variant],
+    row = {"tool": "quantkit", "method": "gptq", "variant": variant, "all_experts": all_experts,
+           "true_sequential": true_sequential,
            "layers": args.layers, "samples": args.samples, "seqlen": args.seqlen,
            "seconds": round(dt, 2), "seconds_per_layer": round(dt / args.layers, 2),
            "seconds_per_block": [round(b - a, 2) for a, b in zip([t0] + marks[:-1], marks, strict=True)],
@@ -152,7 +160,7 @@ def run_peer(variant: str, args, shape: dict) -> dict | None:
     """llm-compressor's oneshot in a child process; its RESULT row (None if it failed)."""
     cmd = [args.peer_python or sys.executable, str(HERE / "llmcompressor_moe_gpu_peer.py"),
            "--layers", str(args.layers), "--samples", str(args.samples), "--seqlen", str(args.seqlen),
-           "--device", args.device, *(["--routed-only"] if not VARIANTS[variant] else []),
+           "--device", args.device, *(["--routed-only"] if variant == "routed" else []),
            *(["--shape", json.dumps(shape)] if shape else [])]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ)
     rows = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
@@ -170,12 +178,13 @@ def compare(rows: list[dict]) -> list[dict]:
     out = []
     for variant in VARIANTS:
         qk = next((r for r in rows if r["tool"] == "quantkit" and r["variant"] == variant), None)
-        lc = next((r for r in rows if r["tool"] != "quantkit" and r["variant"] == variant), None)
+        lc = next((r for r in rows if r["tool"] != "quantkit" and qk is not None
+                   and r["all_experts"] == qk["all_experts"]), None)
         if not (qk and lc and lc["seconds"] and lc["peak_gpu_gib"]):
             continue
         t, m = qk["seconds"] / lc["seconds"], qk["peak_gpu_gib"] / lc["peak_gpu_gib"]
         plan_err = qk["plan_vs_measured_plus_context"]
-        out.append({"variant": variant, "time_ratio": round(t, 3), "peak_ratio": round(m, 3),
+        out.append({"variant": variant, "peer_all_experts": lc["all_experts"], "time_ratio": round(t, 3), "peak_ratio": round(m, 3),
                     "goal_time_le_0.25": t <= 0.25, "goal_peak_le_0.5": m <= 0.5,
                     "goal_plan_within_30pct": plan_err is not None and abs(plan_err) <= 0.3})
     return out
@@ -186,7 +195,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--samples", type=int, default=128)
     p.add_argument("--seqlen", type=int, default=2048)
-    p.add_argument("--variants", default="routed,all")
+    p.add_argument("--variants", default="routed,all", help=", ".join(VARIANTS))
     p.add_argument("--tools", default="quantkit,llmcompressor")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--tiny", action="store_true", help="tiny shapes (a CPU dry run of the script)")
@@ -213,7 +222,7 @@ def main() -> None:
     for variant in variants:
         if "quantkit" in tools:
             rows.append(run_quantkit(variant, args, shape))
-        if "llmcompressor" in tools:
+        if "llmcompressor" in tools and variant in ("routed", "all"):
             peer = run_peer(variant, args, shape)
             if peer:
                 rows.append(peer)
@@ -226,9 +235,9 @@ def main() -> None:
            "command": "python3 " + shlex.join(sys.argv), "rows": rows, "ratios": ratios}
     for r in ratios:
         print("RATIO " + json.dumps(r), flush=True)
-    print(f"{'tool':22} {'variant':7} {'s/layer':>8} {'peak GiB':>9} {'plan GiB':>9} {'experts q':>9}")
+    print(f"{'tool':22} {'variant':16} {'s/layer':>8} {'peak GiB':>9} {'plan GiB':>9} {'experts q':>9}")
     for r in rows:
-        print(f"{r['tool']:22} {r['variant']:7} {r['seconds_per_layer']:8.2f} {r['peak_gpu_gib']:9.2f} "
+        print(f"{r['tool']:22} {r['variant']:16} {r['seconds_per_layer']:8.2f} {r['peak_gpu_gib']:9.2f} "
               f"{r.get('plan_peak_gpu_gib', float('nan')):9.2f} {r.get('expert_linears_quantized', 0):9d}")
     if args.out:
         tmp = Path(args.out + ".tmp")
