@@ -33,6 +33,24 @@ def smollm_dir() -> Path:
     return resolve_model("smollm2-135m").path
 
 
+def smollm_truncated(out: Path, layers: int = 2) -> Path:
+    """SmolLM2-135M's first `layers` decoder blocks with its embeddings, norm and tokenizer:
+    a small model with real weights (greedy choices have margins a random model lacks)."""
+    import transformers
+
+    src = smollm_dir()
+    config = transformers.AutoConfig.from_pretrained(src)
+    config.num_hidden_layers = layers
+    model = transformers.AutoModelForCausalLM.from_pretrained(src, config=config,
+                                                              dtype=torch.bfloat16)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    for f in src.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template", "generation")):
+            shutil.copy(f, out / f.name)
+    return out
+
+
 def make_tiny_model(out: Path, arch: str = "llama", *, hidden: int = 256, intermediate: int = 512,
                     layers: int = 2, heads: int = 4, kv_heads: int = 2, vocab: int | None = None,
                     seed: int = 0, tokenizer: bool = True, dtype=torch.bfloat16,
