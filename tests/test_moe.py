@@ -38,6 +38,14 @@ def _tensors(path: Path) -> dict[str, torch.Tensor]:
         return {k: f.get_tensor(k) for k in f.keys()}
 
 
+def _tensors_of(model_dir: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for shard in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(shard), framework="pt") as f:
+            out.update({k: f.get_tensor(k) for k in f.keys()})
+    return out
+
+
 @pytest.fixture(scope="module")
 def moe_model(tmp_path_factory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("qwen3moe"), "qwen3_moe")
@@ -104,16 +112,140 @@ def test_fp8_dynamic_experts_both_layouts(moe_model, tmp_path):
 
 def test_moe_refuses_what_is_not_built_yet(moe_model, tmp_path):
     from quantkit.errors import SchemeMismatch
+    from quantkit.methods.int8 import int8_scheme
 
-    with pytest.raises(SchemeMismatch, match="Method awq does not handle the experts") as e:
-        _quantize(moe_model, tmp_path / "awq", "awq")
-    assert "--method gptq" in e.value.hint
+    with pytest.raises(SchemeMismatch, match="Method int8 does not handle the experts") as e:
+        _quantize(moe_model, tmp_path / "int8", "int8", scheme=int8_scheme("dynamic"))
+    assert "--method gptq, awq or rtn" in e.value.hint
     with pytest.raises(SchemeMismatch, match="Format gguf cannot store the experts") as e:
         _quantize(moe_model, tmp_path / "gguf", "gguf", format="gguf",
                   scheme=QuantScheme(kind="kquant", gguf_type="q4_k_m"),
                   method_options={"gguf_type": "q4_k_m"})
     assert "--format compressed-tensors" in e.value.hint
-    assert not (tmp_path / "awq").exists() and not (tmp_path / "gguf").exists()
+    assert not (tmp_path / "int8").exists() and not (tmp_path / "gguf").exists()
+
+
+# AWQ in the tests: a coarser grid than the default 20 x 20 (the MoE block's loss runs every
+# expert per candidate; the tiny model's choice is the same kind, at a third of the time)
+AWQ_FAST = {"n_grid": 8, "clip_grid": 8}
+
+
+@pytest.fixture(scope="module")
+def awq_artifact(moe_model, tmp_path_factory) -> Path:
+    return _quantize(moe_model, tmp_path_factory.mktemp("awq") / "awq", "awq",
+                     method_options=AWQ_FAST)
+
+
+@pytest.fixture(scope="module")
+def rtn_artifact(moe_model, tmp_path_factory) -> Path:
+    return _quantize(moe_model, tmp_path_factory.mktemp("rtn") / "rtn", "rtn")
+
+
+def _block_context(block, spec):
+    from quantkit.types import BlockContext
+
+    linears = {n: m for n, m in block.named_modules() if isinstance(m, torch.nn.Linear)}
+    return BlockContext(index=0, block=block, linears=linears, stats={}, scheme=SCHEME,
+                        inputs=[], rerun=list, arch=spec)
+
+
+def test_awq_moe_groups_fold_without_changing_block_or_routing(moe_model):
+    """The MoE rows of the AWQ table: ONE scale for the post-attention norm shared by every
+    expert's gate/up, the router compensated (it reads the scaled input too), and each
+    expert's up -> down on its own. Folding any scale leaves the MoE block's output and the
+    router logits as they were (before rounding); without the router's compensation the
+    logits move (what the compensation is for)."""
+    from transformers import AutoModelForCausalLM
+
+    from quantkit.methods.scaling import fold_scale, scale_plans
+    from quantkit.pipeline.experts import linearize_experts
+
+    spec = spec_for_config(json.loads((moe_model / "config.json").read_text()))
+    model = AutoModelForCausalLM.from_pretrained(moe_model, dtype=torch.float32)
+    linearize_experts(model, spec)
+    block = model.model.layers[0]
+    ctx = _block_context(block, spec)
+    plans = scale_plans(ctx)
+    shared = [p for p in plans if p.group.prev == "post_attention_layernorm"]
+    assert len(shared) == 1 and len(shared[0].balance) == 16 and shared[0].mode == "norm"
+    assert list(shared[0].compensate) == ["mlp.gate"] and shared[0].group.inspect == "mlp"
+    per_expert = [p for p in plans if p.group.prev.startswith("mlp.experts.")]
+    assert [p.group.prev for p in per_expert] == [f"mlp.experts.{e}.up_proj" for e in range(8)]
+    assert all(list(p.balance) == [p.group.inspect] and p.mode == "linear" for p in per_expert)
+
+    torch.manual_seed(0)
+    h = torch.randn(1, 64, 256)
+
+    def moe_and_logits():
+        with torch.no_grad():
+            x = block.post_attention_layernorm(h)
+            return block.mlp(x), torch.nn.functional.linear(x, block.mlp.gate.weight)
+
+    out0, logits0 = moe_and_logits()
+    ones = lambda lin: torch.ones(lin, dtype=torch.float32)  # noqa: E731
+    col = {n: ones(m.in_features) for n, m in ctx.linears.items()}
+    row = {n: ones(m.out_features) for n, m in ctx.linears.items()}
+    for plan in plans:
+        if plan in shared or plan in per_expert:
+            fold_scale(plan, torch.exp(torch.randn(plan.balance[next(iter(plan.balance))].in_features)),
+                       col, row, {})
+    out1, logits1 = moe_and_logits()
+    assert torch.allclose(logits1, logits0, rtol=1e-4, atol=1e-5)
+    assert torch.equal(logits1.topk(2).indices, logits0.topk(2).indices)
+    assert torch.allclose(out1, out0, rtol=1e-4, atol=1e-5)
+    # what the compensation is for: the router reading x / s with its old weight routes
+    # differently
+    s = torch.exp(torch.randn(256))
+    shared[0].compensate = {}
+    fold_scale(shared[0], s, col, row, {})
+    out2, logits2 = moe_and_logits()
+    assert not torch.allclose(logits2, logits0, rtol=1e-2, atol=1e-3)
+
+
+def _moe_block_error(model_dir: Path, artifact: Path) -> float:
+    """||MoE(x) - MoE_q(x)|| / ||MoE(x)|| for block 0's post-attention norm + router + experts
+    (the artifact's own folded norm and router), x = the base model's residual stream on
+    held-out text: the error of the MoE block alone, with each model's real routing."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from quantkit.calibration import load_heldout_text
+    from quantkit.loader import load_artifact
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    ids = tok(load_heldout_text("mixed")[0], return_tensors="pt")["input_ids"][:, :512]
+    seen = []
+    layer = base.model.layers[0]
+    hook = layer.post_attention_layernorm.register_forward_pre_hook(lambda _m, a: seen.append(a[0]))
+    with torch.no_grad():
+        base(ids)
+    hook.remove()
+    quant = load_artifact(artifact).model.model.layers[0]
+
+    def moe(block):
+        with torch.no_grad():
+            out = block.mlp(block.post_attention_layernorm(seen[0]))
+        return out[0] if isinstance(out, tuple) else out
+
+    want = moe(layer)
+    return float((moe(quant) - want).norm() / want.norm())
+
+
+def test_awq_moe_block_error_below_rtn(moe_model, awq_artifact, rtn_artifact):
+    awq = _moe_block_error(moe_model, awq_artifact)
+    rtn = _moe_block_error(moe_model, rtn_artifact)
+    print(f"MoE block 0 output relative error on held-out text: AWQ {awq:.4f}, RTN {rtn:.4f}")
+    assert awq < rtn
+    t = _tensors(awq_artifact)
+    assert t["model.layers.0.mlp.experts.3.down_proj.weight_packed"].dtype == torch.int32
+    assert t["model.layers.0.mlp.gate.weight"].dtype == torch.bfloat16  # router: unquantized
+    base = _tensors_of(moe_model)  # the fold moved the norm and (compensating) the router
+    assert not torch.equal(t["model.layers.0.post_attention_layernorm.weight"],
+                           base["model.layers.0.post_attention_layernorm.weight"])
+    assert not torch.equal(t["model.layers.0.mlp.gate.weight"], base["model.layers.0.mlp.gate.weight"])
+    stats = json.loads((awq_artifact / "quantkit_stats.json").read_text())
+    assert stats["experts"]["linears"] == 48 and stats["experts"]["fallback_rtn"] == []
+    assert all(0 < v["rel_error"] < 1 for v in stats["layers"].values())
 
 
 @pytest.mark.parametrize("method", ["rtn", "gptq"])

@@ -29,6 +29,29 @@ class AwqGroup:
     # `prev` is a fused Linear whose LAST rows feed the balance Linears (Phi-3's gate_up_proj
     # -> down_proj: the up half); the fold then divides only those rows
     prev_tail: bool = False
+    # modules that read the same input but stay unquantized (an MoE router): their weight
+    # columns are multiplied by s as well, so they compute exactly what they did (the fold
+    # divides their input by s too); routing is unchanged before any rounding
+    compensate: tuple[str, ...] = ()
+
+    def for_experts(self, num_experts: int) -> tuple[AwqGroup, ...]:
+        """This row on a block with `num_experts` routed experts (names with EXPERT written out).
+
+        EXPERT in `prev` (an expert's up_proj -> its down_proj): one group per expert, each
+        scaled on that expert's own routed tokens. EXPERT in `balance` only (the norm -> every
+        expert's gate/up): ONE group over all experts, since they all read the same normalised
+        input and the norm can hold one scale. No EXPERT: the row itself.
+        """
+        if EXPERT in self.prev:
+            return tuple(AwqGroup(self.prev.replace(EXPERT, str(e)),
+                                  tuple(b.replace(EXPERT, str(e)) for b in self.balance),
+                                  self.inspect.replace(EXPERT, str(e)), self.prev_tail,
+                                  self.compensate) for e in range(num_experts))
+        if any(EXPERT in b for b in self.balance):
+            return (AwqGroup(self.prev, tuple(b.replace(EXPERT, str(e)) for e in range(num_experts)
+                                              for b in self.balance),
+                             self.inspect, self.prev_tail, self.compensate),)
+        return (self,)
 
 
 @dataclass(frozen=True)
@@ -108,6 +131,10 @@ class ArchSpec:
     def linears_for(self, num_experts: int) -> tuple[str, ...]:
         return tuple(n for group in self.groups_for(num_experts) for n in group)
 
+    def awq_groups_for(self, num_experts: int) -> tuple[AwqGroup, ...]:
+        """`awq_groups` with expert templates written out (AwqGroup.for_experts)."""
+        return tuple(g for row in self.awq_groups for g in row.for_experts(num_experts))
+
     def is_expert_linear(self, name: str) -> bool:
         """Whether block-relative `name` is a routed expert's Linear (it may get no tokens)."""
         return self.experts is not None and name.startswith(self.experts.module + ".")
@@ -149,6 +176,16 @@ _LLAMA_LIKE = dict(sequential=_LLAMA_LINEARS, awq_groups=_LLAMA_AWQ, gguf_names=
                    roles=_ROLES)
 
 _QWEN3_MOE_EXPERTS = ExpertsSpec()
+
+
+def _moe_awq(experts: ExpertsSpec, norm: str = "post_attention_layernorm") -> tuple[AwqGroup, ...]:
+    """AWQ groups of an MoE block: the norm's one scale shared by EVERY expert's gate/up (the
+    router reads the same input: compensated, not quantized), loss on the whole MoE block
+    with its real routing; then each expert's up -> down on its own routed tokens."""
+    gate, up, down = (experts.linear(w) for w in ("gate", "up", "down"))
+    moe_block = experts.module.rpartition(".")[0]
+    return (AwqGroup(norm, (gate, up), moe_block, compensate=(experts.router,)),
+            AwqGroup(up, (down,), down))
 
 # dense blocks (mlp_only_layers) keep the llama MLP names; MoE blocks have the expert rows
 _QWEN3_MOE_LINEARS = _LLAMA_LINEARS + (
@@ -205,9 +242,11 @@ ARCHS: tuple[ArchSpec, ...] = (
              gguf_permute_qk=True, **_LLAMA_LIKE),
     ArchSpec("qwen2", ("Qwen2ForCausalLM",), ("qwen2",), gguf_arch="qwen2", **_LLAMA_LIKE),
     ArchSpec("qwen3", ("Qwen3ForCausalLM",), ("qwen3",), gguf_arch="qwen3", **_LLAMA_LIKE),
-    # GGUF (qwen3moe, ffn_*_exps) and AWQ groups for experts are not written yet: no rows
+    # GGUF (qwen3moe, ffn_*_exps) is not written yet: no gguf_names. Dense blocks
+    # (mlp_only_layers) take the llama rows, MoE blocks the expert rows
     ArchSpec("qwen3_moe", ("Qwen3MoeForCausalLM",), ("qwen3_moe",), gguf_arch="qwen3moe",
-             sequential=_QWEN3_MOE_LINEARS, experts=_QWEN3_MOE_EXPERTS, roles=_ROLES),
+             sequential=_QWEN3_MOE_LINEARS, experts=_QWEN3_MOE_EXPERTS, roles=_ROLES,
+             awq_groups=_LLAMA_AWQ + _moe_awq(_QWEN3_MOE_EXPERTS)),
     ArchSpec("gemma3_text", ("Gemma3ForCausalLM",), ("gemma3_text",), gguf_arch="gemma3",
              sequential=_LLAMA_LINEARS, awq_groups=_GEMMA3_AWQ, gguf_names=_GEMMA3_GGUF_NAMES,
              roles=_ROLES, norm_offset=1.0,

@@ -505,10 +505,10 @@ def check_moe_support(spec: ArchSpec, method: str, format_name: str, calibrated:
         raise SchemeMismatch(
             f"Format {format_name} cannot store the experts of {spec.name} (mixture of experts) yet.",
             f"Use --format {MOE_FORMATS[0]} (per-expert tensors vLLM's FusedMoE loader reads).")
-    if method not in ("rtn", "gptq") and not (method == "fp8" and not calibrated):
+    if method not in ("rtn", "gptq", "awq") and not (method == "fp8" and not calibrated):
         raise SchemeMismatch(
             f"Method {method} does not handle the experts of {spec.name} (mixture of experts) yet.",
-            "Use --method gptq or --method rtn, or --method fp8 --scheme dynamic (or block).")
+            "Use --method gptq, awq or rtn, or --method fp8 --scheme dynamic (or block).")
 
 
 def check_kv_cache(kv_cache: str, format_name: str, spec: ArchSpec, data_parallel: bool) -> None:
