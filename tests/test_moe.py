@@ -248,6 +248,47 @@ def test_awq_moe_block_error_below_rtn(moe_model, awq_artifact, rtn_artifact):
     assert all(0 < v["rel_error"] < 1 for v in stats["layers"].values())
 
 
+def test_awq_per_expert_and_fused_layouts_give_identical_artifacts(moe_model, awq_artifact,
+                                                                   tmp_path):
+    fused = _quantize(moe_model, tmp_path / "fused", "awq", stream=False, method_options=AWQ_FAST)
+    assert (awq_artifact / "model.safetensors").read_bytes() == (fused / "model.safetensors").read_bytes()
+
+
+def test_awq_starved_experts_scale_one_and_all_experts_calibration(starved_model, tmp_path):
+    """Experts the router never picks: their own up -> down group keeps s = 1 and nothing is
+    clipped, so their down_proj is exactly RTN's; their gate/up carry the block's shared scale
+    (the norm's fold divides their input too). Finite everywhere, reported as RTN fallbacks.
+    With all-experts calibration every expert gets AWQ statistics of every token."""
+    fast = {"n_grid": 4, "clip_grid": 4}
+    with pytest.warns(RuntimeWarning, match="AWQ: .* received no calibration tokens and fall back to RTN"):
+        routed = _quantize(starved_model, tmp_path / "routed", "awq", method_options=fast)
+    rtn = _tensors(_quantize(starved_model, tmp_path / "rtn", "rtn"))
+    stats = json.loads((routed / "quantkit_stats.json").read_text())
+    experts = {k: v for k, v in stats["layers"].items() if ".mlp.experts." in k}
+    empty = sorted(k for k, v in experts.items() if v["tokens"] == 0)
+    starved = {f"model.layers.{i}.mlp.experts.{e}.{p}" for i in (0, 1) for e in STARVED
+               for p in ("gate_proj", "up_proj", "down_proj")}
+    assert starved <= set(empty) and sorted(stats["experts"]["fallback_rtn"]) == empty
+    t = _tensors(routed)
+    assert all(torch.isfinite(v).all() for v in t.values() if v.is_floating_point())
+    for i in (0, 1):
+        for e in STARVED:
+            base = f"model.layers.{i}.mlp.experts.{e}"
+            assert torch.equal(t[f"{base}.down_proj.weight_packed"], rtn[f"{base}.down_proj.weight_packed"])
+            assert torch.equal(t[f"{base}.down_proj.weight_scale"], rtn[f"{base}.down_proj.weight_scale"])
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no fallback, no few-token warning
+        everyone = _quantize(starved_model, tmp_path / "all", "awq", method_options=fast,
+                             moe_calibrate_all_experts=True)
+    stats_all = json.loads((everyone / "quantkit_stats.json").read_text())
+    assert stats_all["experts"]["fallback_rtn"] == [] == stats_all["experts"]["below_min_tokens"]
+    assert all(v["tokens"] == 8 * 64 for k, v in stats_all["layers"].items() if ".mlp.experts." in k)
+    t_all = _tensors(everyone)
+    base = f"model.layers.0.mlp.experts.{STARVED[0]}.down_proj"
+    assert not torch.equal(t_all[f"{base}.weight_packed"], rtn[f"{base}.weight_packed"])
+
+
 @pytest.mark.parametrize("method", ["rtn", "gptq"])
 def test_per_expert_and_fused_layouts_give_identical_artifacts(moe_model, tmp_path, method):
     """Streaming reads the per-expert tensors of the shards; --no-stream loads transformers 5's
@@ -369,12 +410,14 @@ def test_starved_experts_fall_back_to_rtn_and_calibrate_with_all_experts(starved
 
 
 @pytest.mark.engine
-def test_moe_artifact_in_real_vllm(moe_model, tmp_path):
-    """The packed artifact in vLLM: its config is accepted (vLLM picks its compressed-tensors
-    WNA16 MoE method for the experts, the router stays unquantized), then the CPU MoE int4
-    kernel, which needs AMX, refuses at engine start on CPUs without AMX. Decoded back to bf16
-    under the same per-expert names, vLLM's FusedMoE loader reads it and vLLM predicts what
-    quantkit's loader predicts."""
+def test_moe_artifact_in_real_vllm(moe_model, awq_artifact, tmp_path):
+    """The packed W4A16 artifact in vLLM (AWQ's: the same pack-quantized tensors RTN and GPTQ
+    write, plus the folded norms and the compensated routers): its config is accepted (vLLM
+    picks its compressed-tensors WNA16 MoE method for the experts, the router stays
+    unquantized), then the CPU MoE int4 kernel, which needs AMX, refuses at engine start on
+    CPUs without AMX. Decoded back to bf16 under the same per-expert names, vLLM's FusedMoE
+    loader reads it (routers and norms included) and vLLM predicts what quantkit's loader
+    predicts."""
     import shutil
 
     from safetensors.torch import save_file
@@ -384,7 +427,7 @@ def test_moe_artifact_in_real_vllm(moe_model, tmp_path):
     from quantkit.errors import EngineError
     from quantkit.loader import load_artifact
 
-    artifact = _quantize(moe_model, tmp_path / "rtn", "rtn")
+    artifact = awq_artifact
     prompt = [{"prompt": "The capital of France is", "max_tokens": 4}]
     if not vllm_runs("int4", moe=True):  # vLLM's CPU MoE kernels need AMX (the probe asks vLLM)
         with pytest.raises(EngineError) as e:
