@@ -114,6 +114,23 @@ class ArchSpec:
     # optional {arch}.* hyper-parameter keys this GGUF arch carries (formats/gguf.py's
     # _OPTIONAL_KV writes each); the rest of the GGUF header is common to every arch
     gguf_kv: tuple[str, ...] = ("vocab_size", "rope_dimension_count", "head_dim_if_set")
+    # where the checkpoint's tensor names differ from transformers 5's module names (the
+    # family's WeightRenaming in transformers' conversion_mapping.py, reversed): (module
+    # substring, checkpoint substring). Shards are read and artifacts written under the
+    # checkpoint's names, the ones the engines load (Mixtral: block_sparse_moe)
+    checkpoint_renames: tuple[tuple[str, str], ...] = ()
+
+    def checkpoint_name(self, name: str) -> str:
+        """A full module-tree tensor name as the checkpoint (and the engines) spell it."""
+        for module, ckpt in self.checkpoint_renames:
+            name = name.replace(module, ckpt)
+        return name
+
+    def module_name(self, name: str) -> str:
+        """A checkpoint tensor name as transformers 5's module tree spells it."""
+        for module, ckpt in self.checkpoint_renames:
+            name = name.replace(ckpt, module)
+        return name
 
     @property
     def block_linears(self) -> tuple[str, ...]:
@@ -193,6 +210,16 @@ _QWEN3_MOE_LINEARS = _LLAMA_LINEARS + (
     (_QWEN3_MOE_EXPERTS.linear("down"),),
 )
 
+# Mixtral: transformers 5 names the MoE block `mlp` (router mlp.gate, fused experts
+# mlp.experts); its checkpoints, save_pretrained and vLLM say block_sparse_moe, and the experts'
+# Linears are w1 (gate), w3 (up), w2 (down), of intermediate_size (every block is MoE)
+_MIXTRAL_EXPERTS = ExpertsSpec(count_keys=("num_local_experts",), gate="w1", up="w3", down="w2")
+
+_MIXTRAL_LINEARS = _LLAMA_LINEARS[:2] + (
+    (_MIXTRAL_EXPERTS.linear("gate"), _MIXTRAL_EXPERTS.linear("up")),
+    (_MIXTRAL_EXPERTS.linear("down"),),
+)
+
 # Gemma 3: q/k norms, and norms after attention and after the MLP (on their outputs, before
 # the residual add), so the MLP's input norm is pre_feedforward_layernorm, not
 # post_attention_layernorm as in llama
@@ -247,6 +274,13 @@ ARCHS: tuple[ArchSpec, ...] = (
     ArchSpec("qwen3_moe", ("Qwen3MoeForCausalLM",), ("qwen3_moe",), gguf_arch="qwen3moe",
              sequential=_QWEN3_MOE_LINEARS, experts=_QWEN3_MOE_EXPERTS, roles=_ROLES,
              awq_groups=_LLAMA_AWQ + _moe_awq(_QWEN3_MOE_EXPERTS)),
+    # GGUF: llama.cpp's converter writes Mixtral as arch llama with ffn_{gate,up,down}_exps
+    # (the GGUF path for experts is not written here)
+    ArchSpec("mixtral", ("MixtralForCausalLM",), ("mixtral",), gguf_arch="llama",
+             gguf_permute_qk=True, sequential=_MIXTRAL_LINEARS, experts=_MIXTRAL_EXPERTS,
+             awq_groups=_LLAMA_AWQ[:2] + _moe_awq(_MIXTRAL_EXPERTS),
+             roles={k: v for k, v in _ROLES.items() if k.startswith("attn")},
+             checkpoint_renames=((".mlp.", ".block_sparse_moe."),)),
     ArchSpec("gemma3_text", ("Gemma3ForCausalLM",), ("gemma3_text",), gguf_arch="gemma3",
              sequential=_LLAMA_LINEARS, awq_groups=_GEMMA3_AWQ, gguf_names=_GEMMA3_GGUF_NAMES,
              roles=_ROLES, norm_offset=1.0,
