@@ -318,6 +318,68 @@ def test_per_expert_and_fused_layouts_give_identical_artifacts(moe_model, tmp_pa
         assert stats["layers"]["model.layers.0.self_attn.q_proj"]["tokens"] == 8 * 64
 
 
+# ---------------------------------------------------------------- Mixtral
+
+@pytest.fixture(scope="module")
+def mixtral_model(tmp_path_factory) -> Path:
+    """A real MixtralForCausalLM (hidden 128, 2 layers, 4 experts of 128, top-2), saved by
+    transformers 5: legacy names block_sparse_moe.experts.{e}.w1/w3/w2 on disk."""
+    return make_tiny_model(tmp_path_factory.mktemp("mixtral"), "mixtral", hidden=128,
+                           intermediate=128)
+
+
+def _mixtral(model: Path, out: Path, method: str, **kw) -> Path:
+    options = {"awq": AWQ_FAST, "fp8": {"scheme": "dynamic"}}.get(method, {})
+    scheme = FP8 if method == "fp8" else SCHEME
+    req = QuantizeRequest(model=str(model), method=method, scheme=scheme, out=out, calib_samples=4,
+                          calib_seqlen=64, resume=False, method_options=options, **kw)
+    quantize(req)
+    return out
+
+
+def test_mixtral_row_names_what_transformers_saves(mixtral_model):
+    """The row's per-expert Linears, written under the checkpoint's names, are exactly the
+    expert tensors save_pretrained wrote (so shards stream as they are)."""
+    config = json.loads((mixtral_model / "config.json").read_text())
+    spec = spec_for_config(config)
+    assert spec.name == "mixtral" and spec.experts.count(config) == 4
+    on_disk = set(_tensors_of(mixtral_model))
+    ours = {spec.checkpoint_name(f"model.layers.{i}.{n}.weight")
+            for i in (0, 1) for n in spec.linears_for(4) + (spec.experts.router,)}
+    assert ours <= on_disk
+    assert {k for k in on_disk if ".experts." in k or ".gate." in k} <= ours
+    assert spec.checkpoint_name("model.layers.1.mlp.experts.3.w2.weight") == \
+        "model.layers.1.block_sparse_moe.experts.3.w2.weight"
+    assert spec.module_name("model.layers.1.block_sparse_moe.gate.weight") == \
+        "model.layers.1.mlp.gate.weight"
+
+
+@pytest.mark.parametrize("method", ["rtn", "gptq", "awq", "fp8"])
+def test_mixtral_methods_both_layouts(mixtral_model, tmp_path, method):
+    """Streamed per-expert shards and transformers 5's fused in-memory experts give the same
+    bytes, under the names vLLM's Mixtral loader reads; quantkit's loader reads them back."""
+    from quantkit.loader import load_artifact
+
+    streamed = _mixtral(mixtral_model, tmp_path / "streamed", method, stream=True)
+    fused = _mixtral(mixtral_model, tmp_path / "fused", method, stream=False)
+    assert (streamed / "model.safetensors").read_bytes() == (fused / "model.safetensors").read_bytes()
+    t = _tensors(streamed)
+    assert not any(".mlp." in k for k in t)
+    suffix = "weight" if method == "fp8" else "weight_packed"
+    for e in range(4):
+        for w in ("w1", "w2", "w3"):
+            assert f"model.layers.1.block_sparse_moe.experts.{e}.{w}.{suffix}" in t
+    assert t["model.layers.0.block_sparse_moe.gate.weight"].dtype == torch.bfloat16
+    qcfg = json.loads((streamed / "config.json").read_text())["quantization_config"]
+    assert r"re:.*block_sparse_moe\.gate$" in qcfg["ignore"]
+    stats = json.loads((streamed / "quantkit_stats.json").read_text())
+    assert stats["experts"]["linears"] == 2 * 4 * 3
+    loaded = load_artifact(streamed).model
+    ids = torch.arange(1, 33)[None]
+    with torch.no_grad():
+        assert torch.isfinite(loaded(ids).logits).all()
+
+
 def test_plan_counts_per_expert_hessians_one_block_at_a_time():
     """Qwen3-30B-A3B shapes (hidden 2048, 128 experts, moe_intermediate 768): GPTQ holds one
     Hessian per expert Linear of a group (2 x 128 x 2048^2 fp32 = 4 GiB for gate/up), for
