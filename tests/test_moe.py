@@ -248,12 +248,6 @@ def test_awq_moe_block_error_below_rtn(moe_model, awq_artifact, rtn_artifact):
     assert all(0 < v["rel_error"] < 1 for v in stats["layers"].values())
 
 
-def test_awq_per_expert_and_fused_layouts_give_identical_artifacts(moe_model, awq_artifact,
-                                                                   tmp_path):
-    fused = _quantize(moe_model, tmp_path / "fused", "awq", stream=False, method_options=AWQ_FAST)
-    assert (awq_artifact / "model.safetensors").read_bytes() == (fused / "model.safetensors").read_bytes()
-
-
 def test_awq_starved_experts_scale_one_and_all_experts_calibration(starved_model, tmp_path):
     """Experts the router never picks: their own up -> down group keeps s = 1 and nothing is
     clipped, so their down_proj is exactly RTN's; their gate/up carry the block's shared scale
@@ -472,14 +466,14 @@ def test_starved_experts_fall_back_to_rtn_and_calibrate_with_all_experts(starved
 
 
 @pytest.mark.engine
-def test_moe_artifact_in_real_vllm(moe_model, awq_artifact, tmp_path):
-    """The packed W4A16 artifact in vLLM (AWQ's: the same pack-quantized tensors RTN and GPTQ
-    write, plus the folded norms and the compensated routers): its config is accepted (vLLM
-    picks its compressed-tensors WNA16 MoE method for the experts, the router stays
-    unquantized), then the CPU MoE int4 kernel, which needs AMX, refuses at engine start on
-    CPUs without AMX. Decoded back to bf16 under the same per-expert names, vLLM's FusedMoE
-    loader reads it (routers and norms included) and vLLM predicts what quantkit's loader
-    predicts."""
+def test_moe_artifact_in_real_vllm(moe_model, awq_artifact, mixtral_model, tmp_path):
+    """The packed W4A16 MoE artifacts in vLLM (AWQ's: the same pack-quantized tensors RTN and
+    GPTQ write, plus the folded norms and the compensated routers). vLLM picks its
+    compressed-tensors WNA16 MoE method for the experts (the router stays unquantized); its
+    CPU MoE int4 kernel needs AMX. With AMX, Qwen3-MoE's and Mixtral's artifacts load and
+    generate as they are, and vLLM predicts what quantkit's loader predicts. Without, vLLM
+    refuses at engine start; Qwen3-MoE's artifact decoded back to bf16 under the same
+    per-expert names then runs in vLLM's FusedMoE loader (routers and norms included)."""
     import shutil
 
     from safetensors.torch import save_file
@@ -491,17 +485,42 @@ def test_moe_artifact_in_real_vllm(moe_model, awq_artifact, tmp_path):
 
     artifact = awq_artifact
     prompt = [{"prompt": "The capital of France is", "max_tokens": 4}]
-    if not vllm_runs("int4", moe=True):  # vLLM's CPU MoE kernels need AMX (the probe asks vLLM)
+    ids = heldout_ids(load_artifact(artifact).tokenizer, 256)
+    if vllm_runs("int4", moe=True):  # vLLM's CPU MoE kernels need AMX (the probe asks vLLM)
+        for name, path in (("qwen3_moe", artifact),
+                           ("mixtral", _mixtral(mixtral_model, tmp_path / "mixtral", "awq"))):
+            res = run_vllm(path, generate=prompt, score=[ids], max_model_len=512)
+            assert len(res["generate"][0]) > 0
+            share = agreement(path, res["score"][0]["top1"], ids)
+            print(f"{name} AWQ W4A16 in vLLM vs quantkit loader top-1 agreement: {share:.3f}")
+            assert share >= 0.9
+    else:
         with pytest.raises(EngineError) as e:
             run_vllm(artifact, generate=prompt, max_model_len=256)
         assert "No WNA16 MoE backend supports the deployment configuration." in str(e.value)
         assert "Using CompressedTensorsWNA16MoEMethod" in e.value.log
-    else:
-        assert len(run_vllm(artifact, generate=prompt, max_model_len=256)["generate"]) == 1
+        decoded = tmp_path / "decoded"
+        decoded.mkdir()
+        state = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v).contiguous()
+                 for k, v in read_compressed_tensors(artifact).items()}
+        assert "model.layers.0.mlp.experts.5.down_proj.weight" in state
+        save_file(state, str(decoded / "model.safetensors"), metadata={"format": "pt"})
+        config = json.loads((artifact / "config.json").read_text())
+        del config["quantization_config"]
+        (decoded / "config.json").write_text(json.dumps(config))
+        for f in artifact.glob("tokenizer*"):
+            shutil.copy2(f, decoded / f.name)
+        res = run_vllm(decoded, generate=prompt, score=[ids], max_model_len=512)
+        assert len(res["generate"][0]) > 0
+        share = agreement(artifact, res["score"][0]["top1"], ids)
+        print(f"vLLM (decoded bf16) vs quantkit loader top-1 agreement: {share:.3f}")
+        assert share >= 0.9
 
-    fp8 = _fp8(moe_model, tmp_path / "fp8")
-    # vLLM's CPU FP8 MoE kernels take 128x128-block experts only (and AMX): channel-wise FP8
-    # experts are refused on every CPU, after the weights were read under their names
+    # Mixtral's FP8 artifact (block_sparse_moe.experts.{e}.w1/w3/w2, router
+    # block_sparse_moe.gate): vLLM's CPU FP8 MoE kernels take 128x128-block experts only (and
+    # AMX), so channel-wise FP8 experts are refused on every CPU, after every weight was read
+    # under its name (the same writer names Qwen3-MoE's experts)
+    fp8 = _mixtral(mixtral_model, tmp_path / "fp8", "fp8")
     if not vllm_runs("fp8-dynamic", moe=True):
         with pytest.raises(EngineError) as e:
             run_vllm(fp8, generate=prompt, max_model_len=256)
@@ -509,21 +528,3 @@ def test_moe_artifact_in_real_vllm(moe_model, awq_artifact, tmp_path):
         assert "process_weights_after_loading" in e.value.log
     else:
         assert len(run_vllm(fp8, generate=prompt, max_model_len=256)["generate"]) == 1
-
-    decoded = tmp_path / "decoded"
-    decoded.mkdir()
-    state = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v).contiguous()
-             for k, v in read_compressed_tensors(artifact).items()}
-    assert "model.layers.0.mlp.experts.5.down_proj.weight" in state
-    save_file(state, str(decoded / "model.safetensors"), metadata={"format": "pt"})
-    config = json.loads((artifact / "config.json").read_text())
-    del config["quantization_config"]
-    (decoded / "config.json").write_text(json.dumps(config))
-    for f in artifact.glob("tokenizer*"):
-        shutil.copy2(f, decoded / f.name)
-    ids = heldout_ids(load_artifact(artifact).tokenizer, 256)
-    res = run_vllm(decoded, generate=prompt, score=[ids], max_model_len=512)
-    assert len(res["generate"][0]) > 0
-    share = agreement(artifact, res["score"][0]["top1"], ids)
-    print(f"vLLM (decoded bf16) vs quantkit loader top-1 agreement: {share:.3f}")
-    assert share >= 0.9
