@@ -28,6 +28,13 @@ logged reason) -- unless `pre_quant_scale=True`, which keeps such scales as a pe
 `pre_quant_scale` = 1/s on the balance Linear (`QuantResult.extra`, ModelOpt / TensorRT-LLM's
 W4A16_AWQ layout; only a format that stores it may take those results).
 
+Mixture of experts: the table's rows carry expert templates (AwqGroup.for_experts): the
+norm's one scale is searched for every expert's gate/up together, its loss read on the whole
+MoE block (real routing), its x_mean over every token (the experts' routed sums added up); the
+router reads the scaled input too and is compensated (AwqGroup.compensate), so routing is
+unchanged. Each expert's up -> down is its own group on its routed tokens; an expert with no
+token keeps s = 1, is not clipped, and is reported as an RTN fallback.
+
 Propagation: the next block sees this block's UNQUANTIZED outputs (`propagate_quantized =
 False`, AutoAWQ's choice; folding alone leaves outputs unchanged, so scaled-but-unquantized
 and original are the same function). `propagate_quantized=True` calibrates each block on the
