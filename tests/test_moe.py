@@ -281,6 +281,17 @@ def test_awq_starved_experts_scale_one_and_all_experts_calibration(starved_model
     t_all = _tensors(everyone)
     base = f"model.layers.0.mlp.experts.{STARVED[0]}.down_proj"
     assert not torch.equal(t_all[f"{base}.weight_packed"], rtn[f"{base}.weight_packed"])
+    assert "--moe-calibrate-all-experts" in json.loads((everyone / "quantkit.json").read_text())["command"]
+
+    # the CLI takes the flag for AWQ (here it stops at AWQ's too-short calibration, after it)
+    from click.testing import CliRunner
+
+    from quantkit.cli import main
+
+    res = CliRunner().invoke(main, ["quantize", str(starved_model), "--method", "awq",
+                                    "--moe-calibrate-all-experts", "--calib-samples", "2",
+                                    "--calib-seqlen", "64", "-o", str(tmp_path / "cli")])
+    assert res.exit_code != 0 and "saw 128 calibration tokens" in res.output
 
 
 @pytest.mark.parametrize("method", ["rtn", "gptq"])
