@@ -180,8 +180,9 @@ FLAG_READERS: dict[str, tuple[str, ...]] = {
     "smoothquant": ("int8",), "smoothquant_pairs": ("int8",),
     "rounding": ("int8", "nvfp4", "mxfp4"),
     **dict.fromkeys(_CALIB_FLAGS, _CALIBRATED),
-    # per-expert statistics: only GPTQ gathers them for mixture-of-experts blocks so far
-    "moe_calibrate_all_experts": ("gptq",), "expert_min_tokens": ("gptq",),
+    # per-expert statistics: GPTQ's Hessians and AWQ's activation means of mixture-of-experts
+    # blocks
+    "moe_calibrate_all_experts": ("gptq", "awq"), "expert_min_tokens": ("gptq", "awq"),
 }
 
 

@@ -50,8 +50,10 @@ def load_artifact(spec: str | Path, dtype: torch.dtype = torch.float32) -> Loade
         del config.quantization_config
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    _per_expert_linears(model, config)
+    spec = _per_expert_linears(model, config)
     state = read_dense_state(path, fmt, dtype)
+    if spec is not None and spec.checkpoint_renames:  # Mixtral's block_sparse_moe -> mlp
+        state = {spec.module_name(k): v for k, v in state.items()}
     if getattr(config, "tie_word_embeddings", False) and "lm_head.weight" not in state:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
@@ -66,9 +68,10 @@ def load_artifact(spec: str | Path, dtype: torch.dtype = torch.float32) -> Loade
     return LoadedModel(model, tok, path, fmt, artifact_meta(path))
 
 
-def _per_expert_linears(model, config) -> None:
+def _per_expert_linears(model, config):
     """MoE artifacts store per-expert Linears (the names vLLM loads): give the model those
-    modules instead of transformers 5's fused 3-D experts (quantkit.pipeline.experts)."""
+    modules instead of transformers 5's fused 3-D experts (quantkit.pipeline.experts).
+    Returns the architecture's row (None where quantkit has none)."""
     from quantkit.arch import spec_for_config
     from quantkit.errors import UnsupportedArchitecture
     from quantkit.pipeline.experts import linearize_experts
@@ -76,8 +79,9 @@ def _per_expert_linears(model, config) -> None:
     try:
         spec = spec_for_config(config)
     except UnsupportedArchitecture:
-        return  # quantkit did not write it; a dense model loads as it is
+        return None  # quantkit did not write it; a dense model loads as it is
     linearize_experts(model, spec)
+    return spec
 
 
 def _rebuild_meta_buffers(model) -> None:

@@ -38,6 +38,14 @@ def _tensors(path: Path) -> dict[str, torch.Tensor]:
         return {k: f.get_tensor(k) for k in f.keys()}
 
 
+def _tensors_of(model_dir: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for shard in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(shard), framework="pt") as f:
+            out.update({k: f.get_tensor(k) for k in f.keys()})
+    return out
+
+
 @pytest.fixture(scope="module")
 def moe_model(tmp_path_factory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("qwen3moe"), "qwen3_moe")
@@ -104,16 +112,186 @@ def test_fp8_dynamic_experts_both_layouts(moe_model, tmp_path):
 
 def test_moe_refuses_what_is_not_built_yet(moe_model, tmp_path):
     from quantkit.errors import SchemeMismatch
+    from quantkit.methods.int8 import int8_scheme
 
-    with pytest.raises(SchemeMismatch, match="Method awq does not handle the experts") as e:
-        _quantize(moe_model, tmp_path / "awq", "awq")
-    assert "--method gptq" in e.value.hint
+    with pytest.raises(SchemeMismatch, match="Method int8 does not handle the experts") as e:
+        _quantize(moe_model, tmp_path / "int8", "int8", scheme=int8_scheme("dynamic"))
+    assert "--method gptq, awq or rtn" in e.value.hint
     with pytest.raises(SchemeMismatch, match="Format gguf cannot store the experts") as e:
         _quantize(moe_model, tmp_path / "gguf", "gguf", format="gguf",
                   scheme=QuantScheme(kind="kquant", gguf_type="q4_k_m"),
                   method_options={"gguf_type": "q4_k_m"})
     assert "--format compressed-tensors" in e.value.hint
-    assert not (tmp_path / "awq").exists() and not (tmp_path / "gguf").exists()
+    assert not (tmp_path / "int8").exists() and not (tmp_path / "gguf").exists()
+
+
+# AWQ in the tests: a coarser grid than the default 20 x 20 (the MoE block's loss runs every
+# expert per candidate; the tiny model's choice is the same kind, at a third of the time)
+AWQ_FAST = {"n_grid": 8, "clip_grid": 8}
+
+
+@pytest.fixture(scope="module")
+def awq_artifact(moe_model, tmp_path_factory) -> Path:
+    return _quantize(moe_model, tmp_path_factory.mktemp("awq") / "awq", "awq",
+                     method_options=AWQ_FAST)
+
+
+@pytest.fixture(scope="module")
+def rtn_artifact(moe_model, tmp_path_factory) -> Path:
+    return _quantize(moe_model, tmp_path_factory.mktemp("rtn") / "rtn", "rtn")
+
+
+def _block_context(block, spec):
+    from quantkit.types import BlockContext
+
+    linears = {n: m for n, m in block.named_modules() if isinstance(m, torch.nn.Linear)}
+    return BlockContext(index=0, block=block, linears=linears, stats={}, scheme=SCHEME,
+                        inputs=[], rerun=list, arch=spec)
+
+
+def test_awq_moe_groups_fold_without_changing_block_or_routing(moe_model):
+    """The MoE rows of the AWQ table: ONE scale for the post-attention norm shared by every
+    expert's gate/up, the router compensated (it reads the scaled input too), and each
+    expert's up -> down on its own. Folding any scale leaves the MoE block's output and the
+    router logits as they were (before rounding); without the router's compensation the
+    logits move (what the compensation is for)."""
+    from transformers import AutoModelForCausalLM
+
+    from quantkit.methods.scaling import fold_scale, scale_plans
+    from quantkit.pipeline.experts import linearize_experts
+
+    spec = spec_for_config(json.loads((moe_model / "config.json").read_text()))
+    model = AutoModelForCausalLM.from_pretrained(moe_model, dtype=torch.float32)
+    linearize_experts(model, spec)
+    block = model.model.layers[0]
+    ctx = _block_context(block, spec)
+    plans = scale_plans(ctx)
+    shared = [p for p in plans if p.group.prev == "post_attention_layernorm"]
+    assert len(shared) == 1 and len(shared[0].balance) == 16 and shared[0].mode == "norm"
+    assert list(shared[0].compensate) == ["mlp.gate"] and shared[0].group.inspect == "mlp"
+    per_expert = [p for p in plans if p.group.prev.startswith("mlp.experts.")]
+    assert [p.group.prev for p in per_expert] == [f"mlp.experts.{e}.up_proj" for e in range(8)]
+    assert all(list(p.balance) == [p.group.inspect] and p.mode == "linear" for p in per_expert)
+
+    torch.manual_seed(0)
+    h = torch.randn(1, 64, 256)
+
+    def moe_and_logits():
+        with torch.no_grad():
+            x = block.post_attention_layernorm(h)
+            return block.mlp(x), torch.nn.functional.linear(x, block.mlp.gate.weight)
+
+    out0, logits0 = moe_and_logits()
+    ones = lambda lin: torch.ones(lin, dtype=torch.float32)  # noqa: E731
+    col = {n: ones(m.in_features) for n, m in ctx.linears.items()}
+    row = {n: ones(m.out_features) for n, m in ctx.linears.items()}
+    for plan in plans:
+        if plan in shared or plan in per_expert:
+            fold_scale(plan, torch.exp(torch.randn(plan.balance[next(iter(plan.balance))].in_features)),
+                       col, row, {})
+    out1, logits1 = moe_and_logits()
+    assert torch.allclose(logits1, logits0, rtol=1e-4, atol=1e-5)
+    assert torch.equal(logits1.topk(2).indices, logits0.topk(2).indices)
+    assert torch.allclose(out1, out0, rtol=1e-4, atol=1e-5)
+    # what the compensation is for: the router reading x / s with its old weight routes
+    # differently
+    s = torch.exp(torch.randn(256))
+    shared[0].compensate = {}
+    fold_scale(shared[0], s, col, row, {})
+    out2, logits2 = moe_and_logits()
+    assert not torch.allclose(logits2, logits0, rtol=1e-2, atol=1e-3)
+
+
+def _moe_block_error(model_dir: Path, artifact: Path) -> float:
+    """||MoE(x) - MoE_q(x)|| / ||MoE(x)|| for block 0's post-attention norm + router + experts
+    (the artifact's own folded norm and router), x = the base model's residual stream on
+    held-out text: the error of the MoE block alone, with each model's real routing."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from quantkit.calibration import load_heldout_text
+    from quantkit.loader import load_artifact
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    ids = tok(load_heldout_text("mixed")[0], return_tensors="pt")["input_ids"][:, :512]
+    seen = []
+    layer = base.model.layers[0]
+    hook = layer.post_attention_layernorm.register_forward_pre_hook(lambda _m, a: seen.append(a[0]))
+    with torch.no_grad():
+        base(ids)
+    hook.remove()
+    quant = load_artifact(artifact).model.model.layers[0]
+
+    def moe(block):
+        with torch.no_grad():
+            out = block.mlp(block.post_attention_layernorm(seen[0]))
+        return out[0] if isinstance(out, tuple) else out
+
+    want = moe(layer)
+    return float((moe(quant) - want).norm() / want.norm())
+
+
+def test_awq_moe_block_error_below_rtn(moe_model, awq_artifact, rtn_artifact):
+    awq = _moe_block_error(moe_model, awq_artifact)
+    rtn = _moe_block_error(moe_model, rtn_artifact)
+    print(f"MoE block 0 output relative error on held-out text: AWQ {awq:.4f}, RTN {rtn:.4f}")
+    assert awq < rtn
+    t = _tensors(awq_artifact)
+    assert t["model.layers.0.mlp.experts.3.down_proj.weight_packed"].dtype == torch.int32
+    assert t["model.layers.0.mlp.gate.weight"].dtype == torch.bfloat16  # router: unquantized
+    base = _tensors_of(moe_model)  # the fold moved the norm and (compensating) the router
+    assert not torch.equal(t["model.layers.0.post_attention_layernorm.weight"],
+                           base["model.layers.0.post_attention_layernorm.weight"])
+    assert not torch.equal(t["model.layers.0.mlp.gate.weight"], base["model.layers.0.mlp.gate.weight"])
+    stats = json.loads((awq_artifact / "quantkit_stats.json").read_text())
+    assert stats["experts"]["linears"] == 48 and stats["experts"]["fallback_rtn"] == []
+    assert all(0 < v["rel_error"] < 1 for v in stats["layers"].values())
+
+
+def test_awq_starved_experts_scale_one_and_all_experts_calibration(starved_model, tmp_path):
+    """Experts the router never picks: their own up -> down group keeps s = 1 and nothing is
+    clipped, so their down_proj is exactly RTN's; their gate/up carry the block's shared scale
+    (the norm's fold divides their input too). Finite everywhere, reported as RTN fallbacks.
+    With all-experts calibration every expert gets AWQ statistics of every token."""
+    fast = {"n_grid": 4, "clip_grid": 4}
+    with pytest.warns(RuntimeWarning, match="AWQ: .* received no calibration tokens and fall back to RTN"):
+        routed = _quantize(starved_model, tmp_path / "routed", "awq", method_options=fast)
+    rtn = _tensors(_quantize(starved_model, tmp_path / "rtn", "rtn"))
+    stats = json.loads((routed / "quantkit_stats.json").read_text())
+    experts = {k: v for k, v in stats["layers"].items() if ".mlp.experts." in k}
+    empty = sorted(k for k, v in experts.items() if v["tokens"] == 0)
+    starved = {f"model.layers.{i}.mlp.experts.{e}.{p}" for i in (0, 1) for e in STARVED
+               for p in ("gate_proj", "up_proj", "down_proj")}
+    assert starved <= set(empty) and sorted(stats["experts"]["fallback_rtn"]) == empty
+    t = _tensors(routed)
+    assert all(torch.isfinite(v).all() for v in t.values() if v.is_floating_point())
+    for i in (0, 1):
+        for e in STARVED:
+            base = f"model.layers.{i}.mlp.experts.{e}"
+            assert torch.equal(t[f"{base}.down_proj.weight_packed"], rtn[f"{base}.down_proj.weight_packed"])
+            assert torch.equal(t[f"{base}.down_proj.weight_scale"], rtn[f"{base}.down_proj.weight_scale"])
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no fallback, no few-token warning
+        everyone = _quantize(starved_model, tmp_path / "all", "awq", method_options=fast,
+                             moe_calibrate_all_experts=True)
+    stats_all = json.loads((everyone / "quantkit_stats.json").read_text())
+    assert stats_all["experts"]["fallback_rtn"] == [] == stats_all["experts"]["below_min_tokens"]
+    assert all(v["tokens"] == 8 * 64 for k, v in stats_all["layers"].items() if ".mlp.experts." in k)
+    t_all = _tensors(everyone)
+    base = f"model.layers.0.mlp.experts.{STARVED[0]}.down_proj"
+    assert not torch.equal(t_all[f"{base}.weight_packed"], rtn[f"{base}.weight_packed"])
+    assert "--moe-calibrate-all-experts" in json.loads((everyone / "quantkit.json").read_text())["command"]
+
+    # the CLI takes the flag for AWQ (here it stops at AWQ's too-short calibration, after it)
+    from click.testing import CliRunner
+
+    from quantkit.cli import main
+
+    res = CliRunner().invoke(main, ["quantize", str(starved_model), "--method", "awq",
+                                    "--moe-calibrate-all-experts", "--calib-samples", "2",
+                                    "--calib-seqlen", "64", "-o", str(tmp_path / "cli")])
+    assert res.exit_code != 0 and "saw 128 calibration tokens" in res.output
 
 
 @pytest.mark.parametrize("method", ["rtn", "gptq"])
@@ -143,6 +321,68 @@ def test_per_expert_and_fused_layouts_give_identical_artifacts(moe_model, tmp_pa
                   if k.startswith("model.layers.0.mlp.experts.") and k.endswith("gate_proj")}
         assert sum(layer0.values()) == 2 * 8 * 64 and min(layer0.values()) > 0
         assert stats["layers"]["model.layers.0.self_attn.q_proj"]["tokens"] == 8 * 64
+
+
+# ---------------------------------------------------------------- Mixtral
+
+@pytest.fixture(scope="module")
+def mixtral_model(tmp_path_factory) -> Path:
+    """A real MixtralForCausalLM (hidden 128, 2 layers, 4 experts of 128, top-2), saved by
+    transformers 5: legacy names block_sparse_moe.experts.{e}.w1/w3/w2 on disk."""
+    return make_tiny_model(tmp_path_factory.mktemp("mixtral"), "mixtral", hidden=128,
+                           intermediate=128)
+
+
+def _mixtral(model: Path, out: Path, method: str, **kw) -> Path:
+    options = {"awq": AWQ_FAST, "fp8": {"scheme": "dynamic"}}.get(method, {})
+    scheme = FP8 if method == "fp8" else SCHEME
+    req = QuantizeRequest(model=str(model), method=method, scheme=scheme, out=out, calib_samples=4,
+                          calib_seqlen=64, resume=False, method_options=options, **kw)
+    quantize(req)
+    return out
+
+
+def test_mixtral_row_names_what_transformers_saves(mixtral_model):
+    """The row's per-expert Linears, written under the checkpoint's names, are exactly the
+    expert tensors save_pretrained wrote (so shards stream as they are)."""
+    config = json.loads((mixtral_model / "config.json").read_text())
+    spec = spec_for_config(config)
+    assert spec.name == "mixtral" and spec.experts.count(config) == 4
+    on_disk = set(_tensors_of(mixtral_model))
+    ours = {spec.checkpoint_name(f"model.layers.{i}.{n}.weight")
+            for i in (0, 1) for n in spec.linears_for(4) + (spec.experts.router,)}
+    assert ours <= on_disk
+    assert {k for k in on_disk if ".experts." in k or ".gate." in k} <= ours
+    assert spec.checkpoint_name("model.layers.1.mlp.experts.3.w2.weight") == \
+        "model.layers.1.block_sparse_moe.experts.3.w2.weight"
+    assert spec.module_name("model.layers.1.block_sparse_moe.gate.weight") == \
+        "model.layers.1.mlp.gate.weight"
+
+
+@pytest.mark.parametrize("method", ["rtn", "gptq", "awq", "fp8"])
+def test_mixtral_methods_both_layouts(mixtral_model, tmp_path, method):
+    """Streamed per-expert shards and transformers 5's fused in-memory experts give the same
+    bytes, under the names vLLM's Mixtral loader reads; quantkit's loader reads them back."""
+    from quantkit.loader import load_artifact
+
+    streamed = _mixtral(mixtral_model, tmp_path / "streamed", method, stream=True)
+    fused = _mixtral(mixtral_model, tmp_path / "fused", method, stream=False)
+    assert (streamed / "model.safetensors").read_bytes() == (fused / "model.safetensors").read_bytes()
+    t = _tensors(streamed)
+    assert not any(".mlp." in k for k in t)
+    suffix = "weight" if method == "fp8" else "weight_packed"
+    for e in range(4):
+        for w in ("w1", "w2", "w3"):
+            assert f"model.layers.1.block_sparse_moe.experts.{e}.{w}.{suffix}" in t
+    assert t["model.layers.0.block_sparse_moe.gate.weight"].dtype == torch.bfloat16
+    qcfg = json.loads((streamed / "config.json").read_text())["quantization_config"]
+    assert r"re:.*block_sparse_moe\.gate$" in qcfg["ignore"]
+    stats = json.loads((streamed / "quantkit_stats.json").read_text())
+    assert stats["experts"]["linears"] == 2 * 4 * 3
+    loaded = load_artifact(streamed).model
+    ids = torch.arange(1, 33)[None]
+    with torch.no_grad():
+        assert torch.isfinite(loaded(ids).logits).all()
 
 
 def test_plan_counts_per_expert_hessians_one_block_at_a_time():
@@ -237,12 +477,14 @@ def test_starved_experts_fall_back_to_rtn_and_calibrate_with_all_experts(starved
 
 
 @pytest.mark.engine
-def test_moe_artifact_in_real_vllm(moe_model, tmp_path):
-    """The packed artifact in vLLM: its config is accepted (vLLM picks its compressed-tensors
-    WNA16 MoE method for the experts, the router stays unquantized), then the CPU MoE int4
-    kernel, which needs AMX, refuses at engine start on CPUs without AMX. Decoded back to bf16
-    under the same per-expert names, vLLM's FusedMoE loader reads it and vLLM predicts what
-    quantkit's loader predicts."""
+def test_moe_artifact_in_real_vllm(moe_model, awq_artifact, mixtral_model, tmp_path):
+    """The packed W4A16 MoE artifacts in vLLM (AWQ's: the same pack-quantized tensors RTN and
+    GPTQ write, plus the folded norms and the compensated routers). vLLM picks its
+    compressed-tensors WNA16 MoE method for the experts (the router stays unquantized); its
+    CPU MoE int4 kernel needs AMX. With AMX, Qwen3-MoE's and Mixtral's artifacts load and
+    generate as they are, and vLLM predicts what quantkit's loader predicts. Without, vLLM
+    refuses at engine start; Qwen3-MoE's artifact decoded back to bf16 under the same
+    per-expert names then runs in vLLM's FusedMoE loader (routers and norms included)."""
     import shutil
 
     from safetensors.torch import save_file
@@ -252,19 +494,44 @@ def test_moe_artifact_in_real_vllm(moe_model, tmp_path):
     from quantkit.errors import EngineError
     from quantkit.loader import load_artifact
 
-    artifact = _quantize(moe_model, tmp_path / "rtn", "rtn")
+    artifact = awq_artifact
     prompt = [{"prompt": "The capital of France is", "max_tokens": 4}]
-    if not vllm_runs("int4", moe=True):  # vLLM's CPU MoE kernels need AMX (the probe asks vLLM)
+    ids = heldout_ids(load_artifact(artifact).tokenizer, 256)
+    if vllm_runs("int4", moe=True):  # vLLM's CPU MoE kernels need AMX (the probe asks vLLM)
+        for name, path in (("qwen3_moe", artifact),
+                           ("mixtral", _mixtral(mixtral_model, tmp_path / "mixtral", "awq"))):
+            res = run_vllm(path, generate=prompt, score=[ids], max_model_len=512)
+            assert len(res["generate"][0]) > 0
+            share = agreement(path, res["score"][0]["top1"], ids)
+            print(f"{name} AWQ W4A16 in vLLM vs quantkit loader top-1 agreement: {share:.3f}")
+            assert share >= 0.9
+    else:
         with pytest.raises(EngineError) as e:
             run_vllm(artifact, generate=prompt, max_model_len=256)
         assert "No WNA16 MoE backend supports the deployment configuration." in str(e.value)
         assert "Using CompressedTensorsWNA16MoEMethod" in e.value.log
-    else:
-        assert len(run_vllm(artifact, generate=prompt, max_model_len=256)["generate"]) == 1
+        decoded = tmp_path / "decoded"
+        decoded.mkdir()
+        state = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v).contiguous()
+                 for k, v in read_compressed_tensors(artifact).items()}
+        assert "model.layers.0.mlp.experts.5.down_proj.weight" in state
+        save_file(state, str(decoded / "model.safetensors"), metadata={"format": "pt"})
+        config = json.loads((artifact / "config.json").read_text())
+        del config["quantization_config"]
+        (decoded / "config.json").write_text(json.dumps(config))
+        for f in artifact.glob("tokenizer*"):
+            shutil.copy2(f, decoded / f.name)
+        res = run_vllm(decoded, generate=prompt, score=[ids], max_model_len=512)
+        assert len(res["generate"][0]) > 0
+        share = agreement(artifact, res["score"][0]["top1"], ids)
+        print(f"vLLM (decoded bf16) vs quantkit loader top-1 agreement: {share:.3f}")
+        assert share >= 0.9
 
-    fp8 = _fp8(moe_model, tmp_path / "fp8")
-    # vLLM's CPU FP8 MoE kernels take 128x128-block experts only (and AMX): channel-wise FP8
-    # experts are refused on every CPU, after the weights were read under their names
+    # Mixtral's FP8 artifact (block_sparse_moe.experts.{e}.w1/w3/w2, router
+    # block_sparse_moe.gate): vLLM's CPU FP8 MoE kernels take 128x128-block experts only (and
+    # AMX), so channel-wise FP8 experts are refused on every CPU, after every weight was read
+    # under its name (the same writer names Qwen3-MoE's experts)
+    fp8 = _mixtral(mixtral_model, tmp_path / "fp8", "fp8")
     if not vllm_runs("fp8-dynamic", moe=True):
         with pytest.raises(EngineError) as e:
             run_vllm(fp8, generate=prompt, max_model_len=256)
@@ -272,25 +539,6 @@ def test_moe_artifact_in_real_vllm(moe_model, tmp_path):
         assert "process_weights_after_loading" in e.value.log
     else:
         assert len(run_vllm(fp8, generate=prompt, max_model_len=256)["generate"]) == 1
-
-    decoded = tmp_path / "decoded"
-    decoded.mkdir()
-    state = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v).contiguous()
-             for k, v in read_compressed_tensors(artifact).items()}
-    assert "model.layers.0.mlp.experts.5.down_proj.weight" in state
-    save_file(state, str(decoded / "model.safetensors"), metadata={"format": "pt"})
-    config = json.loads((artifact / "config.json").read_text())
-    del config["quantization_config"]
-    (decoded / "config.json").write_text(json.dumps(config))
-    for f in artifact.glob("tokenizer*"):
-        shutil.copy2(f, decoded / f.name)
-    ids = heldout_ids(load_artifact(artifact).tokenizer, 256)
-    res = run_vllm(decoded, generate=prompt, score=[ids], max_model_len=512)
-    assert len(res["generate"][0]) > 0
-    share = agreement(artifact, res["score"][0]["top1"], ids)
-    print(f"vLLM (decoded bf16) vs quantkit loader top-1 agreement: {share:.3f}")
-    assert share >= 0.9
-
 
 def test_linearize_copies_fused_experts_without_random_init(moe_model):
     """The per-expert Linears are the fused tensors' slices, made without nn.Linear's random

@@ -13,6 +13,7 @@ ARCH_CONFIGS = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
     "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
     "phi3": ("Phi3Config", "Phi3ForCausalLM"),
 }
@@ -24,7 +25,9 @@ FAMILY_DEFAULTS = {"gemma3_text": dict(sliding_window=32)}
 
 # mixture-of-experts defaults (make_tiny_model's `moe` overrides them)
 MOE_DEFAULTS = {"qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256,
-                                  norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])}
+                                  norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[]),
+               # Mixtral's experts are intermediate_size wide (make_tiny_model's intermediate)
+               "mixtral": dict(num_local_experts=4, num_experts_per_tok=2)}
 
 
 def smollm_dir() -> Path:

@@ -29,6 +29,29 @@ class AwqGroup:
     # `prev` is a fused Linear whose LAST rows feed the balance Linears (Phi-3's gate_up_proj
     # -> down_proj: the up half); the fold then divides only those rows
     prev_tail: bool = False
+    # modules that read the same input but stay unquantized (an MoE router): their weight
+    # columns are multiplied by s as well, so they compute exactly what they did (the fold
+    # divides their input by s too); routing is unchanged before any rounding
+    compensate: tuple[str, ...] = ()
+
+    def for_experts(self, num_experts: int) -> tuple[AwqGroup, ...]:
+        """This row on a block with `num_experts` routed experts (names with EXPERT written out).
+
+        EXPERT in `prev` (an expert's up_proj -> its down_proj): one group per expert, each
+        scaled on that expert's own routed tokens. EXPERT in `balance` only (the norm -> every
+        expert's gate/up): ONE group over all experts, since they all read the same normalised
+        input and the norm can hold one scale. No EXPERT: the row itself.
+        """
+        if EXPERT in self.prev:
+            return tuple(AwqGroup(self.prev.replace(EXPERT, str(e)),
+                                  tuple(b.replace(EXPERT, str(e)) for b in self.balance),
+                                  self.inspect.replace(EXPERT, str(e)), self.prev_tail,
+                                  self.compensate) for e in range(num_experts))
+        if any(EXPERT in b for b in self.balance):
+            return (AwqGroup(self.prev, tuple(b.replace(EXPERT, str(e)) for e in range(num_experts)
+                                              for b in self.balance),
+                             self.inspect, self.prev_tail, self.compensate),)
+        return (self,)
 
 
 @dataclass(frozen=True)
@@ -91,6 +114,23 @@ class ArchSpec:
     # optional {arch}.* hyper-parameter keys this GGUF arch carries (formats/gguf.py's
     # _OPTIONAL_KV writes each); the rest of the GGUF header is common to every arch
     gguf_kv: tuple[str, ...] = ("vocab_size", "rope_dimension_count", "head_dim_if_set")
+    # where the checkpoint's tensor names differ from transformers 5's module names (the
+    # family's WeightRenaming in transformers' conversion_mapping.py, reversed): (module
+    # substring, checkpoint substring). Shards are read and artifacts written under the
+    # checkpoint's names, the ones the engines load (Mixtral: block_sparse_moe)
+    checkpoint_renames: tuple[tuple[str, str], ...] = ()
+
+    def checkpoint_name(self, name: str) -> str:
+        """A full module-tree tensor name as the checkpoint (and the engines) spell it."""
+        for module, ckpt in self.checkpoint_renames:
+            name = name.replace(module, ckpt)
+        return name
+
+    def module_name(self, name: str) -> str:
+        """A checkpoint tensor name as transformers 5's module tree spells it."""
+        for module, ckpt in self.checkpoint_renames:
+            name = name.replace(ckpt, module)
+        return name
 
     @property
     def block_linears(self) -> tuple[str, ...]:
@@ -107,6 +147,10 @@ class ArchSpec:
 
     def linears_for(self, num_experts: int) -> tuple[str, ...]:
         return tuple(n for group in self.groups_for(num_experts) for n in group)
+
+    def awq_groups_for(self, num_experts: int) -> tuple[AwqGroup, ...]:
+        """`awq_groups` with expert templates written out (AwqGroup.for_experts)."""
+        return tuple(g for row in self.awq_groups for g in row.for_experts(num_experts))
 
     def is_expert_linear(self, name: str) -> bool:
         """Whether block-relative `name` is a routed expert's Linear (it may get no tokens)."""
@@ -150,10 +194,30 @@ _LLAMA_LIKE = dict(sequential=_LLAMA_LINEARS, awq_groups=_LLAMA_AWQ, gguf_names=
 
 _QWEN3_MOE_EXPERTS = ExpertsSpec()
 
+
+def _moe_awq(experts: ExpertsSpec, norm: str = "post_attention_layernorm") -> tuple[AwqGroup, ...]:
+    """AWQ groups of an MoE block: the norm's one scale shared by EVERY expert's gate/up (the
+    router reads the same input: compensated, not quantized), loss on the whole MoE block
+    with its real routing; then each expert's up -> down on its own routed tokens."""
+    gate, up, down = (experts.linear(w) for w in ("gate", "up", "down"))
+    moe_block = experts.module.rpartition(".")[0]
+    return (AwqGroup(norm, (gate, up), moe_block, compensate=(experts.router,)),
+            AwqGroup(up, (down,), down))
+
 # dense blocks (mlp_only_layers) keep the llama MLP names; MoE blocks have the expert rows
 _QWEN3_MOE_LINEARS = _LLAMA_LINEARS + (
     (_QWEN3_MOE_EXPERTS.linear("gate"), _QWEN3_MOE_EXPERTS.linear("up")),
     (_QWEN3_MOE_EXPERTS.linear("down"),),
+)
+
+# Mixtral: transformers 5 names the MoE block `mlp` (router mlp.gate, fused experts
+# mlp.experts); its checkpoints, save_pretrained and vLLM say block_sparse_moe, and the experts'
+# Linears are w1 (gate), w3 (up), w2 (down), of intermediate_size (every block is MoE)
+_MIXTRAL_EXPERTS = ExpertsSpec(count_keys=("num_local_experts",), gate="w1", up="w3", down="w2")
+
+_MIXTRAL_LINEARS = _LLAMA_LINEARS[:2] + (
+    (_MIXTRAL_EXPERTS.linear("gate"), _MIXTRAL_EXPERTS.linear("up")),
+    (_MIXTRAL_EXPERTS.linear("down"),),
 )
 
 # Gemma 3: q/k norms, and norms after attention and after the MLP (on their outputs, before
@@ -205,9 +269,18 @@ ARCHS: tuple[ArchSpec, ...] = (
              gguf_permute_qk=True, **_LLAMA_LIKE),
     ArchSpec("qwen2", ("Qwen2ForCausalLM",), ("qwen2",), gguf_arch="qwen2", **_LLAMA_LIKE),
     ArchSpec("qwen3", ("Qwen3ForCausalLM",), ("qwen3",), gguf_arch="qwen3", **_LLAMA_LIKE),
-    # GGUF (qwen3moe, ffn_*_exps) and AWQ groups for experts are not written yet: no rows
+    # GGUF (qwen3moe, ffn_*_exps) is not written yet: no gguf_names. Dense blocks
+    # (mlp_only_layers) take the llama rows, MoE blocks the expert rows
     ArchSpec("qwen3_moe", ("Qwen3MoeForCausalLM",), ("qwen3_moe",), gguf_arch="qwen3moe",
-             sequential=_QWEN3_MOE_LINEARS, experts=_QWEN3_MOE_EXPERTS, roles=_ROLES),
+             sequential=_QWEN3_MOE_LINEARS, experts=_QWEN3_MOE_EXPERTS, roles=_ROLES,
+             awq_groups=_LLAMA_AWQ + _moe_awq(_QWEN3_MOE_EXPERTS)),
+    # GGUF: llama.cpp's converter writes Mixtral as arch llama with ffn_{gate,up,down}_exps
+    # (the GGUF path for experts is not written here)
+    ArchSpec("mixtral", ("MixtralForCausalLM",), ("mixtral",), gguf_arch="llama",
+             gguf_permute_qk=True, sequential=_MIXTRAL_LINEARS, experts=_MIXTRAL_EXPERTS,
+             awq_groups=_LLAMA_AWQ[:2] + _moe_awq(_MIXTRAL_EXPERTS),
+             roles={k: v for k, v in _ROLES.items() if k.startswith("attn")},
+             checkpoint_renames=((".mlp.", ".block_sparse_moe."),)),
     ArchSpec("gemma3_text", ("Gemma3ForCausalLM",), ("gemma3_text",), gguf_arch="gemma3",
              sequential=_LLAMA_LINEARS, awq_groups=_GEMMA3_AWQ, gguf_names=_GEMMA3_GGUF_NAMES,
              roles=_ROLES, norm_offset=1.0,

@@ -44,11 +44,24 @@ def install_input_quant(model: torch.nn.Module, plan: dict[str, tuple],
     """Forward pre-hooks on the named Linears: plan[name] = (mode, group, scale), passed to
     `fake_quant(x, mode, group, scale)`; returns how many were hooked."""
     mods = dict(model.named_modules())
+    module_name = _module_names(model)
     for name, (mode, group, scale) in plan.items():
         def hook(_m, args, mode=mode, group=group, scale=scale):
             return (fake_quant(args[0], mode, group, scale), *args[1:])
-        mods[name].register_forward_pre_hook(hook)
+        mods[module_name(name)].register_forward_pre_hook(hook)
     return len(plan)
+
+
+def _module_names(model: torch.nn.Module) -> Callable[[str], str]:
+    """Artifact tensor name -> the model's module name (they differ where the checkpoint
+    renames modules: Mixtral's block_sparse_moe is transformers 5's mlp)."""
+    from quantkit.arch import spec_for_config
+    from quantkit.errors import UnsupportedArchitecture
+
+    try:
+        return spec_for_config(model.config).module_name
+    except (UnsupportedArchitecture, AttributeError):
+        return lambda name: name
 
 
 def fake_quant_int8_input(x: torch.Tensor, mode: str, group: int = 0,

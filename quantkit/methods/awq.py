@@ -28,6 +28,13 @@ logged reason) -- unless `pre_quant_scale=True`, which keeps such scales as a pe
 `pre_quant_scale` = 1/s on the balance Linear (`QuantResult.extra`, ModelOpt / TensorRT-LLM's
 W4A16_AWQ layout; only a format that stores it may take those results).
 
+Mixture of experts: the table's rows carry expert templates (AwqGroup.for_experts): the
+norm's one scale is searched for every expert's gate/up together, its loss read on the whole
+MoE block (real routing), its x_mean over every token (the experts' routed sums added up); the
+router reads the scaled input too and is compensated (AwqGroup.compensate), so routing is
+unchanged. Each expert's up -> down is its own group on its routed tokens; an expert with no
+token keeps s = 1, is not clipped, and is reported as an RTN fallback.
+
 Propagation: the next block sees this block's UNQUANTIZED outputs (`propagate_quantized =
 False`, AutoAWQ's choice; folding alone leaves outputs unchanged, so scaled-but-unquantized
 and original are the same function). `propagate_quantized=True` calibrates each block on the
@@ -45,6 +52,7 @@ import torch
 from quantkit.arch import ArchSpec
 from quantkit.errors import CalibrationError, SchemeMismatch
 from quantkit.methods.intquant import (
+    announce_rtn_fallback,
     check_int_scheme,
     check_no_act_order,
     group_qparams,
@@ -373,10 +381,15 @@ class AWQQuantizer:
                     xs[bname] = scaled[id(x)]
         # 4-5: clip, quantize
         skip_clip = {spec.roles.get("attn_q"), spec.roles.get("attn_k")}
+        # experts the router chose for no calibration token: no statistics, no clipping; they
+        # still carry the scale of a group they share (the norm's fold divides their input)
+        starved = [n for n in ctx.linears if spec.is_expert_linear(n)
+                   and not (ctx.stats.get(n) or {}).get("tokens")]
+        announce_rtn_fallback(ctx, starved, "AWQ")
         results: dict[str, QuantResult] = {}
         for name, lin in ctx.linears.items():
             w = lin.weight.data.float()
-            if self.clip and name not in skip_clip:
+            if self.clip and name not in skip_clip and xs[name].shape[0]:
                 max_val = search_clip(w, xs[name], scheme, self.clip_grid, self.max_shrink)
                 g = scheme.effective_group(w.shape[1])
                 w = torch.clamp(w.reshape(w.shape[0], -1, g), -max_val[..., None],
@@ -387,6 +400,8 @@ class AWQQuantizer:
                                       / row[name][:, None], effective)
             if name in pqs:
                 res.extra["pre_quant_scale"] = pqs[name]
+            if name in starved:
+                res.fallback = "rtn"
             res.bias = None if lin.bias is None else lin.bias.data.clone()
             results[name] = res
         seconds = time.perf_counter() - t0
@@ -413,11 +428,17 @@ class AWQQuantizer:
                 dev: torch.device) -> torch.Tensor:
         """The best scale s [K] of one group (ones when plain RTN is best)."""
         names = list(plan.balance)
+        k = plan.balance[names[0]].in_features
+        absmean, tokens = _input_absmean(ctx.stats, names)
+        if not tokens or (_is_single_linear(plan) and not xs[names[0]].shape[0]):
+            # an expert the router chose for no calibration token: nothing to weigh, s = 1
+            self.history.append({"block": ctx.index, "prev": plan.group.prev, "balance": names,
+                                 "alpha": None, "loss": None, "rtn_loss": None,
+                                 "reason": "no calibration tokens"})
+            return torch.ones(k, device=dev)
         weights = [plan.balance[n].weight.data.float().clone() for n in names]
         stacked = torch.cat(weights)
-        k = stacked.shape[1]
-        st = ctx.stats[names[0]]
-        x_mean = (st["absmean"].to(dev).float() / max(1, st["tokens"])).clamp(min=0)
+        x_mean = (absmean.to(dev).float() / tokens).clamp(min=0)
         w_mean = weight_mean(stacked, ctx.scheme.effective_group(k)) if self.duo_scaling else None
         cands = candidate_scales(x_mean, w_mean, self.n_grid)
         if _is_single_linear(plan):
@@ -451,6 +472,25 @@ class AWQQuantizer:
             "alpha": None if best == 0 else (best - 1) / self.n_grid,
             "loss": float(losses[best]), "rtn_loss": float(losses[0])})
         return cands[best]
+
+
+def _input_absmean(stats: dict, names: list[str]) -> tuple[torch.Tensor | None, int]:
+    """(sum of |x| per input channel, tokens) of the input the balance Linears share.
+
+    Linears of one kind (the same leaf name: every expert's gate_proj) read different tokens,
+    so their sums add up (all experts together saw every token top_k times, and the mean is
+    that of every token); Linears of different kinds (gate/up, q/k/v) read the same tokens and
+    count once. A dense group thus takes its first Linear's statistics as they are.
+    """
+    kind = names[0].rpartition(".")[2]
+    readers = [stats.get(n) or {} for n in names if n.rpartition(".")[2] == kind]
+    fed = [st for st in readers if st.get("tokens")]
+    if not fed:
+        return None, 0
+    absmean = fed[0]["absmean"]
+    for st in fed[1:]:
+        absmean = absmean + st["absmean"].to(absmean.device)
+    return absmean, sum(int(st["tokens"]) for st in fed)
 
 
 def _grid_losses(losses_of, n_grid: int, coarse_to_fine: bool) -> torch.Tensor:
@@ -527,8 +567,12 @@ def _linear_inputs(seen: dict[str, _Seen], linears: dict) -> dict[str, torch.Ten
     """
     out: dict[str, torch.Tensor] = {}
     by_ids: dict[tuple, torch.Tensor] = {}
-    for name in linears:
+    for name, lin in linears.items():
         rec = seen["lin:" + name]
+        if not rec.args:  # an expert no search token was routed to: [0, K]
+            w = lin.weight
+            out[name] = torch.empty(0, lin.in_features, dtype=w.dtype, device=w.device)
+            continue
         ids = tuple(id(a[0]) if a else id(kw["hidden_states"]) for a, kw in zip(rec.args, rec.kwargs, strict=True))
         if ids not in by_ids:
             by_ids[ids] = rec.take_x()

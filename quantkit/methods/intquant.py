@@ -17,7 +17,7 @@ from quantkit.errors import SchemeMismatch
 from quantkit.types import BlockContext, QuantResult, QuantScheme, int_qrange
 
 __all__ = ["check_int_scheme", "group_qparams", "quantize_to_codes", "rtn_quantize_weight",
-           "relative_error", "rtn_fallback"]
+           "relative_error", "rtn_fallback", "announce_rtn_fallback"]
 
 SUPPORTED_BITS = (2, 3, 4, 8)
 
@@ -92,18 +92,26 @@ def rtn_quantize_weight(name: str, weight: torch.Tensor, scheme: QuantScheme) ->
     return result
 
 
+def announce_rtn_fallback(ctx: BlockContext, names: list[str], method: str,
+                          stacklevel: int = 2) -> None:
+    """The loud part of a fallback to RTN: one warning per block naming the Linears."""
+    if not names:
+        return
+    prefix = f"{ctx.arch.block_path}.{ctx.index}." if ctx.arch is not None else f"block {ctx.index} "
+    warnings.warn(
+        f"{method}: {len(names)} Linear(s) of {prefix.rstrip('.')} received no calibration tokens "
+        f"and fall back to RTN: {', '.join(names[:6])}{' ...' if len(names) > 6 else ''}. "
+        "Use more calibration samples or --moe-calibrate-all-experts.",
+        RuntimeWarning, stacklevel=stacklevel + 1)
+
+
 def rtn_fallback(ctx: BlockContext, names: list[str], method: str) -> dict[str, QuantResult]:
     """RTN for Linears that got no calibration tokens (MoE experts the router never chose):
     a calibrated method has nothing to work from there, and dividing by a zero token count
     would give NaN. Loud: a warning per block naming them, and `fallback` on each result."""
     if not names:
         return {}
-    prefix = f"{ctx.arch.block_path}.{ctx.index}." if ctx.arch is not None else f"block {ctx.index} "
-    warnings.warn(
-        f"{method}: {len(names)} Linear(s) of {prefix.rstrip('.')} received no calibration tokens "
-        f"and fall back to RTN: {', '.join(names[:6])}{' ...' if len(names) > 6 else ''}. "
-        "Use more calibration samples or --moe-calibrate-all-experts.",
-        RuntimeWarning, stacklevel=2)
+    announce_rtn_fallback(ctx, names, method, stacklevel=2)
     results = {}
     for name in names:
         t0 = time.perf_counter()

@@ -15,7 +15,7 @@ balance Linear (ModelOpt's W4A16_AWQ layout).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -37,6 +37,8 @@ class ScalePlan:
     mode: str  # "norm" | "linear" | "pre_quant_scale" | "skip"
     reason: str = ""
     norm_offset: float = 0.0  # the norm computes x * (norm_offset + w) (ArchSpec.norm_offset)
+    # unquantized modules reading the balance input (AwqGroup.compensate: an MoE router)
+    compensate: dict[str, torch.nn.Module] = field(default_factory=dict)
 
 
 def submodule(block: torch.nn.Module, name: str) -> torch.nn.Module:
@@ -65,17 +67,31 @@ def linear_pair_problem(grp: AwqGroup, prev_out: int, balance_in: dict[str, int]
             f"folded; AutoAWQ's rule. {b} is still {still}.")
 
 
+def block_experts(ctx: BlockContext) -> int:
+    """Routed experts of this block (0: a dense block, or a dense architecture)."""
+    experts = getattr(ctx.arch, "experts", None)
+    if experts is None:
+        return 0
+    try:
+        return len(ctx.block.get_submodule(experts.module))
+    except (AttributeError, TypeError):
+        return 0
+
+
 def scale_plans(ctx: BlockContext, *, pre_quant_scale: bool = False, log=None,
                 method: str = "AWQ", still: str = "quantized") -> list[ScalePlan]:
     """The block's scaling groups with how each folds: "norm", "linear", "pre_quant_scale"
     (Linear -> Linear kept on the balance Linear) or "skip" (`log(reason)` is told why)."""
     log = log or (lambda _msg: None)
     plans = []
-    for grp in ctx.arch.awq_groups:
+    for grp in ctx.arch.awq_groups_for(block_experts(ctx)):
         balance = {b: ctx.linears[b] for b in grp.balance if b in ctx.linears}
         if not balance:
             continue
         prev = submodule(ctx.block, grp.prev)
+        if grp.compensate and isinstance(prev, torch.nn.Linear):
+            raise SchemeMismatch(f"{method} group {grp} compensates modules behind a Linear: "
+                                 "only a norm's fold can be compensated.")
         k = {lin.in_features for lin in balance.values()}
         if len(k) != 1:
             raise SchemeMismatch(f"{method} group {grp} mixes input widths {sorted(k)}.")
@@ -98,8 +114,8 @@ def scale_plans(ctx: BlockContext, *, pre_quant_scale: bool = False, log=None,
                     f"{grp.prev} has no per-channel weight to fold scales into.")
                 plans.append(ScalePlan(grp, prev, balance, "skip"))
             else:
-                plans.append(ScalePlan(grp, prev, balance, "norm",
-                                       norm_offset=ctx.arch.norm_offset))
+                plans.append(ScalePlan(grp, prev, balance, "norm", norm_offset=ctx.arch.norm_offset,
+                                       compensate={c: submodule(ctx.block, c) for c in grp.compensate}))
     return plans
 
 
@@ -110,6 +126,8 @@ def fold_scale(plan: ScalePlan, s: torch.Tensor, col: dict, row: dict, pqs: dict
     `pqs[name]` collects pre_quant_scales."""
     if torch.all(s == 1):
         return
+    for mod in plan.compensate.values():  # e.g. the router: reads x / s now, so W * s
+        mod.weight.data.mul_(s[None, :].to(mod.weight.dtype))
     for bname, lin in plan.balance.items():
         lin.weight.data.mul_(s[None, :].to(lin.weight.dtype))
         col[bname] = col[bname] * s

@@ -8,6 +8,7 @@ import re
 import shutil
 import time
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -438,6 +439,9 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
     out_config = without_remote_code(raw_config, "config.json")
+    if spec.checkpoint_renames:  # the engines load the checkpoint's names (Mixtral's)
+        dense = {spec.checkpoint_name(k): v for k, v in dense.items()}
+        results = CheckpointNamed(results, spec)
     if getattr(writer, "single_file", False):  # one file (GGUF): metadata goes inside it
         meta["seconds"]["total"] = round(time.perf_counter() - t_start, 3)
         with atomic_output(out, req.force, is_dir=False) as tmp:
@@ -505,10 +509,10 @@ def check_moe_support(spec: ArchSpec, method: str, format_name: str, calibrated:
         raise SchemeMismatch(
             f"Format {format_name} cannot store the experts of {spec.name} (mixture of experts) yet.",
             f"Use --format {MOE_FORMATS[0]} (per-expert tensors vLLM's FusedMoE loader reads).")
-    if method not in ("rtn", "gptq") and not (method == "fp8" and not calibrated):
+    if method not in ("rtn", "gptq", "awq") and not (method == "fp8" and not calibrated):
         raise SchemeMismatch(
             f"Method {method} does not handle the experts of {spec.name} (mixture of experts) yet.",
-            "Use --method gptq or --method rtn, or --method fp8 --scheme dynamic (or block).")
+            "Use --method gptq, awq or rtn, or --method fp8 --scheme dynamic (or block).")
 
 
 def check_kv_cache(kv_cache: str, format_name: str, spec: ArchSpec, data_parallel: bool) -> None:
@@ -531,9 +535,30 @@ def check_kv_cache(kv_cache: str, format_name: str, spec: ArchSpec, data_paralle
 
 def _ignored(spec: ArchSpec) -> list[str]:
     """Modules the artifact keeps unquantized: lm_head, and MoE routers (vLLM's GateLinear
-    would otherwise match the "Linear" target and expect packed router weights)."""
-    routers = [f"re:.*{re.escape(spec.experts.router)}$"] if spec.experts is not None else []
-    return [spec.lm_head, *routers]
+    would otherwise match the "Linear" target and expect packed router weights), under the
+    names the artifact stores."""
+    if spec.experts is None:
+        return [spec.lm_head]
+    router = spec.checkpoint_name(f".{spec.experts.router}.").strip(".")
+    return [spec.lm_head, f"re:.*{re.escape(router)}$"]
+
+
+class CheckpointNamed(Mapping):
+    """Results keyed by the checkpoint's tensor names (ArchSpec.checkpoint_name), read from
+    `results` on access (a per-block checkpoint's results stay on disk until written)."""
+
+    def __init__(self, results: Mapping[str, QuantResult], spec: ArchSpec):
+        self._results = results
+        self._names = {spec.checkpoint_name(k): k for k in results}
+
+    def __getitem__(self, name: str) -> QuantResult:
+        return self._results[self._names[name]]
+
+    def __iter__(self):
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
 
 
 def _open_model(req: QuantizeRequest, path: Path, config, load_dtype: torch.dtype,
@@ -545,7 +570,7 @@ def _open_model(req: QuantizeRequest, path: Path, config, load_dtype: torch.dtyp
     fused in-memory experts are sliced."""
     all_experts = req.moe_calibrate_all_experts
     if req.stream is not False and any(path.glob("*.safetensors")):
-        reader = ShardReader(path)
+        reader = ShardReader(path, spec.checkpoint_name)
         model = skeleton(config, load_dtype, trust_remote_code=req.trust_remote_code)
         linearize_experts(model, spec, all_experts)
         if stream_plan_ok(model, reader):
@@ -616,7 +641,7 @@ def _stats(results: dict[str, QuantResult], spec: ArchSpec, min_tokens: int) -> 
     if spec.experts is not None:
         blocks = spec.block_path + "."
         experts = {n: layers[n] for n in layers
-                   if spec.is_expert_linear(n[len(blocks):].split(".", 1)[1])}
+                   if spec.is_expert_linear(spec.module_name(n)[len(blocks):].split(".", 1)[1])}
         out["experts"] = {
             "linears": len(experts),
             "min_tokens": min_tokens,

@@ -7,6 +7,7 @@ about one block instead of the whole model (see quantkit.pipeline.plan for the n
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -23,22 +24,28 @@ __all__ = ["ShardReader", "StreamingSource", "skeleton", "stream_plan_ok", "mate
 
 
 class ShardReader:
-    """Tensor name -> shard file, read one tensor at a time (index.json when sharded)."""
+    """Tensor name -> shard file, read one tensor at a time (index.json when sharded).
 
-    def __init__(self, path: Path):
+    `rename` maps a module-tree name to the shards' own (ArchSpec.checkpoint_name: Mixtral's
+    mlp -> block_sparse_moe); every method takes and returns module-tree names.
+    """
+
+    def __init__(self, path: Path, rename: Callable[[str], str] | None = None):
         self.path = Path(path)
-        self.files: dict[str, Path] = tensor_files(self.path)  # index and headers validated
-        self._shapes: dict[str, tuple[int, ...]] = {}
-        for file in sorted(set(self.files.values())):
+        files = tensor_files(self.path)  # index and headers validated
+        shapes: dict[str, tuple[int, ...]] = {}
+        for file in sorted(set(files.values())):
             header, _ = safetensors_header(file)
-            self._shapes.update((k, tuple(h["shape"])) for k, h in header.items()
-                                if self.files.get(k) == file)
+            shapes.update((k, tuple(h["shape"])) for k, h in header.items() if files.get(k) == file)
+        self._file_name = rename or (lambda name: name)
+        self.files: dict[str, Path] = files
+        self._shapes = shapes
 
     def __contains__(self, name: str) -> bool:
-        return name in self.files
+        return self._file_name(name) in self.files
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return self._shapes[name]
+        return self._shapes[self._file_name(name)]
 
     def get(self, name: str) -> torch.Tensor:
         return self.get_many([name])[name]
@@ -49,12 +56,12 @@ class ShardReader:
         per block)."""
         by_file: dict[Path, list[str]] = {}
         for name in names:
-            by_file.setdefault(self.files[name], []).append(name)
+            by_file.setdefault(self.files[self._file_name(name)], []).append(name)
         out = {}
         for file, group in by_file.items():
             with safe_open(str(file), framework="pt") as f:
                 for name in group:
-                    out[name] = f.get_tensor(name)
+                    out[name] = f.get_tensor(self._file_name(name))
         return out
 
 
