@@ -540,6 +540,7 @@ def test_moe_artifact_in_real_vllm(moe_model, awq_artifact, mixtral_model, tmp_p
     else:
         assert len(run_vllm(fp8, generate=prompt, max_model_len=256)["generate"]) == 1
 
+
 def test_linearize_copies_fused_experts_without_random_init(moe_model):
     """The per-expert Linears are the fused tensors' slices, made without nn.Linear's random
     init (it cost seconds per Qwen3-30B-A3B block on the CPU): the global RNG is not advanced."""
