@@ -112,6 +112,21 @@ class ArchSpec:
         """Whether block-relative `name` is a routed expert's Linear (it may get no tokens)."""
         return self.experts is not None and name.startswith(self.experts.module + ".")
 
+    def gguf_slot(self, rel: str) -> tuple[str, int | None] | None:
+        """Block-relative module name -> (GGUF base name template with {bid}, expert index).
+
+        Routed experts share one 3-D GGUF tensor per projection (llama.cpp's
+        `ffn_{gate,up,down}_exps`, expert axis slowest): `mlp.experts.3.down_proj` ->
+        ("blk.{bid}.ffn_down_exps", 3). Other modules have no expert index (None).
+        """
+        expert = None
+        if self.is_expert_linear(rel):
+            head, _, tail = rel[len(self.experts.module) + 1:].partition(".")
+            if head.isdigit():
+                expert, rel = int(head), f"{self.experts.module}.{EXPERT}.{tail}"
+        tmpl = self.gguf_names.get(rel)
+        return (tmpl, expert) if tmpl else None
+
 
 _LLAMA_LINEARS = (
     ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
@@ -155,6 +170,16 @@ _QWEN3_MOE_LINEARS = _LLAMA_LINEARS + (
     (_QWEN3_MOE_EXPERTS.linear("gate"), _QWEN3_MOE_EXPERTS.linear("up")),
     (_QWEN3_MOE_EXPERTS.linear("down"),),
 )
+
+# llama.cpp's qwen3moe: the llama names, the router as ffn_gate_inp and each expert projection
+# stacked into one 3-D tensor per block (names from gguf-py's constants, MODEL_TENSOR.FFN_*_EXP)
+_QWEN3_MOE_GGUF_NAMES = {
+    **_GGUF_BLOCK_NAMES,
+    _QWEN3_MOE_EXPERTS.router: "blk.{bid}.ffn_gate_inp",
+    _QWEN3_MOE_EXPERTS.linear("gate"): "blk.{bid}.ffn_gate_exps",
+    _QWEN3_MOE_EXPERTS.linear("up"): "blk.{bid}.ffn_up_exps",
+    _QWEN3_MOE_EXPERTS.linear("down"): "blk.{bid}.ffn_down_exps",
+}
 
 # Gemma 3: q/k norms, and norms after attention and after the MLP (on their outputs, before
 # the residual add), so the MLP's input norm is pre_feedforward_layernorm, not
@@ -205,9 +230,12 @@ ARCHS: tuple[ArchSpec, ...] = (
              gguf_permute_qk=True, **_LLAMA_LIKE),
     ArchSpec("qwen2", ("Qwen2ForCausalLM",), ("qwen2",), gguf_arch="qwen2", **_LLAMA_LIKE),
     ArchSpec("qwen3", ("Qwen3ForCausalLM",), ("qwen3",), gguf_arch="qwen3", **_LLAMA_LIKE),
-    # GGUF (qwen3moe, ffn_*_exps) and AWQ groups for experts are not written yet: no rows
+    # AWQ groups for experts are not written yet: no rows
     ArchSpec("qwen3_moe", ("Qwen3MoeForCausalLM",), ("qwen3_moe",), gguf_arch="qwen3moe",
-             sequential=_QWEN3_MOE_LINEARS, experts=_QWEN3_MOE_EXPERTS, roles=_ROLES),
+             sequential=_QWEN3_MOE_LINEARS, experts=_QWEN3_MOE_EXPERTS, roles=_ROLES,
+             gguf_names=_QWEN3_MOE_GGUF_NAMES,
+             gguf_kv=("head_dim_if_set", "expert_count", "expert_used_count",
+                      "expert_feed_forward_length")),
     ArchSpec("gemma3_text", ("Gemma3ForCausalLM",), ("gemma3_text",), gguf_arch="gemma3",
              sequential=_LLAMA_LINEARS, awq_groups=_GEMMA3_AWQ, gguf_names=_GEMMA3_GGUF_NAMES,
              roles=_ROLES, norm_offset=1.0,

@@ -84,6 +84,9 @@ class Preset:
     ffn_down: Rule | None = None
     attn_output: Rule | None = None
     ffn_down_imatrix: Rule | None = None  # only when an imatrix is given (Q4_0 / Q5_0)
+    # models with exactly 8 experts: attn_output's type replaces the attn_output rule (None:
+    # the base type; llama.cpp bumps it to Q5_K for the low-bit K presets only)
+    attn_output_8_experts: Q | None = None
 
     @property
     def quantized(self) -> bool:
@@ -96,8 +99,10 @@ class Preset:
 
 _MORE_BITS_Q6 = Rule("more_bits", Q.Q6_K)
 PRESETS: dict[str, Preset] = {p.name: p for p in (
-    Preset("q4_k_m", 15, Q.Q4_K, attn_v=_MORE_BITS_Q6, ffn_down=_MORE_BITS_Q6),
-    Preset("q4_k_s", 14, Q.Q4_K, attn_v=Rule("first_4", Q.Q5_K), ffn_down=Rule("first_eighth", Q.Q5_K)),
+    Preset("q4_k_m", 15, Q.Q4_K, attn_v=_MORE_BITS_Q6, ffn_down=_MORE_BITS_Q6,
+           attn_output_8_experts=Q.Q5_K),
+    Preset("q4_k_s", 14, Q.Q4_K, attn_v=Rule("first_4", Q.Q5_K), ffn_down=Rule("first_eighth", Q.Q5_K),
+           attn_output_8_experts=Q.Q5_K),
     Preset("q5_k_m", 17, Q.Q5_K, attn_v=_MORE_BITS_Q6, ffn_down=_MORE_BITS_Q6),
     Preset("q5_k_s", 16, Q.Q5_K),
     Preset("q6_k", 18, Q.Q6_K),
@@ -109,10 +114,11 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
     Preset("q3_k_l", 13, Q.Q3_K, attn_v=Rule("always", Q.Q5_K), ffn_down=Rule("always", Q.Q5_K),
            attn_output=Rule("always", Q.Q5_K)),
     Preset("q3_k_m", 12, Q.Q3_K, attn_v=Rule("first_2", Q.Q5_K, Q.Q4_K),
-           ffn_down=Rule("first_16th", Q.Q5_K, Q.Q4_K), attn_output=Rule("always", Q.Q4_K)),
-    Preset("q3_k_s", 11, Q.Q3_K),
+           ffn_down=Rule("first_16th", Q.Q5_K, Q.Q4_K), attn_output=Rule("always", Q.Q4_K),
+           attn_output_8_experts=Q.Q5_K),
+    Preset("q3_k_s", 11, Q.Q3_K, attn_output_8_experts=Q.Q5_K),
     Preset("q2_k", 10, Q.Q2_K, attn_v=Rule("gqa_4", Q.Q4_K, Q.Q3_K), ffn_down=Rule("always", Q.Q3_K),
-           attn_output=Rule("always", Q.Q3_K)),
+           attn_output=Rule("always", Q.Q3_K), attn_output_8_experts=Q.Q5_K),
     Preset("f16", 1, Q.F16),
     Preset("bf16", 32, Q.BF16),
 )}
@@ -147,13 +153,16 @@ def _quantizable(name: str, shape: tuple[int, ...]) -> bool:
 
 
 def plan_types(preset: Preset | str, tensors: dict[str, tuple[int, ...]], n_layer: int, *,
-               is_70b: bool = False, has_imatrix: bool = False, n_gqa: int = 1
-               ) -> dict[str, TensorPlan]:
+               is_70b: bool = False, has_imatrix: bool = False, n_gqa: int = 1,
+               n_expert: int = 0) -> dict[str, TensorPlan]:
     """GGML type of every quantizable tensor, by GGUF name ({name: torch-order shape}).
 
     Tensors not in the result (norms, biases, 1-D) keep their float type. Counters run in
     llama.cpp's order (layer number, then name), as its quantizer iterates its weights map.
     has_imatrix: llama.cpp was given an imatrix at all (Q4_0/Q5_0 then guard early ffn_down).
+    n_expert: routed experts (llama.cpp's expert_count): with more than one, ffn_down's
+    layer is read from its name ("blk.N."); with exactly 8, attn_v and attn_k become Q8_0
+    and attn_output takes the preset's attn_output_8_experts (llama-quant.cpp).
     """
     p = PRESETS[preset] if isinstance(preset, str) else preset
     names = sorted(tensors, key=lambda s: (_layer(s), s))
@@ -181,14 +190,19 @@ def plan_types(preset: Preset | str, tensors: dict[str, tuple[int, ...]], n_laye
                 t = apply(p.attn_v, t, i_attn_v, n_attn_v)
                 if is_70b and t in (Q.Q3_K, Q.Q4_K):
                     t = Q.Q5_K
+                if n_expert == 8:
+                    t = Q.Q8_0
                 i_attn_v += 1
+            elif "attn_k.weight" in name and n_expert == 8:
+                t = Q.Q8_0
             elif "ffn_down" in name:
-                t = apply(p.ffn_down, t, i_ffn_down, n_layer)
+                i = _layer(name) if n_expert > 1 else i_ffn_down
+                t = apply(p.ffn_down, t, i, n_layer)
                 if has_imatrix:
-                    t = apply(p.ffn_down_imatrix, t, i_ffn_down, n_layer)
+                    t = apply(p.ffn_down_imatrix, t, i, n_layer)
                 i_ffn_down += 1
             elif "attn_output.weight" in name:
-                t = apply(p.attn_output, t, 0, 1)
+                t = (p.attn_output_8_experts or p.base) if n_expert == 8 else apply(p.attn_output, t, 0, 1)
             wanted = t
             if ncols % _block(t):
                 t = FALLBACK.get(t, t)
@@ -229,12 +243,13 @@ def dequantize_tensor(data: torch.Tensor, qtype: int) -> torch.Tensor:
 
 
 def gguf_linear_name(spec, full_name: str) -> str | None:
-    """HF module name -> GGUF weight name ("model.layers.3.mlp.down_proj" -> "blk.3.ffn_down.weight")."""
+    """HF module name -> GGUF weight name ("model.layers.3.mlp.down_proj" -> "blk.3.ffn_down.weight";
+    every expert's Linear -> its block's 3-D tensor, "mlp.experts.5.down_proj" -> "blk.3.ffn_down_exps.weight")."""
     prefix = spec.block_path + "."
     if full_name.startswith(prefix):
         bid, _, rel = full_name[len(prefix):].partition(".")
-        tmpl = spec.gguf_names.get(rel)
-        return tmpl.format(bid=int(bid)) + ".weight" if tmpl else None
+        slot = spec.gguf_slot(rel) if bid.isdigit() else None
+        return slot[0].format(bid=int(bid)) + ".weight" if slot else None
     return {spec.embed: "token_embd.weight", spec.lm_head: "output.weight"}.get(full_name)
 
 
@@ -303,6 +318,7 @@ class GGUFQuantizer:
         """Every type this preset can write: its rules, output/embeddings, row-width fallbacks."""
         p = self.preset
         types = {p.base, Q.Q6_K, Q.Q8_0} | {t for r in p.rules for t in (r.then, r.otherwise) if t}
+        types |= {p.attn_output_8_experts} - {None}
         return types | {FALLBACK[t] for t in types if t in FALLBACK}
 
     def prepare(self, config, spec, shapes: dict[str, tuple[int, int]]) -> None:
@@ -319,10 +335,17 @@ class GGUFQuantizer:
                 raise SchemeMismatch(f"{full} has no GGUF name for architecture {spec.name}.")
             tensors[gname] = tuple(shape)
         n_head = get("num_attention_heads") or 1
+        n_expert = spec.experts.count(config) if spec.experts is not None else 0
+        if n_expert and (self.collect or self.imatrix_path is not None):
+            raise SchemeMismatch(
+                f"An imatrix for the experts of {spec.name} (mixture of experts) is not built yet "
+                "(llama.cpp keeps one per expert of each 3-D tensor).",
+                "Drop --imatrix / --calib for this model (the reference K-quant path needs none).")
         self.plans = plan_types(self.preset, tensors, int(get("num_hidden_layers")),
                                 is_70b=_is_70b(spec, config),
                                 has_imatrix=self.collect or self.imatrix_path is not None,
-                                n_gqa=n_head // (get("num_key_value_heads") or n_head))
+                                n_gqa=n_head // (get("num_key_value_heads") or n_head),
+                                n_expert=n_expert)
         groups: dict[str, list[str]] = {}
         for name, plan in sorted(self.plans.items(), key=lambda kv: (_layer(kv[0]), kv[0])):
             if plan.note:
