@@ -174,15 +174,15 @@ def test_plan_counts_per_expert_hessians_one_block_at_a_time():
 
     from quantkit.pipeline.plan import estimate
 
-    def plan(layers: int):
+    def plan(layers: int, method: str = "gptq", scheme=QuantScheme(bits=4, group_size=128)):
         config = Qwen3MoeConfig(hidden_size=2048, num_hidden_layers=layers, num_attention_heads=32,
                                 num_key_value_heads=4, head_dim=128, intermediate_size=6144,
                                 moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
                                 vocab_size=151936, tie_word_embeddings=False)
         config.architectures = ["Qwen3MoeForCausalLM"]
-        return estimate(config, spec_for_config(config), method="gptq",
-                        scheme=QuantScheme(bits=4, group_size=128), calib_samples=128,
-                        calib_seqlen=2048, calibrated=True, calib_batch=8)
+        return estimate(config, spec_for_config(config), method=method, scheme=scheme,
+                        calib_samples=128, calib_seqlen=2048, calibrated=method == "gptq",
+                        calib_batch=8)
 
     two, four = plan(2), plan(4)
     experts = 128 * 3 * 2048 * 768
@@ -191,6 +191,12 @@ def test_plan_counts_per_expert_hessians_one_block_at_a_time():
     assert two.phase_bytes["blocks"] > hessians
     assert four.phase_bytes["blocks"] == two.phase_bytes["blocks"]  # streaming: one block
     assert four.disk_bytes > 1.9 * (two.disk_bytes - 151936 * 2048 * 2 * 2)
+    # a BF16 GGUF: the writer stacks one block's 128 experts of a projection (384 MiB) at a time
+    bf16 = QuantScheme(kind="kquant", gguf_type="bf16")
+    stacked = 128 * 768 * 2048 * 2
+    gguf_write = plan(2, "gguf", bf16).phase_bytes["write"]
+    assert gguf_write - stacked == plan(2, "gguf", QuantScheme(kind="kquant", gguf_type="q8_0")
+                                        ).phase_bytes["write"] - stacked * 8.5 / 16
 
 
 def _output_error(model_dir: Path, artifact: Path, expert: int) -> float:
