@@ -115,11 +115,6 @@ def test_moe_refuses_what_is_not_built_yet(moe_model, tmp_path):
     with pytest.raises(SchemeMismatch, match="Method awq does not handle the experts") as e:
         _quantize(moe_model, tmp_path / "awq", "awq")
     assert "--method gptq" in e.value.hint
-    with pytest.raises(SchemeMismatch, match="An imatrix for the experts of qwen3_moe") as e:
-        _quantize(moe_model, tmp_path / "imatrix.gguf", "gguf", format="gguf",
-                  scheme=QuantScheme(kind="kquant", gguf_type="q4_k_m"),
-                  method_options={"gguf_type": "q4_k_m", "imatrix": "calib"})
-    assert "Drop --imatrix" in e.value.hint
     # llama.cpp's qwen3moe makes every block MoE and always renormalises the top-k weights
     for change, why in (({"mlp_only_layers": [0]}, "has no llama.cpp layout"),
                         ({"norm_topk_prob": False}, "always renormalises")):
@@ -133,8 +128,7 @@ def test_moe_refuses_what_is_not_built_yet(moe_model, tmp_path):
         with pytest.raises(UnsupportedArchitecture, match=why) as e:
             _gguf(src, tmp_path / "x.gguf", "q4_k_m")
         assert "--format compressed-tensors" in e.value.hint
-    assert not any(p.suffix in ("", ".gguf") and p.name in ("awq", "imatrix.gguf", "x.gguf")
-                   for p in tmp_path.iterdir())
+    assert not (tmp_path / "awq").exists() and not (tmp_path / "x.gguf").exists()
 
 
 @pytest.mark.parametrize("method", ["rtn", "gptq"])
@@ -429,3 +423,44 @@ def test_moe_gguf_writer_stacks_one_expert_tensor_at_a_time(moe_model, tmp_path)
     assert one <= peak < 2.5 * one
     _, tensors = gguf_contents(tmp_path / "w.gguf")
     assert len([t for t in tensors if "_exps" in t]) == 6
+
+
+@pytest.mark.engine
+def test_moe_imatrix_per_expert_equals_llama_quantize(moe_model, moe_reference_bf16, tmp_path):
+    """--imatrix from calibration on a MoE model: one importance vector per expert of each
+    3-D tensor (in_sum2 [E, K], counts [E, 1], the tokens routed to each expert); an expert
+    that got no token is saved with count 0, which llama-quantize reads as importance 1, and
+    quantkit quantizes it so. llama_model_quantize given that file's values writes the same
+    bytes; reading the file back (--imatrix FILE) gives the same GGUF data again."""
+    from quantkit.engines.llamacpp import llama_quantize
+    from quantkit.methods.imatrix import load_imatrix
+    from quantkit.readers import read_gguf
+
+    imatrix = tmp_path / "moe.imatrix.gguf"
+
+    def run(out: Path, source: str) -> Path:
+        opts = {"gguf_type": "q4_k_m", "imatrix": source, "imatrix_out": str(imatrix)}
+        if source != "calib":
+            del opts["imatrix_out"]
+        quantize(QuantizeRequest(model=str(moe_model), method="gguf", format="gguf", out=out,
+                                 scheme=QuantScheme(kind="kquant", gguf_type="q4_k_m"),
+                                 method_options=opts, calib="mixed", calib_samples=1,
+                                 calib_seqlen=16, resume=False))
+        return out
+
+    with pytest.warns(RuntimeWarning, match="routed tokens"):  # 16 tokens, top-2 of 8 experts
+        collected = run(tmp_path / "calib.gguf", "calib")
+    _, entries = read_gguf(imatrix)
+    counts = {n[:-len(".counts")]: np.asarray(t.data).view(np.float32).reshape(-1)
+              for n, t in entries.items() if n.endswith("_exps.weight.counts")}
+    assert len(counts) == 6 and all(c.shape == (8,) and c.sum() == 2 * 16 for c in counts.values())
+    assert entries["blk.1.ffn_down_exps.weight.in_sum2"].shape == (8, 256)
+    assert any((c == 0).any() for c in counts.values())  # an expert the router never fed
+    values = load_imatrix(imatrix).values
+    llama_quantize(moe_reference_bf16, tmp_path / "lq.gguf", "q4_k_m",
+                   imatrix={k: v.numpy() for k, v in values.items()})
+    (_, ours), (_, ref) = gguf_contents(collected), gguf_contents(tmp_path / "lq.gguf")
+    assert [t for t in ref if ours[t][:2] != ref[t][:2] or ours[t][2] != ref[t][2]] == []
+    plain = gguf_contents(_gguf(moe_model, tmp_path / "plain.gguf", "q4_k_m"))[1]
+    assert ours["blk.1.ffn_up_exps.weight"][2] != plain["blk.1.ffn_up_exps.weight"][2]
+    assert gguf_body(run(tmp_path / "file.gguf", str(imatrix)))[1] == gguf_body(collected)[1]

@@ -301,7 +301,9 @@ class GGUFQuantizer:
         self.plans: dict[str, TensorPlan] = {}
         self.spec = None
         self.imatrix: dict[str, torch.Tensor] = {}
-        self.collected: dict[str, tuple[torch.Tensor, int]] = {}
+        # GGUF name -> (sum of x^2 per column, tokens); expert tensors: ([E, K], [count per expert])
+        self.collected: dict[str, tuple[torch.Tensor, int | list[int]]] = {}
+        self.n_expert = 0
         self.chunks = (0, 0)
 
     # ------------------------------------------------------------------ before any data
@@ -336,11 +338,7 @@ class GGUFQuantizer:
             tensors[gname] = tuple(shape)
         n_head = get("num_attention_heads") or 1
         n_expert = spec.experts.count(config) if spec.experts is not None else 0
-        if n_expert and (self.collect or self.imatrix_path is not None):
-            raise SchemeMismatch(
-                f"An imatrix for the experts of {spec.name} (mixture of experts) is not built yet "
-                "(llama.cpp keeps one per expert of each 3-D tensor).",
-                "Drop --imatrix / --calib for this model (the reference K-quant path needs none).")
+        self.n_expert = n_expert  # an imatrix entry of a 3-D expert tensor has n_expert vectors
         self.plans = plan_types(self.preset, tensors, int(get("num_hidden_layers")),
                                 is_70b=_is_70b(spec, config),
                                 has_imatrix=self.collect or self.imatrix_path is not None,
@@ -366,10 +364,13 @@ class GGUFQuantizer:
                 f"(it has e.g. {sorted(data.values)[:3]}; the model has e.g. {sorted(ours)[:3]}).",
                 "Use an imatrix computed for this model (llama-imatrix or --calib).")
         for name in sorted(hits | ({"output.weight"} & set(data.values) & set(tensors))):
-            if data.values[name].numel() != tensors[name][-1]:
+            # a 3-D expert tensor: one importance vector per expert (llama-quantize's check)
+            n_mat = self.n_expert if name.endswith("_exps.weight") else 1
+            if data.values[name].numel() != tensors[name][-1] * n_mat:
+                per = f" x {n_mat} experts" if n_mat > 1 else ""
                 raise SchemeMismatch(
                     f"imatrix entry {name} has {data.values[name].numel()} values but the tensor "
-                    f"has {tensors[name][-1]} input columns.", "The imatrix is for another model.")
+                    f"has {tensors[name][-1]} input columns{per}.", "The imatrix is for another model.")
         missing = sorted(ours - hits)
         if missing:
             log.warning("imatrix has no entry for %d tensors (e.g. %s); they use the plain "
@@ -382,17 +383,35 @@ class GGUFQuantizer:
             return {}  # f16/bf16 export: the writer stores the dense weights
         spec = ctx.arch if ctx.arch is not None else self.spec
         results = {}
+        experts: dict[str, dict[int, tuple[torch.Tensor, int]]] = {}
         for name, linear in ctx.linears.items():
             gname = gguf_linear_name(spec, f"{spec.block_path}.{ctx.index}.{name}")
+            slot = spec.gguf_slot(name)
+            expert = slot[1] if slot else None
             qw = self.imatrix.get(gname)
+            if qw is not None and expert is not None:  # this expert's slice of the 3-D entry
+                k = linear.weight.shape[1]
+                qw = qw[expert * k:(expert + 1) * k]
             stat = ctx.stats.get(name, {})
-            if self.collect and "sq_mean" in stat and stat.get("tokens"):
+            if self.collect and expert is not None:  # an expert the router never fed has no stat
+                count = int(stat.get("tokens") or 0) if "sq_mean" in stat else 0
+                sums = stat["sq_mean"].float().detach().cpu() if count else \
+                    torch.zeros(linear.weight.shape[1])
+                experts.setdefault(gname, {})[expert] = (sums, count)
+                # llama-quantize's reading of the saved file: in_sum2 / counts, or 1 in every
+                # column for an expert that got no token
+                qw = sums / float(count) if count else torch.ones_like(sums)
+            elif self.collect and "sq_mean" in stat and stat.get("tokens"):
                 sums, count = stat["sq_mean"].float(), int(stat["tokens"])
                 self.collected[gname] = (sums.detach().cpu(), count)
                 qw = sums / float(count)  # llama.cpp: in_sum2 / counts, in float32
                 self.chunks = (max(self.chunks[0], len(ctx.inputs)),
                                count // max(1, len(ctx.inputs)))
             results[name] = self._quantize(name, gname, linear.weight.data, qw, linear.bias)
+        for gname, parts in experts.items():  # one imatrix entry per 3-D tensor, expert-major
+            order = sorted(parts)
+            self.collected[gname] = (torch.stack([parts[e][0] for e in order]),
+                                     [parts[e][1] for e in order])
         return results
 
     def _quantize(self, name: str, gname: str, w: torch.Tensor, qw, bias=None) -> QuantResult:
