@@ -11,6 +11,9 @@ Layout written (gguf's GGUFWriter; tensor data 32-byte aligned, dims reversed on
        norm_offset + w: Gemma's (1 + w), added in float32 as llama.cpp's
        converter does); quantized weights as the bytes in QuantResult.extra["gguf_bytes"];
        other 2-D weights F16/BF16. Fused Linears (Phi-3's qkv_proj, gate_up_proj) stay fused.
+       Mixture of experts (qwen3moe): each block's per-expert Linears stacked into one 3-D
+       tensor per projection (ffn_{gate,up,down}_exps, experts on the slowest axis), built
+       as it is written; the router ffn_gate_inp F32, as llama.cpp's converter forces it.
 The llama arch wants q/k rows permuted for its rotary layout; that is a row permutation, so
 it is applied to encoded rows too (`_permute`).
 """

@@ -12,6 +12,9 @@ The type mix of a preset (Q4_K_M, Q5_K_M, ...) is a data table, `PRESETS`, read 
   everything else                           -> the preset's base type
   row width % block != 0                    -> Q2_K/Q3_K->Q4_0, Q4_K->Q5_0, Q5_K->Q5_1,
                                                Q6_K->Q8_0, then F16
+  mixture of experts                        -> ffn_down(_exps) by the layer in its name;
+                                               exactly 8 experts: attn_v, attn_k Q8_0 and
+                                               attn_output by attn_output_8_experts
 
 Methods never import quantkit.formats: the quantizer hands the writer encoded rows in
 `QuantResult.extra["gguf_bytes"]` (HF row order; the writer applies llama's q/k row
