@@ -12,7 +12,10 @@ import time
 
 
 class PhaseTimer:
-    def __init__(self) -> None:
+    def __init__(self, sync=None) -> None:
+        """`sync` (e.g. torch.cuda.synchronize) runs before each timed call ends, so queued GPU
+        work is charged to the phase that queued it."""
+        self.sync = sync
         self.seconds: collections.Counter = collections.Counter()
         self.calls: dict[str, list[float]] = collections.defaultdict(list)
 
@@ -27,7 +30,10 @@ class PhaseTimer:
         def wrapper(*a, **k):
             t = time.perf_counter()
             try:
-                return fn(*a, **k)
+                out = fn(*a, **k)
+                if self.sync is not None:
+                    self.sync()
+                return out
             finally:
                 dt = time.perf_counter() - t
                 self.seconds[label] += dt

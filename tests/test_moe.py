@@ -464,3 +464,56 @@ def test_moe_imatrix_per_expert_equals_llama_quantize(moe_model, moe_reference_b
     plain = gguf_contents(_gguf(moe_model, tmp_path / "plain.gguf", "q4_k_m"))[1]
     assert ours["blk.1.ffn_up_exps.weight"][2] != plain["blk.1.ffn_up_exps.weight"][2]
     assert gguf_body(run(tmp_path / "file.gguf", str(imatrix)))[1] == gguf_body(collected)[1]
+
+
+def test_linearize_copies_fused_experts_without_random_init(moe_model):
+    """The per-expert Linears are the fused tensors' slices, made without nn.Linear's random
+    init (it cost seconds per Qwen3-30B-A3B block on the CPU): the global RNG is not advanced."""
+    from transformers import AutoModelForCausalLM
+
+    from quantkit.pipeline.experts import LinearExperts, linearize_experts
+
+    model = AutoModelForCausalLM.from_pretrained(moe_model, dtype=torch.bfloat16)
+    fused = model.model.layers[1].mlp.experts
+    gate_up, down = fused.gate_up_proj.detach().clone(), fused.down_proj.detach().clone()
+    inter = gate_up.shape[1] // 2
+    rng = torch.random.get_rng_state()
+    linearize_experts(model, spec_for_config(model.config))
+    assert torch.equal(torch.random.get_rng_state(), rng)
+    experts = model.model.layers[1].mlp.experts
+    assert isinstance(experts, LinearExperts) and len(experts) == 8
+    assert torch.equal(experts[5].gate_proj.weight, gate_up[5, :inter])
+    assert torch.equal(experts[5].up_proj.weight, gate_up[5, inter:])
+    assert torch.equal(experts[7].down_proj.weight, down[7])
+
+
+@pytest.mark.parametrize("calibrate_all", [False, True])
+def test_linear_experts_route_like_a_per_expert_where_loop(calibrate_all):
+    """LinearExperts dispatches with one stable sort; the sums must equal, bit for bit, a loop
+    of torch.where per expert (the fused module's order: experts in index order, each expert's
+    tokens by top-k slot then token), and every expert's Linears see its routed tokens."""
+    from quantkit.pipeline.experts import LinearExperts, _Expert
+    from quantkit.pipeline.stats import StatCollector
+
+    spec = spec_for_config({"model_type": "qwen3_moe"}).experts
+    torch.manual_seed(3)
+    experts = [_Expert(spec, 64, 32, torch.nn.functional.silu, torch.float32, "cpu") for _ in range(6)]
+    for ex in experts:
+        for lin in ex.children():
+            torch.nn.init.normal_(lin.weight, 0, 0.1)
+    module = LinearExperts(experts, calibrate_all)
+    hidden = torch.randn(50, 64)
+    top_k_index = torch.randint(0, 5, (50, 2))  # expert 5 never chosen
+    top_k_weights = torch.rand(50, 2)
+    want = torch.zeros_like(hidden)
+    for e, ex in enumerate(experts):
+        pos, tok = torch.where(top_k_index.T == e)
+        y = ex(hidden)[tok] if calibrate_all else ex(hidden[tok])
+        want.index_add_(0, tok, y * top_k_weights[tok, pos, None])
+    linears = {f"{e}.gate_proj": ex.gate_proj for e, ex in enumerate(experts)}
+    with StatCollector(linears, ("hessian",)) as collector:
+        got = module(hidden, top_k_index, top_k_weights)
+    assert torch.equal(got, want)
+    tokens = [collector.results[f"{e}.gate_proj"]["tokens"] for e in range(6)]
+    assert tokens == ([50] * 6 if calibrate_all else
+                      [int((top_k_index == e).sum()) for e in range(6)])

@@ -44,7 +44,9 @@ def main(req_path: str, resp_path: str) -> None:
     res = lm_eval.simple_evaluate(
         model="vllm", model_args=model_args, tasks=req["tasks"],
         num_fewshot=req["num_fewshot"], limit=req["limit"], batch_size="auto",
-        task_manager=TaskManager(include_path=req["include_path"]), log_samples=True,
+        task_manager=TaskManager(include_path=req["include_path"],
+                                 include_defaults=req.get("include_defaults", True)),
+        log_samples=True,
         random_seed=req["seed"], numpy_random_seed=req["seed"], torch_random_seed=req["seed"],
         fewshot_random_seed=req["seed"], apply_chat_template=req["chat_template"],
         bootstrap_iters=100)

@@ -7,6 +7,7 @@ calls llama.cpp in-process with logits for every position.
 from __future__ import annotations
 
 import numpy as np
+import torch
 from lm_eval.api.model import LM
 
 __all__ = ["LlamaCppLM"]
@@ -43,11 +44,13 @@ class LlamaCppLM(LM):
         n_cont = len(continuation)
         self._eval_reusing_prefix(whole)
         end = len(whole)
-        rows = np.asarray(self.llm.scores[end - n_cont - 1: end - 1], dtype=np.float64)
-        top = rows.max(-1, keepdims=True)
-        lse = top[:, 0] + np.log(np.exp(rows - top).sum(-1))
-        picked = rows[np.arange(n_cont), continuation] - lse
-        greedy = bool((rows.argmax(-1) == np.asarray(continuation)).all())
+        # llama.cpp's float32 logits, read in place: a rolling window's rows are ~500 x 49152,
+        # and a float64 copy + exp of them cost ~2.5 s per document (torch's logsumexp ~0.05 s)
+        rows = torch.from_numpy(self.llm.scores[end - n_cont - 1: end - 1])
+        lse = torch.logsumexp(rows, -1).double()
+        cont = torch.tensor(continuation)
+        picked = rows[torch.arange(n_cont), cont].double() - lse
+        greedy = bool((rows.argmax(-1) == cont).all())
         return float(picked.sum()), greedy
 
     def loglikelihood(self, requests) -> list[tuple[float, bool]]:

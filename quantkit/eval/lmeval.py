@@ -16,7 +16,13 @@ import tempfile
 from pathlib import Path
 
 from quantkit.errors import QuantkitError
-from quantkit.eval.tasks import OFFLINE_TASKS, offline_task_dir, resolve_tasks, task_manager
+from quantkit.eval.tasks import (
+    OFFLINE_TASKS,
+    offline_task_dir,
+    only_offline,
+    resolve_tasks,
+    task_manager,
+)
 
 __all__ = ["run_tasks", "results_cache_path", "flips", "BACKENDS"]
 
@@ -48,7 +54,7 @@ def _evaluate_lm(lm, tasks: list[str], *, num_fewshot: int, limit: int | None, s
                  chat: bool) -> dict:
     import lm_eval
 
-    manager = task_manager()
+    manager = task_manager(tasks)
     resolve_tasks(tasks, manager)
     return lm_eval.simple_evaluate(model=lm, tasks=tasks, num_fewshot=num_fewshot, limit=limit,
                                    task_manager=manager, log_samples=True, random_seed=seed,
@@ -126,7 +132,7 @@ def _run_uncached(artifact: str, tasks: list[str], settings: dict) -> dict:
         lm = LlamaCppLM(str(artifact))
         raw = _evaluate_lm(lm, tasks, num_fewshot=num_fewshot, limit=limit, seed=seed, chat=chat)
     elif backend == "vllm":
-        resolve_tasks(tasks, task_manager())
+        resolve_tasks(tasks, task_manager(tasks))
         raw = _run_vllm_lmeval(artifact, tasks, settings)
     else:
         raise QuantkitError(f"Unknown backend {backend!r}.", f"Choose one of {', '.join(BACKENDS)}.")
@@ -148,7 +154,8 @@ def _run_vllm_lmeval(artifact: str, tasks: list[str], settings: dict) -> dict:
     with tempfile.TemporaryDirectory(prefix="quantkit-lmeval-") as tmp:
         req, resp = Path(tmp) / "req.json", Path(tmp) / "resp.json"
         req.write_text(json.dumps({"model": str(Path(artifact).resolve()), "tasks": tasks,
-                                   "include_path": str(offline_task_dir()), **settings}))
+                                   "include_path": str(offline_task_dir()),
+                                   "include_defaults": not only_offline(tasks), **settings}))
         proc = subprocess.run([str(vllm_python()), str(worker), str(req), str(resp)], env=vllm_env(),
                               capture_output=True, text=True, cwd=tmp)
         if proc.returncode != 0 or not resp.is_file():

@@ -14,6 +14,7 @@ Task YAMLs point at absolute JSONL paths, so they are written next to the data i
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -24,7 +25,7 @@ from pathlib import Path
 from quantkit.calibration import builtin_sets, load_heldout_text
 from quantkit.errors import QuantkitError
 
-__all__ = ["offline_task_dir", "task_manager", "OFFLINE_TASKS", "resolve_tasks"]
+__all__ = ["offline_task_dir", "task_manager", "only_offline", "OFFLINE_TASKS", "resolve_tasks"]
 
 CLOZE_ITEMS = 300
 CONTEXT_WORDS = 40
@@ -156,10 +157,23 @@ OFFLINE_TASKS = tuple(f"quantkit_{kind}_{s}" for kind in ("cloze", "heldout")
                       for s in ("mixed", "prose", "code", "techdoc"))
 
 
-def task_manager():
+def only_offline(tasks: list[str]) -> bool:
+    """Whether every task is one of quantkit's own (no need to index lm-eval's ~14,000 task
+    YAML files, which takes 10-25 s on a 2-core machine)."""
+    return bool(tasks) and set(tasks) <= set(OFFLINE_TASKS)
+
+
+def task_manager(tasks: list[str]):
+    """lm-eval's TaskManager for `tasks`: over quantkit's offline task folder alone when that
+    is all they need, else with lm-eval's own tasks too; built once per process."""
+    return _task_manager(str(offline_task_dir()), not only_offline(tasks))
+
+
+@functools.lru_cache(maxsize=2)
+def _task_manager(include_path: str, include_defaults: bool):
     from lm_eval.tasks import TaskManager
 
-    return TaskManager(include_path=str(offline_task_dir()))
+    return TaskManager(include_path=include_path, include_defaults=include_defaults)
 
 
 def resolve_tasks(names: list[str], manager) -> list[str]:

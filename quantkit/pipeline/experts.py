@@ -29,7 +29,11 @@ class _Expert(nn.Module):
 
     def __init__(self, spec: ExpertsSpec, hidden: int, inter: int, act_fn, dtype, device):
         super().__init__()
-        make = lambda i, o: nn.Linear(i, o, bias=False, dtype=dtype, device=device)  # noqa: E731
+        # skip_init: no random init of weights that are copied from the fused tensors (or
+        # streamed in) right after: nn.Linear's kaiming init of 128 experts x 3 Linears of
+        # Qwen3-30B-A3B shapes took seconds per block on the CPU
+        make = lambda i, o: nn.utils.skip_init(  # noqa: E731
+            nn.Linear, i, o, bias=False, dtype=dtype, device=device)
         setattr(self, spec.gate, make(hidden, inter))
         setattr(self, spec.up, make(hidden, inter))
         setattr(self, spec.down, make(inter, hidden))
@@ -57,9 +61,19 @@ class LinearExperts(nn.ModuleList):
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(hidden_states)
-        slots = top_k_index.T  # (top_k, tokens)
+        tokens = hidden_states.shape[0]
+        # one stable sort of the (slot, token) pairs by expert instead of a torch.where per
+        # expert: on a GPU each where waits for the device (128 experts x every batch x every
+        # replayed forward); a stable sort keeps where's order (slot, then token) per expert
+        flat = top_k_index.T.reshape(-1)  # (top_k * tokens): slot-major, as where scans
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=len(self)).tolist()  # the one device sync
+        pos_all, tok_all = order // tokens, order % tokens
+        start = 0
         for e, expert in enumerate(self):
-            pos, tok = torch.where(slots == e)
+            end = start + counts[e]
+            pos, tok = pos_all[start:end], tok_all[start:end]
+            start = end
             if self.calibrate_all:
                 y = expert(hidden_states)[tok]
             elif tok.numel():

@@ -311,9 +311,9 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
     quantizer.check(req.scheme)
     if dp is not None:
         dp.check_method(quantizer)
-    writer = get_writer(req.format)
     source = resolve_model(req.model, allow_pickle=req.allow_pickle, on_progress=on_progress)
     check_not_input(out, _input_paths(req, source.path))
+    writer = get_writer(req.format)  # after the cheap refusals: compressed-tensors loads slowly
     raw_config = read_config_json(source.path)
     spec = spec_for_config(raw_config)  # before transformers parses it: cheap, clear errors
     check_moe_support(spec, req.method, writer.name, quantizer.needs_calibration)

@@ -1,0 +1,110 @@
+"""Peer timing: llm-compressor 0.14 GPTQ (W4A16, group 128) on a synthetic mixture-of-experts model
+with Qwen3-30B-A3B layer shapes (hidden 2048, 128 experts, 8 active, moe_intermediate 768, 32 heads /
+4 KV heads, head_dim 128; random bf16 weights), a few decoder layers, the whole model on one GPU.
+
+Copied from the project's shared/bench/llmcompressor_moe_gpu_peer.py (the recipe and the model are
+the same) so it travels with the repo to the GPU machine; moe_gpu_vs_llmcompressor.py runs it. Added:
+- the row records what llm-compressor really did with the experts: `oneshot` linearizes transformers
+  5's fused 3-D experts into per-expert Linears (llmcompressor.modeling.moe.linearize_moe) and the
+  row counts the expert Linears that carry a quantization scheme and a weight_scale afterwards;
+- `all_experts` is the value oneshot used: its `moe_calibrate_all_experts` DEFAULTS TO TRUE in 0.14
+  (every token through every expert for statistics), so the shared script's rows, which passed
+  nothing, calibrated all experts although they said `"all_experts": false`. `--routed-only` passes
+  False (statistics from the routed tokens only, as quantkit's default);
+- `--device cpu` and the shape flags, for a dry run of the script on a tiny model without a GPU.
+
+Random weights and random tokens are fine for TIME and MEMORY, not for accuracy.
+Prints one RESULT JSON line.
+usage: python llmcompressor_moe_gpu_peer.py [--layers 2] [--samples 128] [--seqlen 2048] [--routed-only]
+"""
+import argparse
+import inspect
+import json
+import time
+
+import torch
+from llmcompressor_gpu_peer import calibration, stand_in_tokenizer
+
+QWEN3_30B_A3B = {"hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
+                 "num_experts": 128, "num_experts_per_tok": 8, "num_attention_heads": 32,
+                 "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 128256}
+
+
+def synthetic_qwen3_moe(n_layers, shape=None, device="cuda"):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    cfg = Qwen3MoeConfig(**{**QWEN3_30B_A3B, **(shape or {})}, num_hidden_layers=n_layers,
+                         max_position_embeddings=8192, tie_word_embeddings=False,
+                         architectures=["Qwen3MoeForCausalLM"], torch_dtype="bfloat16")
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen3MoeForCausalLM(cfg).to(torch.bfloat16)
+    cfg.save_pretrained("/tmp/synthetic-qwen3-moe")
+    stand_in_tokenizer().save_pretrained("/tmp/synthetic-qwen3-moe")
+    model.name_or_path = model.config._name_or_path = "/tmp/synthetic-qwen3-moe"
+    return model
+
+
+def expert_quantization(model) -> dict:
+    """What got quantized: expert Linears with a scheme and a weight_scale, the experts modules'
+    class, and whether one expert's weight sits on its 4-bit grid (max |w - round(w/s)*s|)."""
+    schemed = [n for n, m in model.named_modules() if getattr(m, "quantization_scheme", None) is not None]
+    scaled = {n.rsplit(".", 1)[0] for n, _ in model.named_parameters() if n.endswith("weight_scale")}
+    experts = [n for n in schemed if ".experts." in n]
+    grid_err = None
+    for n, m in model.named_modules():
+        if ".experts." in n and n in scaled and m.weight.dim() == 2:
+            w, s = m.weight.detach().float(), m.weight_scale.detach().float()
+            g = w.shape[1] // s.shape[1]
+            q = (w.reshape(w.shape[0], -1, g) / s.unsqueeze(-1)).round()
+            grid_err = (w.reshape(w.shape[0], -1, g) - q * s.unsqueeze(-1)).abs().max().item()
+            break
+    return {"quantized_modules": len(schemed), "expert_linears_quantized": len(experts),
+            "expert_linears_with_weight_scale": len([n for n in experts if n in scaled]),
+            "experts_module_types": sorted({type(m).__name__ for n, m in model.named_modules()
+                                            if n.endswith("mlp.experts")}),
+            "router_quantized": any(n.endswith("mlp.gate") for n in schemed),
+            "expert_weight_off_grid": grid_err}
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--samples", type=int, default=128)
+    p.add_argument("--seqlen", type=int, default=2048)
+    p.add_argument("--routed-only", action="store_true",
+                   help="oneshot(moe_calibrate_all_experts=False): statistics from routed tokens only")
+    p.add_argument("--shape", default="{}", help="JSON overrides of the Qwen3-30B-A3B config (dry runs)")
+    p.add_argument("--device", default="cuda")
+    args = p.parse_args()
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.quantization import GPTQModifier
+
+    cuda = args.device == "cuda"
+    recipe = GPTQModifier(targets="Linear", scheme="W4A16", ignore=["lm_head", "re:.*mlp.gate$"])
+    model = synthetic_qwen3_moe(args.layers, json.loads(args.shape), args.device)
+    ds = calibration(args.samples, args.seqlen)
+    kw = {"moe_calibrate_all_experts": False} if args.routed_only else {}
+    all_experts = kw.get("moe_calibrate_all_experts",
+                         inspect.signature(oneshot).parameters["moe_calibrate_all_experts"].default)
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    oneshot(model=model, dataset=ds, recipe=recipe, max_seq_length=args.seqlen,
+            num_calibration_samples=args.samples, processor=stand_in_tokenizer(), **kw)
+    if cuda:
+        torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    row = {"peer": "llm-compressor", "method": "gptq", "model": "qwen3-30b-a3b-shapes", "layers": args.layers,
+           "all_experts": all_experts, "model_device": args.device, "samples": args.samples,
+           "seqlen": args.seqlen, "seconds": round(dt, 2), "seconds_per_layer": round(dt / args.layers, 2),
+           "projected_48_layers_s": round(dt / args.layers * 48, 1),
+           "peak_gpu_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else 0.0,
+           "gpu": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
+           **expert_quantization(model)}
+    print("RESULT " + json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
