@@ -509,7 +509,7 @@ def check_moe_support(spec: ArchSpec, method: str, format_name: str, calibrated:
             f"Format {format_name} cannot store the experts of {spec.name} (mixture of experts) yet.",
             f"Use --format {MOE_FORMATS[0]} (per-expert tensors vLLM's FusedMoE loader reads).")
     if format_name == "gguf" and method == "gguf":
-        return  # llama.cpp's K-quants need no statistics (an imatrix is refused by the method)
+        return  # K-quants need no statistics; an imatrix is gathered per expert (sq_mean)
     if method not in ("rtn", "gptq") and not (method == "fp8" and not calibrated):
         raise SchemeMismatch(
             f"Method {method} does not handle the experts of {spec.name} (mixture of experts) yet.",
