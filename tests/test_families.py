@@ -11,34 +11,22 @@ generates in real llama.cpp, and the int4 artifact generates in real vLLM.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import tarfile
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from gguf_reference import assert_same_gguf, convert_with_llama_cpp, gguf_contents
 from tiny_models import make_tiny_model
 
 from quantkit.arch import spec_for_config
 from quantkit.formats.gguf import read_gguf
 from quantkit.loader import load_artifact
 from quantkit.methods.fp8 import fp8_scheme
-from quantkit.model_io import cache_dir
 from quantkit.pipeline.quantize import QuantizeRequest, quantize
 from quantkit.types import QuantScheme
 
 FAMILIES = ["gemma3_text", "phi3"]
-LLAMA_CPP_SDIST = "llama_cpp_python-0.3.36"
-# keys whose values are provenance, not the model (general.name, size label, ...)
-PROVENANCE = ("general.",)
-# quantkit writes these tokenizer flags always (from what the HF tokenizer does); the
-# converter omits them when tokenizer_config.json has none, and llama.cpp's default for a
-# "gpt2"/"smollm" vocabulary is the same False (llama-vocab.cpp)
-EXPLICIT_DEFAULTS = {"tokenizer.ggml.add_bos_token": False, "tokenizer.ggml.add_eos_token": False,
-                     "tokenizer.ggml.add_space_prefix": False}
 TEXT = "The quick brown fox jumps over the lazy dog. def f(x): return x**2  # squares"
 I4 = QuantScheme(bits=4, group_size=64)
 
@@ -94,38 +82,6 @@ def _quantize(src: Path, out: Path, method: str) -> Path:
                              scheme=scheme, out=out, format=fmt, method_options=opts,
                              calib="mixed", calib_samples=4, calib_seqlen=64))
     return out
-
-
-def _reference_converter() -> Path:
-    """vendor/llama.cpp of the llama-cpp-python sdist (convert_hf_to_gguf.py, conversion/,
-    gguf-py), unpacked once under the quantkit cache; the sdist is fetched with pip if absent."""
-    root = cache_dir() / "sdists"
-    lc = root / LLAMA_CPP_SDIST / "vendor" / "llama.cpp"
-    if (lc / "convert_hf_to_gguf.py").exists() and (lc / "conversion").is_dir():
-        return lc
-    sdist = root / f"{LLAMA_CPP_SDIST}.tar.gz"
-    if not sdist.exists():
-        root.mkdir(parents=True, exist_ok=True)
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary",
-                        ":all:", "-d", str(root), "llama-cpp-python==0.3.36"], check=True)
-    want = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
-    prefix = f"{LLAMA_CPP_SDIST}/vendor/llama.cpp/"
-    with tarfile.open(sdist) as tar:
-        members = [m for m in tar.getmembers()
-                   if m.name.startswith(prefix) and m.name[len(prefix):].startswith(want)]
-        tar.extractall(root, members=members, filter="data")
-    return lc
-
-
-def _gguf_contents(path: Path) -> tuple[dict, dict]:
-    from gguf import GGUFReader
-
-    r = GGUFReader(str(path))
-    kv = {k: f.contents() for k, f in r.fields.items()
-          if not k.startswith(PROVENANCE) and not k.startswith("quantkit.") and k != "GGUF.kv_count"}
-    tensors = {t.name: (t.tensor_type.name, [int(x) for x in t.shape], t.data.tobytes())
-               for t in r.tensors}
-    return kv, tensors
 
 
 # ---------------------------------------------------------------- methods, through the pipeline
@@ -227,22 +183,7 @@ def test_bf16_gguf_equals_llama_cpp_converter_and_runs(family, tmp_path):
 
     name, src = family.name, family.src
     ours = family.artifact("bf16")
-    lc = _reference_converter()
-    ref = tmp_path / "ref.bf16.gguf"
-    proc = subprocess.run([sys.executable, str(lc / "convert_hf_to_gguf.py"), "--outtype", "bf16",
-                           "--outfile", str(ref), str(src)], capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(lc / "gguf-py")})
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    (kv_a, t_a), (kv_b, t_b) = _gguf_contents(ours), _gguf_contents(ref)
-    assert sorted(t_a) == sorted(t_b)
-    for t in t_b:
-        assert t_a[t][:2] == t_b[t][:2], (t, t_a[t][:2], t_b[t][:2])
-        assert t_a[t][2] == t_b[t][2], f"{t}: bytes differ"
-    for key, value in EXPLICIT_DEFAULTS.items():
-        if key not in kv_b:
-            assert kv_a.pop(key) == value
-    assert kv_a == kv_b
-    assert kv_a["GGUF.tensor_count"] == len(t_b)
+    assert_same_gguf(ours, convert_with_llama_cpp(src, tmp_path / "ref.bf16.gguf"))
 
     tok = AutoTokenizer.from_pretrained(src)
     ids = tok.encode(TEXT, add_special_tokens=False)[:40]
@@ -273,7 +214,7 @@ def test_q4_k_m_equals_llama_quantize_and_generates(family, tmp_path):
     name = family.name
     ours = family.artifact("q4_k_m")
     llama_quantize(family.artifact("bf16"), tmp_path / "lq.gguf", "q4_k_m")
-    (_, t_a), (_, t_b) = _gguf_contents(ours), _gguf_contents(tmp_path / "lq.gguf")
+    (_, t_a), (_, t_b) = gguf_contents(ours), gguf_contents(tmp_path / "lq.gguf")
     assert {t: v[:2] for t, v in t_a.items()} == {t: v[:2] for t, v in t_b.items()}
     assert [t for t in t_b if t_a[t][2] != t_b[t][2]] == []
     if name == "phi3":  # use_more_bits(i, 2): layer 1 only

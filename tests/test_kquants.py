@@ -192,6 +192,58 @@ def test_low_bit_mixes_with_gqa_4_equal_llama_cpp(tmp_path, preset):
     assert ours["blk.1.ffn_down.weight"] == (Q.Q3_K if preset == "q2_k" else Q.Q5_K)
 
 
+def _write_moe_gguf(path: Path, n_layer: int, n_expert: int, hidden: int = 256,
+                    ffn_exp: int = 256, vocab: int = 256) -> dict[str, tuple[int, ...]]:
+    """A weightless (all-zero F16) qwen3moe model: 3-D experts and an F32 router per block."""
+    w = GGUFWriter(str(path), "qwen3moe")
+    n_head, n_kv, hd = 4, 2, hidden // 4
+    for add, value in ((w.add_block_count, n_layer), (w.add_context_length, 256),
+                       (w.add_embedding_length, hidden), (w.add_feed_forward_length, 512),
+                       (w.add_head_count, n_head), (w.add_head_count_kv, n_kv),
+                       (w.add_key_length, hd), (w.add_value_length, hd),
+                       (w.add_expert_count, n_expert), (w.add_expert_used_count, 2),
+                       (w.add_expert_feed_forward_length, ffn_exp), (w.add_file_type, 1)):
+        add(value)
+    w.add_layer_norm_rms_eps(1e-6)
+    shapes = {"token_embd.weight": (vocab, hidden), "output_norm.weight": (hidden,),
+              "output.weight": (vocab, hidden)}
+    for i in range(n_layer):
+        shapes.update({f"blk.{i}.attn_norm.weight": (hidden,), f"blk.{i}.ffn_norm.weight": (hidden,),
+                       f"blk.{i}.attn_q_norm.weight": (hd,), f"blk.{i}.attn_k_norm.weight": (hd,),
+                       f"blk.{i}.attn_q.weight": (hidden, hidden), f"blk.{i}.attn_k.weight": (n_kv * hd, hidden),
+                       f"blk.{i}.attn_v.weight": (n_kv * hd, hidden), f"blk.{i}.attn_output.weight": (hidden, hidden),
+                       f"blk.{i}.ffn_gate_inp.weight": (n_expert, hidden),
+                       f"blk.{i}.ffn_gate_exps.weight": (n_expert, ffn_exp, hidden),
+                       f"blk.{i}.ffn_up_exps.weight": (n_expert, ffn_exp, hidden),
+                       f"blk.{i}.ffn_down_exps.weight": (n_expert, hidden, ffn_exp)})
+    for name, shape in shapes.items():
+        f32 = len(shape) == 1 or "ffn_gate_inp" in name
+        w.add_tensor(name, np.zeros(shape, dtype=np.float32 if f32 else np.float16))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return shapes
+
+
+@pytest.mark.parametrize("preset,n_expert", [(p, 8) for p in ["q4_k_m", *_MIXES]] + [("q4_k_m", 4), ("q2_k", 4)])
+def test_moe_type_mix_equals_llama_cpp(tmp_path, preset, n_expert):
+    """qwen3moe, 8 layers: the 3-D expert tensors and the rest get llama-quantize's types
+    (ffn_down_exps by its layer; with exactly 8 experts attn_v/attn_k Q8_0 and attn_output
+    Q5_K only for the low-bit K presets); the router stays F32."""
+    src = tmp_path / "f16.gguf"
+    shapes = _write_moe_gguf(src, 8, n_expert)
+    llama_quantize(src, tmp_path / "q.gguf", preset)
+    plans = plan_types(preset, {n: s for n, s in shapes.items() if "ffn_gate_inp" not in n}, 8,
+                       n_expert=n_expert)
+    ours = {n: (plans[n].qtype if n in plans else Q.F32) for n in shapes}
+    assert ours == _types(tmp_path / "q.gguf")
+    if n_expert == 8 and preset == "q4_k_m":
+        assert {ours[f"blk.3.{t}.weight"] for t in ("attn_v", "attn_k")} == {Q.Q8_0}
+        assert [ours[f"blk.{i}.ffn_down_exps.weight"] for i in range(8)] == \
+            [Q.Q6_K if use_more_bits(i, 8) else Q.Q4_K for i in range(8)]
+
+
 def test_use_more_bits_worked_example():
     picked = [i for i in range(32) if use_more_bits(i, 32)]
     assert picked == [0, 1, 2, 3, 6, 9, 12, 15, 18, 21, 24, 27, 28, 29, 30, 31]

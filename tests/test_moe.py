@@ -12,8 +12,10 @@ import json
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from gguf_reference import assert_same_gguf, convert_with_llama_cpp, gguf_body, gguf_contents
 from safetensors import safe_open
 from tiny_models import make_tiny_model
 
@@ -110,19 +112,32 @@ def test_fp8_dynamic_experts_both_layouts(moe_model, tmp_path):
     assert qcfg["format"] == "float-quantized" and r"re:.*mlp\.gate$" in qcfg["ignore"]
 
 
+def _gguf(model: Path, out: Path, gguf_type: str, **kw) -> Path:
+    return _quantize(model, out, "gguf", format="gguf", method_options={"gguf_type": gguf_type},
+                     scheme=QuantScheme(kind="kquant", gguf_type=gguf_type), **kw)
+
+
 def test_moe_refuses_what_is_not_built_yet(moe_model, tmp_path):
-    from quantkit.errors import SchemeMismatch
+    from quantkit.errors import SchemeMismatch, UnsupportedArchitecture
     from quantkit.methods.int8 import int8_scheme
 
     with pytest.raises(SchemeMismatch, match="Method int8 does not handle the experts") as e:
         _quantize(moe_model, tmp_path / "int8", "int8", scheme=int8_scheme("dynamic"))
     assert "--method gptq, awq or rtn" in e.value.hint
-    with pytest.raises(SchemeMismatch, match="Format gguf cannot store the experts") as e:
-        _quantize(moe_model, tmp_path / "gguf", "gguf", format="gguf",
-                  scheme=QuantScheme(kind="kquant", gguf_type="q4_k_m"),
-                  method_options={"gguf_type": "q4_k_m"})
-    assert "--format compressed-tensors" in e.value.hint
-    assert not (tmp_path / "int8").exists() and not (tmp_path / "gguf").exists()
+    # llama.cpp's qwen3moe makes every block MoE and always renormalises the top-k weights
+    for change, why in (({"mlp_only_layers": [0]}, "has no llama.cpp layout"),
+                        ({"norm_topk_prob": False}, "always renormalises")):
+        src = tmp_path / f"cfg{len(why)}"
+        src.mkdir()
+        for f in moe_model.iterdir():
+            (src / f.name).symlink_to(f)
+        (src / "config.json").unlink()
+        config = json.loads((moe_model / "config.json").read_text())
+        (src / "config.json").write_text(json.dumps({**config, **change}))
+        with pytest.raises(UnsupportedArchitecture, match=why) as e:
+            _gguf(src, tmp_path / "x.gguf", "q4_k_m")
+        assert "--format compressed-tensors" in e.value.hint
+    assert not (tmp_path / "int8").exists() and not (tmp_path / "x.gguf").exists()
 
 
 # AWQ in the tests: a coarser grid than the default 20 x 20 (the MoE block's loss runs every
@@ -393,15 +408,15 @@ def test_plan_counts_per_expert_hessians_one_block_at_a_time():
 
     from quantkit.pipeline.plan import estimate
 
-    def plan(layers: int):
+    def plan(layers: int, method: str = "gptq", scheme=QuantScheme(bits=4, group_size=128)):
         config = Qwen3MoeConfig(hidden_size=2048, num_hidden_layers=layers, num_attention_heads=32,
                                 num_key_value_heads=4, head_dim=128, intermediate_size=6144,
                                 moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
                                 vocab_size=151936, tie_word_embeddings=False)
         config.architectures = ["Qwen3MoeForCausalLM"]
-        return estimate(config, spec_for_config(config), method="gptq",
-                        scheme=QuantScheme(bits=4, group_size=128), calib_samples=128,
-                        calib_seqlen=2048, calibrated=True, calib_batch=8)
+        return estimate(config, spec_for_config(config), method=method, scheme=scheme,
+                        calib_samples=128, calib_seqlen=2048, calibrated=method == "gptq",
+                        calib_batch=8)
 
     two, four = plan(2), plan(4)
     experts = 128 * 3 * 2048 * 768
@@ -410,6 +425,12 @@ def test_plan_counts_per_expert_hessians_one_block_at_a_time():
     assert two.phase_bytes["blocks"] > hessians
     assert four.phase_bytes["blocks"] == two.phase_bytes["blocks"]  # streaming: one block
     assert four.disk_bytes > 1.9 * (two.disk_bytes - 151936 * 2048 * 2 * 2)
+    # a BF16 GGUF: the writer stacks one block's 128 experts of a projection (384 MiB) at a time
+    bf16 = QuantScheme(kind="kquant", gguf_type="bf16")
+    stacked = 128 * 768 * 2048 * 2
+    gguf_write = plan(2, "gguf", bf16).phase_bytes["write"]
+    assert gguf_write - stacked == plan(2, "gguf", QuantScheme(kind="kquant", gguf_type="q8_0")
+                                        ).phase_bytes["write"] - stacked * 8.5 / 16
 
 
 def _output_error(model_dir: Path, artifact: Path, expert: int) -> float:
@@ -539,6 +560,159 @@ def test_moe_artifact_in_real_vllm(moe_model, awq_artifact, mixtral_model, tmp_p
         assert "process_weights_after_loading" in e.value.log
     else:
         assert len(run_vllm(fp8, generate=prompt, max_model_len=256)["generate"]) == 1
+
+
+# ---------------------------------------------------------------- GGUF: llama.cpp's 3-D experts
+
+@pytest.fixture(scope="module")
+def moe_reference_bf16(moe_model, tmp_path_factory) -> Path:
+    """llama.cpp's own convert_hf_to_gguf.py --outtype bf16 of the tiny model."""
+    return convert_with_llama_cpp(moe_model, tmp_path_factory.mktemp("ref") / "ref.bf16.gguf")
+
+
+@pytest.mark.engine
+def test_moe_bf16_gguf_equals_llama_cpp_converter_and_runs(moe_model, moe_reference_bf16, tmp_path):
+    """Experts stacked into blk.N.ffn_{gate,up,down}_exps (E on the slowest axis), the router
+    as F32 ffn_gate_inp, the expert KV keys: tensor for tensor and key for key what
+    convert_hf_to_gguf.py writes; llama.cpp then computes transformers' logits."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from quantkit.engines.llamacpp import LlamaCppModel
+
+    ours = _gguf(moe_model, tmp_path / "bf16.gguf", "bf16")
+    kv, tensors = assert_same_gguf(ours, moe_reference_bf16)
+    assert tensors["blk.1.ffn_gate_exps.weight"][:2] == ("BF16", [256, 256, 8])
+    assert tensors["blk.1.ffn_down_exps.weight"][:2] == ("BF16", [256, 256, 8])
+    assert tensors["blk.1.ffn_gate_inp.weight"][:2] == ("F32", [256, 8])
+    assert (kv["qwen3moe.expert_count"], kv["qwen3moe.expert_used_count"],
+            kv["qwen3moe.expert_feed_forward_length"]) == (8, 2, 256)
+
+    tok = AutoTokenizer.from_pretrained(moe_model)
+    ids = tok.encode("The quick brown fox jumps over the lazy dog. def f(x): return x**2",
+                     add_special_tokens=False)[:40]
+    hf = AutoModelForCausalLM.from_pretrained(moe_model, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = hf(torch.tensor([ids])).logits[0].numpy()
+    llm = LlamaCppModel(ours, n_ctx=64, logits_all=True)
+    try:
+        got = llm.logits(ids)
+    finally:
+        llm.close()
+    err = np.abs(got - want).max() / np.abs(want).max()
+    print(f"llama.cpp BF16 MoE vs transformers: max logit error {err:.4f} of the range")
+    assert err < 0.03 and (got.argmax(1) == want.argmax(1)).mean() > 0.9
+
+
+# llama-quant.cpp with exactly 8 experts: attn_v and attn_k Q8_0; attn_output Q5_K for Q4_K_M
+# but the base type for Q3_K_L (whose dense rule is Q5_K); ffn_down_exps by use_more_bits(layer)
+# (Q4_K_M) or always Q5_K (Q3_K_L); gate/up experts the base type; the router never quantized
+EXPECTED_TYPES = {
+    "q4_k_m": {"attn_v": "Q8_0", "attn_k": "Q8_0", "attn_output": "Q5_K", "attn_q": "Q4_K",
+               "ffn_gate_exps": "Q4_K", "ffn_up_exps": "Q4_K", "ffn_down_exps": ("Q4_K", "Q6_K"),
+               "ffn_gate_inp": "F32"},
+    "q3_k_l": {"attn_v": "Q8_0", "attn_k": "Q8_0", "attn_output": "Q3_K", "attn_q": "Q3_K",
+               "ffn_gate_exps": "Q3_K", "ffn_up_exps": "Q3_K", "ffn_down_exps": "Q5_K",
+               "ffn_gate_inp": "F32"},
+}
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("gguf_type", list(EXPECTED_TYPES))
+def test_moe_k_quants_equal_llama_quantize_in_both_layouts(moe_model, moe_reference_bf16, tmp_path,
+                                                           gguf_type):
+    """quantkit's K-quant GGUF = llama_model_quantize of the converter's BF16 file, type and
+    byte for byte, 3-D expert tensors included; the per-expert layout (streamed from the
+    shards) and transformers 5's fused 3-D experts (--no-stream) give the same file; the
+    Q4_K_M file generates in real llama.cpp."""
+    from quantkit.engines.llamacpp import LlamaCppModel, llama_quantize
+
+    fused = _gguf(moe_model, tmp_path / "fused.gguf", gguf_type, stream=False)
+    lq = tmp_path / "lq.gguf"
+    llama_quantize(moe_reference_bf16, lq, gguf_type)
+    (_, ours), (_, ref) = gguf_contents(fused), gguf_contents(lq)
+    assert {t: v[:2] for t, v in ours.items()} == {t: v[:2] for t, v in ref.items()}
+    assert [t for t in ref if ours[t][2] != ref[t][2]] == []
+    for short, want in EXPECTED_TYPES[gguf_type].items():
+        got = tuple(ours[f"blk.{i}.{short}.weight"][0] for i in (0, 1))
+        assert got == (want if isinstance(want, tuple) else (want, want)), (short, got)
+    if gguf_type != "q4_k_m":
+        return
+    streamed = _gguf(moe_model, tmp_path / "streamed.gguf", gguf_type)
+    assert gguf_body(streamed) == gguf_body(fused)
+    llm = LlamaCppModel(streamed, n_ctx=64)
+    try:
+        assert len(llm.tokenize(llm.greedy("The capital of France is", max_tokens=6))) > 0
+    finally:
+        llm.close()
+
+
+def test_moe_gguf_writer_stacks_one_expert_tensor_at_a_time(moe_model, tmp_path):
+    """The 3-D expert tensors are built from the per-expert pieces as each is written: the
+    writer's numpy allocations (what tracemalloc sees; the stacks are numpy arrays) peak near
+    one stacked tensor (1 MiB here), not the six of the model (6 MiB) that stacking them all
+    up front, as GGUFWriter.add_tensor would keep them, would hold."""
+    import tracemalloc
+
+    from safetensors.torch import load_file
+
+    from quantkit.formats.gguf import GGUFFileWriter
+
+    config = json.loads((moe_model / "config.json").read_text())
+    dense = load_file(moe_model / "model.safetensors")
+    one = 8 * 256 * 256 * 2  # one block's ffn_gate_exps in BF16
+    tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        GGUFFileWriter().write(tmp_path / "w.gguf", config=config, dense=dense, results={},
+                               scheme=QuantScheme(kind="kquant", gguf_type="bf16"))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    print(f"writer peak (tracemalloc): {peak / 2**20:.2f} MiB; one expert tensor {one / 2**20:.2f} MiB")
+    assert one <= peak < 2.5 * one
+    _, tensors = gguf_contents(tmp_path / "w.gguf")
+    assert len([t for t in tensors if "_exps" in t]) == 6
+
+
+@pytest.mark.engine
+def test_moe_imatrix_per_expert_equals_llama_quantize(moe_model, moe_reference_bf16, tmp_path):
+    """--imatrix from calibration on a MoE model: one importance vector per expert of each
+    3-D tensor (in_sum2 [E, K], counts [E, 1], the tokens routed to each expert); an expert
+    that got no token is saved with count 0, which llama-quantize reads as importance 1, and
+    quantkit quantizes it so. llama_model_quantize given that file's values writes the same
+    bytes; reading the file back (--imatrix FILE) gives the same GGUF data again."""
+    from quantkit.engines.llamacpp import llama_quantize
+    from quantkit.methods.imatrix import load_imatrix
+    from quantkit.readers import read_gguf
+
+    imatrix = tmp_path / "moe.imatrix.gguf"
+
+    def run(out: Path, source: str) -> Path:
+        opts = {"gguf_type": "q4_k_m", "imatrix": source, "imatrix_out": str(imatrix)}
+        if source != "calib":
+            del opts["imatrix_out"]
+        quantize(QuantizeRequest(model=str(moe_model), method="gguf", format="gguf", out=out,
+                                 scheme=QuantScheme(kind="kquant", gguf_type="q4_k_m"),
+                                 method_options=opts, calib="mixed", calib_samples=1,
+                                 calib_seqlen=16, resume=False))
+        return out
+
+    with pytest.warns(RuntimeWarning, match="routed tokens"):  # 16 tokens, top-2 of 8 experts
+        collected = run(tmp_path / "calib.gguf", "calib")
+    _, entries = read_gguf(imatrix)
+    counts = {n[:-len(".counts")]: np.asarray(t.data).view(np.float32).reshape(-1)
+              for n, t in entries.items() if n.endswith("_exps.weight.counts")}
+    assert len(counts) == 6 and all(c.shape == (8,) and c.sum() == 2 * 16 for c in counts.values())
+    assert entries["blk.1.ffn_down_exps.weight.in_sum2"].shape == (8, 256)
+    assert any((c == 0).any() for c in counts.values())  # an expert the router never fed
+    values = load_imatrix(imatrix).values
+    llama_quantize(moe_reference_bf16, tmp_path / "lq.gguf", "q4_k_m",
+                   imatrix={k: v.numpy() for k, v in values.items()})
+    (_, ours), (_, ref) = gguf_contents(collected), gguf_contents(tmp_path / "lq.gguf")
+    assert [t for t in ref if ours[t][:2] != ref[t][:2] or ours[t][2] != ref[t][2]] == []
+    plain = gguf_contents(_gguf(moe_model, tmp_path / "plain.gguf", "q4_k_m"))[1]
+    assert ours["blk.1.ffn_up_exps.weight"][2] != plain["blk.1.ffn_up_exps.weight"][2]
+    assert gguf_body(run(tmp_path / "file.gguf", str(imatrix)))[1] == gguf_body(collected)[1]
 
 
 def test_linearize_copies_fused_experts_without_random_init(moe_model):

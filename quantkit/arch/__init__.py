@@ -156,6 +156,21 @@ class ArchSpec:
         """Whether block-relative `name` is a routed expert's Linear (it may get no tokens)."""
         return self.experts is not None and name.startswith(self.experts.module + ".")
 
+    def gguf_slot(self, rel: str) -> tuple[str, int | None] | None:
+        """Block-relative module name -> (GGUF base name template with {bid}, expert index).
+
+        Routed experts share one 3-D GGUF tensor per projection (llama.cpp's
+        `ffn_{gate,up,down}_exps`, expert axis slowest): `mlp.experts.3.down_proj` ->
+        ("blk.{bid}.ffn_down_exps", 3). Other modules have no expert index (None).
+        """
+        expert = None
+        if self.is_expert_linear(rel):
+            head, _, tail = rel[len(self.experts.module) + 1:].partition(".")
+            if head.isdigit():
+                expert, rel = int(head), f"{self.experts.module}.{EXPERT}.{tail}"
+        tmpl = self.gguf_names.get(rel)
+        return (tmpl, expert) if tmpl else None
+
 
 _LLAMA_LINEARS = (
     ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
@@ -220,6 +235,16 @@ _MIXTRAL_LINEARS = _LLAMA_LINEARS[:2] + (
     (_MIXTRAL_EXPERTS.linear("down"),),
 )
 
+# llama.cpp's qwen3moe: the llama names, the router as ffn_gate_inp and each expert projection
+# stacked into one 3-D tensor per block (names from gguf-py's constants, MODEL_TENSOR.FFN_*_EXP)
+_QWEN3_MOE_GGUF_NAMES = {
+    **_GGUF_BLOCK_NAMES,
+    _QWEN3_MOE_EXPERTS.router: "blk.{bid}.ffn_gate_inp",
+    _QWEN3_MOE_EXPERTS.linear("gate"): "blk.{bid}.ffn_gate_exps",
+    _QWEN3_MOE_EXPERTS.linear("up"): "blk.{bid}.ffn_up_exps",
+    _QWEN3_MOE_EXPERTS.linear("down"): "blk.{bid}.ffn_down_exps",
+}
+
 # Gemma 3: q/k norms, and norms after attention and after the MLP (on their outputs, before
 # the residual add), so the MLP's input norm is pre_feedforward_layernorm, not
 # post_attention_layernorm as in llama
@@ -269,13 +294,15 @@ ARCHS: tuple[ArchSpec, ...] = (
              gguf_permute_qk=True, **_LLAMA_LIKE),
     ArchSpec("qwen2", ("Qwen2ForCausalLM",), ("qwen2",), gguf_arch="qwen2", **_LLAMA_LIKE),
     ArchSpec("qwen3", ("Qwen3ForCausalLM",), ("qwen3",), gguf_arch="qwen3", **_LLAMA_LIKE),
-    # GGUF (qwen3moe, ffn_*_exps) is not written yet: no gguf_names. Dense blocks
-    # (mlp_only_layers) take the llama rows, MoE blocks the expert rows
+    # Dense blocks (mlp_only_layers) take the llama rows, MoE blocks the expert rows
     ArchSpec("qwen3_moe", ("Qwen3MoeForCausalLM",), ("qwen3_moe",), gguf_arch="qwen3moe",
              sequential=_QWEN3_MOE_LINEARS, experts=_QWEN3_MOE_EXPERTS, roles=_ROLES,
-             awq_groups=_LLAMA_AWQ + _moe_awq(_QWEN3_MOE_EXPERTS)),
+             awq_groups=_LLAMA_AWQ + _moe_awq(_QWEN3_MOE_EXPERTS),
+             gguf_names=_QWEN3_MOE_GGUF_NAMES,
+             gguf_kv=("head_dim_if_set", "expert_count", "expert_used_count",
+                      "expert_feed_forward_length")),
     # GGUF: llama.cpp's converter writes Mixtral as arch llama with ffn_{gate,up,down}_exps
-    # (the GGUF path for experts is not written here)
+    # (the GGUF path for Mixtral's experts is not written here)
     ArchSpec("mixtral", ("MixtralForCausalLM",), ("mixtral",), gguf_arch="llama",
              gguf_permute_qk=True, sequential=_MIXTRAL_LINEARS, experts=_MIXTRAL_EXPERTS,
              awq_groups=_LLAMA_AWQ[:2] + _moe_awq(_MIXTRAL_EXPERTS),

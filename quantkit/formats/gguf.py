@@ -11,6 +11,9 @@ Layout written (gguf's GGUFWriter; tensor data 32-byte aligned, dims reversed on
        norm_offset + w: Gemma's (1 + w), added in float32 as llama.cpp's
        converter does); quantized weights as the bytes in QuantResult.extra["gguf_bytes"];
        other 2-D weights F16/BF16. Fused Linears (Phi-3's qkv_proj, gate_up_proj) stay fused.
+       Mixture of experts (qwen3moe): each block's per-expert Linears stacked into one 3-D
+       tensor per projection (ffn_{gate,up,down}_exps, experts on the slowest axis), built
+       as it is written; the router ffn_gate_inp F32, as llama.cpp's converter forces it.
 The llama arch wants q/k rows permuted for its rotary layout; that is a row permutation, so
 it is applied to encoded rows too (`_permute`).
 """
@@ -33,10 +36,10 @@ from quantkit.formats.gguf_tokenizer import read_tokenizer
 from quantkit.readers import GGUFTensor, bad_gguf, read_gguf
 from quantkit.types import QuantResult, QuantScheme
 
-__all__ = ["GGUFFileWriter", "gguf_name", "FILE_TYPES", "read_gguf", "gguf_metadata", "GGUFTensor"]
+__all__ = ["GGUFFileWriter", "gguf_name", "gguf_slot", "FILE_TYPES", "read_gguf", "gguf_metadata", "GGUFTensor"]
 
 Q = GGMLQuantizationType
-GGUF_ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "phi3")
+GGUF_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3", "phi3")
 # llama.cpp's gemma3 loader assumes every 6th layer is global (load_swa_pattern(ml, 6)): the
 # converter writes no pattern, so other layer_types would run differently there
 _GEMMA3_SWA_PATTERN = 6
@@ -85,14 +88,74 @@ class _FastArrayWriter(GGUFWriter):
 
 def gguf_name(spec: ArchSpec, hf_name: str) -> str | None:
     """HF tensor name -> GGUF tensor name ("model.layers.0.self_attn.q_proj.bias" -> "blk.0.attn_q.bias")."""
+    slot = gguf_slot(spec, hf_name)
+    return slot[0] if slot else None
+
+
+def gguf_slot(spec: ArchSpec, hf_name: str) -> tuple[str, int | None] | None:
+    """HF tensor name -> (GGUF tensor name, expert index or None): a routed expert's weight is
+    one slice of its block's 3-D tensor ("...mlp.experts.5.up_proj.weight" -> ("blk.0.ffn_up_exps.weight", 5))."""
     module, _, suffix = hf_name.rpartition(".")
     prefix = spec.block_path + "."
     if module.startswith(prefix):
         bid, _, rel = module[len(prefix):].partition(".")
-        tmpl = spec.gguf_names.get(rel)
-        return f"{tmpl.format(bid=int(bid))}.{suffix}" if tmpl and bid.isdigit() else None
+        slot = spec.gguf_slot(rel) if bid.isdigit() else None
+        return (f"{slot[0].format(bid=int(bid))}.{suffix}", slot[1]) if slot else None
     base = {spec.embed: "token_embd", spec.final_norm: "output_norm", spec.lm_head: "output"}.get(module)
-    return f"{base}.{suffix}" if base else None
+    return (f"{base}.{suffix}", None) if base else None
+
+
+# 2-D weights the converter always writes as F32, whatever --outtype (base.py forces the MoE
+# router, ffn_gate_inp, to F32; llama-quantize never quantizes it)
+_F32_WEIGHTS = ("ffn_gate_inp.weight",)
+
+
+class _TensorList:
+    """The GGUF's tensors in file order, each made only when it is written.
+
+    A routed expert's weights arrive as one 2-D slice per expert (HF's per-expert Linears);
+    llama.cpp wants one 3-D tensor per block and projection, experts stacked on the slowest
+    axis (torch (E, rows, cols), GGUF ne [cols, rows, E]). The stack of one such tensor is
+    built right before its bytes go to the file and dropped right after, so writing holds one
+    block's tensor at a time beside the per-expert pieces, never a second copy of the model.
+    """
+
+    def __init__(self):
+        self._entries: dict[str, tuple[Q, dict[int | None, object]]] = {}
+
+    def add(self, gname: str, expert: int | None, make, qtype: Q) -> None:
+        kind, parts = self._entries.setdefault(gname, (qtype, {}))
+        if kind != qtype or expert in parts:
+            raise UnsupportedArchitecture(
+                f"GGUF tensor {gname} gets {'expert ' + str(expert) if expert is not None else 'a tensor'} "
+                f"twice or with two types ({kind.name}, {qtype.name}).",
+                "Every expert of a block must be quantized to one type, once.")
+        parts[expert] = make
+
+    def _array(self, parts: dict) -> np.ndarray:
+        if None in parts:
+            return parts[None]()
+        if sorted(parts) != list(range(len(parts))):
+            raise UnsupportedArchitecture(f"Experts {sorted(parts)} are not 0..{len(parts) - 1}.")
+        return np.stack([parts[e]() for e in range(len(parts))])
+
+    def write(self, w: GGUFWriter) -> None:
+        shapes = {}
+        for gname, (qtype, parts) in self._entries.items():
+            first = parts[min(parts, key=lambda e: -1 if e is None else e)]()
+            shape = first.shape if None in parts else (len(parts), *first.shape)
+            nbytes = first.nbytes * (1 if None in parts else len(parts))
+            raw = None if first.dtype in (np.float32, np.float16) else qtype
+            w.add_tensor_info(gname, shape, first.dtype, nbytes, raw_dtype=raw)
+            shapes[gname] = nbytes
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        for gname, (_, parts) in self._entries.items():
+            array = self._array(parts)
+            if array.nbytes != shapes[gname]:
+                raise UnsupportedArchitecture(f"GGUF tensor {gname}: experts of unequal sizes.")
+            w.write_tensor_data(array)
 
 
 def _permute(t: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -142,8 +205,27 @@ def _check_config(spec: ArchSpec, config: dict) -> None:
                 "llama.cpp would run other layers with sliding-window attention; use another format.")
     if config.get("use_sliding_window"):
         raise UnsupportedArchitecture("Sliding-window attention is not written to GGUF by quantkit.")
-    if config.get("attention_bias") and spec.gguf_arch == "qwen3":
-        raise UnsupportedArchitecture("qwen3 with attention biases has no llama.cpp layout.")
+    if config.get("attention_bias") and spec.gguf_arch in ("qwen3", "qwen3moe"):
+        raise UnsupportedArchitecture(f"{spec.gguf_arch} with attention biases has no llama.cpp layout.")
+    if spec.gguf_arch == "qwen3moe":
+        _check_qwen3moe(config)
+
+
+def _check_qwen3moe(config: dict) -> None:
+    """llama.cpp's qwen3moe graph (src/models/qwen3moe.cpp) makes every block MoE and always
+    renormalises the top-k routing weights: other configs would load wrong or run wrong."""
+    dense = list(config.get("mlp_only_layers") or [])
+    step = config.get("decoder_sparse_step", 1)
+    if dense or step not in (None, 1):
+        raise UnsupportedArchitecture(
+            f"Qwen3-MoE with dense MLP blocks (mlp_only_layers={dense}, decoder_sparse_step={step}) "
+            "has no llama.cpp layout: its qwen3moe loader expects experts in every block.",
+            "Use --format compressed-tensors for this model.")
+    if config.get("norm_topk_prob") is False:
+        raise UnsupportedArchitecture(
+            "Qwen3-MoE with norm_topk_prob=false: llama.cpp's qwen3moe always renormalises the "
+            "top-k routing weights, so the GGUF would compute another function.",
+            "Use --format compressed-tensors for this model.")
 
 
 class GGUFFileWriter:
@@ -188,51 +270,56 @@ class GGUFFileWriter:
         if spec.gguf_permute_qk:
             for i in range(config["num_hidden_layers"]):
                 permute[f"blk.{i}.attn_q"], permute[f"blk.{i}.attn_k"] = n_head, n_kv
-        notes = []
+        tensors = _TensorList()
+        notes, stats = [], {}
         for name, res in results.items():
-            gname = gguf_name(spec, name + ".weight")
-            if gname is None:
+            slot = gguf_slot(spec, name + ".weight")
+            if slot is None:
                 raise UnsupportedArchitecture(f"Cannot express quantized tensor {name} in GGUF.")
+            gname, expert = slot
+            qtype = Q(int(res.extra["gguf_type"]))
             data = res.extra["gguf_bytes"]
             if gname[:-len(".weight")] in permute:
                 data = _permute(data, permute[gname[:-len(".weight")]])
-            qtype = Q(int(res.extra["gguf_type"]))
-            w.add_tensor(gname, data.numpy(), raw_dtype=qtype)
+            tensors.add(gname, expert, lambda d=data: d.numpy(), qtype)
             wanted = Q(int(res.extra.get("gguf_wanted_type", res.extra["gguf_type"])))
-            if wanted != qtype:
-                notes.append(f"{gname}: {wanted.name} -> {qtype.name} (row width {res.shape[1]})")
+            note = f"{gname}: {wanted.name} -> {qtype.name} (row width {res.shape[1]})"
+            if wanted != qtype and note not in notes:
+                notes.append(note)
+            stats[gname if expert is None else f"{gname}[{expert}]"] = {
+                "type": qtype.name, "rel_error": res.loss}
             if res.bias is not None:
                 dense = {**dense, name + ".bias": res.bias}
         for name, t in dense.items():
-            gname = gguf_name(spec, name)
-            if gname is None:
+            slot = gguf_slot(spec, name)
+            if slot is None:
                 raise UnsupportedArchitecture(
                     f"Cannot express tensor {name} in GGUF for architecture {spec.gguf_arch}.",
-                    "Only the tensors of a plain decoder (embeddings, attention, MLP, norms) map.")
+                    "Only the tensors of a plain decoder (embeddings, attention, MLP, norms, "
+                    "routers and experts) map.")
+            gname, expert = slot
             base = gname.rsplit(".", 1)[0]
             if base in permute:
                 t = _permute(t, permute[base])
             if gname.endswith("norm.weight") and spec.norm_offset:
                 t = t.float() + spec.norm_offset
-            if t.dim() <= 1 or gname.endswith("_norm.weight") or not gname.endswith(".weight"):
-                w.add_tensor(gname, t.float().numpy())
+            if (t.dim() <= 1 or gname.endswith("_norm.weight") or not gname.endswith(".weight")
+                    or gname.endswith(_F32_WEIGHTS)):
+                tensors.add(gname, expert, lambda t=t: t.float().numpy(), Q.F32)
             elif dense_2d == Q.BF16:
-                w.add_tensor(gname, t.to(torch.bfloat16).contiguous().view(torch.uint8).numpy(),
-                             raw_dtype=Q.BF16)
+                tensors.add(gname, expert, lambda t=t: t.to(torch.bfloat16).contiguous()
+                            .view(torch.uint8).numpy(), Q.BF16)
             else:
-                w.add_tensor(gname, t.to(torch.float16).numpy())
+                tensors.add(gname, expert, lambda t=t: t.to(torch.float16).numpy(), Q.F16)
         rope = self._rope(config)
         if rope.get("rope_type", "").lower() == "llama3" and spec.gguf_arch == "llama":
-            w.add_tensor("rope_freqs.weight", _rope_factors_llama3(rope, self._head_dim(config)))
+            factors = _rope_factors_llama3(rope, self._head_dim(config))
+            tensors.add("rope_freqs.weight", None, lambda: factors, Q.F32)
         if notes:
             w.add_array("quantkit.fallbacks", notes)
-        if results:
-            stats = {gguf_name(spec, n + ".weight"): {
-                "type": Q(int(r.extra["gguf_type"])).name, "rel_error": r.loss} for n, r in results.items()}
+        if stats:
             w.add_string("quantkit.stats", json.dumps(stats))
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
+        tensors.write(w)
         w.close()
 
     # ------------------------------------------------------------------ metadata
@@ -325,7 +412,16 @@ _OPTIONAL_KV = {
     "sliding_window_or_0": lambda w, c: w.add_sliding_window(int(c.get("sliding_window") or 0)),
     "final_logit_softcapping": _softcap,
     "rope_scaling_original_context": _orig_ctx,
+    "expert_count": lambda w, c: w.add_expert_count(_first(c, "num_local_experts", "num_experts")),
+    "expert_used_count": lambda w, c: w.add_expert_used_count(int(c["num_experts_per_tok"])),
+    "expert_feed_forward_length": lambda w, c: w.add_expert_feed_forward_length(
+        int(c["moe_intermediate_size"])),
 }
+
+
+def _first(config: dict, *keys: str) -> int:
+    """The first of `keys` set in config (transformers 5 writes num_experts as num_local_experts)."""
+    return int(next(config[k] for k in keys if config.get(k)))
 
 
 def _rope_scaling(name: str):

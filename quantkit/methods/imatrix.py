@@ -8,7 +8,9 @@ Files are llama-imatrix's: GGUF (general.type = "imatrix", `imatrix.datasets`,
   float32[nval] (already divided by the token count and multiplied by ncall);
   optional trailer: int32 chunk_count, int32 len, dataset bytes.
 
-The quantizer uses `in_sum2 / counts` (float32), as llama-quantize's loader does.
+The quantizer uses `in_sum2 / counts` (float32), as llama-quantize's loader does. A 3-D expert
+tensor (`ffn_*_exps`) has one matrix per expert: in_sum2 [E, K], counts [E, 1], and an expert
+whose count is 0 gets importance 1 in every column (tools/quantize/quantize.cpp).
 """
 
 from __future__ import annotations
@@ -28,15 +30,16 @@ __all__ = ["ImatrixData", "load_imatrix", "save_imatrix"]
 
 @dataclass
 class ImatrixData:
-    values: dict[str, torch.Tensor]  # GGUF weight name -> float32 [K] (first expert only)
+    values: dict[str, torch.Tensor]  # GGUF weight name -> float32 [n_mat * K] (n_mat: experts)
     datasets: list[str] = field(default_factory=list)
     chunk_count: int = 0
     legacy: bool = False
 
 
-def save_imatrix(path: str | Path, entries: dict[str, tuple[torch.Tensor, int]], *,
+def save_imatrix(path: str | Path, entries: dict[str, tuple[torch.Tensor, int | list[int]]], *,
                  datasets: list[str], chunk_count: int, chunk_size: int) -> None:
-    """Write {name: (sum of x^2 per column [K], token count)} as a llama.cpp GGUF imatrix."""
+    """Write {name: (sum of x^2 per column [K], token count)} as a llama.cpp GGUF imatrix
+    (an expert tensor: sums [E, K] and one count per expert)."""
     from gguf import GGUFWriter
 
     path = Path(path)
@@ -48,8 +51,10 @@ def save_imatrix(path: str | Path, entries: dict[str, tuple[torch.Tensor, int]],
     writer.add_uint32("imatrix.chunk_size", int(chunk_size))
     for name in sorted(entries):
         sums, count = entries[name]
-        writer.add_tensor(f"{name}.in_sum2", sums.detach().cpu().float().numpy().reshape(1, -1))
-        writer.add_tensor(f"{name}.counts", np.full((1, 1), float(count), dtype=np.float32))
+        counts = np.asarray(count, dtype=np.float32).reshape(-1, 1)
+        writer.add_tensor(f"{name}.in_sum2",
+                          sums.detach().cpu().float().numpy().reshape(counts.shape[0], -1))
+        writer.add_tensor(f"{name}.counts", counts)
     try:
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
@@ -99,7 +104,7 @@ def _load_gguf(path: Path) -> ImatrixData:
         c = np.rint(counts[name].reshape(-1)).astype(np.float32)  # std::lround
         s = s.reshape(c.shape[0], -1)
         v = np.where(c[:, None] > 0, s / np.where(c > 0, c, 1)[:, None], np.float32(1))
-        values[name] = torch.from_numpy(np.ascontiguousarray(v[0], dtype=np.float32))
+        values[name] = torch.from_numpy(np.ascontiguousarray(v.reshape(-1), dtype=np.float32))
     ds = kv["imatrix.datasets"]
     datasets = [s.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
                 for s in (ds if isinstance(ds, list) else [ds])]

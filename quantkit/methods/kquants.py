@@ -12,6 +12,9 @@ The type mix of a preset (Q4_K_M, Q5_K_M, ...) is a data table, `PRESETS`, read 
   everything else                           -> the preset's base type
   row width % block != 0                    -> Q2_K/Q3_K->Q4_0, Q4_K->Q5_0, Q5_K->Q5_1,
                                                Q6_K->Q8_0, then F16
+  mixture of experts                        -> ffn_down(_exps) by the layer in its name;
+                                               exactly 8 experts: attn_v, attn_k Q8_0 and
+                                               attn_output by attn_output_8_experts
 
 Methods never import quantkit.formats: the quantizer hands the writer encoded rows in
 `QuantResult.extra["gguf_bytes"]` (HF row order; the writer applies llama's q/k row
@@ -84,6 +87,9 @@ class Preset:
     ffn_down: Rule | None = None
     attn_output: Rule | None = None
     ffn_down_imatrix: Rule | None = None  # only when an imatrix is given (Q4_0 / Q5_0)
+    # models with exactly 8 experts: attn_output's type replaces the attn_output rule (None:
+    # the base type; llama.cpp bumps it to Q5_K for the low-bit K presets only)
+    attn_output_8_experts: Q | None = None
 
     @property
     def quantized(self) -> bool:
@@ -96,8 +102,10 @@ class Preset:
 
 _MORE_BITS_Q6 = Rule("more_bits", Q.Q6_K)
 PRESETS: dict[str, Preset] = {p.name: p for p in (
-    Preset("q4_k_m", 15, Q.Q4_K, attn_v=_MORE_BITS_Q6, ffn_down=_MORE_BITS_Q6),
-    Preset("q4_k_s", 14, Q.Q4_K, attn_v=Rule("first_4", Q.Q5_K), ffn_down=Rule("first_eighth", Q.Q5_K)),
+    Preset("q4_k_m", 15, Q.Q4_K, attn_v=_MORE_BITS_Q6, ffn_down=_MORE_BITS_Q6,
+           attn_output_8_experts=Q.Q5_K),
+    Preset("q4_k_s", 14, Q.Q4_K, attn_v=Rule("first_4", Q.Q5_K), ffn_down=Rule("first_eighth", Q.Q5_K),
+           attn_output_8_experts=Q.Q5_K),
     Preset("q5_k_m", 17, Q.Q5_K, attn_v=_MORE_BITS_Q6, ffn_down=_MORE_BITS_Q6),
     Preset("q5_k_s", 16, Q.Q5_K),
     Preset("q6_k", 18, Q.Q6_K),
@@ -109,10 +117,11 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
     Preset("q3_k_l", 13, Q.Q3_K, attn_v=Rule("always", Q.Q5_K), ffn_down=Rule("always", Q.Q5_K),
            attn_output=Rule("always", Q.Q5_K)),
     Preset("q3_k_m", 12, Q.Q3_K, attn_v=Rule("first_2", Q.Q5_K, Q.Q4_K),
-           ffn_down=Rule("first_16th", Q.Q5_K, Q.Q4_K), attn_output=Rule("always", Q.Q4_K)),
-    Preset("q3_k_s", 11, Q.Q3_K),
+           ffn_down=Rule("first_16th", Q.Q5_K, Q.Q4_K), attn_output=Rule("always", Q.Q4_K),
+           attn_output_8_experts=Q.Q5_K),
+    Preset("q3_k_s", 11, Q.Q3_K, attn_output_8_experts=Q.Q5_K),
     Preset("q2_k", 10, Q.Q2_K, attn_v=Rule("gqa_4", Q.Q4_K, Q.Q3_K), ffn_down=Rule("always", Q.Q3_K),
-           attn_output=Rule("always", Q.Q3_K)),
+           attn_output=Rule("always", Q.Q3_K), attn_output_8_experts=Q.Q5_K),
     Preset("f16", 1, Q.F16),
     Preset("bf16", 32, Q.BF16),
 )}
@@ -147,13 +156,16 @@ def _quantizable(name: str, shape: tuple[int, ...]) -> bool:
 
 
 def plan_types(preset: Preset | str, tensors: dict[str, tuple[int, ...]], n_layer: int, *,
-               is_70b: bool = False, has_imatrix: bool = False, n_gqa: int = 1
-               ) -> dict[str, TensorPlan]:
+               is_70b: bool = False, has_imatrix: bool = False, n_gqa: int = 1,
+               n_expert: int = 0) -> dict[str, TensorPlan]:
     """GGML type of every quantizable tensor, by GGUF name ({name: torch-order shape}).
 
     Tensors not in the result (norms, biases, 1-D) keep their float type. Counters run in
     llama.cpp's order (layer number, then name), as its quantizer iterates its weights map.
     has_imatrix: llama.cpp was given an imatrix at all (Q4_0/Q5_0 then guard early ffn_down).
+    n_expert: routed experts (llama.cpp's expert_count): with more than one, ffn_down's
+    layer is read from its name ("blk.N."); with exactly 8, attn_v and attn_k become Q8_0
+    and attn_output takes the preset's attn_output_8_experts (llama-quant.cpp).
     """
     p = PRESETS[preset] if isinstance(preset, str) else preset
     names = sorted(tensors, key=lambda s: (_layer(s), s))
@@ -181,14 +193,19 @@ def plan_types(preset: Preset | str, tensors: dict[str, tuple[int, ...]], n_laye
                 t = apply(p.attn_v, t, i_attn_v, n_attn_v)
                 if is_70b and t in (Q.Q3_K, Q.Q4_K):
                     t = Q.Q5_K
+                if n_expert == 8:
+                    t = Q.Q8_0
                 i_attn_v += 1
+            elif "attn_k.weight" in name and n_expert == 8:
+                t = Q.Q8_0
             elif "ffn_down" in name:
-                t = apply(p.ffn_down, t, i_ffn_down, n_layer)
+                i = _layer(name) if n_expert > 1 else i_ffn_down
+                t = apply(p.ffn_down, t, i, n_layer)
                 if has_imatrix:
-                    t = apply(p.ffn_down_imatrix, t, i_ffn_down, n_layer)
+                    t = apply(p.ffn_down_imatrix, t, i, n_layer)
                 i_ffn_down += 1
             elif "attn_output.weight" in name:
-                t = apply(p.attn_output, t, 0, 1)
+                t = (p.attn_output_8_experts or p.base) if n_expert == 8 else apply(p.attn_output, t, 0, 1)
             wanted = t
             if ncols % _block(t):
                 t = FALLBACK.get(t, t)
@@ -229,12 +246,13 @@ def dequantize_tensor(data: torch.Tensor, qtype: int) -> torch.Tensor:
 
 
 def gguf_linear_name(spec, full_name: str) -> str | None:
-    """HF module name -> GGUF weight name ("model.layers.3.mlp.down_proj" -> "blk.3.ffn_down.weight")."""
+    """HF module name -> GGUF weight name ("model.layers.3.mlp.down_proj" -> "blk.3.ffn_down.weight";
+    every expert's Linear -> its block's 3-D tensor, "mlp.experts.5.down_proj" -> "blk.3.ffn_down_exps.weight")."""
     prefix = spec.block_path + "."
     if full_name.startswith(prefix):
         bid, _, rel = full_name[len(prefix):].partition(".")
-        tmpl = spec.gguf_names.get(rel)
-        return tmpl.format(bid=int(bid)) + ".weight" if tmpl else None
+        slot = spec.gguf_slot(rel) if bid.isdigit() else None
+        return slot[0].format(bid=int(bid)) + ".weight" if slot else None
     return {spec.embed: "token_embd.weight", spec.lm_head: "output.weight"}.get(full_name)
 
 
@@ -286,7 +304,9 @@ class GGUFQuantizer:
         self.plans: dict[str, TensorPlan] = {}
         self.spec = None
         self.imatrix: dict[str, torch.Tensor] = {}
-        self.collected: dict[str, tuple[torch.Tensor, int]] = {}
+        # GGUF name -> (sum of x^2 per column, tokens); expert tensors: ([E, K], [count per expert])
+        self.collected: dict[str, tuple[torch.Tensor, int | list[int]]] = {}
+        self.n_expert = 0
         self.chunks = (0, 0)
 
     # ------------------------------------------------------------------ before any data
@@ -303,6 +323,7 @@ class GGUFQuantizer:
         """Every type this preset can write: its rules, output/embeddings, row-width fallbacks."""
         p = self.preset
         types = {p.base, Q.Q6_K, Q.Q8_0} | {t for r in p.rules for t in (r.then, r.otherwise) if t}
+        types |= {p.attn_output_8_experts} - {None}
         return types | {FALLBACK[t] for t in types if t in FALLBACK}
 
     def prepare(self, config, spec, shapes: dict[str, tuple[int, int]]) -> None:
@@ -319,10 +340,13 @@ class GGUFQuantizer:
                 raise SchemeMismatch(f"{full} has no GGUF name for architecture {spec.name}.")
             tensors[gname] = tuple(shape)
         n_head = get("num_attention_heads") or 1
+        n_expert = spec.experts.count(config) if spec.experts is not None else 0
+        self.n_expert = n_expert  # an imatrix entry of a 3-D expert tensor has n_expert vectors
         self.plans = plan_types(self.preset, tensors, int(get("num_hidden_layers")),
                                 is_70b=_is_70b(spec, config),
                                 has_imatrix=self.collect or self.imatrix_path is not None,
-                                n_gqa=n_head // (get("num_key_value_heads") or n_head))
+                                n_gqa=n_head // (get("num_key_value_heads") or n_head),
+                                n_expert=n_expert)
         groups: dict[str, list[str]] = {}
         for name, plan in sorted(self.plans.items(), key=lambda kv: (_layer(kv[0]), kv[0])):
             if plan.note:
@@ -343,10 +367,13 @@ class GGUFQuantizer:
                 f"(it has e.g. {sorted(data.values)[:3]}; the model has e.g. {sorted(ours)[:3]}).",
                 "Use an imatrix computed for this model (llama-imatrix or --calib).")
         for name in sorted(hits | ({"output.weight"} & set(data.values) & set(tensors))):
-            if data.values[name].numel() != tensors[name][-1]:
+            # a 3-D expert tensor: one importance vector per expert (llama-quantize's check)
+            n_mat = self.n_expert if name.endswith("_exps.weight") else 1
+            if data.values[name].numel() != tensors[name][-1] * n_mat:
+                per = f" x {n_mat} experts" if n_mat > 1 else ""
                 raise SchemeMismatch(
                     f"imatrix entry {name} has {data.values[name].numel()} values but the tensor "
-                    f"has {tensors[name][-1]} input columns.", "The imatrix is for another model.")
+                    f"has {tensors[name][-1]} input columns{per}.", "The imatrix is for another model.")
         missing = sorted(ours - hits)
         if missing:
             log.warning("imatrix has no entry for %d tensors (e.g. %s); they use the plain "
@@ -359,17 +386,35 @@ class GGUFQuantizer:
             return {}  # f16/bf16 export: the writer stores the dense weights
         spec = ctx.arch if ctx.arch is not None else self.spec
         results = {}
+        experts: dict[str, dict[int, tuple[torch.Tensor, int]]] = {}
         for name, linear in ctx.linears.items():
             gname = gguf_linear_name(spec, f"{spec.block_path}.{ctx.index}.{name}")
+            slot = spec.gguf_slot(name)
+            expert = slot[1] if slot else None
             qw = self.imatrix.get(gname)
+            if qw is not None and expert is not None:  # this expert's slice of the 3-D entry
+                k = linear.weight.shape[1]
+                qw = qw[expert * k:(expert + 1) * k]
             stat = ctx.stats.get(name, {})
-            if self.collect and "sq_mean" in stat and stat.get("tokens"):
+            if self.collect and expert is not None:  # an expert the router never fed has no stat
+                count = int(stat.get("tokens") or 0) if "sq_mean" in stat else 0
+                sums = stat["sq_mean"].float().detach().cpu() if count else \
+                    torch.zeros(linear.weight.shape[1])
+                experts.setdefault(gname, {})[expert] = (sums, count)
+                # llama-quantize's reading of the saved file: in_sum2 / counts, or 1 in every
+                # column for an expert that got no token
+                qw = sums / float(count) if count else torch.ones_like(sums)
+            elif self.collect and "sq_mean" in stat and stat.get("tokens"):
                 sums, count = stat["sq_mean"].float(), int(stat["tokens"])
                 self.collected[gname] = (sums.detach().cpu(), count)
                 qw = sums / float(count)  # llama.cpp: in_sum2 / counts, in float32
                 self.chunks = (max(self.chunks[0], len(ctx.inputs)),
                                count // max(1, len(ctx.inputs)))
             results[name] = self._quantize(name, gname, linear.weight.data, qw, linear.bias)
+        for gname, parts in experts.items():  # one imatrix entry per 3-D tensor, expert-major
+            order = sorted(parts)
+            self.collected[gname] = (torch.stack([parts[e][0] for e in order]),
+                                     [parts[e][1] for e in order])
         return results
 
     def _quantize(self, name: str, gname: str, w: torch.Tensor, qw, bias=None) -> QuantResult:

@@ -249,6 +249,10 @@ def estimate(config, spec: ArchSpec, *, method: str, scheme: QuantScheme, calib_
         # int32 reshaped and shifted copies while packing)
         "write": packed + scales * sb + dense_outside + results_ram + 9 * largest_linear,
     }
+    if method == "gguf" and moe:  # the writer stacks one block's experts into a 3-D tensor
+        experts = [n * k for lin in linears for name, (n, k) in lin.items() if spec.is_expert_linear(name)]
+        bpw = GGUF_NOMINAL_BPW.get(str(scheme.gguf_type or "q4_k_m"), 16.0)
+        phases["write"] += int(spec.experts.count(config) * max(experts, default=0) * bpw / 8)
     if not streaming:
         model_load = (sum(per_block.values()) + outside) * load_bytes
         phases = {k: v + model_load for k, v in phases.items()}

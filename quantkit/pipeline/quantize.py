@@ -497,7 +497,9 @@ def _input_paths(req: QuantizeRequest, model_dir: Path) -> dict[str, Path]:
     return paths
 
 
-MOE_FORMATS = ("compressed-tensors",)  # writers whose MoE tensor names are verified
+# writers whose MoE tensor names are verified: per-expert tensors vLLM's FusedMoE loader
+# reads, and llama.cpp's 3-D ffn_*_exps (for the archs with GGUF expert names)
+MOE_FORMATS = ("compressed-tensors", "gguf")
 
 
 def check_moe_support(spec: ArchSpec, method: str, format_name: str, calibrated: bool) -> None:
@@ -505,10 +507,13 @@ def check_moe_support(spec: ArchSpec, method: str, format_name: str, calibrated:
     (FP8 without calibration, dynamic or block, needs no per-expert statistics)."""
     if spec.experts is None:
         return
-    if format_name not in MOE_FORMATS:
+    if format_name not in MOE_FORMATS or (format_name == "gguf"
+                                          and spec.gguf_slot(spec.experts.linear("gate", 0)) is None):
         raise SchemeMismatch(
             f"Format {format_name} cannot store the experts of {spec.name} (mixture of experts) yet.",
             f"Use --format {MOE_FORMATS[0]} (per-expert tensors vLLM's FusedMoE loader reads).")
+    if format_name == "gguf" and method == "gguf":
+        return  # K-quants need no statistics; an imatrix is gathered per expert (sq_mean)
     if method not in ("rtn", "gptq", "awq") and not (method == "fp8" and not calibrated):
         raise SchemeMismatch(
             f"Method {method} does not handle the experts of {spec.name} (mixture of experts) yet.",
