@@ -1,4 +1,4 @@
-"""Peer timing: llm-compressor 0.14 GPTQ (W4A16, group 128) on a synthetic mixture-of-experts model
+"""Peer timing: llm-compressor 0.14 GPTQ or AWQ (`--method`; W4A16, group 128) on a synthetic mixture-of-experts model
 with Qwen3-30B-A3B layer shapes (hidden 2048, 128 experts, 8 active, moe_intermediate 768, 32 heads /
 4 KV heads, head_dim 128; random bf16 weights), a few decoder layers, the whole model on one GPU.
 
@@ -11,7 +11,13 @@ the same) so it travels with the repo to the GPU machine; moe_gpu_vs_llmcompress
   (every token through every expert for statistics), so the shared script's rows, which passed
   nothing, calibrated all experts although they said `"all_experts": false`. `--routed-only` passes
   False (statistics from the routed tokens only, as quantkit's default);
-- `--device cpu` and the shape flags, for a dry run of the script on a tiny model without a GPU.
+- `--device cpu` and the shape flags, for a dry run of the script on a tiny model without a GPU;
+- `--method awq`: its AWQModifier (llmcompressor.modifiers.transform.awq, Qwen3-MoE default
+  mappings: input_layernorm -> q/k/v, v -> o, post_attention_layernorm -> router + every
+  expert's gate/up, up -> down) then QuantizationModifier W4A16 (RTN on the smoothed weights;
+  0.14's AWQ does no clipping). The row lists the mappings it resolved and checks that the
+  smoothing really reached the experts: post_attention_layernorm's weight changed, and one
+  expert's down_proj columns are scaled against the original fused weight (s of up -> down).
 
 Random weights and random tokens are fine for TIME and MEMORY, not for accuracy.
 Prints one RESULT JSON line.
@@ -67,6 +73,37 @@ def expert_quantization(model) -> dict:
             "expert_weight_off_grid": grid_err}
 
 
+def resolved_awq_mappings(modifier_cls, seen: list) -> None:
+    """Record (smooth layer, balance Linears, expert balance Linears, parent) of every mapping
+    the AWQ modifier resolves (its _resolved_mappings is cleared at finalize)."""
+    original = modifier_cls._set_resolved_mappings
+
+    def record(self, model):
+        original(self, model)
+        for m in self._resolved_mappings:
+            seen.append((m.smooth_name, len(m.balance_names),
+                         sum(".experts." in n for n in m.balance_names), m.parent_name))
+    modifier_cls._set_resolved_mappings = record
+
+
+def awq_smoothing_reached_experts(model, before: dict, mappings: list) -> dict:
+    """Did AWQ smooth the experts? Mapping counts, the norm feeding the experts changed, and
+    expert 0's down_proj columns vs the original fused slice (their spread is s of up -> down;
+    4-bit rounding alone leaves the per-column ratio median near 1 with a small spread)."""
+    norm = model.get_submodule("model.layers.0.post_attention_layernorm").weight.detach().float().cpu()
+    down = model.get_submodule("model.layers.0.mlp.experts.0.down_proj").weight.detach().float().cpu()
+    ratio = (down.abs().sum(0) / before["down0"].abs().sum(0).clamp(min=1e-12))
+    return {"awq_mappings_resolved": len(mappings),
+            "awq_expert_mappings": sum(1 for m in mappings if m[2]),
+            "awq_expert_balance_linears": sum(m[2] for m in mappings),
+            "awq_mappings": sorted({f"{m[0].split('.', 3)[-1] if m[0].startswith('model.layers.') else m[0]}"
+                                    f" -> {m[1]} Linears ({m[2]} expert) in {m[3].rsplit('.', 1)[-1]}"
+                                    for m in mappings})[:8],
+            "awq_post_attention_norm_changed": not torch.equal(norm, before["norm"]),
+            "awq_expert0_down_column_scale_min_max": [round(ratio.min().item(), 3),
+                                                      round(ratio.max().item(), 3)]}
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--layers", type=int, default=2)
@@ -76,13 +113,25 @@ def main():
                    help="oneshot(moe_calibrate_all_experts=False): statistics from routed tokens only")
     p.add_argument("--shape", default="{}", help="JSON overrides of the Qwen3-30B-A3B config (dry runs)")
     p.add_argument("--device", default="cuda")
+    p.add_argument("--method", default="gptq", choices=("gptq", "awq"))
     args = p.parse_args()
     from llmcompressor import oneshot
-    from llmcompressor.modifiers.quantization import GPTQModifier
+    from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier
 
     cuda = args.device == "cuda"
-    recipe = GPTQModifier(targets="Linear", scheme="W4A16", ignore=["lm_head", "re:.*mlp.gate$"])
+    ignore = ["lm_head", "re:.*mlp.gate$"]
+    mappings: list = []
+    if args.method == "awq":
+        from llmcompressor.modifiers.transform.awq import AWQModifier
+
+        resolved_awq_mappings(AWQModifier, mappings)
+        recipe = [AWQModifier(), QuantizationModifier(targets="Linear", scheme="W4A16", ignore=ignore)]
+    else:
+        recipe = GPTQModifier(targets="Linear", scheme="W4A16", ignore=ignore)
     model = synthetic_qwen3_moe(args.layers, json.loads(args.shape), args.device)
+    layer0 = model.model.layers[0]
+    before = {"norm": layer0.post_attention_layernorm.weight.detach().float().cpu().clone(),
+              "down0": layer0.mlp.experts.down_proj[0].detach().float().cpu().clone()}
     ds = calibration(args.samples, args.seqlen)
     kw = {"moe_calibrate_all_experts": False} if args.routed_only else {}
     all_experts = kw.get("moe_calibrate_all_experts",
@@ -96,13 +145,15 @@ def main():
     if cuda:
         torch.cuda.synchronize()
     dt = time.perf_counter() - t0
-    row = {"peer": "llm-compressor", "method": "gptq", "model": "qwen3-30b-a3b-shapes", "layers": args.layers,
+    row = {"peer": "llm-compressor", "method": args.method, "model": "qwen3-30b-a3b-shapes", "layers": args.layers,
            "all_experts": all_experts, "model_device": args.device, "samples": args.samples,
            "seqlen": args.seqlen, "seconds": round(dt, 2), "seconds_per_layer": round(dt / args.layers, 2),
            "projected_48_layers_s": round(dt / args.layers * 48, 1),
            "peak_gpu_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else 0.0,
            "gpu": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
            **expert_quantization(model)}
+    if args.method == "awq":
+        row.update(awq_smoothing_reached_experts(model, before, mappings))
     print("RESULT " + json.dumps(row), flush=True)
 
 

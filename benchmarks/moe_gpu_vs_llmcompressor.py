@@ -1,5 +1,5 @@
-"""quantkit vs llm-compressor 0.14, GPTQ W4A16 g128, on a synthetic Qwen3-30B-A3B-shaped MoE, one GPU,
-one run (issue 18's GPU benchmark).
+"""quantkit vs llm-compressor 0.14, GPTQ or AWQ W4A16 g128 (`--method`), on a synthetic
+Qwen3-30B-A3B-shaped MoE, one GPU, one run (issue 18's GPU benchmark).
 
 The model: transformers 5's Qwen3MoeForCausalLM with Qwen3-30B-A3B layer shapes (hidden 2048,
 128 experts, 8 active, moe_intermediate 768, 32 / 4 heads, head_dim 128), `--layers` decoder
@@ -9,7 +9,9 @@ blocks, random bf16 weights (fine for time and memory, meaningless for accuracy)
 
 quantkit: the model in CPU memory, its fused experts linearized into per-expert Linears
 (quantkit.pipeline.experts), every block moved to the GPU in turn by the one pipeline
-(quantize_blocks, true-sequential GPTQ, 8 samples per forward). Timed from the model in CPU
+(quantize_blocks; GPTQ true-sequential, 8 samples per forward; AWQ with its defaults: the
+shared post_attention_layernorm scale searched on the whole MoE block, the router compensated,
+each expert's up -> down on its routed tokens, clipping, 1 sample per forward). Timed from the model in CPU
 memory to the quantized weights back on the CPU, linearization and input capture included.
 Variants: `routed` (each expert's Hessian from the tokens the router sends it: quantkit's default)
 and `all` (every token through every expert for statistics: --moe-calibrate-all-experts).
@@ -18,7 +20,9 @@ CLI prints; it counts the 0.5 GiB CUDA context, which the allocator's peak does 
 tokens each expert Linear was calibrated on.
 
 llm-compressor: the peer script in a child process (its own memory pool), the model whole on the
-GPU as the shared peer script has it, `oneshot` timed. Its default `moe_calibrate_all_experts`
+GPU as the shared peer script has it, `oneshot` timed (AWQ: its AWQModifier with the
+Qwen3-MoE default mappings + QuantizationModifier W4A16; the row says which mappings it
+resolved and whether the experts' weights were really smoothed). Its default `moe_calibrate_all_experts`
 is True: the `all` row is its default, `routed` passes False. The row counts the expert Linears
 that carry a weight_scale afterwards (did it really quantize the fused experts).
 
@@ -56,6 +60,8 @@ TINY = {"hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 2
 # experts setting once (`routed`, `all`); a `-layerwise` row is compared with the same setting.
 VARIANTS = {"routed": (False, True), "all": (True, True),
             "routed-layerwise": (False, False), "all-layerwise": (True, False)}
+# AWQ searches every group of a block on the unmodified block: no true-sequential order
+AWQ_VARIANTS = ("routed", "all")
 PHASES = None  # --phases: a PhaseTimer around the pipeline's steps (synchronized on the GPU)
 
 
@@ -63,7 +69,7 @@ def time_phases(device: str):
     """Wrap the pipeline's own steps (no copy of their code) with a synchronizing timer."""
     from phase_timer import PhaseTimer
 
-    from quantkit.methods import gptq
+    from quantkit.methods import awq, gptq
     from quantkit.pipeline import blocks, experts
 
     timer = PhaseTimer(sync=torch.cuda.synchronize if device == "cuda" else None)
@@ -78,6 +84,12 @@ def time_phases(device: str):
     timer.wrap(gptq, "gptq_column_loop", "GPTQ: column loop")
     timer.wrap(gptq, "relative_error", "GPTQ: relative error")
     timer.wrap(blocks, "_block_and_results_to_cpu", "block + results to CPU")
+    timer.wrap(awq.AWQQuantizer, "quantize_block", "AWQ (all)")
+    timer.wrap(awq, "_capture", "AWQ: capture search inputs")
+    timer.wrap(awq, "_module_loss", "AWQ: block-loss forwards (shared groups)")
+    timer.wrap(awq, "linear_scale_losses", "AWQ: Linear-pair losses (up -> down)")
+    timer.wrap(awq, "search_clip", "AWQ: clip search")
+    timer.wrap(awq, "rtn_quantize_weight", "AWQ: quantize")
     return timer
 
 
@@ -86,13 +98,14 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def planned_peak_gib(config, samples: int, seqlen: int, batch: int, true_sequential: bool) -> float:
-    """`quantkit plan`'s GPU peak for this run, context included (GPTQ W4A16 g128, sym)."""
+def planned_peak_gib(config, samples: int, seqlen: int, batch: int, true_sequential: bool,
+                     method: str = "gptq") -> float:
+    """`quantkit plan`'s GPU peak for this run, context included (W4A16 g128, sym)."""
     from quantkit.arch import spec_for_config
     from quantkit.pipeline.plan import estimate
     from quantkit.types import QuantScheme
 
-    plan = estimate(config, spec_for_config(config), method="gptq",
+    plan = estimate(config, spec_for_config(config), method=method,
                     scheme=QuantScheme(bits=4, group_size=128, symmetric=True),
                     calib_samples=samples, calib_seqlen=seqlen, calibrated=True, device="cuda",
                     calib_batch=batch, true_sequential=true_sequential)
@@ -101,6 +114,7 @@ def planned_peak_gib(config, samples: int, seqlen: int, batch: int, true_sequent
 
 def run_quantkit(variant: str, args, shape: dict) -> dict:
     from quantkit.arch import spec_for_config
+    from quantkit.methods.awq import AWQQuantizer
     from quantkit.methods.gptq import GPTQQuantizer
     from quantkit.pipeline.blocks import quantize_blocks
     from quantkit.pipeline.experts import linearize_experts
@@ -111,10 +125,14 @@ def run_quantkit(variant: str, args, shape: dict) -> dict:
         torch.cuda.empty_cache()
     spec = spec_for_config(model.config)
     all_experts, true_sequential = VARIANTS[variant]
-    quantizer = GPTQQuantizer(true_sequential=true_sequential)
+    if args.method == "awq":
+        quantizer, true_sequential = AWQQuantizer(), False
+    else:
+        quantizer = GPTQQuantizer(true_sequential=true_sequential)
+    batch = getattr(quantizer, "calib_batch_size", 1)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 128000, (args.samples, args.seqlen), generator=g)
-    batches = list(ids.split(quantizer.calib_batch_size))
+    batches = list(ids.split(batch))
     _sync(args.device)
     if args.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -128,11 +146,11 @@ def run_quantkit(variant: str, args, shape: dict) -> dict:
     _sync(args.device)
     dt = time.perf_counter() - t0
     peak = torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else 0.0
-    planned = planned_peak_gib(model.config, args.samples, args.seqlen, quantizer.calib_batch_size,
-                               true_sequential)
+    planned = planned_peak_gib(model.config, args.samples, args.seqlen, batch, true_sequential,
+                               args.method)
     experts = {k: r for k, r in results.items() if ".experts." in k}
     tokens = [r.calib_tokens or 0 for r in experts.values()]
-    row = {"tool": "quantkit", "method": "gptq", "variant": variant, "all_experts": all_experts,
+    row = {"tool": "quantkit", "method": args.method, "variant": variant, "all_experts": all_experts,
            "true_sequential": true_sequential,
            "layers": args.layers, "samples": args.samples, "seqlen": args.seqlen,
            "seconds": round(dt, 2), "seconds_per_layer": round(dt / args.layers, 2),
@@ -147,6 +165,11 @@ def run_quantkit(variant: str, args, shape: dict) -> dict:
                                    / max(len(results), 1), 5),
            "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
            "torch": torch.__version__}
+    if args.method == "awq":
+        row["awq_groups_searched"] = len(quantizer.history)
+        row["awq_expert_groups_scaled"] = sum(
+            1 for h in quantizer.history if h["alpha"] is not None
+            and any(".experts." in n for n in h["balance"]))
     if PHASES is not None:
         row["phase_seconds"] = {k: round(v - before.get(k, 0.0), 2) for k, v in PHASES.seconds.items()}
     print("RESULT " + json.dumps(row), flush=True)
@@ -160,7 +183,8 @@ def run_peer(variant: str, args, shape: dict) -> dict | None:
     """llm-compressor's oneshot in a child process; its RESULT row (None if it failed)."""
     cmd = [args.peer_python or sys.executable, str(HERE / "llmcompressor_moe_gpu_peer.py"),
            "--layers", str(args.layers), "--samples", str(args.samples), "--seqlen", str(args.seqlen),
-           "--device", args.device, *(["--routed-only"] if variant == "routed" else []),
+           "--device", args.device, "--method", args.method,
+           *(["--routed-only"] if variant == "routed" else []),
            *(["--shape", json.dumps(shape)] if shape else [])]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ)
     rows = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
@@ -179,7 +203,7 @@ def compare(rows: list[dict]) -> list[dict]:
     for variant in VARIANTS:
         qk = next((r for r in rows if r["tool"] == "quantkit" and r["variant"] == variant), None)
         lc = next((r for r in rows if r["tool"] != "quantkit" and qk is not None
-                   and r["all_experts"] == qk["all_experts"]), None)
+                   and r["method"] == qk["method"] and r["all_experts"] == qk["all_experts"]), None)
         if not (qk and lc and lc["seconds"] and lc["peak_gpu_gib"]):
             continue
         t, m = qk["seconds"] / lc["seconds"], qk["peak_gpu_gib"] / lc["peak_gpu_gib"]
@@ -195,7 +219,9 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--samples", type=int, default=128)
     p.add_argument("--seqlen", type=int, default=2048)
-    p.add_argument("--variants", default="routed,all", help=", ".join(VARIANTS))
+    p.add_argument("--method", default="gptq", choices=("gptq", "awq"))
+    p.add_argument("--variants", default="routed,all", help=", ".join(VARIANTS) + " (AWQ: "
+                   + ", ".join(AWQ_VARIANTS) + ")")
     p.add_argument("--tools", default="quantkit,llmcompressor")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--tiny", action="store_true", help="tiny shapes (a CPU dry run of the script)")
@@ -211,6 +237,8 @@ def main() -> None:
         PHASES = time_phases(args.device)
     shape = TINY if args.tiny else {}
     variants = [v for v in args.variants.split(",") if v]
+    if args.method == "awq" and set(variants) - set(AWQ_VARIANTS):
+        p.error(f"AWQ has no true-sequential order; --variants takes {', '.join(AWQ_VARIANTS)}")
     tools = args.tools.split(",")
     rows: list[dict] = []
     warm = None
@@ -227,7 +255,7 @@ def main() -> None:
             if peer:
                 rows.append(peer)
     ratios = compare(rows)
-    doc = {"benchmark": "GPTQ W4A16 g128 on a synthetic Qwen3-30B-A3B-shaped MoE, quantkit vs llm-compressor 0.14",
+    doc = {"benchmark": f"{args.method.upper()} W4A16 g128 on a synthetic Qwen3-30B-A3B-shaped MoE, quantkit vs llm-compressor 0.14",
            "shape": {**QWEN3_30B_A3B, **shape, "num_hidden_layers": args.layers},
            "quantkit_placement": "model in CPU memory, one block at a time on the GPU",
            "peer_placement": "model whole on the GPU (the shared peer script)",
