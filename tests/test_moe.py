@@ -766,3 +766,29 @@ def test_linear_experts_route_like_a_per_expert_where_loop(calibrate_all):
     tokens = [collector.results[f"{e}.gate_proj"]["tokens"] for e in range(6)]
     assert tokens == ([50] * 6 if calibrate_all else
                       [int((top_k_index == e).sum()) for e in range(6)])
+
+
+def test_awq_loss_forwards_run_only_routed_tokens_under_all_experts_calibration():
+    """AWQ's per-candidate loss reads the MoE output, which sums routed tokens only: under
+    --moe-calibrate-all-experts the experts must run just their routed tokens there (not all
+    tokens, 16x the work for Qwen3-30B-A3B), with the same output, and the flag comes back."""
+    from quantkit.methods.awq import _routed_only
+    from quantkit.pipeline.experts import LinearExperts, _Expert
+
+    spec = spec_for_config({"model_type": "qwen3_moe"}).experts
+    torch.manual_seed(4)
+    experts = [_Expert(spec, 64, 32, torch.nn.functional.silu, torch.float32, "cpu") for _ in range(4)]
+    for ex in experts:
+        for lin in ex.children():
+            torch.nn.init.normal_(lin.weight, 0, 0.1)
+    module = LinearExperts(experts, calibrate_all=True)
+    hidden, top_k_index, top_k_weights = torch.randn(40, 64), torch.randint(0, 4, (40, 2)), torch.rand(40, 2)
+    seen: list[int] = []
+    experts[0].gate_proj.register_forward_hook(lambda _m, args, _o: seen.append(args[0].shape[0]))
+    everything = module(hidden, top_k_index, top_k_weights)
+    with pytest.raises(RuntimeError), _routed_only(torch.nn.Sequential(module)):
+        routed = module(hidden, top_k_index, top_k_weights)
+        raise RuntimeError("the flag must come back after an error too")
+    assert seen == [40, int((top_k_index == 0).sum())]
+    assert torch.allclose(routed, everything, atol=1e-6)
+    assert module.calibrate_all is True

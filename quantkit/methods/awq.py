@@ -43,6 +43,7 @@ quantized outputs of the previous ones instead (GPTQ's choice).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -462,7 +463,8 @@ class AWQQuantizer:
                 # one read-back per round (float64 -> float32 as the old per-item store)
                 return torch.stack(per_cand).cpu().float()
             try:
-                losses = _grid_losses(module_losses, self.n_grid, self.coarse_to_fine)
+                with _routed_only(mod):
+                    losses = _grid_losses(module_losses, self.n_grid, self.coarse_to_fine)
             finally:
                 for n, w in zip(names, weights, strict=True):
                     plan.balance[n].weight.data.copy_(w.to(plan.balance[n].weight.dtype))
@@ -627,6 +629,22 @@ def _merge_batches(rec: _Seen) -> _Seen:
         out.kwargs.append(kwargs)
         out.outs.append(o)
     return out
+
+
+@contextlib.contextmanager
+def _routed_only(mod: torch.nn.Module):
+    """Experts modules under `mod` in all-experts calibration (`calibrate_all`, statistics
+    only) run just their routed tokens meanwhile. The loss reads the module's output, which
+    sums the routed tokens' results either way; every token through every expert there was
+    top_k / experts of the work wasted per candidate (16x the expert FLOPs of Qwen3-30B-A3B)."""
+    flagged = [m for m in mod.modules() if getattr(m, "calibrate_all", False) is True]
+    for m in flagged:
+        m.calibrate_all = False
+    try:
+        yield
+    finally:
+        for m in flagged:
+            m.calibrate_all = True
 
 
 def _module_loss(mod: torch.nn.Module, ref: _Seen) -> torch.Tensor:
