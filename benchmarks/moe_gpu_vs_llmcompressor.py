@@ -99,7 +99,7 @@ def _sync(device: str) -> None:
 
 
 def planned_peak_gib(config, samples: int, seqlen: int, batch: int, true_sequential: bool,
-                     method: str = "gptq") -> float:
+                     method: str = "gptq", all_experts: bool = False) -> float:
     """`quantkit plan`'s GPU peak for this run, context included (W4A16 g128, sym)."""
     from quantkit.arch import spec_for_config
     from quantkit.pipeline.plan import estimate
@@ -108,7 +108,7 @@ def planned_peak_gib(config, samples: int, seqlen: int, batch: int, true_sequent
     plan = estimate(config, spec_for_config(config), method=method,
                     scheme=QuantScheme(bits=4, group_size=128, symmetric=True),
                     calib_samples=samples, calib_seqlen=seqlen, calibrated=True, device="cuda",
-                    calib_batch=batch, true_sequential=true_sequential)
+                    calib_batch=batch, true_sequential=true_sequential, moe_all_experts=all_experts)
     return plan.peak_gpu_bytes / 2**30
 
 
@@ -147,7 +147,7 @@ def run_quantkit(variant: str, args, shape: dict) -> dict:
     dt = time.perf_counter() - t0
     peak = torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else 0.0
     planned = planned_peak_gib(model.config, args.samples, args.seqlen, batch, true_sequential,
-                               args.method)
+                               args.method, all_experts)
     experts = {k: r for k, r in results.items() if ".experts." in k}
     tokens = [r.calib_tokens or 0 for r in experts.values()]
     row = {"tool": "quantkit", "method": args.method, "variant": variant, "all_experts": all_experts,

@@ -130,11 +130,14 @@ def estimate(config, spec: ArchSpec, *, method: str, scheme: QuantScheme, calib_
              calib_seqlen: int, calibrated: bool, device: str = "cpu", calib_batch: int = 1,
              store_dtype: torch.dtype = torch.bfloat16, streaming: bool = True,
              resume: bool = True, true_sequential: bool = True,
-             hessians: bool | None = None) -> MemoryPlan:
+             hessians: bool | None = None, moe_all_experts: bool = False) -> MemoryPlan:
     """Expected peaks for `quantize` with these settings (see the module docstring).
 
     `hessians`: the method gathers GPTQ Hessians and solves with them (default: method gptq;
     int8, nvfp4 and mxfp4 with GPTQ rounding do too).
+
+    `moe_all_experts` (--moe-calibrate-all-experts): every expert reads every token; AWQ's
+    capture then holds each expert's down_proj input over all search tokens.
 
     `true_sequential` (GPTQ) sets the block forwards per block: on a GPU the replay runs
     ~2.5 partial forwards for the groups + 1 for the outputs, or 1 + 1 without it; on the
@@ -213,6 +216,16 @@ def estimate(config, spec: ArchSpec, *, method: str, scheme: QuantScheme, calib_
         # the H100: 13.7 GiB for Llama-3.1-8B shapes, 9.1 GiB for 3.2-3B)
         search = min(tokens, AWQ_SEARCH_TOKENS["accel" if cuda else "cpu"])
         stats = search * (7 * hidden + inter) * act_bytes + 2 * block_params * 4
+        if moe and moe_all_experts:
+            # every expert's down_proj input over every search token, instead of the routed
+            # top_k per token (H100, Qwen3-30B-A3B shapes: 128 x 65536 x 768 x 2 B = 12 GiB;
+            # peak 23.6 GiB against 14.2 GiB routed, benchmarks/README.md)
+            n_exp = spec.experts.count(config)
+            top_k = int(getattr(config, "num_experts_per_tok", 1) or 1)
+            widest = max(linears, key=len, default={})
+            expert_inter = max((k for name, (_, k) in widest.items()
+                                if spec.is_expert_linear(name) and k != hidden), default=inter)
+            stats += search * max(0, n_exp - top_k) * expert_inter * act_bytes
     elif method == "gguf":
         stats = 2 * block_params * 4
     # uint8 codes + fp32 scale + int32 zero; with checkpoints (resume) finished blocks' results

@@ -230,6 +230,7 @@ def plan_request(req: QuantizeRequest, config, spec: ArchSpec, quantizer,
                     resume=req.resume and not hasattr(quantizer, "quantize_rest")
                     and not req.kv_cache,
                     true_sequential=getattr(quantizer, "true_sequential", False),
+                    moe_all_experts=req.moe_calibrate_all_experts,
                     hessians="hessian" in getattr(quantizer, "stats", ()))
 
 
