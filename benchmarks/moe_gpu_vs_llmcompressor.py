@@ -28,7 +28,9 @@ that carry a weight_scale afterwards (did it really quantize the fused experts).
 
 Run on the GPU machine from the repo root, with llm-compressor's wheels installed (see
 benchmarks/README.md):  python3 benchmarks/moe_gpu_vs_llmcompressor.py --out $OUT/moe.json
-A dry run on the CPU (tiny shapes, no GPU): --device cpu --tiny.
+AWQ: --method awq --variants routed,all (results/moe_awq_2_layers_h100_vs_llmcompressor.json).
+A dry run on the CPU (tiny shapes, no GPU): --device cpu --tiny (AWQ with --tools quantkit:
+llm-compressor 0.14's AWQModifier pins its cache and fails without an accelerator).
 """
 
 from __future__ import annotations
