@@ -94,8 +94,10 @@ def gguf_name(spec: ArchSpec, hf_name: str) -> str | None:
 
 def gguf_slot(spec: ArchSpec, hf_name: str) -> tuple[str, int | None] | None:
     """HF tensor name -> (GGUF tensor name, expert index or None): a routed expert's weight is
-    one slice of its block's 3-D tensor ("...mlp.experts.5.up_proj.weight" -> ("blk.0.ffn_up_exps.weight", 5))."""
-    module, _, suffix = hf_name.rpartition(".")
+    one slice of its block's 3-D tensor ("...mlp.experts.5.up_proj.weight" -> ("blk.0.ffn_up_exps.weight", 5)).
+    Checkpoint spellings (Mixtral's block_sparse_moe, as streamed from the shards) and module
+    names map alike."""
+    module, _, suffix = spec.module_name(hf_name).rpartition(".")
     prefix = spec.block_path + "."
     if module.startswith(prefix):
         bid, _, rel = module[len(prefix):].partition(".")
