@@ -766,3 +766,91 @@ def test_linear_experts_route_like_a_per_expert_where_loop(calibrate_all):
     tokens = [collector.results[f"{e}.gate_proj"]["tokens"] for e in range(6)]
     assert tokens == ([50] * 6 if calibrate_all else
                       [int((top_k_index == e).sum()) for e in range(6)])
+
+
+# ---------------------------------------------------------------- GGUF: Mixtral (arch llama)
+
+@pytest.fixture(scope="module")
+def mixtral_gguf_model(tmp_path_factory) -> Path:
+    """A real MixtralForCausalLM with K-quant widths (hidden 256, 4 experts of 256, top-2).
+
+    Its tokenizer is SmolLM2's with `byte_fallback` off. llama.cpp's converter writes Mixtral
+    through LlamaModel.set_vocab, which takes any BPE tokenizer.json with byte_fallback on and a
+    Sequence decoder (SmolLM2's) as a SentencePiece-style `llama` vocabulary with scores
+    (gguf-py's LlamaHfVocab), while quantkit writes SmolLM2's byte-level BPE as `gpt2`, which
+    is how llama.cpp tokenizes it right. Off, the converter also writes `gpt2`, so the whole
+    header compares; the tokenization is unchanged (the byte-level alphabet covers every byte,
+    so no byte fallback ever happens)."""
+    src = make_tiny_model(tmp_path_factory.mktemp("mixtral_gguf"), "mixtral", hidden=256,
+                          intermediate=256)
+    tj = json.loads((src / "tokenizer.json").read_text())
+    tj["model"]["byte_fallback"] = False
+    (src / "tokenizer.json").write_text(json.dumps(tj, ensure_ascii=False))
+    return src
+
+
+@pytest.fixture(scope="module")
+def mixtral_reference_bf16(mixtral_gguf_model, tmp_path_factory) -> Path:
+    """llama.cpp's own convert_hf_to_gguf.py --outtype bf16 of the tiny Mixtral."""
+    return convert_with_llama_cpp(mixtral_gguf_model,
+                                  tmp_path_factory.mktemp("mixtral_ref") / "ref.bf16.gguf")
+
+
+@pytest.mark.engine
+def test_mixtral_bf16_gguf_equals_llama_cpp_converter_and_runs(mixtral_gguf_model,
+                                                                mixtral_reference_bf16, tmp_path):
+    """Mixtral as llama.cpp's arch llama: q/k rows permuted, block_sparse_moe's router as F32
+    ffn_gate_inp and w1/w3/w2 stacked into ffn_{gate,up,down}_exps, the expert keys: tensor for
+    tensor and key for key what convert_hf_to_gguf.py writes; llama.cpp then computes
+    transformers' logits."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from quantkit.engines.llamacpp import LlamaCppModel
+
+    ours = _gguf(mixtral_gguf_model, tmp_path / "bf16.gguf", "bf16")
+    kv, tensors = assert_same_gguf(ours, mixtral_reference_bf16)
+    assert tensors["blk.1.ffn_gate_exps.weight"][:2] == ("BF16", [256, 256, 4])
+    assert tensors["blk.1.ffn_down_exps.weight"][:2] == ("BF16", [256, 256, 4])
+    assert tensors["blk.1.ffn_gate_inp.weight"][:2] == ("F32", [256, 4])
+    assert (kv["llama.expert_count"], kv["llama.expert_used_count"]) == (4, 2)
+    assert kv["tokenizer.ggml.model"] == "gpt2"
+
+    tok = AutoTokenizer.from_pretrained(mixtral_gguf_model)
+    ids = tok.encode("The quick brown fox jumps over the lazy dog. def f(x): return x**2",
+                     add_special_tokens=False)[:40]
+    hf = AutoModelForCausalLM.from_pretrained(mixtral_gguf_model, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = hf(torch.tensor([ids])).logits[0].numpy()
+    llm = LlamaCppModel(ours, n_ctx=64, logits_all=True)
+    try:
+        got = llm.logits(ids)
+    finally:
+        llm.close()
+    err = np.abs(got - want).max() / np.abs(want).max()
+    print(f"llama.cpp BF16 Mixtral vs transformers: max logit error {err:.4f} of the range")
+    assert err < 0.03 and (got.argmax(1) == want.argmax(1)).mean() > 0.9
+
+
+@pytest.mark.engine
+def test_mixtral_q4_k_m_equals_llama_quantize_in_both_layouts(mixtral_gguf_model,
+                                                              mixtral_reference_bf16, tmp_path):
+    """Q4_K_M of Mixtral = llama_model_quantize of the converter's BF16 file, type and byte for
+    byte (3-D experts included); the shards streamed under block_sparse_moe names and
+    transformers 5's fused in-memory experts give the same file; it generates in llama.cpp."""
+    from quantkit.engines.llamacpp import LlamaCppModel, llama_quantize
+
+    lq = tmp_path / "lq.gguf"
+    llama_quantize(mixtral_reference_bf16, lq, "q4_k_m")
+    fused = _gguf(mixtral_gguf_model, tmp_path / "fused.gguf", "q4_k_m", stream=False)
+    (_, ours), (_, want) = gguf_contents(fused), gguf_contents(lq)
+    assert {t: v[:2] for t, v in ours.items()} == {t: v[:2] for t, v in want.items()}
+    assert [t for t in want if ours[t][2] != want[t][2]] == []
+    assert (ours["blk.0.ffn_gate_exps.weight"][0], ours["blk.0.ffn_gate_inp.weight"][0]) == \
+        ("Q4_K", "F32")
+    streamed = _gguf(mixtral_gguf_model, tmp_path / "streamed.gguf", "q4_k_m")
+    assert gguf_body(streamed) == gguf_body(fused)
+    llm = LlamaCppModel(streamed, n_ctx=64)
+    try:
+        assert len(llm.tokenize(llm.greedy("The capital of France is", max_tokens=6))) > 0
+    finally:
+        llm.close()
