@@ -30,6 +30,8 @@ import math
 import numpy as np
 from numba import njit
 
+from quantkit.methods.kquants_math import IQ4NL_VALUES as IQ4NL_LEVELS
+
 __all__ = ["ENCODERS", "fp16_bits"]
 
 F32 = np.float32
@@ -960,6 +962,140 @@ def _q2_k(x2, qw, out, err):
     return out
 
 
+IQ4NL_VALUES = np.array(IQ4NL_LEVELS, np.float32)  # numba reads a global array as a constant
+
+
+@njit(**_JIT)
+def _best_index_iq4nl(v, x):
+    """best_index_int8(16, kvalues_iq4nl, x): the nearest level, ties to the lower one."""
+    if x <= v[0]:
+        return 0
+    if x >= v[15]:
+        return 15
+    ml = 0
+    mu = 15
+    while mu - ml > 1:
+        mav = (ml + mu) // 2
+        if x < v[mav]:
+            mu = mav
+        else:
+            ml = mav
+    return mu - 1 if x - v[mu - 1] < v[mu] - x else mu
+
+
+@njit(**_JIT)
+def _iq4(x2, qw, out, err, sbs, size):
+    """IQ4_NL (sbs 32, 18 B: | d f16 | qs[16] |) and IQ4_XS (sbs 256, 136 B: | d f16 |
+    scales_h u16 | scales_l[4] | qs[128] |): quantize_row_iq4_nl_impl with ntry 7, as
+    ggml_quantize_chunk calls it (weights x^2, or qw * sqrt(sigma2 + x^2) with an imatrix).
+    Each 32-value block searches its float scale over the nearest-level codes; IQ4_XS then
+    stores 6-bit block scales l of d = -max_scale/32 and re-picks the codes from d*l."""
+    v = IQ4NL_VALUES
+    rows, k = x2.shape
+    nsb = k // sbs
+    nblk = sbs // 32
+    use_w = qw.shape[0] > 0
+    w = np.empty(32, np.float32)
+    L = np.empty(sbs, np.int64)
+    scales = np.empty(nblk, np.float32)
+    for r in range(rows):
+        e = 0.0
+        for s in range(nsb):
+            x = x2[r, sbs * s:sbs * s + sbs]
+            o = out[r, size * s:size * s + size]
+            sigma2 = F32(0)
+            for j in range(sbs):
+                sigma2 += x[j] * x[j]
+            sigma2 *= F32(2) / F32(sbs)
+            max_scale = F32(0)
+            amax_scale = F32(0)
+            for ib in range(nblk):
+                xb = x[32 * ib:32 * ib + 32]
+                for j in range(32):
+                    w[j] = qw[sbs * s + 32 * ib + j] * np.sqrt(sigma2 + xb[j] * xb[j]) if use_w \
+                        else xb[j] * xb[j]
+                amax = F32(0)
+                mx = F32(0)
+                for j in range(32):
+                    if abs(xb[j]) > amax:
+                        amax = abs(xb[j])
+                        mx = xb[j]
+                if amax < EPS:
+                    scales[ib] = F32(0)
+                    continue
+                d = -mx / v[0]
+                inv = F32(1) / d
+                sumqx = F32(0)
+                sumq2 = F32(0)
+                for j in range(32):
+                    q = v[_best_index_iq4nl(v, inv * xb[j])]
+                    sumqx += w[j] * q * xb[j]
+                    sumq2 += w[j] * q * q
+                d = sumqx / sumq2 if sumq2 > 0 else F32(0)
+                best = d * sumqx
+                for itry in range(-7, 8):
+                    inv = F32(itry - 127) / mx
+                    sumqx = F32(0)
+                    sumq2 = F32(0)
+                    for j in range(32):
+                        q = v[_best_index_iq4nl(v, inv * xb[j])]
+                        sumqx += w[j] * q * xb[j]
+                        sumq2 += w[j] * q * q
+                    if sumq2 > 0 and sumqx * sumqx > best * sumq2:
+                        d = sumqx / sumq2
+                        best = d * sumqx
+                scales[ib] = d
+                if abs(d) > amax_scale:
+                    amax_scale = abs(d)
+                    max_scale = d
+            if nblk > 1:
+                d = -max_scale / F32(32)
+                d16 = _put_f16(o, 0, d)
+                inv = F32(1) / d if d != 0 else F32(0)
+                scales_h = 0
+                for ib in range(nblk):
+                    ll = int(_clamp(_nint(inv * scales[ib]), F32(-32), F32(31)))
+                    dl = d * F32(ll)
+                    idl = F32(1) / dl if dl != 0 else F32(0)
+                    dq = d16 * F32(ll)
+                    for j in range(32):
+                        L[32 * ib + j] = _best_index_iq4nl(v, idl * x[32 * ib + j])
+                        e += _sq_diff(dq * v[L[32 * ib + j]], x[32 * ib + j])
+                    ll += 32
+                    if ib % 2 == 0:
+                        o[4 + ib // 2] = ll & 15
+                    else:
+                        o[4 + ib // 2] |= (ll & 15) << 4
+                    scales_h |= (ll >> 4) << (2 * ib)
+                o[2] = scales_h & 255
+                o[3] = scales_h >> 8
+                qs = 8
+            else:
+                d16 = _put_f16(o, 0, scales[0])
+                inv = F32(1) / scales[0] if scales[0] != 0 else F32(0)
+                for j in range(32):
+                    L[j] = _best_index_iq4nl(v, inv * x[j])
+                    e += _sq_diff(d16 * v[L[j]], x[j])
+                qs = 2
+            for i in range(nblk):
+                for j in range(16):
+                    o[qs + 16 * i + j] = L[32 * i + j] | (L[32 * i + 16 + j] << 4)
+        err[r] += e
+    return out
+
+
+@njit(**_JIT)
+def _iq4_nl(x2, qw, out, err):
+    return _iq4(x2, qw, out, err, 32, 18)
+
+
+@njit(**_JIT)
+def _iq4_xs(x2, qw, out, err):
+    return _iq4(x2, qw, out, err, 256, 136)
+
+
+
 # GGML type id -> encoder(x [rows, K] float32 C-contiguous, qw [K] float32 or empty,
 # out [rows, row_bytes] uint8, err [rows] float64 += sum over the row of (decoded - x)^2)
-ENCODERS = {8: _q8_0, 2: _q4_0, 3: _q4_1, 6: _q5_0, 7: _q5_1, 10: _q2_k, 11: _q3_k, 12: _q4_k, 13: _q5_k, 14: _q6_k}
+ENCODERS = {8: _q8_0, 2: _q4_0, 3: _q4_1, 6: _q5_0, 7: _q5_1, 10: _q2_k, 11: _q3_k, 12: _q4_k, 13: _q5_k, 14: _q6_k,
+            20: _iq4_nl, 23: _iq4_xs}
