@@ -968,19 +968,56 @@ IQ4NL_VALUES = np.array(IQ4NL_LEVELS, np.float32)  # numba reads a global array 
 @njit(**_JIT)
 def _best_index_iq4nl(v, x):
     """best_index_int8(16, kvalues_iq4nl, x): the nearest level, ties to the lower one."""
-    if x <= v[0]:
-        return 0
-    if x >= v[15]:
-        return 15
-    ml = 0
-    mu = 15
-    while mu - ml > 1:
-        mav = (ml + mu) // 2
-        if x < v[mav]:
-            mu = mav
-        else:
-            ml = mav
-    return mu - 1 if x - v[mu - 1] < v[mu] - x else mu
+    mu = 1  # the C binary search's end: the first level above x (counted without branches)
+    for i in range(1, 15):
+        mu += 1 if x >= v[i] else 0
+    idx = mu - 1 if x - v[mu - 1] < v[mu] - x else mu
+    idx = 0 if x <= v[0] else idx
+    return 15 if x >= v[15] else idx
+
+
+@njit(**_JIT)
+def _iq4nl_search(xt, wt, scales):
+    """The block-scale search of quantize_row_iq4_nl_impl (ntry 7) on every lane of xt, wt
+    [32, G]: the least-squares scale of the nearest-level codes for d = max/127, then 15
+    inverse scales (itry - 127)/max, kept when sumqx^2/sumq2 grows; scales[G] (0 where
+    max |x| < GROUP_MAX_EPS)."""
+    v = IQ4NL_VALUES
+    n, G = xt.shape
+    mx = np.zeros(G, np.float32)
+    amax = np.zeros(G, np.float32)
+    inv = np.empty(G, np.float32)
+    sumqx = np.empty(G, np.float32)
+    sumq2 = np.empty(G, np.float32)
+    best = np.empty(G, np.float32)
+    for i in range(n):
+        for g in range(G):
+            ax = abs(xt[i, g])
+            big = ax > amax[g]
+            amax[g] = ax if big else amax[g]
+            mx[g] = xt[i, g] if big else mx[g]
+    for g in range(G):
+        mx[g] = mx[g] if amax[g] >= EPS else F32(1)  # empty lanes: finished below
+    for c in range(16):
+        for g in range(G):
+            inv[g] = F32(1) / (-mx[g] / v[0]) if c == 0 else F32(c - 8 - 127) / mx[g]
+            sumqx[g] = F32(0)
+            sumq2[g] = F32(0)
+        for i in range(n):
+            for g in range(G):
+                q = v[_best_index_iq4nl(v, inv[g] * xt[i, g])]
+                wq = wt[i, g] * q
+                sumqx[g] += wq * xt[i, g]
+                sumq2[g] += wq * q
+        for g in range(G):
+            if c == 0:
+                scales[g] = sumqx[g] / sumq2[g] if sumq2[g] > 0 else F32(0)
+                best[g] = scales[g] * sumqx[g]
+            elif sumq2[g] > 0 and sumqx[g] * sumqx[g] > best[g] * sumq2[g]:
+                scales[g] = sumqx[g] / sumq2[g]
+                best[g] = scales[g] * sumqx[g]
+    for g in range(G):
+        scales[g] = scales[g] if amax[g] >= EPS else F32(0)
 
 
 @njit(**_JIT)
@@ -994,60 +1031,36 @@ def _iq4(x2, qw, out, err, sbs, size):
     rows, k = x2.shape
     nsb = k // sbs
     nblk = sbs // 32
+    G = k // 32
     use_w = qw.shape[0] > 0
-    w = np.empty(32, np.float32)
+    xt = np.empty((32, G), np.float32)
+    wt = np.empty((32, G), np.float32)
     L = np.empty(sbs, np.int64)
-    scales = np.empty(nblk, np.float32)
+    row_scales = np.empty(G, np.float32)
     for r in range(rows):
         e = 0.0
+        _lanes(x2[r], 32, xt)
         for s in range(nsb):
             x = x2[r, sbs * s:sbs * s + sbs]
-            o = out[r, size * s:size * s + size]
             sigma2 = F32(0)
             for j in range(sbs):
                 sigma2 += x[j] * x[j]
             sigma2 *= F32(2) / F32(sbs)
+            for g in range(nblk * s, nblk * s + nblk):
+                for i in range(32):
+                    wt[i, g] = qw[32 * g + i] * np.sqrt(sigma2 + xt[i, g] * xt[i, g]) if use_w \
+                        else xt[i, g] * xt[i, g]
+        _iq4nl_search(xt, wt, row_scales)
+        for s in range(nsb):
+            x = x2[r, sbs * s:sbs * s + sbs]
+            o = out[r, size * s:size * s + size]
+            scales = row_scales[nblk * s:nblk * s + nblk]
             max_scale = F32(0)
             amax_scale = F32(0)
             for ib in range(nblk):
-                xb = x[32 * ib:32 * ib + 32]
-                for j in range(32):
-                    w[j] = qw[sbs * s + 32 * ib + j] * np.sqrt(sigma2 + xb[j] * xb[j]) if use_w \
-                        else xb[j] * xb[j]
-                amax = F32(0)
-                mx = F32(0)
-                for j in range(32):
-                    if abs(xb[j]) > amax:
-                        amax = abs(xb[j])
-                        mx = xb[j]
-                if amax < EPS:
-                    scales[ib] = F32(0)
-                    continue
-                d = -mx / v[0]
-                inv = F32(1) / d
-                sumqx = F32(0)
-                sumq2 = F32(0)
-                for j in range(32):
-                    q = v[_best_index_iq4nl(v, inv * xb[j])]
-                    sumqx += w[j] * q * xb[j]
-                    sumq2 += w[j] * q * q
-                d = sumqx / sumq2 if sumq2 > 0 else F32(0)
-                best = d * sumqx
-                for itry in range(-7, 8):
-                    inv = F32(itry - 127) / mx
-                    sumqx = F32(0)
-                    sumq2 = F32(0)
-                    for j in range(32):
-                        q = v[_best_index_iq4nl(v, inv * xb[j])]
-                        sumqx += w[j] * q * xb[j]
-                        sumq2 += w[j] * q * q
-                    if sumq2 > 0 and sumqx * sumqx > best * sumq2:
-                        d = sumqx / sumq2
-                        best = d * sumqx
-                scales[ib] = d
-                if abs(d) > amax_scale:
-                    amax_scale = abs(d)
-                    max_scale = d
+                if abs(scales[ib]) > amax_scale:
+                    amax_scale = abs(scales[ib])
+                    max_scale = scales[ib]
             if nblk > 1:
                 d = -max_scale / F32(32)
                 d16 = _put_f16(o, 0, d)
