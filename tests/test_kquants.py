@@ -161,7 +161,8 @@ _MIXES = ["q4_k_s", "q5_k_m", "q5_k_s", "q6_k", "q8_0", "q5_1", "q5_0", "q4_1", 
           "q3_k_s", "q2_k", "iq4_nl", "iq4_xs"]
 
 
-@pytest.mark.parametrize("preset,ffn,imat", [(p, 288, False) for p in _MIXES] + [(p, 272, False) for p in _MIXES]
+@pytest.mark.parametrize("preset,ffn,imat", [(p, 288, False) for p in _MIXES]
+                         + [(p, 272, False) for p in _MIXES if p != "iq4_nl"]  # iq4_xs: -> IQ4_NL -> F16
                          + [(p, 288, True) for p in ("q4_0", "q5_0", "q3_k_m", "q2_k", "iq4_nl", "iq4_xs")])
 def test_other_presets_type_mix_equals_llama_cpp(tmp_path, preset, ffn, imat):
     """Same types as llama-quantize, fallbacks included (ffn 272: not a multiple of 32); with
@@ -343,7 +344,7 @@ def _compare_file(tiny, preset: str, with_imatrix: bool) -> set[Q]:
     ("tiny_gguf", "q2_k", False, {Q.Q2_K, Q.Q3_K, Q.Q6_K}), ("tiny_gguf", "q2_k", True, {Q.Q2_K, Q.Q3_K, Q.Q6_K}),
     ("tiny_gguf", "iq4_xs", False, {Q.IQ4_XS, Q.Q6_K}), ("tiny_gguf", "iq4_xs", True, {Q.IQ4_XS, Q.Q6_K}),
     ("tiny_qwen2_gguf", "iq4_nl", False, {Q.IQ4_NL, Q.Q6_K}),
-    ("tiny_qwen2_gguf", "iq4_nl", True, {Q.IQ4_NL, Q.Q6_K})])
+    ("tiny_gguf", "iq4_nl", True, {Q.IQ4_NL, Q.Q6_K})])  # qwen2's untied 49152-row token_embd: 6 s
 def test_every_tensor_bit_exact_vs_llama_quantize(request, model, preset, imat, expect):
     assert _compare_file(request.getfixturevalue(model), preset, imat) == expect
 
