@@ -33,7 +33,7 @@ from quantkit.methods.kquants_encode import BACKENDS, encode_rows, row_bytes
 llama_cpp = pytest.importorskip("llama_cpp")
 from quantkit.engines.llamacpp import llama_quantize  # noqa: E402
 
-TYPES = [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q2_K, Q.Q3_K, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+TYPES = [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q2_K, Q.Q3_K, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS]
 
 
 def _ggml():
@@ -158,14 +158,16 @@ def test_q4_k_m_type_mix_equals_llama_cpp(tmp_path, n_layer, hidden, ffn, tied):
 
 
 _MIXES = ["q4_k_s", "q5_k_m", "q5_k_s", "q6_k", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0", "q3_k_l", "q3_k_m",
-          "q3_k_s", "q2_k"]
+          "q3_k_s", "q2_k", "iq4_nl", "iq4_xs"]
 
 
-@pytest.mark.parametrize("preset,ffn,imat", [(p, 288, False) for p in _MIXES] + [(p, 272, False) for p in _MIXES]
-                         + [(p, 288, True) for p in ("q4_0", "q5_0", "q3_k_m", "q2_k")])  # 272: not % 32
+@pytest.mark.parametrize("preset,ffn,imat", [(p, 288, False) for p in _MIXES]
+                         + [(p, 272, False) for p in _MIXES if p != "iq4_nl"]  # iq4_xs: -> IQ4_NL -> F16
+                         + [(p, 288, True) for p in ("q4_0", "q5_0", "q3_k_m", "q2_k", "iq4_nl", "iq4_xs")])
 def test_other_presets_type_mix_equals_llama_cpp(tmp_path, preset, ffn, imat):
-    """Same types as llama-quantize, fallbacks included; with an imatrix Q4_0/Q5_0 give the
-    first eighth of ffn_down Q4_1/Q5_1 (llama.cpp's guard, seen from 8 layers on)."""
+    """Same types as llama-quantize, fallbacks included (ffn 272: not a multiple of 32); with
+    an imatrix Q4_0/Q5_0 give the first eighth of ffn_down Q4_1/Q5_1 (llama.cpp's guard,
+    seen from 8 layers on); IQ4_NL/IQ4_XS give it Q5_K only without one."""
     src = tmp_path / "f16.gguf"
     shapes = _write_plain_gguf(src, "qwen2", 16, 256, ffn, vocab=256, tied=False)
     imatrix = {n: np.ones(s[-1], np.float32) for n, s in shapes.items()
@@ -176,20 +178,23 @@ def test_other_presets_type_mix_equals_llama_cpp(tmp_path, preset, ffn, imat):
     guard = {"q4_0": Q.Q4_1, "q5_0": Q.Q5_1}.get(preset) if imat else None
     if guard:
         assert [plans[f"blk.{i}.ffn_down.weight"].qtype for i in range(3)] == [guard, guard, PRESETS[preset].base]
+    if preset in ("iq4_nl", "iq4_xs") and ffn == 288:  # 288 % 256 != 0: IQ4_XS falls back to IQ4_NL
+        early = Q.Q5_1 if not imat else Q.IQ4_NL  # Q5_K -> Q5_1 on 288 columns
+        assert [plans[f"blk.{i}.ffn_down.weight"].qtype for i in range(3)] == [early, early, Q.IQ4_NL]
 
 
-@pytest.mark.parametrize("preset", ["q3_k_m", "q2_k"])
+@pytest.mark.parametrize("preset", ["q3_k_m", "q2_k", "iq4_xs"])
 def test_low_bit_mixes_with_gqa_4_equal_llama_cpp(tmp_path, preset):
     """32 layers, 4 query heads per KV head: Q2_K's attn_v goes Q4_K, Q3_K_M's first two
-    attn_v and first 32/16 ffn_down Q5_K; untied output Q6_K."""
+    attn_v and first 32/16 ffn_down Q5_K, IQ4_XS's attn_v Q5_K; untied output Q6_K."""
     src = tmp_path / "f16.gguf"
     shapes = _write_plain_gguf(src, "llama", 32, 256, 512, vocab=256, tied=False, n_kv=1)
     llama_quantize(src, tmp_path / "q.gguf", preset)
     plans = plan_types(preset, shapes, 32, n_gqa=4)
     ours = {n: (plans[n].qtype if n in plans else Q.F32) for n in shapes}
     assert ours == _types(tmp_path / "q.gguf")
-    assert ours["blk.5.attn_v.weight"] == Q.Q4_K
-    assert ours["blk.1.ffn_down.weight"] == (Q.Q3_K if preset == "q2_k" else Q.Q5_K)
+    assert ours["blk.5.attn_v.weight"] == (Q.Q5_K if preset == "iq4_xs" else Q.Q4_K)
+    assert ours["blk.1.ffn_down.weight"] == {"q2_k": Q.Q3_K}.get(preset, Q.Q5_K)
 
 
 def _write_moe_gguf(path: Path, n_layer: int, n_expert: int, hidden: int = 256,
@@ -336,12 +341,15 @@ def _compare_file(tiny, preset: str, with_imatrix: bool) -> set[Q]:
     ("tiny_qwen2_gguf", "q5_1", False, {Q.Q5_1, Q.Q6_K}), ("tiny_qwen2_gguf", "q5_1", True, {Q.Q5_1, Q.Q6_K}),
     ("tiny_gguf", "q3_k_m", False, {Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K}),
     ("tiny_gguf", "q3_k_m", True, {Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K}),
-    ("tiny_gguf", "q2_k", False, {Q.Q2_K, Q.Q3_K, Q.Q6_K}), ("tiny_gguf", "q2_k", True, {Q.Q2_K, Q.Q3_K, Q.Q6_K})])
+    ("tiny_gguf", "q2_k", False, {Q.Q2_K, Q.Q3_K, Q.Q6_K}), ("tiny_gguf", "q2_k", True, {Q.Q2_K, Q.Q3_K, Q.Q6_K}),
+    ("tiny_gguf", "iq4_xs", False, {Q.IQ4_XS, Q.Q6_K}), ("tiny_gguf", "iq4_xs", True, {Q.IQ4_XS, Q.Q6_K}),
+    ("tiny_qwen2_gguf", "iq4_nl", False, {Q.IQ4_NL, Q.Q6_K}),
+    ("tiny_gguf", "iq4_nl", True, {Q.IQ4_NL, Q.Q6_K})])  # qwen2's untied 49152-row token_embd: 6 s
 def test_every_tensor_bit_exact_vs_llama_quantize(request, model, preset, imat, expect):
     assert _compare_file(request.getfixturevalue(model), preset, imat) == expect
 
 
-@pytest.mark.parametrize("preset", ["q4_k_m", "q4_0", "q3_k_m", "q2_k"])
+@pytest.mark.parametrize("preset", ["q4_k_m", "q4_0", "q3_k_m", "q2_k", "iq4_xs"])
 def test_pipeline_with_imatrix_file_equals_llama_quantize(tiny_gguf, preset):
     """The whole path: HF model -> quantize(method=gguf, imatrix=FILE) -> one GGUF file, equal
     to llama-quantize's, which llama.cpp then runs: its logits follow the 16-bit file's."""

@@ -46,11 +46,6 @@ def test_offline_cloze_task_is_meaningful(hf_base):
     assert _acc(hf_base) > 0.5
 
 
-def test_hf_and_vllm_agree_within_one_item(hf_base, smollm_path):
-    res = run_tasks(str(smollm_path), [CLOZE], backend="vllm", limit=CLOZE_DOCS)
-    assert abs(_acc(res) - _acc(hf_base)) * CLOZE_DOCS <= 1 + 1e-9
-
-
 def test_llamacpp_on_the_base_gguf_within_two_items(hf_base):
     gguf = str(builtin_gguf_path("smollm2-135m"))  # the same weights, natively Q4_1
     res = run_tasks(gguf, [CLOZE], backend="llamacpp", limit=CLOZE_DOCS)
@@ -84,7 +79,7 @@ def test_llamacpp_prefix_reuse_scores_like_a_fresh_context():
     assert reused[0][0] > reused[1][0] and reused[0][1]  # " Paris" is the greedy answer
 
 
-def test_rtn_flips_and_vllm(rtn4_artifact, hf_base, tmp_path):
+def test_rtn_flips_and_vllm(rtn4_artifact, hf_base, smollm_path, tmp_path):
     out = tmp_path / "r.json"
     res = CliRunner().invoke(main, ["eval", str(rtn4_artifact), "--base", "smollm2-135m",
                                     "--no-ppl", "--tasks", CLOZE, "--limit", str(CLOZE_DOCS),
@@ -98,12 +93,16 @@ def test_rtn_flips_and_vllm(rtn4_artifact, hf_base, tmp_path):
     assert flips["n"] == CLOZE_DOCS and 0 < flips["value"] < 0.5
     assert "flips vs base" in res.output
     assert record["lm_eval"]["backend"] == "hf" and record["lm_eval"]["seed"] == 1234
+    # lm-eval through vLLM agrees with hf within one item: on the int4 artifact where vLLM has
+    # its CPU int4 kernel, else on the base model (one vLLM start either way)
     if vllm_runs("int4"):
         vres = run_tasks(str(rtn4_artifact), [CLOZE], backend="vllm", limit=CLOZE_DOCS)
         assert abs(_acc(vres) - record["metrics"]["tasks"][CLOZE]["acc"]["value"]) * CLOZE_DOCS <= 1 + 1e-9
     else:  # vLLM's CPU int4 kernel is missing on this CPU (see test_engines_vllm.py)
         with pytest.raises(EngineError, match="cpu_gemm_wna16"):
             run_vllm(rtn4_artifact, generate=[{"prompt": "Hi", "max_tokens": 1}])
+        vres = run_tasks(str(smollm_path), [CLOZE], backend="vllm", limit=CLOZE_DOCS)
+        assert abs(_acc(vres) - _acc(hf_base)) * CLOZE_DOCS <= 1 + 1e-9
 
 
 def test_unknown_task_and_offline_hub_task():

@@ -820,3 +820,142 @@ def test_plan_counts_awq_all_experts_down_inputs():
     assert everything.peak_gpu_bytes - routed.peak_gpu_bytes == 65536 * 120 * 768 * 2
     assert abs(everything.peak_gpu_bytes / 2**30 / (23.63 + 0.5) - 1) <= 0.3
     assert plan("gptq", True).peak_gpu_bytes == plan("gptq", False).peak_gpu_bytes
+
+
+# ---------------------------------------------------------------- GGUF: Mixtral (arch llama)
+
+@pytest.fixture(scope="module")
+def mixtral_gguf_model(tmp_path_factory) -> Path:
+    """A real MixtralForCausalLM with K-quant widths (hidden 256, 4 experts of 256, top-2).
+
+    Its tokenizer is SmolLM2's with `byte_fallback` off. llama.cpp's converter writes Mixtral
+    through LlamaModel.set_vocab, which takes any BPE tokenizer.json with byte_fallback on and a
+    Sequence decoder (SmolLM2's) as a SentencePiece-style `llama` vocabulary with scores
+    (gguf-py's LlamaHfVocab), while quantkit writes SmolLM2's byte-level BPE as `gpt2`, which
+    is how llama.cpp tokenizes it right. Off, the converter also writes `gpt2`, so the whole
+    header compares; the tokenization is unchanged (the byte-level alphabet covers every byte,
+    so no byte fallback ever happens)."""
+    src = make_tiny_model(tmp_path_factory.mktemp("mixtral_gguf"), "mixtral", hidden=256,
+                          intermediate=256)
+    tj = json.loads((src / "tokenizer.json").read_text())
+    tj["model"]["byte_fallback"] = False
+    (src / "tokenizer.json").write_text(json.dumps(tj, ensure_ascii=False))
+    return src
+
+
+@pytest.fixture(scope="module")
+def mixtral_reference_bf16(mixtral_gguf_model, tmp_path_factory) -> Path:
+    """llama.cpp's own convert_hf_to_gguf.py --outtype bf16 of the tiny Mixtral."""
+    return convert_with_llama_cpp(mixtral_gguf_model,
+                                  tmp_path_factory.mktemp("mixtral_ref") / "ref.bf16.gguf")
+
+
+@pytest.mark.engine
+def test_mixtral_bf16_gguf_equals_llama_cpp_converter_and_runs(mixtral_gguf_model,
+                                                                mixtral_reference_bf16, tmp_path):
+    """Mixtral as llama.cpp's arch llama: q/k rows permuted, block_sparse_moe's router as F32
+    ffn_gate_inp and w1/w3/w2 stacked into ffn_{gate,up,down}_exps, the expert keys: tensor for
+    tensor and key for key what convert_hf_to_gguf.py writes; llama.cpp then computes
+    transformers' logits."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from quantkit.engines.llamacpp import LlamaCppModel
+
+    ours = _gguf(mixtral_gguf_model, tmp_path / "bf16.gguf", "bf16")
+    kv, tensors = assert_same_gguf(ours, mixtral_reference_bf16)
+    assert tensors["blk.1.ffn_gate_exps.weight"][:2] == ("BF16", [256, 256, 4])
+    assert tensors["blk.1.ffn_down_exps.weight"][:2] == ("BF16", [256, 256, 4])
+    assert tensors["blk.1.ffn_gate_inp.weight"][:2] == ("F32", [256, 4])
+    assert (kv["llama.expert_count"], kv["llama.expert_used_count"]) == (4, 2)
+    assert kv["tokenizer.ggml.model"] == "gpt2"
+
+    tok = AutoTokenizer.from_pretrained(mixtral_gguf_model)
+    ids = tok.encode("The quick brown fox jumps over the lazy dog. def f(x): return x**2",
+                     add_special_tokens=False)[:40]
+    hf = AutoModelForCausalLM.from_pretrained(mixtral_gguf_model, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = hf(torch.tensor([ids])).logits[0].numpy()
+    llm = LlamaCppModel(ours, n_ctx=64, logits_all=True)
+    try:
+        got = llm.logits(ids)
+    finally:
+        llm.close()
+    err = np.abs(got - want).max() / np.abs(want).max()
+    print(f"llama.cpp BF16 Mixtral vs transformers: max logit error {err:.4f} of the range")
+    assert err < 0.03 and (got.argmax(1) == want.argmax(1)).mean() > 0.9
+
+
+@pytest.mark.engine
+def test_mixtral_q4_k_m_equals_llama_quantize_in_both_layouts(mixtral_gguf_model,
+                                                              mixtral_reference_bf16, tmp_path):
+    """Q4_K_M of Mixtral = llama_model_quantize of the converter's BF16 file, type and byte for
+    byte (3-D experts included); the shards streamed under block_sparse_moe names and
+    transformers 5's fused in-memory experts give the same file; it generates in llama.cpp."""
+    from quantkit.engines.llamacpp import LlamaCppModel, llama_quantize
+
+    lq = tmp_path / "lq.gguf"
+    llama_quantize(mixtral_reference_bf16, lq, "q4_k_m")
+    fused = _gguf(mixtral_gguf_model, tmp_path / "fused.gguf", "q4_k_m", stream=False)
+    (_, ours), (_, want) = gguf_contents(fused), gguf_contents(lq)
+    assert {t: v[:2] for t, v in ours.items()} == {t: v[:2] for t, v in want.items()}
+    assert [t for t in want if ours[t][2] != want[t][2]] == []
+    assert (ours["blk.0.ffn_gate_exps.weight"][0], ours["blk.0.ffn_gate_inp.weight"][0]) == \
+        ("Q4_K", "F32")
+    streamed = _gguf(mixtral_gguf_model, tmp_path / "streamed.gguf", "q4_k_m")
+    assert gguf_body(streamed) == gguf_body(fused)
+    llm = LlamaCppModel(streamed, n_ctx=64)
+    try:
+        assert len(llm.tokenize(llm.greedy("The capital of France is", max_tokens=6))) > 0
+    finally:
+        llm.close()
+
+
+# ---------------------------------------------------------------- report: tokens per expert
+
+def _page(artifact: Path) -> str:
+    """The compare page for one artifact, its record without metrics (the page draws the
+    stats beside the artifact; no eval needed)."""
+    from quantkit.eval.harness import _record
+    from quantkit.eval.logits import PPLConvention
+    from quantkit.report import summarize
+    from quantkit.report.html import render_html
+
+    text = {"name": "none", "sha256": ""}
+    record = _record(artifact, None, {}, PPLConvention().describe(None, text, 0, False), text, "")
+    return render_html(summarize([record], command="test"))
+
+
+def test_report_heatmap_of_tokens_per_expert(starved_model, tmp_path):
+    """`quantkit compare`'s page draws one cell per (MoE layer, expert) with the tokens from
+    quantkit_stats.json, the experts under the warning threshold outlined and the RTN
+    fallbacks crossed; a calibrated dense artifact's page has no such map."""
+    import re
+
+    with pytest.warns(RuntimeWarning, match="fall back to RTN"):
+        moe = _quantize(starved_model, tmp_path / "moe", "gptq")
+    stats = json.loads((moe / "quantkit_stats.json").read_text())
+    want = {}
+    for name, v in stats["layers"].items():
+        if ".mlp.experts." in name:
+            key = (v["block"], v["expert"])
+            assert name.startswith(f"model.layers.{key[0]}.mlp.experts.{key[1]}.")
+            want[key] = min(want.get(key, v["tokens"]), v["tokens"])
+    html = _page(moe)
+    svg = re.search(r'<svg class="plot expert-heatmap".*?</svg>', html, re.S).group(0)
+    cells = re.findall(r'<rect class="expert( under)?( rtn)?" data-layer="(\d+)" data-expert="(\d+)" '
+                       r'data-tokens="(\d+)"', svg)
+    got = {(int(b), int(e)): (int(t), bool(u), bool(r)) for u, r, b, e, t in cells}
+    assert len(cells) == len(got) == 2 * 8
+    assert {k: v[0] for k, v in got.items()} == want
+    floor = stats["experts"]["min_tokens"]
+    assert {k for k, v in got.items() if v[1]} == {k for k, t in want.items() if t < floor}
+    assert {k for k, v in got.items() if v[2]} == {k for k, t in want.items() if t == 0} >= \
+        {(b, e) for b in (0, 1) for e in STARVED}
+    assert svg.count('class="rtnmark"') == sum(v[2] for v in got.values())
+    assert "http" not in svg and 'id="experts"' in html
+
+    dense_model = make_tiny_model(tmp_path / "dense_src", "llama", hidden=128, intermediate=256)
+    dense = _quantize(dense_model, tmp_path / "dense", "gptq")
+    assert all("tokens" in v for v in json.loads((dense / "quantkit_stats.json").read_text())["layers"].values())
+    page = _page(dense)
+    assert 'class="plot heatmap"' in page and "expert-heatmap" not in page and 'id="experts"' not in page

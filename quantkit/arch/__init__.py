@@ -245,6 +245,16 @@ _QWEN3_MOE_GGUF_NAMES = {
     _QWEN3_MOE_EXPERTS.linear("down"): "blk.{bid}.ffn_down_exps",
 }
 
+# llama.cpp's converter writes Mixtral as arch llama: the llama names, the router as
+# ffn_gate_inp and the experts' w1/w3/w2 stacked into ffn_{gate,up,down}_exps
+_MIXTRAL_GGUF_NAMES = {
+    **_GGUF_BLOCK_NAMES,
+    _MIXTRAL_EXPERTS.router: "blk.{bid}.ffn_gate_inp",
+    _MIXTRAL_EXPERTS.linear("gate"): "blk.{bid}.ffn_gate_exps",
+    _MIXTRAL_EXPERTS.linear("up"): "blk.{bid}.ffn_up_exps",
+    _MIXTRAL_EXPERTS.linear("down"): "blk.{bid}.ffn_down_exps",
+}
+
 # Gemma 3: q/k norms, and norms after attention and after the MLP (on their outputs, before
 # the residual add), so the MLP's input norm is pre_feedforward_layernorm, not
 # post_attention_layernorm as in llama
@@ -301,12 +311,14 @@ ARCHS: tuple[ArchSpec, ...] = (
              gguf_names=_QWEN3_MOE_GGUF_NAMES,
              gguf_kv=("head_dim_if_set", "expert_count", "expert_used_count",
                       "expert_feed_forward_length")),
-    # GGUF: llama.cpp's converter writes Mixtral as arch llama with ffn_{gate,up,down}_exps
-    # (the GGUF path for Mixtral's experts is not written here)
+    # GGUF: llama.cpp's converter writes Mixtral as arch llama (q/k permuted) with 3-D experts
     ArchSpec("mixtral", ("MixtralForCausalLM",), ("mixtral",), gguf_arch="llama",
              gguf_permute_qk=True, sequential=_MIXTRAL_LINEARS, experts=_MIXTRAL_EXPERTS,
              awq_groups=_LLAMA_AWQ[:2] + _moe_awq(_MIXTRAL_EXPERTS),
              roles={k: v for k, v in _ROLES.items() if k.startswith("attn")},
+             gguf_names=_MIXTRAL_GGUF_NAMES,
+             gguf_kv=("vocab_size", "rope_dimension_count", "head_dim_if_set", "expert_count",
+                      "expert_used_count"),
              checkpoint_renames=((".mlp.", ".block_sparse_moe."),)),
     ArchSpec("gemma3_text", ("Gemma3ForCausalLM",), ("gemma3_text",), gguf_arch="gemma3",
              sequential=_LLAMA_LINEARS, awq_groups=_GEMMA3_AWQ, gguf_names=_GEMMA3_GGUF_NAMES,

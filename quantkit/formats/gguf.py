@@ -48,7 +48,7 @@ FILE_TYPES = {"f16": (1, Q.F16), "bf16": (32, Q.BF16), "q8_0": (7, Q.F16), "q6_k
               "q5_k_m": (17, Q.F16), "q5_k_s": (16, Q.F16), "q4_k_m": (15, Q.F16),
               "q4_k_s": (14, Q.F16), "q5_1": (9, Q.F16), "q5_0": (8, Q.F16), "q4_1": (3, Q.F16),
               "q4_0": (2, Q.F16), "q3_k_l": (13, Q.F16), "q3_k_m": (12, Q.F16), "q3_k_s": (11, Q.F16),
-              "q2_k": (10, Q.F16)}
+              "q2_k": (10, Q.F16), "iq4_nl": (25, Q.F16), "iq4_xs": (30, Q.F16)}
 
 
 _NUMERIC = {GGUFValueType.UINT8: "<u1", GGUFValueType.INT8: "<i1", GGUFValueType.UINT16: "<u2",
@@ -94,8 +94,10 @@ def gguf_name(spec: ArchSpec, hf_name: str) -> str | None:
 
 def gguf_slot(spec: ArchSpec, hf_name: str) -> tuple[str, int | None] | None:
     """HF tensor name -> (GGUF tensor name, expert index or None): a routed expert's weight is
-    one slice of its block's 3-D tensor ("...mlp.experts.5.up_proj.weight" -> ("blk.0.ffn_up_exps.weight", 5))."""
-    module, _, suffix = hf_name.rpartition(".")
+    one slice of its block's 3-D tensor ("...mlp.experts.5.up_proj.weight" -> ("blk.0.ffn_up_exps.weight", 5)).
+    Checkpoint spellings (Mixtral's block_sparse_moe, as streamed from the shards) and module
+    names map alike."""
+    module, _, suffix = spec.module_name(hf_name).rpartition(".")
     prefix = spec.block_path + "."
     if module.startswith(prefix):
         bid, _, rel = module[len(prefix):].partition(".")

@@ -8,10 +8,13 @@ The type mix of a preset (Q4_K_M, Q5_K_M, ...) is a data table, `PRESETS`, read 
   attn_v / ffn_down / attn_output           -> the preset's rule (e.g. Q6_K where
                                                use_more_bits(i, n), counted in llama.cpp's
                                                tensor order: layer, then name); Q4_0/Q5_0
-                                               with an imatrix: Q4_1/Q5_1 early ffn_down
+                                               with an imatrix: Q4_1/Q5_1 early ffn_down;
+                                               IQ4_NL/IQ4_XS: attn_v Q5_K with >= 4 query
+                                               heads per KV head, without an imatrix the
+                                               first eighth of ffn_down Q5_K
   everything else                           -> the preset's base type
   row width % block != 0                    -> Q2_K/Q3_K->Q4_0, Q4_K->Q5_0, Q5_K->Q5_1,
-                                               Q6_K->Q8_0, then F16
+                                               Q6_K->Q8_0, IQ4_XS->IQ4_NL, then F16
   mixture of experts                        -> ffn_down(_exps) by the layer in its name;
                                                exactly 8 experts: attn_v, attn_k Q8_0 and
                                                attn_output by attn_output_8_experts
@@ -87,6 +90,7 @@ class Preset:
     ffn_down: Rule | None = None
     attn_output: Rule | None = None
     ffn_down_imatrix: Rule | None = None  # only when an imatrix is given (Q4_0 / Q5_0)
+    ffn_down_no_imatrix: Rule | None = None  # only without an imatrix (IQ4_NL / IQ4_XS)
     # models with exactly 8 experts: attn_output's type replaces the attn_output rule (None:
     # the base type; llama.cpp bumps it to Q5_K for the low-bit K presets only)
     attn_output_8_experts: Q | None = None
@@ -97,7 +101,8 @@ class Preset:
 
     @property
     def rules(self) -> tuple[Rule, ...]:
-        return tuple(r for r in (self.attn_v, self.ffn_down, self.attn_output, self.ffn_down_imatrix) if r)
+        return tuple(r for r in (self.attn_v, self.ffn_down, self.attn_output, self.ffn_down_imatrix,
+                                 self.ffn_down_no_imatrix) if r)
 
 
 _MORE_BITS_Q6 = Rule("more_bits", Q.Q6_K)
@@ -122,11 +127,16 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
     Preset("q3_k_s", 11, Q.Q3_K, attn_output_8_experts=Q.Q5_K),
     Preset("q2_k", 10, Q.Q2_K, attn_v=Rule("gqa_4", Q.Q4_K, Q.Q3_K), ffn_down=Rule("always", Q.Q3_K),
            attn_output=Rule("always", Q.Q3_K), attn_output_8_experts=Q.Q5_K),
+    Preset("iq4_nl", 25, Q.IQ4_NL, attn_v=Rule("gqa_4", Q.Q5_K),
+           ffn_down_no_imatrix=Rule("first_eighth", Q.Q5_K), attn_output_8_experts=Q.Q5_K),
+    Preset("iq4_xs", 30, Q.IQ4_XS, attn_v=Rule("gqa_4", Q.Q5_K),
+           ffn_down_no_imatrix=Rule("first_eighth", Q.Q5_K), attn_output_8_experts=Q.Q5_K),
     Preset("f16", 1, Q.F16),
     Preset("bf16", 32, Q.BF16),
 )}
 # a 256-wide type on rows whose width is not a multiple of 256 (then F16 if 32 fails too)
-FALLBACK = {Q.Q2_K: Q.Q4_0, Q.Q3_K: Q.Q4_0, Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0}
+FALLBACK = {Q.Q2_K: Q.Q4_0, Q.Q3_K: Q.Q4_0, Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0,
+            Q.IQ4_XS: Q.IQ4_NL}
 
 
 @dataclass(frozen=True)
@@ -162,7 +172,8 @@ def plan_types(preset: Preset | str, tensors: dict[str, tuple[int, ...]], n_laye
 
     Tensors not in the result (norms, biases, 1-D) keep their float type. Counters run in
     llama.cpp's order (layer number, then name), as its quantizer iterates its weights map.
-    has_imatrix: llama.cpp was given an imatrix at all (Q4_0/Q5_0 then guard early ffn_down).
+    has_imatrix: llama.cpp was given an imatrix at all (Q4_0/Q5_0 then guard early ffn_down;
+    IQ4_NL/IQ4_XS bump it to Q5_K only without one).
     n_expert: routed experts (llama.cpp's expert_count): with more than one, ffn_down's
     layer is read from its name ("blk.N."); with exactly 8, attn_v and attn_k become Q8_0
     and attn_output takes the preset's attn_output_8_experts (llama-quant.cpp).
@@ -201,8 +212,7 @@ def plan_types(preset: Preset | str, tensors: dict[str, tuple[int, ...]], n_laye
             elif "ffn_down" in name:
                 i = _layer(name) if n_expert > 1 else i_ffn_down
                 t = apply(p.ffn_down, t, i, n_layer)
-                if has_imatrix:
-                    t = apply(p.ffn_down_imatrix, t, i, n_layer)
+                t = apply(p.ffn_down_imatrix if has_imatrix else p.ffn_down_no_imatrix, t, i, n_layer)
                 i_ffn_down += 1
             elif "attn_output.weight" in name:
                 t = (p.attn_output_8_experts or p.base) if n_expert == 8 else apply(p.attn_output, t, 0, 1)

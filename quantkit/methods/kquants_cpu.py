@@ -30,6 +30,8 @@ import math
 import numpy as np
 from numba import njit
 
+from quantkit.methods.kquants_math import IQ4NL_VALUES as IQ4NL_LEVELS
+
 __all__ = ["ENCODERS", "fp16_bits"]
 
 F32 = np.float32
@@ -960,6 +962,153 @@ def _q2_k(x2, qw, out, err):
     return out
 
 
+IQ4NL_VALUES = np.array(IQ4NL_LEVELS, np.float32)  # numba reads a global array as a constant
+
+
+@njit(**_JIT)
+def _best_index_iq4nl(v, x):
+    """best_index_int8(16, kvalues_iq4nl, x): the nearest level, ties to the lower one."""
+    mu = 1  # the C binary search's end: the first level above x (counted without branches)
+    for i in range(1, 15):
+        mu += 1 if x >= v[i] else 0
+    idx = mu - 1 if x - v[mu - 1] < v[mu] - x else mu
+    idx = 0 if x <= v[0] else idx
+    return 15 if x >= v[15] else idx
+
+
+@njit(**_JIT)
+def _iq4nl_search(xt, wt, scales):
+    """The block-scale search of quantize_row_iq4_nl_impl (ntry 7) on every lane of xt, wt
+    [32, G]: the least-squares scale of the nearest-level codes for d = max/127, then 15
+    inverse scales (itry - 127)/max, kept when sumqx^2/sumq2 grows; scales[G] (0 where
+    max |x| < GROUP_MAX_EPS)."""
+    v = IQ4NL_VALUES
+    n, G = xt.shape
+    mx = np.zeros(G, np.float32)
+    amax = np.zeros(G, np.float32)
+    inv = np.empty(G, np.float32)
+    sumqx = np.empty(G, np.float32)
+    sumq2 = np.empty(G, np.float32)
+    best = np.empty(G, np.float32)
+    for i in range(n):
+        for g in range(G):
+            ax = abs(xt[i, g])
+            big = ax > amax[g]
+            amax[g] = ax if big else amax[g]
+            mx[g] = xt[i, g] if big else mx[g]
+    for g in range(G):
+        mx[g] = mx[g] if amax[g] >= EPS else F32(1)  # empty lanes: finished below
+    for c in range(16):
+        for g in range(G):
+            inv[g] = F32(1) / (-mx[g] / v[0]) if c == 0 else F32(c - 8 - 127) / mx[g]
+            sumqx[g] = F32(0)
+            sumq2[g] = F32(0)
+        for i in range(n):
+            for g in range(G):
+                q = v[_best_index_iq4nl(v, inv[g] * xt[i, g])]
+                wq = wt[i, g] * q
+                sumqx[g] += wq * xt[i, g]
+                sumq2[g] += wq * q
+        for g in range(G):
+            if c == 0:
+                scales[g] = sumqx[g] / sumq2[g] if sumq2[g] > 0 else F32(0)
+                best[g] = scales[g] * sumqx[g]
+            elif sumq2[g] > 0 and sumqx[g] * sumqx[g] > best[g] * sumq2[g]:
+                scales[g] = sumqx[g] / sumq2[g]
+                best[g] = scales[g] * sumqx[g]
+    for g in range(G):
+        scales[g] = scales[g] if amax[g] >= EPS else F32(0)
+
+
+@njit(**_JIT)
+def _iq4(x2, qw, out, err, sbs, size):
+    """IQ4_NL (sbs 32, 18 B: | d f16 | qs[16] |) and IQ4_XS (sbs 256, 136 B: | d f16 |
+    scales_h u16 | scales_l[4] | qs[128] |): quantize_row_iq4_nl_impl with ntry 7, as
+    ggml_quantize_chunk calls it (weights x^2, or qw * sqrt(sigma2 + x^2) with an imatrix).
+    Each 32-value block searches its float scale over the nearest-level codes; IQ4_XS then
+    stores 6-bit block scales l of d = -max_scale/32 and re-picks the codes from d*l."""
+    v = IQ4NL_VALUES
+    rows, k = x2.shape
+    nsb = k // sbs
+    nblk = sbs // 32
+    G = k // 32
+    use_w = qw.shape[0] > 0
+    xt = np.empty((32, G), np.float32)
+    wt = np.empty((32, G), np.float32)
+    L = np.empty(sbs, np.int64)
+    row_scales = np.empty(G, np.float32)
+    for r in range(rows):
+        e = 0.0
+        _lanes(x2[r], 32, xt)
+        for s in range(nsb):
+            x = x2[r, sbs * s:sbs * s + sbs]
+            sigma2 = F32(0)
+            for j in range(sbs):
+                sigma2 += x[j] * x[j]
+            sigma2 *= F32(2) / F32(sbs)
+            for g in range(nblk * s, nblk * s + nblk):
+                for i in range(32):
+                    wt[i, g] = qw[32 * g + i] * np.sqrt(sigma2 + xt[i, g] * xt[i, g]) if use_w \
+                        else xt[i, g] * xt[i, g]
+        _iq4nl_search(xt, wt, row_scales)
+        for s in range(nsb):
+            x = x2[r, sbs * s:sbs * s + sbs]
+            o = out[r, size * s:size * s + size]
+            scales = row_scales[nblk * s:nblk * s + nblk]
+            max_scale = F32(0)
+            amax_scale = F32(0)
+            for ib in range(nblk):
+                if abs(scales[ib]) > amax_scale:
+                    amax_scale = abs(scales[ib])
+                    max_scale = scales[ib]
+            if nblk > 1:
+                d = -max_scale / F32(32)
+                d16 = _put_f16(o, 0, d)
+                inv = F32(1) / d if d != 0 else F32(0)
+                scales_h = 0
+                for ib in range(nblk):
+                    ll = int(_clamp(_nint(inv * scales[ib]), F32(-32), F32(31)))
+                    dl = d * F32(ll)
+                    idl = F32(1) / dl if dl != 0 else F32(0)
+                    dq = d16 * F32(ll)
+                    for j in range(32):
+                        L[32 * ib + j] = _best_index_iq4nl(v, idl * x[32 * ib + j])
+                        e += _sq_diff(dq * v[L[32 * ib + j]], x[32 * ib + j])
+                    ll += 32
+                    if ib % 2 == 0:
+                        o[4 + ib // 2] = ll & 15
+                    else:
+                        o[4 + ib // 2] |= (ll & 15) << 4
+                    scales_h |= (ll >> 4) << (2 * ib)
+                o[2] = scales_h & 255
+                o[3] = scales_h >> 8
+                qs = 8
+            else:
+                d16 = _put_f16(o, 0, scales[0])
+                inv = F32(1) / scales[0] if scales[0] != 0 else F32(0)
+                for j in range(32):
+                    L[j] = _best_index_iq4nl(v, inv * x[j])
+                    e += _sq_diff(d16 * v[L[j]], x[j])
+                qs = 2
+            for i in range(nblk):
+                for j in range(16):
+                    o[qs + 16 * i + j] = L[32 * i + j] | (L[32 * i + 16 + j] << 4)
+        err[r] += e
+    return out
+
+
+@njit(**_JIT)
+def _iq4_nl(x2, qw, out, err):
+    return _iq4(x2, qw, out, err, 32, 18)
+
+
+@njit(**_JIT)
+def _iq4_xs(x2, qw, out, err):
+    return _iq4(x2, qw, out, err, 256, 136)
+
+
+
 # GGML type id -> encoder(x [rows, K] float32 C-contiguous, qw [K] float32 or empty,
 # out [rows, row_bytes] uint8, err [rows] float64 += sum over the row of (decoded - x)^2)
-ENCODERS = {8: _q8_0, 2: _q4_0, 3: _q4_1, 6: _q5_0, 7: _q5_1, 10: _q2_k, 11: _q3_k, 12: _q4_k, 13: _q5_k, 14: _q6_k}
+ENCODERS = {8: _q8_0, 2: _q4_0, 3: _q4_1, 6: _q5_0, 7: _q5_1, 10: _q2_k, 11: _q3_k, 12: _q4_k, 13: _q5_k, 14: _q6_k,
+            20: _iq4_nl, 23: _iq4_xs}

@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from gguf import GGMLQuantizationType
 
+from quantkit.methods.kquants_math import IQ4NL_VALUES
+
 __all__ = ["decode_rows", "DECODABLE"]
 
 Q = GGMLQuantizationType
@@ -124,9 +126,33 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
     return (scale * q.float()).reshape(nb, 256)
 
 
+_IQ4NL = torch.tensor(IQ4NL_VALUES, dtype=torch.float32)
+
+
+def _iq4_levels(qs: torch.Tensor) -> torch.Tensor:
+    """[..., 16] code bytes -> [..., 32] kvalues_iq4nl levels (low nibbles, then high)."""
+    lo, hi = _lo_hi(qs)
+    return _IQ4NL.to(qs.device)[torch.cat([lo, hi], -1).long()]
+
+
+def _iq4_nl(b: torch.Tensor) -> torch.Tensor:
+    return _f16(b[:, :2])[:, None] * _iq4_levels(b[:, 2:])
+
+
+def _iq4_xs(b: torch.Tensor) -> torch.Tensor:
+    nb = b.shape[0]
+    high = b[:, 2].to(torch.int32) | (b[:, 3].to(torch.int32) << 8)
+    ib = torch.arange(8, device=b.device)
+    low = (b[:, 4 + ib // 2].to(torch.int32) >> (4 * (ib % 2))) & 15
+    ls = low | (((high[:, None] >> (2 * ib)) & 3) << 4)
+    dl = _f16(b[:, :2])[:, None] * (ls - 32).float()  # [nb, 8]
+    return (dl[:, :, None] * _iq4_levels(b[:, 8:].reshape(nb, 8, 16))).reshape(nb, 256)
+
+
 _DECODERS = {Q.Q8_0: (_q8_0, 32, 34), Q.Q4_0: (_q4_0, 32, 18), Q.Q4_1: (_q4_1, 32, 20), Q.Q5_0: (_q5_0, 32, 22),
              Q.Q5_1: (_q5_1, 32, 24), Q.Q2_K: (_q2_k, 256, 84), Q.Q3_K: (_q3_k, 256, 110), Q.Q4_K: (lambda b: _qk45(b, False), 256, 144),
-             Q.Q5_K: (lambda b: _qk45(b, True), 256, 176), Q.Q6_K: (_q6_k, 256, 210)}
+             Q.Q5_K: (lambda b: _qk45(b, True), 256, 176), Q.Q6_K: (_q6_k, 256, 210),
+             Q.IQ4_NL: (_iq4_nl, 32, 18), Q.IQ4_XS: (_iq4_xs, 256, 136)}
 DECODABLE = tuple(_DECODERS)
 
 

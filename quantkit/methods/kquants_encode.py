@@ -1,4 +1,4 @@
-"""GGML block encoders (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K), bit-exact with ggml-quants.c.
+"""GGML block encoders (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K-Q6_K, IQ4_NL, IQ4_XS), bit-exact with ggml-quants.c.
 
 `encode_rows(w, qtype, qw)` turns float32 rows [N, K] into the bytes llama.cpp writes,
 [N, K / block * block_bytes] uint8. `qw` is the imatrix row ([K], shared by every row);
@@ -29,6 +29,11 @@ Block layouts (little endian, byte offsets):
           ql[64h+l]    = v[l] & 15    | (v[l+64] & 15) << 4
           ql[64h+32+l] = v[l+32] & 15 | (v[l+96] & 15) << 4
           qh[32h+l]    = v[l]>>4 | (v[l+32]>>4) << 2 | (v[l+64]>>4) << 4 | (v[l+96]>>4) << 6
+  IQ4_NL  18 B / 32:  | d f16 | qs[16] |                            x = d*K[q]
+  IQ4_XS 136 B / 256: | d f16 | scales_h u16 | scales_l[4] | qs[128] |  x = d*(ls-32)*K[q]
+        K = kvalues_iq4nl (16 non-uniform levels, -127..113); qs as Q4_0's per 32 values;
+        8 blocks of 32 with 6-bit ls: low nibble in scales_l[j/2] (j odd: high half),
+        2 high bits at bit 2j of scales_h
 """
 
 from __future__ import annotations
@@ -42,7 +47,9 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from quantkit.methods.jit import compiled_available
 from quantkit.methods.kquants_math import (
     GROUP_MAX_EPS,
+    best_index_iq4nl,
     divs,
+    make_iq4nl,
     make_q3,
     make_qkx,
     make_qp,
@@ -56,7 +63,7 @@ from quantkit.methods.kquants_math import (
 __all__ = ["encode_rows", "SUPPORTED", "row_bytes", "BACKENDS", "preload_compiled"]
 
 Q = GGMLQuantizationType
-SUPPORTED = (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)
+SUPPORTED = (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS)
 # values per encoder call on CPU: small enough that an encoder's temporaries stay in cache,
 # large enough to amortise the per-op cost of its long op chains. Measured on 2 cores
 # (benchmarks/kquant_encoder_speed.py): Q6_K's 19-candidate [16, 19, G] arrays want 64K,
@@ -344,13 +351,57 @@ def _q6_k(x: torch.Tensor, qw: torch.Tensor | None, prep=None) -> torch.Tensor:
     return out
 
 
+def _iq4(x: torch.Tensor, qw: torch.Tensor | None, sbs: int) -> torch.Tensor:
+    """IQ4_NL (sbs 32) / IQ4_XS (sbs 256): block scales searched over the kvalues_iq4nl codes;
+    IQ4_XS stores them as 6-bit multiples l of d = -max_scale/32 and re-picks codes from d*l."""
+    xg = _groups(x.reshape(-1, 32), 32)  # [32, G]
+    g = xg.shape[1]
+    if qw is None:
+        w = xg * xg
+    else:
+        xs = x.reshape(-1, sbs).t()
+        sigma2 = seq_sum(xs * xs) * (2.0 / sbs)  # a power of two: exact, as the C `*= 2.f/sbs`
+        qwb = qw.reshape(1, -1, 32).expand(x.shape[0], -1, -1).reshape(-1, 32)
+        w = _groups(qwb, 32) * sqrt32(sigma2.repeat_interleave(sbs // 32)[None, :] + xg * xg)
+    scales = make_iq4nl(xg, w)
+    if sbs == 32:
+        inv = torch.where(scales != 0, rdiv(1.0, scales), torch.zeros_like(scales))
+        header = _f16_bytes(scales)
+    else:
+        sc = scales.view(-1, 8)
+        amax = sc.abs()
+        max_scale = sc.gather(1, amax.argmax(1, keepdim=True))[:, 0]
+        max_scale = torch.where(amax.amax(1) > 0, max_scale, torch.zeros_like(max_scale))
+        d = divs(-max_scale, 32.0)  # -0.0 for an all-zero super-block, as in C
+        inv_d = torch.where(d != 0, rdiv(1.0, d), torch.zeros_like(d))
+        ls = (inv_d[:, None] * sc).round_().clamp_(-32, 31)
+        dl = d[:, None] * ls
+        inv = torch.where(dl != 0, rdiv(1.0, dl), torch.zeros_like(dl)).reshape(-1)
+        ls = ls.to(torch.int32) + 32
+        high = ((ls >> 4) << (2 * torch.arange(8, device=x.device))).sum(1)
+        header = torch.cat([_f16_bytes(d), _u8(high & 255)[:, None], _u8(high >> 8)[:, None],
+                            _nibbles(ls[:, 0::2], ls[:, 1::2])], 1)
+    L = _ungroup(best_index_iq4nl(xg * inv[None, :]), g)  # [G, 32]
+    qs = _nibbles(L[:, :16], L[:, 16:]).reshape(header.shape[0], -1)
+    return torch.cat([header, qs], 1)
+
+
+def _iq4_nl(x, qw, prep=None):
+    return _iq4(x, qw, 32)
+
+
+def _iq4_xs(x, qw, prep=None):
+    return _iq4(x, qw, 256)
+
+
 # imatrix paths that weight by a whole-row / whole-super-block sum of x^2: computed once per
 # slab (a few long sequential loops) instead of per 64K-value chunk (many short ones)
 _PREP = {Q.Q4_0: _row_sigma2, Q.Q4_1: _row_sigma2, Q.Q5_0: _row_sigma2, Q.Q5_1: _row_sigma2,
          Q.Q2_K: _block_sum_x2, Q.Q3_K: _block_sum_x2, Q.Q4_K: _block_sum_x2, Q.Q5_K: _block_sum_x2}
 
 _ENCODERS = {Q.Q8_0: _q8_0, Q.Q4_0: _q4_0, Q.Q4_1: _q4_1, Q.Q5_0: _q5_0, Q.Q5_1: _q5_1,
-             Q.Q2_K: _q2_k, Q.Q3_K: _q3_k, Q.Q4_K: _q4_k, Q.Q5_K: _q5_k, Q.Q6_K: _q6_k}
+             Q.Q2_K: _q2_k, Q.Q3_K: _q3_k, Q.Q4_K: _q4_k, Q.Q5_K: _q5_k, Q.Q6_K: _q6_k,
+             Q.IQ4_NL: _iq4_nl, Q.IQ4_XS: _iq4_xs}
 
 
 BACKENDS = ("compiled", "torch")

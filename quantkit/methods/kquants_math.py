@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 __all__ = ["seq_sum", "rdiv", "divs", "sqrt32", "roundf", "nint_c", "make_qkx", "make_qx", "make_qp",
-           "make_q3", "f32"]
+           "make_q3", "f32", "IQ4NL_VALUES", "best_index_iq4nl", "make_iq4nl"]
 
 GROUP_MAX_EPS = float(np.float32(1e-15))
 
@@ -290,3 +290,47 @@ def make_qp(x: torch.Tensor, nmax: int, w: torch.Tensor) -> tuple[torch.Tensor, 
     scale = torch.where(zero_group, torch.zeros_like(scale), scale)
     L = torch.where(zero_group, torch.zeros_like(L), L)
     return scale, L
+
+
+# llama.cpp's kvalues_iq4nl: the 16 non-uniform 4-bit levels of IQ4_NL / IQ4_XS
+IQ4NL_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+
+
+def best_index_iq4nl(x: torch.Tensor) -> torch.Tensor:
+    """best_index_int8(16, kvalues_iq4nl, x) per element: the nearest level, ties to the lower
+    one, with the C comparisons in float32 (NaN -> 15, as the C binary search ends)."""
+    v = torch.tensor(IQ4NL_VALUES, dtype=torch.float32, device=x.device)
+    mu = torch.searchsorted(v, x.contiguous(), right=True).clamp_(1, 15)
+    idx = torch.where((x - v[mu - 1]) < (v[mu] - x), mu - 1, mu)
+    idx = torch.where(x <= v[0], torch.zeros_like(idx), idx)
+    return torch.where(x >= v[15], torch.full_like(idx, 15), idx)
+
+
+def make_iq4nl(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The block-scale search of quantize_row_iq4_nl_impl (ntry 7): x, w [32, G] -> scale [G].
+
+    The start is the least-squares scale of the codes for d = max/127; then 15 inverse scales
+    (itry - 127)/max are tried and kept when sumqx^2/sumq2 grows. The 16 candidates are
+    independent and summed in one batch ([32, 16, G]); only the choice is a sequential scan.
+    Blocks with max |x| < GROUP_MAX_EPS get 0.
+    """
+    v = torch.tensor(IQ4NL_VALUES, dtype=torch.float32, device=x.device)
+    ax = x.abs()
+    idx = ax.argmax(0, keepdim=True)  # first occurrence, as the C strict '>'
+    zero_group = ax.gather(0, idx)[0] < GROUP_MAX_EPS
+    mx = torch.where(zero_group, torch.ones_like(ax[0]), x.gather(0, idx)[0])
+    first = rdiv(1.0, divs(-mx, -127.0))
+    inv = torch.stack([first] + [rdiv(float(t - 127), mx) for t in range(-7, 8)])  # [16, G]
+    q = v[best_index_iq4nl(x[:, None, :] * inv[None])]  # [32, 16, G]
+    wq = w[:, None, :] * q
+    sums = seq_sum(torch.stack([wq * x[:, None, :], wq * q], 1))  # [2, 16, G]
+    sumqx, sumq2 = sums[0], sums[1]
+    pos = sumq2[0] > 0
+    scale = torch.where(pos, sumqx[0] / torch.where(pos, sumq2[0], torch.ones_like(mx)), torch.zeros_like(mx))
+    best = scale * sumqx[0]
+    for c in range(1, 16):
+        take = (sumq2[c] > 0) & (sumqx[c] * sumqx[c] > best * sumq2[c])
+        new_scale = sumqx[c] / sumq2[c]
+        scale = torch.where(take, new_scale, scale)
+        best = torch.where(take, new_scale * sumqx[c], best)
+    return torch.where(zero_group, torch.zeros_like(scale), scale)

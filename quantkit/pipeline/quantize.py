@@ -634,7 +634,9 @@ def _dense_tensors(model, results: dict[str, QuantResult], dtype: torch.dtype) -
 
 def _stats(results: dict[str, QuantResult], spec: ArchSpec, min_tokens: int) -> dict:
     """Per-Linear error and time; calibration tokens where the method gathered statistics
-    (for MoE experts: the tokens routed to each), and the experts that fell back to RTN."""
+    (for MoE experts: the tokens routed to each, with the expert's block and index, so the
+    report draws them without knowing the architecture's names), and the experts that fell
+    back to RTN."""
     layers = {}
     for name, r in results.items():
         layers[name] = {"shape": list(r.shape), "rel_error": r.loss, "seconds": r.seconds}
@@ -646,8 +648,14 @@ def _stats(results: dict[str, QuantResult], spec: ArchSpec, min_tokens: int) -> 
            "layers": layers}
     if spec.experts is not None:
         blocks = spec.block_path + "."
-        experts = {n: layers[n] for n in layers
-                   if spec.is_expert_linear(spec.module_name(n)[len(blocks):].split(".", 1)[1])}
+        experts = {}
+        for name, entry in layers.items():
+            bid, _, rel = spec.module_name(name)[len(blocks):].partition(".")
+            if spec.is_expert_linear(rel):
+                experts[name] = entry
+                index = rel[len(spec.experts.module) + 1:].partition(".")[0]
+                if bid.isdigit() and index.isdigit():
+                    entry.update(block=int(bid), expert=int(index))
         out["experts"] = {
             "linears": len(experts),
             "min_tokens": min_tokens,

@@ -77,18 +77,45 @@ def _meta(path: str | Path) -> dict:
     return {}
 
 
-def _stats(path: str | Path) -> dict | None:
-    """{layer name: relative reconstruction error} from quantkit_stats.json, if written."""
+def _stats_file(path: str | Path) -> dict | None:
+    """The artifact's quantkit_stats.json, if written."""
     p = Path(path)
     f = p / "quantkit_stats.json" if p.is_dir() else p.with_name(p.name + ".stats.json")
     if not f.is_file():
         return None
     from quantkit.readers import read_json
 
-    layers = read_json(f).get("layers") or {}
+    return read_json(f)
+
+
+def _stats(stats: dict | None) -> dict | None:
+    """{layer name: relative reconstruction error} from quantkit_stats.json."""
+    layers = (stats or {}).get("layers") or {}
     out = {k: float(v["rel_error"]) for k, v in layers.items()
            if isinstance(v, dict) and isinstance(v.get("rel_error"), (int, float))}
     return out or None
+
+
+def _expert_tokens(stats: dict | None) -> dict | None:
+    """Calibration tokens per MoE expert from quantkit_stats.json: {min_tokens, experts:
+    [{block, expert, tokens, fallback_rtn}]}, an expert's tokens the fewest any of its Linears
+    saw (with all-experts calibration, what its statistics saw). None for dense models and
+    methods that gather no statistics (RTN, FP8 dynamic)."""
+    if not stats or not isinstance(stats.get("experts"), dict):
+        return None
+    cells: dict[tuple[int, int], dict] = {}
+    for name, v in (stats.get("layers") or {}).items():
+        if not isinstance(v, dict) or not all(isinstance(v.get(k), int) for k in ("block", "expert", "tokens")):
+            continue
+        cell = cells.setdefault((v["block"], v["expert"]), {
+            "block": v["block"], "expert": v["expert"], "tokens": v["tokens"], "fallback_rtn": []})
+        cell["tokens"] = min(cell["tokens"], v["tokens"])
+        if v.get("fallback") == "rtn":
+            cell["fallback_rtn"].append(name)
+    if not cells:
+        return None
+    return {"min_tokens": int(stats["experts"].get("min_tokens") or 0),
+            "experts": [cells[k] for k in sorted(cells)]}
 
 
 def _info(recorded: dict) -> dict:
@@ -395,9 +422,11 @@ def summarize(records: list[dict], *, base_spec: str | None = None, command: str
 
     meta = meta or {}
     convs = conventions(records)
+    stats = [_stats_file(r["artifact"]["path"]) for r in records]
     rows = [artifact_row(r, meta.get(r["artifact"]["path"]) or _meta(r["artifact"]["path"]),
-                         _stats(r["artifact"]["path"]), convs, i, info=_info(r["artifact"]))
-            for i, r in enumerate(records)]
+                         _stats(st), convs, i, info=_info(r["artifact"]),
+                         expert_tokens=_expert_tokens(st))
+            for i, (r, st) in enumerate(zip(records, stats, strict=True))]
     base = base_row(records, base_spec, convs, base_record)
     return {
         "schema": SUMMARY_SCHEMA,

@@ -108,7 +108,8 @@ def _plots(summary: dict) -> dict:
         ref_label=f"base {base['label']}" if base else "")
     speed = [b for b in (plots.bars(rows, "prefill_tps", "prefill tokens/s"),
                          plots.bars(rows, "decode_tps", "decode tokens/s")) if b]
-    return {"kld": kld, "ppl": ppl, "speed": speed, "heat": plots.heatmaps(quant)}
+    return {"kld": kld, "ppl": ppl, "speed": speed, "heat": plots.heatmaps(quant),
+            "experts": plots.expert_heatmaps(quant)}
 
 
 def render_html(summary: dict) -> str:

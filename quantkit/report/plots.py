@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import re
 
-__all__ = ["pareto", "scatter", "bars", "heatmaps", "color"]
+__all__ = ["pareto", "scatter", "bars", "heatmaps", "expert_heatmaps", "color"]
 
 W, H = 480, 300  # scaled to the figure's width: ~1.2x on a wide screen, ~0.8x at 420 px
 ML, MR, MT, MB = 62, 14, 14, 46  # margins: room for tick labels and axis titles
@@ -224,7 +224,53 @@ def heatmaps(rows: list[dict]) -> dict | None:
             "worst": worst, "lo": lo, "hi": hi,
             "mean": sum(v[1] for v in cells.values()) / len(cells),
         })
-    if not grids:
-        return None
-    return {"grids": grids, "ramp": [{"offset": f"{100 * t:.0f}%", "color": color(t)}
-                                     for t in (0, .25, .5, .75, 1)]}
+    return {"grids": grids, "ramp": _ramp()} if grids else None
+
+
+def _ramp() -> list[dict]:
+    """The colour ramp's stops, for the legend's gradient."""
+    return [{"offset": f"{100 * t:.0f}%", "color": color(t)} for t in (0, .25, .5, .75, 1)]
+
+
+def expert_heatmaps(rows: list[dict]) -> dict | None:
+    """Per MoE artifact, calibration tokens per expert: MoE layer (y) x expert (x).
+
+    Colour is log(1 + tokens) on the artifact's own scale (a starved expert stays visible
+    beside busy ones); experts under the artifact's warning threshold get an outline, experts
+    that fell back to RTN (no token at all) a cross. Rows without expert statistics are left
+    out (dense models, RTN).
+    """
+    grids = []
+    for r in rows:
+        et = r.get("expert_tokens")
+        if not et or not et.get("experts"):
+            continue
+        cells, floor = et["experts"], et.get("min_tokens") or 0
+        layers = sorted({c["block"] for c in cells})
+        n_experts = max(c["expert"] for c in cells) + 1
+        left, top = 40, 6
+        cw = max(3, min(24, 720 // n_experts))
+        ch = max(4, min(16, 480 // len(layers)))
+        top_log = math.log1p(max(c["tokens"] for c in cells)) or 1.0
+        out = []
+        for c in cells:
+            under, rtn = c["tokens"] < floor, bool(c["fallback_rtn"])
+            tip = f"layer {c['block']}, expert {c['expert']}: {c['tokens']} tokens"
+            tip += f" (under {floor})" if under else ""
+            tip += "; fell back to RTN" if rtn else ""
+            out.append({"x": left + c["expert"] * cw, "y": top + layers.index(c["block"]) * ch,
+                        "fill": color(math.log1p(c["tokens"]) / top_log), "tip": tip,
+                        "block": c["block"], "expert": c["expert"], "tokens": c["tokens"],
+                        "under": under, "rtn": rtn})
+        ystep, xstep = -(-12 // ch), -(-24 // cw)  # labels 12 px tall, up to 24 px wide
+        tokens = sorted(c["tokens"] for c in cells)
+        grids.append({
+            "label": r["label"], "cells": out, "cw": cw, "ch": ch, "left": left, "floor": floor,
+            "layers": [{"y": top + i * ch + ch / 2, "n": b} for i, b in enumerate(layers)][::ystep],
+            "experts": [{"x": left + e * cw + cw / 2, "n": e} for e in range(0, n_experts, xstep)],
+            "w": left + n_experts * cw + 8, "h": top + len(layers) * ch + 32,
+            "n_layers": len(layers), "n_experts": n_experts,
+            "lo": tokens[0], "hi": tokens[-1], "median": tokens[len(tokens) // 2],
+            "under": sum(c["under"] for c in out), "rtn": [c for c in out if c["rtn"]],
+        })
+    return {"grids": grids, "ramp": _ramp()} if grids else None

@@ -166,7 +166,7 @@ def _types(info: dict) -> list[dict] | None:
 
 
 def artifact_row(record: dict, meta: dict, layers: dict | None, convs: list[dict], i: int,
-                 info: dict | None = None) -> dict:
+                 info: dict | None = None, expert_tokens: dict | None = None) -> dict:
     a = info or record["artifact"]
     m = record.get("metrics") or {}
     ppl, base_ppl = _estimate(m.get("ppl")), _estimate(m.get("base_ppl"))
@@ -203,7 +203,7 @@ def artifact_row(record: dict, meta: dict, layers: dict | None, convs: list[dict
         "eval_command": record.get("command") or None,
         "engine_check": check if isinstance(check, dict) else None,
         "warnings": [str(w) for w in record.get("warnings") or []],
-        "layers": layers,
+        "layers": layers, "expert_tokens": expert_tokens,
     }
 
 
@@ -236,6 +236,7 @@ def base_row(records: list[dict], base_spec: str | None, convs: list[dict],
         "convention": _conv_id(first, convs),
         "calibration": None, "quantize_command": None, "quantize_seconds": None,
         "eval_command": None, "engine_check": None, "warnings": [], "layers": None,
+        "expert_tokens": None,
     }
 
 
