@@ -144,7 +144,8 @@ def _cli_options() -> set[str]:
 # options of other programs that messages quote on purpose, with the program
 FOREIGN_OPTIONS = {"--nproc-per-node": "torchrun", "--no-deps": "pip install",
                    "--cache-type-k": "llama.cpp (llama-cli, llama-server)",
-                   "--cache-type-v": "llama.cpp (llama-cli, llama-server)"}
+                   "--cache-type-v": "llama.cpp (llama-cli, llama-server)",
+                   "--outtype": "llama.cpp's convert_hf_to_gguf.py"}
 
 
 def test_every_option_named_in_the_code_base_exists():
