@@ -13,10 +13,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-from gguf_reference import assert_same_gguf, convert_with_llama_cpp, gguf_contents
+from gguf_reference import (
+    assert_llama_cpp_logits_match,
+    assert_same_gguf,
+    convert_with_llama_cpp,
+    gguf_contents,
+)
 from tiny_models import make_tiny_model
 
 from quantkit.arch import spec_for_config
@@ -27,7 +31,6 @@ from quantkit.pipeline.quantize import QuantizeRequest, quantize
 from quantkit.types import QuantScheme
 
 FAMILIES = ["gemma3_text", "phi3"]
-TEXT = "The quick brown fox jumps over the lazy dog. def f(x): return x**2  # squares"
 I4 = QuantScheme(bits=4, group_size=64)
 
 
@@ -177,27 +180,11 @@ def test_every_block_gets_its_own_kwargs(tmp_path):
 def test_bf16_gguf_equals_llama_cpp_converter_and_runs(family, tmp_path):
     """Same tensor names, shapes, types and bytes and the same KV (but general.* provenance)
     as convert_hf_to_gguf.py --outtype bf16; llama.cpp then computes transformers' logits."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from quantkit.engines.llamacpp import LlamaCppModel
-
     name, src = family.name, family.src
     ours = family.artifact("bf16")
     assert_same_gguf(ours, convert_with_llama_cpp(src, tmp_path / "ref.bf16.gguf"))
 
-    tok = AutoTokenizer.from_pretrained(src)
-    ids = tok.encode(TEXT, add_special_tokens=False)[:40]
-    hf = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
-    with torch.no_grad():
-        want = hf(torch.tensor([ids])).logits[0].numpy()
-    llm = LlamaCppModel(ours, n_ctx=64, logits_all=True)
-    try:
-        got = llm.logits(ids)
-    finally:
-        llm.close()
-    err = np.abs(got - want).max() / np.abs(want).max()
-    print(f"{name}: llama.cpp BF16 vs transformers max logit error {err:.4f} of the range")
-    assert err < 0.03 and (got.argmax(1) == want.argmax(1)).mean() > 0.9
+    assert_llama_cpp_logits_match(ours, src, name)
 
 
 @pytest.mark.engine

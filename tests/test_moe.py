@@ -15,7 +15,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from gguf_reference import assert_same_gguf, convert_with_llama_cpp, gguf_body, gguf_contents
+from gguf_reference import (
+    assert_llama_cpp_logits_match,
+    assert_same_gguf,
+    convert_with_llama_cpp,
+    gguf_body,
+    gguf_contents,
+)
 from safetensors import safe_open
 from tiny_models import make_tiny_model
 
@@ -575,9 +581,6 @@ def test_moe_bf16_gguf_equals_llama_cpp_converter_and_runs(moe_model, moe_refere
     """Experts stacked into blk.N.ffn_{gate,up,down}_exps (E on the slowest axis), the router
     as F32 ffn_gate_inp, the expert KV keys: tensor for tensor and key for key what
     convert_hf_to_gguf.py writes; llama.cpp then computes transformers' logits."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from quantkit.engines.llamacpp import LlamaCppModel
 
     ours = _gguf(moe_model, tmp_path / "bf16.gguf", "bf16")
     kv, tensors = assert_same_gguf(ours, moe_reference_bf16)
@@ -587,20 +590,7 @@ def test_moe_bf16_gguf_equals_llama_cpp_converter_and_runs(moe_model, moe_refere
     assert (kv["qwen3moe.expert_count"], kv["qwen3moe.expert_used_count"],
             kv["qwen3moe.expert_feed_forward_length"]) == (8, 2, 256)
 
-    tok = AutoTokenizer.from_pretrained(moe_model)
-    ids = tok.encode("The quick brown fox jumps over the lazy dog. def f(x): return x**2",
-                     add_special_tokens=False)[:40]
-    hf = AutoModelForCausalLM.from_pretrained(moe_model, dtype=torch.float32).eval()
-    with torch.no_grad():
-        want = hf(torch.tensor([ids])).logits[0].numpy()
-    llm = LlamaCppModel(ours, n_ctx=64, logits_all=True)
-    try:
-        got = llm.logits(ids)
-    finally:
-        llm.close()
-    err = np.abs(got - want).max() / np.abs(want).max()
-    print(f"llama.cpp BF16 MoE vs transformers: max logit error {err:.4f} of the range")
-    assert err < 0.03 and (got.argmax(1) == want.argmax(1)).mean() > 0.9
+    assert_llama_cpp_logits_match(ours, moe_model, "Qwen3-MoE")
 
 
 # llama-quant.cpp with exactly 8 experts: attn_v and attn_k Q8_0; attn_output Q5_K for Q4_K_M
@@ -857,9 +847,6 @@ def test_mixtral_bf16_gguf_equals_llama_cpp_converter_and_runs(mixtral_gguf_mode
     ffn_gate_inp and w1/w3/w2 stacked into ffn_{gate,up,down}_exps, the expert keys: tensor for
     tensor and key for key what convert_hf_to_gguf.py writes; llama.cpp then computes
     transformers' logits."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from quantkit.engines.llamacpp import LlamaCppModel
 
     ours = _gguf(mixtral_gguf_model, tmp_path / "bf16.gguf", "bf16")
     kv, tensors = assert_same_gguf(ours, mixtral_reference_bf16)
@@ -869,20 +856,7 @@ def test_mixtral_bf16_gguf_equals_llama_cpp_converter_and_runs(mixtral_gguf_mode
     assert (kv["llama.expert_count"], kv["llama.expert_used_count"]) == (4, 2)
     assert kv["tokenizer.ggml.model"] == "gpt2"
 
-    tok = AutoTokenizer.from_pretrained(mixtral_gguf_model)
-    ids = tok.encode("The quick brown fox jumps over the lazy dog. def f(x): return x**2",
-                     add_special_tokens=False)[:40]
-    hf = AutoModelForCausalLM.from_pretrained(mixtral_gguf_model, dtype=torch.float32).eval()
-    with torch.no_grad():
-        want = hf(torch.tensor([ids])).logits[0].numpy()
-    llm = LlamaCppModel(ours, n_ctx=64, logits_all=True)
-    try:
-        got = llm.logits(ids)
-    finally:
-        llm.close()
-    err = np.abs(got - want).max() / np.abs(want).max()
-    print(f"llama.cpp BF16 Mixtral vs transformers: max logit error {err:.4f} of the range")
-    assert err < 0.03 and (got.argmax(1) == want.argmax(1)).mean() > 0.9
+    assert_llama_cpp_logits_match(ours, mixtral_gguf_model, "Mixtral")
 
 
 @pytest.mark.engine
