@@ -15,7 +15,7 @@ block grid itself, so the file is an ordinary GGUF of that type:
 With H = I nothing is fed back and the bytes are `encode_rows`'s, bit for bit (the tests
 check it). Supported grids: GPTQ_GRIDS (Q4_K, Q6_K: every type of the Q4_K_M mix on widths
 that are multiples of 256); other types are encoded by the plain llama.cpp encoder and the
-result says so (extra["gguf_rounding"]).
+result says so (QuantResult.fallback, in the file's quantkit.metadata stats).
 """
 
 from __future__ import annotations
