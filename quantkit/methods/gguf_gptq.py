@@ -13,24 +13,27 @@ block grid itself, so the file is an ordinary GGUF of that type:
     bytes are kept as they are), so the writer gets finished GGML blocks.
 
 With H = I nothing is fed back and the bytes are `encode_rows`'s, bit for bit (the tests
-check it). Supported grids: GPTQ_GRIDS (Q4_K, Q6_K: every type of the Q4_K_M mix on widths
-that are multiples of 256); other types are encoded by the plain llama.cpp encoder and the
+check it for the K-quants). Supported grids: GPTQ_GRIDS (Q4_K, Q6_K and the fallbacks Q5_0,
+Q8_0: every type of the Q4_K_M mix, also on widths that are not multiples of 256); other types are encoded by the plain llama.cpp encoder and the
 result says so (QuantResult.fallback, in the file's quantkit.metadata stats).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 from gguf import GGMLQuantizationType
 
 from quantkit.methods.gptq import gptq_column_loop, inverse_hessian_factor, one_cpu_thread
-from quantkit.methods.kquants_encode import encode_rows
+from quantkit.methods.kquants_encode import encode_slice
 
-__all__ = ["GPTQ_GRIDS", "GGMLColumnGrid", "gptq_ggml", "SUPER_BLOCK"]
+__all__ = ["GPTQ_GRIDS", "GGMLColumnGrid", "gptq_ggml", "grid_block", "hessian_factor"]
 
 Q = GGMLQuantizationType
-SUPER_BLOCK = 256
-GPTQ_GRIDS = (Q.Q4_K, Q.Q6_K)
+SUPER_BLOCK = 256  # the column-loop block: whole K-quant super-blocks, whole 32-blocks
+GPTQ_GRIDS = (Q.Q4_K, Q.Q6_K, Q.Q5_0, Q.Q8_0)
 
 
 def _f16(b: torch.Tensor) -> torch.Tensor:
@@ -69,59 +72,102 @@ def _pack_q6k(blocks: torch.Tensor, q: torch.Tensor) -> None:
     blocks[:, 128:192] = qh.reshape(-1, 64).to(torch.uint8)
 
 
-_GRIDS = {Q.Q4_K: (_q4k_grid, _pack_q4k, 32, 144), Q.Q6_K: (_q6k_grid, _pack_q6k, 16, 210)}
+def _d_grid(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q5_0 / Q8_0 bytes [N, size] -> (step d [N, 1], no offset): one scale per 32 values."""
+    step = _f16(blocks[:, 0:2])[:, None]
+    return step, torch.zeros_like(step)
+
+
+def _pack_q5_0(blocks: torch.Tensor, q: torch.Tensor) -> None:
+    """Codes [N, 32] (0..31) into the qh/qs bytes of Q5_0 blocks [N, 22], in place."""
+    q = q.to(torch.int64)
+    qh = ((q >> 4) << torch.arange(32)).sum(1, keepdim=True)  # bit j = q[j] >> 4
+    blocks[:, 2:6] = ((qh >> (8 * torch.arange(4))) & 255).to(torch.uint8)
+    blocks[:, 6:22] = ((q[:, :16] & 15) | ((q[:, 16:] & 15) << 4)).to(torch.uint8)
+
+
+def _pack_q8_0(blocks: torch.Tensor, q: torch.Tensor) -> None:
+    """Codes [N, 32] (0..255 = value + 128) into the int8 qs of Q8_0 blocks [N, 34], in place."""
+    blocks[:, 2:34] = (q.to(torch.int32) - 128).to(torch.int8).view(torch.uint8)
+
+
+@dataclass(frozen=True)
+class _Grid:
+    """One GGML type's grid: `block` values share the bytes `grid_of` reads a step (and an
+    offset) from, per sub-block of `sub`; integer values lo..hi, stored as value - lo."""
+    block: int
+    sub: int
+    size: int
+    grid_of: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+    pack: Callable[[torch.Tensor, torch.Tensor], None]
+    lo: int
+    hi: int
+    with_min: bool = False
+
+
+_GRIDS = {Q.Q4_K: _Grid(256, 32, 144, _q4k_grid, _pack_q4k, 0, 15, with_min=True),
+          Q.Q6_K: _Grid(256, 16, 210, _q6k_grid, _pack_q6k, -32, 31),
+          Q.Q5_0: _Grid(32, 32, 22, _d_grid, _pack_q5_0, -16, 15),
+          Q.Q8_0: _Grid(32, 32, 34, _d_grid, _pack_q8_0, -128, 127)}
 
 
 class GGMLColumnGrid:
-    """GPTQ's round-to-grid step onto a GGML super-block grid (Q4_K / Q6_K).
+    """GPTQ's round-to-grid step onto a GGML block grid (GPTQ_GRIDS).
 
-    At each super-block start the encoder picks the grid from the updated columns; each
-    column is then rounded as ggml-quants.c rounds it once the scales are fixed:
+    At each block start (256 columns for K-quants, 32 for Q5_0/Q8_0) the encoder picks the
+    grid from the updated columns; each column is then rounded to that grid as ggml-quants.c
+    rounds once the stored (fp16) scales are fixed:
       Q4_K  q = clamp(nearest((x + dmin*m) / (d*sc)), 0, 15),   x' = d*sc*q - dmin*m
-      Q6_K  q = clamp(nearest(x / (d*sc)), -32, 31) + 32,       x' = d*sc*(q - 32)
-    (a zero step gives code 0: its value is the offset whatever the code).
+      Q6_K  q = clamp(nearest(x / (d*sc)), -32, 31),            x' = d*sc*q
+      Q5_0  q = clamp(nearest(x / d), -16, 15),                 x' = d*q
+      Q8_0  q = clamp(nearest(x / d), -128, 127),               x' = d*q
+    (Q5_0/Q8_0: llama.cpp rounds with its float32 scale before storing it in fp16, so with
+    H = I a code can differ from its in rare ties; the grid is the stored one either way.
+    A zero step gives value 0 - offset whatever the code.)
     """
 
-    def __init__(self, qtype: Q, n: int, k: int, qw: torch.Tensor | None) -> None:
+    def __init__(self, qtype: Q, n: int, k: int, qw: torch.Tensor | None,
+                 rows: torch.Tensor | None = None) -> None:
         if qtype not in _GRIDS:
             raise ValueError(f"no GPTQ grid for GGML type {qtype.name}")
         self.qtype = qtype
-        self.grid_of, self.pack, self.sub, size = _GRIDS[qtype]
+        self.g = _GRIDS[qtype]
         self.qw = qw
-        self.blocks = torch.empty(n, k // SUPER_BLOCK, size, dtype=torch.uint8)
+        self.rows = rows  # the original rows: Q5_0's imatrix weights read their sum(x^2) / K
+        self.blocks = torch.empty(n, k // self.g.block, self.g.size, dtype=torch.uint8)
         self.dequantized = torch.empty(n, k)
         self._step = self._offset = None
 
     def round_column(self, col: int, block: torch.Tensor, i: int
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-        sb, j = divmod(col, SUPER_BLOCK)
-        if j == 0:  # the grid of this super-block, from its error-updated columns
-            if i + SUPER_BLOCK > block.shape[1]:
-                raise ValueError("the GPTQ column block must hold whole 256-column super-blocks")
-            qw = None if self.qw is None else self.qw[col:col + SUPER_BLOCK]
-            self.blocks[:, sb] = encode_rows(block[:, i:i + SUPER_BLOCK].contiguous(),
-                                             self.qtype, qw)
-            self._step, self._offset = self.grid_of(self.blocks[:, sb])
-        step = self._step[:, j // self.sub]
-        offset = self._offset[:, j // self.sub]
+        g = self.g
+        sb, j = divmod(col, g.block)
+        if j == 0:  # the grid of this block, from its error-updated columns
+            if i + g.block > block.shape[1]:
+                raise ValueError(f"the GPTQ column block must hold whole {g.block}-column blocks")
+            qw = None if self.qw is None else self.qw[col:col + g.block]
+            self.blocks[:, sb] = encode_slice(block[:, i:i + g.block], self.qtype, qw, self.rows)
+            self._step, self._offset = g.grid_of(self.blocks[:, sb])
+        step = self._step[:, j // g.sub]
+        offset = self._offset[:, j // g.sub]
         zero = step == 0
         safe = torch.where(zero, torch.ones_like(step), step)
         x = block[:, i]
-        if self.qtype == Q.Q6_K:
-            q = torch.where(zero, 0.0, torch.round(x / safe).clamp_(-32, 31))
-            deq = step * q
-            q = q + 32
-        else:
-            q = torch.where(zero, 0.0, torch.round((x + offset) / safe).clamp_(0, 15))
+        if g.with_min:
+            q = torch.where(zero, 0.0, torch.round((x + offset) / safe).clamp_(g.lo, g.hi))
             deq = step * q - offset
+        else:
+            q = torch.where(zero, 0.0, torch.round(x / safe).clamp_(g.lo, g.hi))
+            deq = step * q
         self.dequantized[:, col] = deq
-        return q, deq
+        return q - g.lo, deq
 
     def finish(self, codes: torch.Tensor) -> torch.Tensor:
         """Pack the loop's codes [N, K] into the super-blocks: bytes [N, row_bytes]."""
         n, nsb, size = self.blocks.shape
+        b = self.g.block
         for sb in range(nsb):
-            self.pack(self.blocks[:, sb], codes[:, sb * SUPER_BLOCK:(sb + 1) * SUPER_BLOCK])
+            self.g.pack(self.blocks[:, sb], codes[:, sb * b:(sb + 1) * b])
         return self.blocks.reshape(n, nsb * size)
 
 
@@ -132,9 +178,9 @@ def gptq_ggml(weight: torch.Tensor, hinv: torch.Tensor, qtype: Q, qw: torch.Tens
     of the damped H^-1 (gptq.inverse_hessian_factor); `qw` [K] weights the scale search."""
     w = weight.detach().to(torch.float32, copy=True).cpu()
     n, k = w.shape
-    if k % SUPER_BLOCK:
-        raise ValueError(f"row width {k} is not a multiple of {SUPER_BLOCK} ({qtype.name})")
-    grid = GGMLColumnGrid(qtype, n, k, qw)
+    if qtype not in _GRIDS or k % _GRIDS[qtype].block:
+        raise ValueError(f"no GPTQ grid for {qtype.name} rows of width {k}")
+    grid = GGMLColumnGrid(qtype, n, k, qw, weight.detach().float().cpu())
     with one_cpu_thread(w.device):
         codes = gptq_column_loop(w, hinv.cpu(), grid, SUPER_BLOCK)
     return grid.finish(codes), grid.dequantized
@@ -147,3 +193,8 @@ def hessian_factor(hessian: torch.Tensor, damp: float, name: str = "") -> tuple[
     diag = h.diagonal().clone()
     hinv, _ = inverse_hessian_factor(h, damp, name)
     return hinv, diag
+
+
+def grid_block(qtype: Q) -> int:
+    """Columns that share one grid choice (the row width must be a multiple)."""
+    return _GRIDS[qtype].block

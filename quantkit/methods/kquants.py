@@ -461,7 +461,7 @@ class GGUFQuantizer:
         """Every Linear of the block through GPTQ onto its planned GGML grid (one H^-1 factor
         per set of Linears that read the same input); types without a grid, experts and
         Linears that saw no token keep llama.cpp's own encoding, and their result says so."""
-        from quantkit.methods.gguf_gptq import GPTQ_GRIDS, SUPER_BLOCK, gptq_ggml, hessian_factor
+        from quantkit.methods.gguf_gptq import GPTQ_GRIDS, gptq_ggml, grid_block, hessian_factor
         from quantkit.methods.gptq import shared_input_sets
 
         results: dict[str, QuantResult] = {}
@@ -478,8 +478,8 @@ class GGUFQuantizer:
                 why = "rtn: experts are not solved with GPTQ yet (llama.cpp's encoder)"
             elif not st.get("tokens") or "hessian" not in st:
                 why = "rtn: no calibration token reached this Linear (llama.cpp's encoder)"
-            elif linear.weight.shape[1] % SUPER_BLOCK:
-                why = "rtn: row width not a multiple of 256"
+            elif linear.weight.shape[1] % grid_block(plan.qtype):
+                why = f"rtn: row width not a multiple of {grid_block(plan.qtype)}"
             if why is None:
                 solvable.append(name)
                 continue
