@@ -277,6 +277,11 @@ class GGUFQuantizer:
     imatrix is a statistic of the float model (propagate_quantized False), so nothing reads
     quantized weights back, and a float32 copy per Linear would cost memory and a decode.
     The per-Linear error comes from the encoder itself (encode_rows(errors=True)).
+
+    rounding="gptq" (`--method gptq --format gguf`): GPTQ's column loop onto each planned
+    type's grid (quantkit.methods.gguf_gptq), Hessians from the calibration pipeline, damp as
+    GPTQ's; those results also carry extra["dequantized"] (the exact decoded weight, which
+    later blocks calibrate on) and QuantResult.fallback where llama.cpp's encoder ran instead.
     """
 
     name = "gguf"
