@@ -133,8 +133,10 @@ def _method_options(f):
                           "up -> down, v -> o where shapes allow) or norms (the two norm groups "
                           "only: llm-compressor's default SmoothQuant mappings)."),
         click.option("--rounding", type=click.Choice(["rtn", "gptq"]), default=None,
-                     help="int8, nvfp4, mxfp4: round the weights to nearest (rtn, default) or "
-                          "with GPTQ onto the same grid and scales (reads calibration data)."),
+                     help="int8, nvfp4, mxfp4, gguf: round the weights to nearest (rtn, default) "
+                          "or with GPTQ onto the same grid (reads calibration data; gguf: "
+                          "llama.cpp's scales per super-block from the error-updated weights; "
+                          "--method gptq --format gguf is the same)."),
         click.option("--kv-cache", "kv_cache", type=click.Choice(["fp8"]), default=None,
                      help="Also calibrate per-layer FP8 E4M3 k/v scales for the engine's KV "
                           "cache (formats compressed-tensors, fp8, modelopt)."),
@@ -174,11 +176,11 @@ _CALIB_FLAGS = ("calib", "calib_samples", "calib_seqlen", "chat", "seed", "text_
 # flag is refused rather than silently ignored or recorded as if it had been applied
 FLAG_READERS: dict[str, tuple[str, ...]] = {
     "bits": _INT_METHODS, "group_size": _INT_METHODS, "sym": _INT_METHODS,
-    "act_order": ("gptq",), "damp": ("gptq", "int8", "nvfp4", "mxfp4"),
+    "act_order": ("gptq",), "damp": ("gptq", "int8", "nvfp4", "mxfp4", "gguf"),
     "true_sequential": ("gptq",),
     "gguf_type": ("gguf",), "imatrix": ("gguf",), "fp8_scheme": ("fp8", "int8", "nvfp4"),
     "smoothquant": ("int8",), "smoothquant_pairs": ("int8",),
-    "rounding": ("int8", "nvfp4", "mxfp4"),
+    "rounding": ("int8", "nvfp4", "mxfp4", "gguf"),
     **dict.fromkeys(_CALIB_FLAGS, _CALIBRATED),
     # per-expert statistics: GPTQ's Hessians and AWQ's activation means of mixture-of-experts
     # blocks
@@ -211,7 +213,7 @@ def check_flags_apply(ctx: click.Context, method: str, fp8_scheme: str | None,
                 "not use it.", f"Drop {flag}, or use --method {readers[0]}.")
     calib = [given[n] for n in _CALIB_FLAGS if n in given]
     rounding = ctx.params.get("rounding") or "rtn"
-    if method in ("int8", "nvfp4", "mxfp4") and "damp" in given and rounding != "gptq":
+    if method in ("int8", "nvfp4", "mxfp4", "gguf") and "damp" in given and rounding != "gptq":
         raise QuantkitError(f"--damp is read by --method {method} only with --rounding gptq.",
                             "Drop --damp, or pass --rounding gptq.")
     if method == "int8":
@@ -241,12 +243,12 @@ def check_flags_apply(ctx: click.Context, method: str, fp8_scheme: str | None,
             f"{calib[0]} is read by --method fp8 only with --scheme static; --scheme "
             f"{fp8_scheme or 'dynamic'} computes its scales from the weights alone.",
             f"Drop {calib[0]}, or pass --scheme static.")
-    if method == "gguf" and calib and imatrix:
+    if method == "gguf" and calib and imatrix and rounding != "gptq":
         raise QuantkitError(
             f"--imatrix {imatrix} and {calib[0]} both give the importance matrix: one is read "
             "from the file, the other collected from calibration data.",
             f"Drop {calib[0]} to use the file, or drop --imatrix to collect one.")
-    if method == "gguf" and calib and "calib" not in given:
+    if method == "gguf" and calib and "calib" not in given and rounding != "gptq":
         raise QuantkitError(
             f"{calib[0]} shapes the importance matrix that --method gguf collects only when "
             "--calib names the data.", f"Pass --calib SET (e.g. --calib mixed), or drop {calib[0]}.")
@@ -260,6 +262,9 @@ def _request(model, method, bits, group_size, sym, act_order, damp, true_sequent
              expert_min_tokens=_EXPERT_MIN_TOKENS, text_column=None, output=".", force=False,
              kv_cache=None, **extra):
     ctx = click.get_current_context()
+    if method == "gptq" and fmt == "gguf":  # GPTQ onto GGML grids: the gguf method's gptq rounding
+        method, rounding = "gguf", "gptq"
+        ctx.params["rounding"] = "gptq"
     check_flags_apply(ctx, method, fp8_scheme, imatrix)  # before torch is imported: instant
     from quantkit.pipeline.quantize import QuantizeRequest
 
@@ -280,8 +285,12 @@ def _request(model, method, bits, group_size, sym, act_order, damp, true_sequent
         fmt = "gguf" if fmt == "compressed-tensors" else fmt
         # --calib given explicitly (not --imatrix): collect the imatrix from that data
         calib_given = "calib" in _given_flags(ctx)
+        gptq_rounding = rounding == "gptq"
+        # GPTQ rounding: the Hessian's diagonal weights the scale search unless --imatrix is given
         options.update(gguf_type=gguf_type or "q4_k_m",
-                       imatrix=imatrix or ("calib" if calib_given else None))
+                       imatrix=imatrix or ("calib" if calib_given and not gptq_rounding else None))
+        if gptq_rounding:
+            options["rounding"] = "gptq"
     if method == "awq" and fmt == "modelopt":  # TensorRT-LLM reads pre_quant_scale (GQA o_proj)
         options["pre_quant_scale"] = True
     if method == "fp8":

@@ -289,7 +289,8 @@ class GGUFFileWriter:
             if wanted != qtype and note not in notes:
                 notes.append(note)
             stats[gname if expert is None else f"{gname}[{expert}]"] = {
-                "type": qtype.name, "rel_error": res.loss}
+                "type": qtype.name, "rel_error": res.loss,
+                **({"fallback": res.fallback} if getattr(res, "fallback", None) else {})}
             if res.bias is not None:
                 dense = {**dense, name + ".bias": res.bias}
         for name, t in dense.items():

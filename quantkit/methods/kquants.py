@@ -287,6 +287,11 @@ class GGUFQuantizer:
     imatrix is a statistic of the float model (propagate_quantized False), so nothing reads
     quantized weights back, and a float32 copy per Linear would cost memory and a decode.
     The per-Linear error comes from the encoder itself (encode_rows(errors=True)).
+
+    rounding="gptq" (`--method gptq --format gguf`): GPTQ's column loop onto each planned
+    type's grid (quantkit.methods.gguf_gptq), Hessians from the calibration pipeline, damp as
+    GPTQ's; those results also carry extra["dequantized"] (the exact decoded weight, which
+    later blocks calibrate on) and QuantResult.fallback where llama.cpp's encoder ran instead.
     """
 
     name = "gguf"
@@ -294,7 +299,8 @@ class GGUFQuantizer:
     calib_batch_size = 8  # sums of x^2 do not care how tokens are batched; bigger is faster
 
     def __init__(self, gguf_type: str = "q4_k_m", imatrix: str | Path | bool | None = None,
-                 imatrix_out: str | Path | None = None, imatrix_dataset: str | None = None, **_):
+                 imatrix_out: str | Path | None = None, imatrix_dataset: str | None = None,
+                 rounding: str = "rtn", damp: float = 0.01, **_):
         key = str(gguf_type).lower()
         if key not in PRESETS:
             raise SchemeMismatch(f"Unknown GGUF type {gguf_type!r}.",
@@ -309,8 +315,21 @@ class GGUFQuantizer:
                                  "Pass --calib (imatrix='calib') together with the output path.")
         if self.collect and not self.preset.quantized:
             raise SchemeMismatch(f"{key} is an unquantized export; an imatrix has no use there.")
-        self.stats: tuple[str, ...] = ("sq_mean",) if self.collect else ()
-        self.needs_calibration = self.collect
+        if rounding not in ("rtn", "gptq"):
+            raise SchemeMismatch(f"Unknown GGUF rounding {rounding!r}.",
+                                 "Choose rtn (llama.cpp's own) or gptq (error feedback).")
+        if rounding == "gptq" and not self.preset.quantized:
+            raise SchemeMismatch(f"{key} is an unquantized export; GPTQ rounding has no use there.",
+                                 "Pick a quantized --gguf-type such as q4_k_m.")
+        if damp < 0:
+            raise SchemeMismatch(f"GPTQ damp must be >= 0, got {damp}.", "The usual value is 0.01.")
+        self.gptq, self.damp = rounding == "gptq", float(damp)
+        self.stats: tuple[str, ...] = (("sq_mean",) if self.collect else ()) + (
+            ("hessian",) if self.gptq else ())
+        self.needs_calibration = bool(self.stats)
+        if self.gptq:  # as --method gptq: later Linears calibrate on the quantized outputs
+            self.propagate_quantized = True
+            self.true_sequential = True
         self.plans: dict[str, TensorPlan] = {}
         self.spec = None
         self.imatrix: dict[str, torch.Tensor] = {}
@@ -396,6 +415,7 @@ class GGUFQuantizer:
             return {}  # f16/bf16 export: the writer stores the dense weights
         spec = ctx.arch if ctx.arch is not None else self.spec
         results = {}
+        self._imatrix_rows: dict[str, torch.Tensor | None] = {}
         experts: dict[str, dict[int, tuple[torch.Tensor, int]]] = {}
         for name, linear in ctx.linears.items():
             gname = gguf_linear_name(spec, f"{spec.block_path}.{ctx.index}.{name}")
@@ -420,7 +440,12 @@ class GGUFQuantizer:
                 qw = sums / float(count)  # llama.cpp: in_sum2 / counts, in float32
                 self.chunks = (max(self.chunks[0], len(ctx.inputs)),
                                count // max(1, len(ctx.inputs)))
+            if self.gptq:
+                self._imatrix_rows[name] = qw
+                continue
             results[name] = self._quantize(name, gname, linear.weight.data, qw, linear.bias)
+        if self.gptq:
+            results = self._gptq_block(ctx, spec)
         for gname, parts in experts.items():  # one imatrix entry per 3-D tensor, expert-major
             order = sorted(parts)
             self.collected[gname] = (torch.stack([parts[e][0] for e in order]),
@@ -446,6 +471,76 @@ class GGUFQuantizer:
             extra={"gguf_bytes": data.cpu(), "gguf_type": torch.tensor(int(plan.qtype)),
                    "gguf_wanted_type": torch.tensor(int(plan.wanted))},
             loss=err, seconds=time.perf_counter() - t0)
+
+    def _gptq_block(self, ctx: BlockContext, spec) -> dict[str, QuantResult]:
+        """Every Linear of the block through GPTQ onto its planned GGML grid (one H^-1 factor
+        per set of Linears that read the same input); types without a grid, experts and
+        Linears that saw no token keep llama.cpp's own encoding, and their result says so."""
+        from quantkit.methods.gguf_gptq import GPTQ_GRIDS, gptq_ggml, grid_block, hessian_factor
+        from quantkit.methods.gptq import shared_input_sets
+
+        results: dict[str, QuantResult] = {}
+        solvable = []
+        for name, linear in ctx.linears.items():
+            gname = gguf_linear_name(spec, f"{spec.block_path}.{ctx.index}.{name}")
+            plan = self.plans.get(gname)
+            st = ctx.stats.get(name) or {}
+            why = None
+            if plan is None or plan.qtype not in GPTQ_GRIDS:
+                t = plan.qtype.name if plan else "?"
+                why = f"rtn: no GPTQ grid for {t} yet (llama.cpp's encoder)"
+            elif spec.gguf_slot(name) and spec.gguf_slot(name)[1] is not None:
+                why = "rtn: experts are not solved with GPTQ yet (llama.cpp's encoder)"
+            elif not st.get("tokens") or "hessian" not in st:
+                why = "rtn: no calibration token reached this Linear (llama.cpp's encoder)"
+            elif linear.weight.shape[1] % grid_block(plan.qtype):
+                why = f"rtn: row width not a multiple of {grid_block(plan.qtype)}"
+            if why is None:
+                solvable.append(name)
+                continue
+            log.warning("%s: %s", gname, why)
+            res = self._quantize(name, gname, linear.weight.data, self._imatrix_rows.get(name), linear.bias)
+            res.fallback = why
+            res.extra["dequantized"] = dequantize_tensor(res.extra["gguf_bytes"], int(res.extra["gguf_type"]))
+            results[name] = res
+        for names in shared_input_sets(ctx, solvable):
+            t0 = time.perf_counter()
+            hessian = ctx.stats[names[0]]["hessian"]
+            label = f"{spec.block_path}.{ctx.index}." + "+".join(names)
+            hinv, diag = hessian_factor(hessian, self.damp, label)
+            for n in names:
+                del ctx.stats[n]["hessian"]
+            del hessian
+            share = (time.perf_counter() - t0) / len(names)
+            for n in names:
+                t1 = time.perf_counter()
+                linear = ctx.linears[n]
+                gname = gguf_linear_name(spec, f"{spec.block_path}.{ctx.index}.{n}")
+                qtype = self.plans[gname].qtype
+                qw = self._imatrix_rows.get(n)
+                w32 = linear.weight.data.detach().float().cpu()
+                data, deq = gptq_ggml(w32, hinv, qtype, diag if qw is None else qw.float().cpu())
+                res = self._result(n, qtype, self.plans[gname].wanted, data, linear.bias,
+                                   float((deq - w32).norm() / w32.norm().clamp_min(1e-30)))
+                res.extra["dequantized"] = deq
+                res.seconds = share + time.perf_counter() - t1
+                results[n] = res
+        return {n: results[n] for n in ctx.linears if n in results}
+
+    @staticmethod
+    def _result(name: str, qtype: Q, wanted: Q, data: torch.Tensor, bias, err: float) -> QuantResult:
+        n = data.shape[0]
+        k = data.shape[1] // GGML_QUANT_SIZES[qtype][1] * _block(qtype)
+        scheme = QuantScheme(kind="kquant", bits=0, group_size=_block(qtype),
+                             gguf_type=qtype.name.lower())
+        return QuantResult(
+            name=name, scheme=scheme,
+            codes=torch.zeros((), dtype=torch.uint8).expand(n, k),  # codes live packed in gguf_bytes
+            scale=torch.empty(0),
+            bias=None if bias is None else bias.detach().clone(),
+            extra={"gguf_bytes": data.cpu(), "gguf_type": torch.tensor(int(qtype)),
+                   "gguf_wanted_type": torch.tensor(int(wanted))},
+            loss=err)
 
     # ------------------------------------------------------------------ after the blocks
     def quantize_rest(self, model, spec) -> dict[str, QuantResult]:

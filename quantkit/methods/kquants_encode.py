@@ -60,7 +60,7 @@ from quantkit.methods.kquants_math import (
     sqrt32,
 )
 
-__all__ = ["encode_rows", "SUPPORTED", "row_bytes", "BACKENDS", "preload_compiled"]
+__all__ = ["encode_rows", "encode_slice", "SUPPORTED", "row_bytes", "BACKENDS", "preload_compiled"]
 
 Q = GGMLQuantizationType
 SUPPORTED = (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS)
@@ -405,6 +405,19 @@ _ENCODERS = {Q.Q8_0: _q8_0, Q.Q4_0: _q4_0, Q.Q4_1: _q4_1, Q.Q5_0: _q5_0, Q.Q5_1:
 
 
 BACKENDS = ("compiled", "torch")
+
+
+def encode_slice(x: torch.Tensor, qtype: int, qw: torch.Tensor | None,
+                 row_context: torch.Tensor) -> torch.Tensor:
+    """Encode x [N, b], a column slice of rows [N, K], as `encode_rows` would encode it inside
+    the whole rows: the legacy types' imatrix weights read sum(x^2)/K of the WHOLE row
+    (`row_context`, the rows [N, K] that statistic is taken from); the K-quants' super-block
+    statistics are local, so there the slice alone decides. Torch encoders (same bytes)."""
+    qtype = Q(qtype)
+    if qw is None or qtype not in _PREP or _PREP[qtype] is not _row_sigma2:
+        return encode_rows(x, qtype, qw)
+    sigma2 = _row_sigma2(row_context.float())
+    return _ENCODERS[qtype](x.float().contiguous(), qw.float().reshape(-1), sigma2).reshape(x.shape[0], -1)
 
 
 def encode_rows(w: torch.Tensor, qtype: int, qw: torch.Tensor | None = None,

@@ -131,7 +131,7 @@ class QuantizeRequest:
         else:
             args += ["--bits", str(s.bits), "--group-size", str(s.group_size),
                      "--sym" if s.symmetric else "--asym"] + (["--act-order"] if s.act_order else [])
-        if self.method in ("int8", "nvfp4", "mxfp4") and self.method_options.get("rounding"):
+        if self.method in ("int8", "nvfp4", "mxfp4", "gguf") and self.method_options.get("rounding"):
             args += ["--rounding", str(self.method_options["rounding"])]
         if "damp" in self.method_options:
             args += ["--damp", str(self.method_options["damp"])]
@@ -430,6 +430,9 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
         **({"moe": {"calibrate_all_experts": req.moe_calibrate_all_experts,
                     "expert_min_tokens": req.expert_min_tokens,
                     "router": "unquantized"}} if spec.experts is not None else {}),
+        # Linears the method could not treat its own way, and what ran instead (loud on purpose)
+        **({"fallbacks": fb} if (fb := {n: r.fallback for n, r in results.items()
+                                         if r.fallback}) else {}),
         "device": device,
         # which float32 kernels ran: artifacts whose facts differ may differ in their codes
         **({"kernels": kernel_facts()} if device == "cpu" else {}),

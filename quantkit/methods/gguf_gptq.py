@@ -1,0 +1,200 @@
+"""GPTQ error feedback onto llama.cpp's own block grids (`--method gguf --rounding gptq`).
+
+llama.cpp rounds every block on its own (imatrix-weighted at best). Here each Linear goes
+through GPTQ's column loop (quantkit.methods.gptq) and the round-to-grid step is the GGML
+block grid itself, so the file is an ordinary GGUF of that type:
+
+  * when the loop reaches a super-block (256 columns), its scales/mins are chosen by
+    llama.cpp's own encoder (make_qkx3 for Q4_K, the Q6_K search), imatrix-weighted by the
+    imatrix when one is given, else by diag(H), on the CURRENT (error-updated) columns;
+  * each column of the super-block is then rounded to that fixed grid with llama.cpp's own
+    rounding formula and its error is carried into the later columns through H^-1;
+  * the final codes are packed into the super-block bytes the encoder produced (its scale
+    bytes are kept as they are), so the writer gets finished GGML blocks.
+
+With H = I nothing is fed back and the bytes are `encode_rows`'s, bit for bit (the tests
+check it for the K-quants). Supported grids: GPTQ_GRIDS (Q4_K, Q6_K and the fallbacks Q5_0,
+Q8_0: every type of the Q4_K_M mix, also on widths that are not multiples of 256); other types are encoded by the plain llama.cpp encoder and the
+result says so (QuantResult.fallback, in the file's quantkit.metadata stats).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from gguf import GGMLQuantizationType
+
+from quantkit.methods.gptq import gptq_column_loop, inverse_hessian_factor, one_cpu_thread
+from quantkit.methods.kquants_encode import encode_slice
+
+__all__ = ["GPTQ_GRIDS", "GGMLColumnGrid", "gptq_ggml", "grid_block", "hessian_factor"]
+
+Q = GGMLQuantizationType
+SUPER_BLOCK = 256  # the column-loop block: whole K-quant super-blocks, whole 32-blocks
+GPTQ_GRIDS = (Q.Q4_K, Q.Q6_K, Q.Q5_0, Q.Q8_0)
+
+
+def _f16(b: torch.Tensor) -> torch.Tensor:
+    return b.contiguous().view(torch.float16).reshape(-1).float()
+
+
+def _q4k_grid(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K bytes [N, 144] -> (step d*sc, offset dmin*m) per sub-block of 32, [N, 8] each."""
+    d, dmin = _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4])
+    s = blocks[:, 4:16].to(torch.int32)
+    sc = torch.cat([s[:, 0:4] & 63, (s[:, 8:12] & 15) | ((s[:, 0:4] >> 6) << 4)], 1)
+    mn = torch.cat([s[:, 4:8] & 63, (s[:, 8:12] >> 4) | ((s[:, 4:8] >> 6) << 4)], 1)
+    return d[:, None] * sc.float(), dmin[:, None] * mn.float()
+
+
+def _q6k_grid(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q6_K bytes [N, 210] -> (step d*sc per sub-block of 16 [N, 16], no offset)."""
+    sc = blocks[:, 192:208].contiguous().view(torch.int8).float()
+    step = _f16(blocks[:, 208:210])[:, None] * sc
+    return step, torch.zeros_like(step)
+
+
+def _pack_q4k(blocks: torch.Tensor, q: torch.Tensor) -> None:
+    """Codes [N, 256] (0..15) into the qs bytes of Q4_K blocks [N, 144], in place."""
+    q = q.to(torch.int32).reshape(-1, 4, 2, 32)  # chunk, half, lane
+    blocks[:, 16:144] = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(-1, 128).to(torch.uint8)
+
+
+def _pack_q6k(blocks: torch.Tensor, q: torch.Tensor) -> None:
+    """Codes [N, 256] (0..63) into the ql/qh bytes of Q6_K blocks [N, 210], in place."""
+    v = q.to(torch.int32).reshape(-1, 2, 4, 32)  # half, quarter, lane
+    lo, hi = v & 15, v >> 4
+    ql = torch.stack([lo[:, :, 0] | (lo[:, :, 2] << 4), lo[:, :, 1] | (lo[:, :, 3] << 4)], 2)
+    qh = hi[:, :, 0] | (hi[:, :, 1] << 2) | (hi[:, :, 2] << 4) | (hi[:, :, 3] << 6)
+    blocks[:, 0:128] = ql.reshape(-1, 128).to(torch.uint8)
+    blocks[:, 128:192] = qh.reshape(-1, 64).to(torch.uint8)
+
+
+def _d_grid(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q5_0 / Q8_0 bytes [N, size] -> (step d [N, 1], no offset): one scale per 32 values."""
+    step = _f16(blocks[:, 0:2])[:, None]
+    return step, torch.zeros_like(step)
+
+
+def _pack_q5_0(blocks: torch.Tensor, q: torch.Tensor) -> None:
+    """Codes [N, 32] (0..31) into the qh/qs bytes of Q5_0 blocks [N, 22], in place."""
+    q = q.to(torch.int64)
+    qh = ((q >> 4) << torch.arange(32)).sum(1, keepdim=True)  # bit j = q[j] >> 4
+    blocks[:, 2:6] = ((qh >> (8 * torch.arange(4))) & 255).to(torch.uint8)
+    blocks[:, 6:22] = ((q[:, :16] & 15) | ((q[:, 16:] & 15) << 4)).to(torch.uint8)
+
+
+def _pack_q8_0(blocks: torch.Tensor, q: torch.Tensor) -> None:
+    """Codes [N, 32] (0..255 = value + 128) into the int8 qs of Q8_0 blocks [N, 34], in place."""
+    blocks[:, 2:34] = (q.to(torch.int32) - 128).to(torch.int8).view(torch.uint8)
+
+
+@dataclass(frozen=True)
+class _Grid:
+    """One GGML type's grid: `block` values share the bytes `grid_of` reads a step (and an
+    offset) from, per sub-block of `sub`; integer values lo..hi, stored as value - lo."""
+    block: int
+    sub: int
+    size: int
+    grid_of: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+    pack: Callable[[torch.Tensor, torch.Tensor], None]
+    lo: int
+    hi: int
+    with_min: bool = False
+
+
+_GRIDS = {Q.Q4_K: _Grid(256, 32, 144, _q4k_grid, _pack_q4k, 0, 15, with_min=True),
+          Q.Q6_K: _Grid(256, 16, 210, _q6k_grid, _pack_q6k, -32, 31),
+          Q.Q5_0: _Grid(32, 32, 22, _d_grid, _pack_q5_0, -16, 15),
+          Q.Q8_0: _Grid(32, 32, 34, _d_grid, _pack_q8_0, -128, 127)}
+
+
+class GGMLColumnGrid:
+    """GPTQ's round-to-grid step onto a GGML block grid (GPTQ_GRIDS).
+
+    At each block start (256 columns for K-quants, 32 for Q5_0/Q8_0) the encoder picks the
+    grid from the updated columns; each column is then rounded to that grid as ggml-quants.c
+    rounds once the stored (fp16) scales are fixed:
+      Q4_K  q = clamp(nearest((x + dmin*m) / (d*sc)), 0, 15),   x' = d*sc*q - dmin*m
+      Q6_K  q = clamp(nearest(x / (d*sc)), -32, 31),            x' = d*sc*q
+      Q5_0  q = clamp(nearest(x / d), -16, 15),                 x' = d*q
+      Q8_0  q = clamp(nearest(x / d), -128, 127),               x' = d*q
+    (Q5_0/Q8_0: llama.cpp rounds with its float32 scale before storing it in fp16, so with
+    H = I a code can differ from its in rare ties; the grid is the stored one either way.
+    A zero step gives value 0 - offset whatever the code.)
+    """
+
+    def __init__(self, qtype: Q, n: int, k: int, qw: torch.Tensor | None,
+                 rows: torch.Tensor | None = None) -> None:
+        if qtype not in _GRIDS:
+            raise ValueError(f"no GPTQ grid for GGML type {qtype.name}")
+        self.qtype = qtype
+        self.g = _GRIDS[qtype]
+        self.qw = qw
+        self.rows = rows  # the original rows: Q5_0's imatrix weights read their sum(x^2) / K
+        self.blocks = torch.empty(n, k // self.g.block, self.g.size, dtype=torch.uint8)
+        self.dequantized = torch.empty(n, k)
+        self._step = self._offset = None
+
+    def round_column(self, col: int, block: torch.Tensor, i: int
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        g = self.g
+        sb, j = divmod(col, g.block)
+        if j == 0:  # the grid of this block, from its error-updated columns
+            if i + g.block > block.shape[1]:
+                raise ValueError(f"the GPTQ column block must hold whole {g.block}-column blocks")
+            qw = None if self.qw is None else self.qw[col:col + g.block]
+            self.blocks[:, sb] = encode_slice(block[:, i:i + g.block], self.qtype, qw, self.rows)
+            self._step, self._offset = g.grid_of(self.blocks[:, sb])
+        step = self._step[:, j // g.sub]
+        offset = self._offset[:, j // g.sub]
+        zero = step == 0
+        safe = torch.where(zero, torch.ones_like(step), step)
+        x = block[:, i]
+        if g.with_min:
+            q = torch.where(zero, 0.0, torch.round((x + offset) / safe).clamp_(g.lo, g.hi))
+            deq = step * q - offset
+        else:
+            q = torch.where(zero, 0.0, torch.round(x / safe).clamp_(g.lo, g.hi))
+            deq = step * q
+        self.dequantized[:, col] = deq
+        return q - g.lo, deq
+
+    def finish(self, codes: torch.Tensor) -> torch.Tensor:
+        """Pack the loop's codes [N, K] into the super-blocks: bytes [N, row_bytes]."""
+        n, nsb, size = self.blocks.shape
+        b = self.g.block
+        for sb in range(nsb):
+            self.g.pack(self.blocks[:, sb], codes[:, sb * b:(sb + 1) * b])
+        return self.blocks.reshape(n, nsb * size)
+
+
+def gptq_ggml(weight: torch.Tensor, hinv: torch.Tensor, qtype: Q, qw: torch.Tensor | None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """GGML bytes [N, row_bytes] of `weight` [N, K] rounded by GPTQ onto the `qtype` grid, and
+    the weight those bytes decode to (float32 [N, K]). `hinv` is the upper Cholesky factor
+    of the damped H^-1 (gptq.inverse_hessian_factor); `qw` [K] weights the scale search."""
+    w = weight.detach().to(torch.float32, copy=True).cpu()
+    n, k = w.shape
+    if qtype not in _GRIDS or k % _GRIDS[qtype].block:
+        raise ValueError(f"no GPTQ grid for {qtype.name} rows of width {k}")
+    grid = GGMLColumnGrid(qtype, n, k, qw, weight.detach().float().cpu())
+    with one_cpu_thread(w.device):
+        codes = gptq_column_loop(w, hinv.cpu(), grid, SUPER_BLOCK)
+    return grid.finish(codes), grid.dequantized
+
+
+def hessian_factor(hessian: torch.Tensor, damp: float, name: str = "") -> tuple[torch.Tensor, torch.Tensor]:
+    """(upper Cholesky factor of the damped H^-1, diag(H) with dead columns set to 1)."""
+    h = hessian.detach().to(torch.float32).cpu().clone()
+    h.diagonal().masked_fill_(h.diagonal() == 0, 1.0)
+    diag = h.diagonal().clone()
+    hinv, _ = inverse_hessian_factor(h, damp, name)
+    return hinv, diag
+
+
+def grid_block(qtype: Q) -> int:
+    """Columns that share one grid choice (the row width must be a multiple)."""
+    return _GRIDS[qtype].block
