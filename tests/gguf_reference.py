@@ -126,3 +126,14 @@ def assert_llama_cpp_logits_match(gguf: Path, hf_dir: Path, label: str) -> None:
     err = np.abs(got - want).max() / np.abs(want).max()
     print(f"{label}: llama.cpp BF16 vs transformers max logit error {err:.4f} of the range")
     assert err < 0.03 and (got.argmax(1) == want.argmax(1)).mean() > 0.9
+
+
+def assert_generates(gguf: Path) -> None:
+    """The file loads in real llama.cpp and greedy decoding writes some tokens."""
+    from quantkit.engines.llamacpp import LlamaCppModel
+
+    llm = LlamaCppModel(gguf, n_ctx=64)
+    try:
+        assert len(llm.tokenize(llm.greedy("The capital of France is", max_tokens=6))) > 0
+    finally:
+        llm.close()

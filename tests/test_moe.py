@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 from gguf_reference import (
+    assert_generates,
     assert_llama_cpp_logits_match,
     assert_same_gguf,
     convert_with_llama_cpp,
@@ -614,7 +615,7 @@ def test_moe_k_quants_equal_llama_quantize_in_both_layouts(moe_model, moe_refere
     byte for byte, 3-D expert tensors included; the per-expert layout (streamed from the
     shards) and transformers 5's fused 3-D experts (--no-stream) give the same file; the
     Q4_K_M file generates in real llama.cpp."""
-    from quantkit.engines.llamacpp import LlamaCppModel, llama_quantize
+    from quantkit.engines.llamacpp import llama_quantize
 
     fused = _gguf(moe_model, tmp_path / "fused.gguf", gguf_type, stream=False)
     lq = tmp_path / "lq.gguf"
@@ -629,11 +630,7 @@ def test_moe_k_quants_equal_llama_quantize_in_both_layouts(moe_model, moe_refere
         return
     streamed = _gguf(moe_model, tmp_path / "streamed.gguf", gguf_type)
     assert gguf_body(streamed) == gguf_body(fused)
-    llm = LlamaCppModel(streamed, n_ctx=64)
-    try:
-        assert len(llm.tokenize(llm.greedy("The capital of France is", max_tokens=6))) > 0
-    finally:
-        llm.close()
+    assert_generates(streamed)
 
 
 def test_moe_gguf_writer_stacks_one_expert_tensor_at_a_time(moe_model, tmp_path):
@@ -865,7 +862,7 @@ def test_mixtral_q4_k_m_equals_llama_quantize_in_both_layouts(mixtral_gguf_model
     """Q4_K_M of Mixtral = llama_model_quantize of the converter's BF16 file, type and byte for
     byte (3-D experts included); the shards streamed under block_sparse_moe names and
     transformers 5's fused in-memory experts give the same file; it generates in llama.cpp."""
-    from quantkit.engines.llamacpp import LlamaCppModel, llama_quantize
+    from quantkit.engines.llamacpp import llama_quantize
 
     lq = tmp_path / "lq.gguf"
     llama_quantize(mixtral_reference_bf16, lq, "q4_k_m")
@@ -877,11 +874,7 @@ def test_mixtral_q4_k_m_equals_llama_quantize_in_both_layouts(mixtral_gguf_model
         ("Q4_K", "F32")
     streamed = _gguf(mixtral_gguf_model, tmp_path / "streamed.gguf", "q4_k_m")
     assert gguf_body(streamed) == gguf_body(fused)
-    llm = LlamaCppModel(streamed, n_ctx=64)
-    try:
-        assert len(llm.tokenize(llm.greedy("The capital of France is", max_tokens=6))) > 0
-    finally:
-        llm.close()
+    assert_generates(streamed)
 
 
 # ---------------------------------------------------------------- report: tokens per expert
