@@ -723,20 +723,28 @@ def test_linearize_copies_fused_experts_without_random_init(moe_model):
     assert torch.equal(experts[7].down_proj.weight, down[7])
 
 
+def _random_experts(n: int, seed: int) -> list:
+    """n Qwen3-MoE experts (hidden 64, intermediate 32) with N(0, 0.1) weights."""
+    from quantkit.pipeline.experts import _Expert
+
+    spec = spec_for_config({"model_type": "qwen3_moe"}).experts
+    torch.manual_seed(seed)
+    experts = [_Expert(spec, 64, 32, torch.nn.functional.silu, torch.float32, "cpu") for _ in range(n)]
+    for ex in experts:
+        for lin in ex.children():
+            torch.nn.init.normal_(lin.weight, 0, 0.1)
+    return experts
+
+
 @pytest.mark.parametrize("calibrate_all", [False, True])
 def test_linear_experts_route_like_a_per_expert_where_loop(calibrate_all):
     """LinearExperts dispatches with one stable sort; the sums must equal, bit for bit, a loop
     of torch.where per expert (the fused module's order: experts in index order, each expert's
     tokens by top-k slot then token), and every expert's Linears see its routed tokens."""
-    from quantkit.pipeline.experts import LinearExperts, _Expert
+    from quantkit.pipeline.experts import LinearExperts
     from quantkit.pipeline.stats import StatCollector
 
-    spec = spec_for_config({"model_type": "qwen3_moe"}).experts
-    torch.manual_seed(3)
-    experts = [_Expert(spec, 64, 32, torch.nn.functional.silu, torch.float32, "cpu") for _ in range(6)]
-    for ex in experts:
-        for lin in ex.children():
-            torch.nn.init.normal_(lin.weight, 0, 0.1)
+    experts = _random_experts(6, seed=3)
     module = LinearExperts(experts, calibrate_all)
     hidden = torch.randn(50, 64)
     top_k_index = torch.randint(0, 5, (50, 2))  # expert 5 never chosen
@@ -760,14 +768,9 @@ def test_awq_loss_forwards_run_only_routed_tokens_under_all_experts_calibration(
     --moe-calibrate-all-experts the experts must run just their routed tokens there (not all
     tokens, 16x the work for Qwen3-30B-A3B), with the same output, and the flag comes back."""
     from quantkit.methods.awq import _routed_only
-    from quantkit.pipeline.experts import LinearExperts, _Expert
+    from quantkit.pipeline.experts import LinearExperts
 
-    spec = spec_for_config({"model_type": "qwen3_moe"}).experts
-    torch.manual_seed(4)
-    experts = [_Expert(spec, 64, 32, torch.nn.functional.silu, torch.float32, "cpu") for _ in range(4)]
-    for ex in experts:
-        for lin in ex.children():
-            torch.nn.init.normal_(lin.weight, 0, 0.1)
+    experts = _random_experts(4, seed=4)
     module = LinearExperts(experts, calibrate_all=True)
     hidden, top_k_index, top_k_weights = torch.randn(40, 64), torch.randint(0, 4, (40, 2)), torch.rand(40, 2)
     seen: list[int] = []
