@@ -76,6 +76,18 @@ class ExpertsSpec:
     router: str = "mlp.gate"
     fused_gate_up: str = "gate_up_proj"
     fused_down: str = "down_proj"
+    # gpt-oss's fused layout: (E, in, out) tensors applied as x @ W (not F.linear's (E, out,
+    # in)), gate and up rows interleaved (even = gate, odd = up) instead of halves, and biases
+    # `{fused}_bias` on every expert projection
+    fused_transposed: bool = False
+    gate_up_interleaved: bool = False
+    bias: bool = False
+    # the fused module's own method that maps the (interleaved) gate_up output to the down
+    # input (gpt-oss's clamped SwiGLU `_apply_gate`); "" = act_fn(gate) * up
+    glu: str = ""
+    # the checkpoint keeps the fused 3-D tensors (gpt-oss), optionally as MXFP4
+    # `{fused}_blocks` / `{fused}_scales`; per-expert tensors are sliced out as they are read
+    stored_fused: bool = False
 
     def linear(self, which: str, expert: int | str = EXPERT) -> str:
         """Block-relative name of expert `expert`'s `which` Linear ("gate", "up" or "down")."""
@@ -255,6 +267,31 @@ _MIXTRAL_GGUF_NAMES = {
     _MIXTRAL_EXPERTS.linear("down"): "blk.{bid}.ffn_down_exps",
 }
 
+# gpt-oss: biased q/k/v/o and attention sinks (a per-head logit, kept unquantized), every
+# block MoE with a biased router `mlp.router` and biased experts stored fused in the
+# checkpoint (MXFP4 in OpenAI's). Per-expert Linears take llm-compressor's names
+# (`mlp.experts.{e}.gate_proj`, ...), what its gpt-oss calibration modules write
+_GPT_OSS_EXPERTS = ExpertsSpec(count_keys=("num_local_experts",), router="mlp.router",
+                               fused_transposed=True, gate_up_interleaved=True, bias=True,
+                               glu="_apply_gate", stored_fused=True)
+
+_GPT_OSS_LINEARS = _LLAMA_LINEARS[:2] + (
+    (_GPT_OSS_EXPERTS.linear("gate"), _GPT_OSS_EXPERTS.linear("up")),
+    (_GPT_OSS_EXPERTS.linear("down"),),
+)
+
+# llama.cpp's gpt-oss (gguf-py MODEL_ARCH.GPT_OSS): the norm before the MoE is
+# post_attention_norm, sinks attn_sinks, the router ffn_gate_inp
+_GPT_OSS_GGUF_NAMES = {
+    **{k: v for k, v in _GGUF_BLOCK_NAMES.items() if not k.startswith("mlp.")},
+    "post_attention_layernorm": "blk.{bid}.post_attention_norm",
+    "self_attn.sinks": "blk.{bid}.attn_sinks",
+    _GPT_OSS_EXPERTS.router: "blk.{bid}.ffn_gate_inp",
+    _GPT_OSS_EXPERTS.linear("gate"): "blk.{bid}.ffn_gate_exps",
+    _GPT_OSS_EXPERTS.linear("up"): "blk.{bid}.ffn_up_exps",
+    _GPT_OSS_EXPERTS.linear("down"): "blk.{bid}.ffn_down_exps",
+}
+
 # Gemma 3: q/k norms, and norms after attention and after the MLP (on their outputs, before
 # the residual add), so the MLP's input norm is pre_feedforward_layernorm, not
 # post_attention_layernorm as in llama
@@ -320,6 +357,13 @@ ARCHS: tuple[ArchSpec, ...] = (
              gguf_kv=("vocab_size", "rope_dimension_count", "head_dim_if_set", "expert_count",
                       "expert_used_count"),
              checkpoint_renames=((".mlp.", ".block_sparse_moe."),)),
+    ArchSpec("gpt_oss", ("GptOssForCausalLM",), ("gpt_oss",), gguf_arch="gpt-oss",
+             sequential=_GPT_OSS_LINEARS, experts=_GPT_OSS_EXPERTS,
+             awq_groups=_LLAMA_AWQ[:2] + _moe_awq(_GPT_OSS_EXPERTS),
+             roles={k: v for k, v in _ROLES.items() if k.startswith("attn")},
+             gguf_names=_GPT_OSS_GGUF_NAMES,
+             gguf_kv=("vocab_size", "rope_dimension_count", "head_dim_if_set", "expert_count",
+                      "expert_used_count", "sliding_window", "expert_feed_forward_length")),
     ArchSpec("gemma3_text", ("Gemma3ForCausalLM",), ("gemma3_text",), gguf_arch="gemma3",
              sequential=_LLAMA_LINEARS, awq_groups=_GEMMA3_AWQ, gguf_names=_GEMMA3_GGUF_NAMES,
              roles=_ROLES, norm_offset=1.0,

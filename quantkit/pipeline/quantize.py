@@ -579,7 +579,7 @@ def _open_model(req: QuantizeRequest, path: Path, config, load_dtype: torch.dtyp
     fused in-memory experts are sliced."""
     all_experts = req.moe_calibrate_all_experts
     if req.stream is not False and any(path.glob("*.safetensors")):
-        reader = ShardReader(path, spec.checkpoint_name)
+        reader = ShardReader(path, spec.checkpoint_name, spec)
         model = skeleton(config, load_dtype, trust_remote_code=req.trust_remote_code)
         linearize_experts(model, spec, all_experts)
         if stream_plan_ok(model, reader):
