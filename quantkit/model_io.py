@@ -153,7 +153,9 @@ def load_model(path: Path, *, dtype: torch.dtype = torch.float32, allow_pickle: 
             trust_remote_code=trust_remote_code)
     except Exception as exc:
         raise ModelLoadError(f"Cannot load model weights from {path}: {exc}") from exc
-    model.eval()
+    # transformers' MXFP4 dequantizer (gpt-oss checkpoints) yields bf16 experts whatever
+    # dtype was asked for: one dtype for every tensor, as for any other checkpoint
+    model.to(dtype).eval()
     if check_weights:
         check_finite(model.named_parameters())
     return model

@@ -139,7 +139,9 @@ def _round_experts_to_mxfp4(model) -> None:
                 codes = torch.stack((blocks & 15, blocks >> 4), -1).flatten(-3)
                 e, n, k = codes.shape
                 w = dequantize_fp4(e2m1_decode(codes.reshape(e * n, k)), scales.reshape(e * n, -1))
-                p.copy_(w.reshape(e, n, k).transpose(1, 2).to(p.dtype))
+                # + 0.0: no -0.0 (a sign-bit zero code), which writing MXFP4 again would
+                # store as +0, so both checkpoints hold the very same bits
+                p.copy_(w.reshape(e, n, k).transpose(1, 2).to(p.dtype) + 0.0)
 
 
 def write_gpt_oss_mxfp4(src: Path, out: Path) -> Path:

@@ -1,0 +1,127 @@
+"""gpt-oss through the one pipeline: OpenAI's MXFP4 checkpoint layout read and decoded by
+quantkit, every method on its biased, interleaved, transposed fused experts, both layouts.
+
+The tiny model is a real GptOssForCausalLM (2 layers, alternating sliding / full attention
+with sinks, 4 experts of 128, top-2, biased router and experts) with random weights whose
+experts lie on the MXFP4 grid; it is saved twice: by transformers (bf16, fused experts) and
+in OpenAI's layout (experts as `*_blocks` / `*_scales`, quant_method mxfp4).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from tiny_models import make_tiny_model, write_gpt_oss_mxfp4
+
+from quantkit.arch import spec_for_config
+from quantkit.pipeline.quantize import QuantizeRequest, quantize
+from quantkit.pipeline.streaming import ShardReader
+from quantkit.types import QuantScheme
+
+EXPERTS = 4
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_bf16(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("gpt_oss"), "gpt_oss", hidden=128,
+                           intermediate=128)
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_mxfp4(gpt_oss_bf16, tmp_path_factory) -> Path:
+    return write_gpt_oss_mxfp4(gpt_oss_bf16, tmp_path_factory.mktemp("gpt_oss_mxfp4"))
+
+
+def _tensors(path: Path) -> dict[str, torch.Tensor]:
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}
+
+
+def test_mxfp4_checkpoint_reads_as_its_bf16_decode(gpt_oss_bf16, gpt_oss_mxfp4):
+    """quantkit's reader slices every per-expert Linear (weights and biases) out of the fused
+    checkpoint tensors, MXFP4 blocks decoded on the way, to the very bits of the bf16 model
+    transformers decodes from the same file (its own Mxfp4 dequantizer: an independent
+    decode); the per-expert modules, run with GptOssExperts' own clamped SwiGLU, compute what
+    the fused module computes."""
+    import transformers
+
+    from quantkit.pipeline.experts import linearize_experts
+
+    config = json.loads((gpt_oss_mxfp4 / "config.json").read_text())
+    spec = spec_for_config(config)
+    assert spec.name == "gpt_oss" and spec.experts.count(config) == EXPERTS
+    stored = set(_tensors(gpt_oss_mxfp4))
+    assert "model.layers.1.mlp.experts.gate_up_proj_blocks" in stored
+    assert "model.layers.1.mlp.experts.gate_up_proj" not in stored
+
+    # transformers decodes the MXFP4 experts to bf16 whatever dtype is asked for
+    model = transformers.AutoModelForCausalLM.from_pretrained(gpt_oss_mxfp4).float()
+    ids = torch.arange(1, 49)[None]  # longer than the sliding window (32)
+    with torch.no_grad():
+        fused_logits = model(ids).logits
+    linearize_experts(model, spec)
+    with torch.no_grad():
+        linear_logits = model(ids).logits
+    assert torch.allclose(linear_logits, fused_logits, atol=1e-4, rtol=0)
+
+    want = {k: v.to(torch.bfloat16) for k, v in model.state_dict().items()}
+    assert "model.layers.0.mlp.experts.3.up_proj.bias" in want
+    for source in (gpt_oss_mxfp4, gpt_oss_bf16):
+        reader = ShardReader(source, spec.checkpoint_name, spec)
+        got = reader.get_many(list(want))
+        bad = [k for k in want if got[k].dtype != torch.bfloat16 or not torch.equal(got[k], want[k])]
+        assert bad == [], (source.name, bad[:4])
+
+
+SCHEME = QuantScheme(bits=4, group_size=64)
+FP8 = QuantScheme(kind="fp8", bits=8, group_size=-1)
+
+
+def _quantize(model: Path, out: Path, method: str, **kw) -> Path:
+    options = {"awq": {"n_grid": 8, "clip_grid": 8}, "fp8": {"scheme": "dynamic"}}.get(method, {})
+    req = QuantizeRequest(model=str(model), method=method, scheme=FP8 if method == "fp8" else SCHEME,
+                          out=out, calib_samples=4, calib_seqlen=64, resume=False,
+                          method_options=options, **kw)
+    quantize(req)
+    return out
+
+
+@pytest.mark.parametrize("method", ["rtn", "gptq", "awq", "fp8"])
+def test_gpt_oss_methods_mxfp4_streamed_equals_bf16_fused(gpt_oss_bf16, gpt_oss_mxfp4, tmp_path,
+                                                          method):
+    """The MXFP4 checkpoint streamed block by block (quantkit's decode) and the bf16 model
+    loaded whole by transformers (fused experts sliced in memory) give the same bytes; experts
+    are per-expert Linears under llm-compressor's names with their biases in bf16, the router
+    stays bf16 and unquantized; quantkit's loader runs the artifact."""
+    from quantkit.loader import load_artifact
+
+    streamed = _quantize(gpt_oss_mxfp4, tmp_path / "streamed", method, stream=True)
+    fused = _quantize(gpt_oss_bf16, tmp_path / "fused", method, stream=False)
+    assert (streamed / "model.safetensors").read_bytes() == (fused / "model.safetensors").read_bytes()
+    t = _tensors(streamed)
+    suffix = "weight" if method == "fp8" else "weight_packed"
+    for e in range(EXPERTS):
+        for w in ("gate_proj", "up_proj", "down_proj"):
+            assert f"model.layers.1.mlp.experts.{e}.{w}.{suffix}" in t
+            assert t[f"model.layers.1.mlp.experts.{e}.{w}.bias"].dtype == torch.bfloat16
+    assert not any(k.endswith(("_blocks", "_scales", "experts.gate_up_proj")) for k in t)
+    assert t["model.layers.0.mlp.router.weight"].dtype == torch.bfloat16
+    assert t["model.layers.0.mlp.router.bias"].dtype == torch.bfloat16
+    assert t["model.layers.0.self_attn.sinks"].dtype == torch.bfloat16
+    qcfg = json.loads((streamed / "config.json").read_text())["quantization_config"]
+    assert qcfg["quant_method"] == "compressed-tensors" and r"re:.*mlp\.router$" in qcfg["ignore"]
+    stats = json.loads((streamed / "quantkit_stats.json").read_text())
+    assert stats["experts"]["linears"] == 2 * EXPERTS * 3
+    if method == "awq":  # one scale for the norm's whole MoE group: the router compensated
+        spec = spec_for_config(json.loads((gpt_oss_bf16 / "config.json").read_text()))
+        groups = spec.awq_groups_for(EXPERTS)
+        moe = [g for g in groups if g.prev == "post_attention_layernorm"]
+        assert len(moe) == 1 and len(moe[0].balance) == 2 * EXPERTS
+        assert moe[0].compensate == ("mlp.router",)
+    loaded = load_artifact(streamed).model
+    with torch.no_grad():
+        assert torch.isfinite(loaded(torch.arange(1, 49)[None]).logits).all()
