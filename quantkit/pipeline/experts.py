@@ -31,8 +31,8 @@ class _Expert(nn.Module):
     down(glu(gate_up(x))) with the fused module's own `glu` method (gpt-oss's clamped SwiGLU
     on the interleaved gate/up output)."""
 
-    def __init__(self, spec: ExpertsSpec, hidden: int, inter: int, fused: nn.Module, dtype,
-                 device):
+    def __init__(self, spec: ExpertsSpec, hidden: int, inter: int, act_fn, dtype, device,
+                 glu=None):
         super().__init__()
         # skip_init: no random init of weights that are copied from the fused tensors (or
         # streamed in) right after: nn.Linear's kaiming init of 128 experts x 3 Linears of
@@ -44,10 +44,8 @@ class _Expert(nn.Module):
         setattr(self, spec.down, make(inter, hidden))
         self._names = (spec.gate, spec.up, spec.down)
         self._interleaved = spec.gate_up_interleaved
-        # a bound method of a weightless copy of the fused module: the model's own code, with
-        # its constants (alpha, limit), without keeping the fused weights alive
-        self._glu = getattr(_weightless(fused), spec.glu) if spec.glu else None
-        self.act_fn = None if spec.glu else fused.act_fn
+        self._glu = glu
+        self.act_fn = act_fn
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up, down = (getattr(self, n) for n in self._names)
@@ -164,9 +162,13 @@ def linearize_experts(model: nn.Module, spec: ArchSpec, calibrate_all: bool = Fa
         n = gate_up.shape[0]
         hidden, two_inter = gate_up.shape[1:] if es.fused_transposed else gate_up.shape[:0:-1]
         inter = two_inter // 2
+        # gpt-oss: a bound method of a weightless copy of the fused module, the model's own
+        # code with its constants (alpha, limit), not keeping the fused weights alive
+        glu = getattr(_weightless(fused), es.glu) if es.glu else None
+        act_fn = None if es.glu else fused.act_fn
         experts = []
         for e in range(n):
-            expert = _Expert(es, hidden, inter, fused, gate_up.dtype, gate_up.device)
+            expert = _Expert(es, hidden, inter, act_fn, gate_up.dtype, gate_up.device, glu)
             if gate_up.device.type != "meta":
                 with torch.no_grad():
                     for name, value in expert_tensors(es, params, e).items():
