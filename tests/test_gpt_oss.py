@@ -125,3 +125,71 @@ def test_gpt_oss_methods_mxfp4_streamed_equals_bf16_fused(gpt_oss_bf16, gpt_oss_
     loaded = load_artifact(streamed).model
     with torch.no_grad():
         assert torch.isfinite(loaded(torch.arange(1, 49)[None]).logits).all()
+
+
+# ---------------------------------------------------------------- GGUF: llama.cpp's gpt-oss
+
+@pytest.fixture(scope="module")
+def gpt_oss_gguf_model(tmp_path_factory) -> Path:
+    """K-quant widths (hidden 256, 4 experts of 256), bf16 as transformers saves it."""
+    return make_tiny_model(tmp_path_factory.mktemp("gpt_oss_gguf"), "gpt_oss", hidden=256,
+                           intermediate=256)
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_reference_bf16(gpt_oss_gguf_model, tmp_path_factory) -> Path:
+    from gguf_reference import convert_with_llama_cpp
+
+    return convert_with_llama_cpp(gpt_oss_gguf_model,
+                                  tmp_path_factory.mktemp("gpt_oss_ref") / "ref.bf16.gguf")
+
+
+def _gguf(model: Path, out: Path, gguf_type: str, **kw) -> Path:
+    quantize(QuantizeRequest(model=str(model), method="gguf", format="gguf",
+                             method_options={"gguf_type": gguf_type},
+                             scheme=QuantScheme(kind="kquant", gguf_type=gguf_type), out=out,
+                             resume=False, **kw))
+    return out
+
+
+@pytest.mark.engine
+def test_gpt_oss_bf16_gguf_equals_llama_cpp_converter_and_runs(gpt_oss_gguf_model,
+                                                                gpt_oss_reference_bf16, tmp_path):
+    """llama.cpp's gpt-oss: experts de-interleaved and stacked into ffn_{gate,up,down}_exps
+    with their biases as F32 [n, E], the biased router as F32 ffn_gate_inp, sinks as
+    attn_sinks, post_attention_norm, YaRN and sliding-window keys: tensor for tensor and key
+    for key what convert_hf_to_gguf.py writes (but general.* provenance); llama.cpp then
+    computes transformers' logits and generates."""
+    from gguf_reference import assert_generates, assert_llama_cpp_logits_match, assert_same_gguf
+
+    ours = _gguf(gpt_oss_gguf_model, tmp_path / "bf16.gguf", "bf16")
+    kv, tensors = assert_same_gguf(ours, gpt_oss_reference_bf16)
+    assert tensors["blk.1.ffn_gate_exps.weight"][:2] == ("BF16", [256, 256, 4])
+    assert tensors["blk.1.ffn_gate_exps.bias"][:2] == ("F32", [256, 4])
+    assert tensors["blk.1.ffn_gate_inp.bias"][:2] == ("F32", [4])
+    assert tensors["blk.0.attn_sinks.weight"][:2] == ("F32", [4])
+    assert (kv["gpt-oss.expert_count"], kv["gpt-oss.expert_used_count"],
+            kv["gpt-oss.expert_feed_forward_length"], kv["gpt-oss.attention.sliding_window"]) == \
+        (4, 2, 256, 32)
+    assert kv["gpt-oss.rope.scaling.yarn_beta_fast"] == 32.0
+    assert_llama_cpp_logits_match(ours, gpt_oss_gguf_model, "gpt-oss")
+    assert_generates(ours)
+
+
+@pytest.mark.engine
+def test_gpt_oss_q4_k_m_equals_llama_quantize(gpt_oss_gguf_model, gpt_oss_reference_bf16,
+                                              tmp_path):
+    """Q4_K_M of gpt-oss = llama_model_quantize of the converter's BF16 file, type and byte
+    for byte (3-D experts included, biases and router F32)."""
+    from gguf_reference import gguf_contents
+
+    from quantkit.engines.llamacpp import llama_quantize
+
+    lq = tmp_path / "lq.gguf"
+    llama_quantize(gpt_oss_reference_bf16, lq, "q4_k_m")
+    ours = _gguf(gpt_oss_gguf_model, tmp_path / "q4_k_m.gguf", "q4_k_m")
+    (_, got), (_, want) = gguf_contents(ours), gguf_contents(lq)
+    assert {t: v[:2] for t, v in got.items()} == {t: v[:2] for t, v in want.items()}
+    assert [t for t in want if got[t][2] != want[t][2]] == []
+    assert (got["blk.0.ffn_down_exps.weight"][0], got["blk.0.ffn_gate_inp.weight"][0],
+            got["blk.0.ffn_down_exps.bias"][0]) == ("Q4_K", "F32", "F32")

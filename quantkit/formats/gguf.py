@@ -39,10 +39,11 @@ from quantkit.types import QuantResult, QuantScheme
 __all__ = ["GGUFFileWriter", "gguf_name", "gguf_slot", "FILE_TYPES", "read_gguf", "gguf_metadata", "GGUFTensor"]
 
 Q = GGMLQuantizationType
-GGUF_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3", "phi3")
-# llama.cpp's gemma3 loader assumes every 6th layer is global (load_swa_pattern(ml, 6)): the
-# converter writes no pattern, so other layer_types would run differently there
-_GEMMA3_SWA_PATTERN = 6
+GGUF_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3", "phi3", "gpt-oss")
+# llama.cpp's loaders fix which layers are global (set_swa_pattern(n): every nth): gemma3
+# every 6th, gpt-oss every 2nd; the converter writes no pattern, so other layer_types would
+# run differently there
+_SWA_PATTERNS = {"gemma3": 6, "gpt-oss": 2}
 # gguf_type -> (general.file_type, type of 2-D weights that have no quantized result)
 FILE_TYPES = {"f16": (1, Q.F16), "bf16": (32, Q.BF16), "q8_0": (7, Q.F16), "q6_k": (18, Q.F16),
               "q5_k_m": (17, Q.F16), "q5_k_s": (16, Q.F16), "q4_k_m": (15, Q.F16),
@@ -101,6 +102,8 @@ def gguf_slot(spec: ArchSpec, hf_name: str) -> tuple[str, int | None] | None:
     prefix = spec.block_path + "."
     if module.startswith(prefix):
         bid, _, rel = module[len(prefix):].partition(".")
+        if bid.isdigit() and f"{rel}.{suffix}" in spec.gguf_names:  # a bare parameter (sinks)
+            rel, suffix = f"{rel}.{suffix}", "weight"
         slot = spec.gguf_slot(rel) if bid.isdigit() else None
         return (f"{slot[0].format(bid=int(bid))}.{suffix}", slot[1]) if slot else None
     base = {spec.embed: "token_embd", spec.final_norm: "output_norm", spec.lm_head: "output"}.get(module)
@@ -197,13 +200,14 @@ def _check_config(spec: ArchSpec, config: dict) -> None:
     if rtype not in ok:
         raise UnsupportedArchitecture(f"RoPE scaling {rtype!r} is not written by quantkit's GGUF "
                                       f"writer for {spec.gguf_arch}.", f"Supported: {sorted(ok)}.")
-    if "sliding_window" in spec.gguf_kv and config.get("layer_types"):
-        want = ["full_attention" if (i + 1) % _GEMMA3_SWA_PATTERN == 0 else "sliding_attention"
+    pattern = _SWA_PATTERNS.get(spec.gguf_arch)
+    if pattern and config.get("layer_types"):
+        want = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
                 for i in range(config["num_hidden_layers"])]
         if list(config["layer_types"]) != want:
             raise UnsupportedArchitecture(
                 f"layer_types {config['layer_types']} differ from llama.cpp's {spec.gguf_arch} "
-                f"pattern (every {_GEMMA3_SWA_PATTERN}th layer global).",
+                f"pattern (every {pattern}th layer global).",
                 "llama.cpp would run other layers with sliding-window attention; use another format.")
     if config.get("use_sliding_window"):
         raise UnsupportedArchitecture("Sliding-window attention is not written to GGUF by quantkit.")
@@ -368,6 +372,14 @@ class GGUFFileWriter:
             w.add_rope_scaling_type(_rope_scaling("YARN"))
             w.add_rope_scaling_factor(float(factor))
             w.add_rope_scaling_orig_ctx_len(int(rope["original_max_position_embeddings"]))
+            # the converter's optional YaRN keys, each written when the config sets it
+            for key, add in (("extrapolation_factor", w.add_rope_scaling_yarn_ext_factor),
+                             ("attention_factor", w.add_rope_scaling_yarn_attn_factor),
+                             ("beta_fast", w.add_rope_scaling_yarn_beta_fast),
+                             ("beta_slow", w.add_rope_scaling_yarn_beta_slow)):
+                value = rope.get(key, rope.get("attn_factor") if key == "attention_factor" else None)
+                if value is not None:
+                    add(float(value))
         w.add_file_type(ftype)
         w.add_quantization_version(2)
         if meta:
@@ -419,6 +431,9 @@ _OPTIONAL_KV = {
     "expert_used_count": lambda w, c: w.add_expert_used_count(int(c["num_experts_per_tok"])),
     "expert_feed_forward_length": lambda w, c: w.add_expert_feed_forward_length(
         int(c["moe_intermediate_size"])),
+    # gpt-oss: its experts are intermediate_size wide
+    "expert_feed_forward_length_intermediate": lambda w, c: w.add_expert_feed_forward_length(
+        int(c["intermediate_size"])),
 }
 
 
