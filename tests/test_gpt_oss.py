@@ -193,3 +193,20 @@ def test_gpt_oss_q4_k_m_equals_llama_quantize(gpt_oss_gguf_model, gpt_oss_refere
     assert [t for t in want if got[t][2] != want[t][2]] == []
     assert (got["blk.0.ffn_down_exps.weight"][0], got["blk.0.ffn_gate_inp.weight"][0],
             got["blk.0.ffn_down_exps.bias"][0]) == ("Q4_K", "F32", "F32")
+
+
+@pytest.mark.engine
+def test_gpt_oss_w4a16_artifact_in_real_vllm(gpt_oss_mxfp4, tmp_path):
+    """vLLM 0.32 picks its compressed-tensors WNA16 MoE method for gpt-oss's per-expert
+    experts and refuses at engine start on every CPU: its CPU int4 MoE kernel
+    (CPUExpertsInt4, fused_moe/experts/cpu_moe.py) takes SiLU only and gpt-oss's experts
+    use "swigluoai" (models/gpt_oss.py), with or without AMX (seen on this AMX machine)."""
+    from quantkit.engines.vllm import run_vllm
+    from quantkit.errors import EngineError
+
+    artifact = _quantize(gpt_oss_mxfp4, tmp_path / "rtn", "rtn")
+    with pytest.raises(EngineError) as e:
+        run_vllm(artifact, generate=[{"prompt": "The capital of France is", "max_tokens": 4}],
+                 max_model_len=256)
+    assert "No WNA16 MoE backend supports the deployment configuration." in str(e.value)
+    assert "Using CompressedTensorsWNA16MoEMethod" in e.value.log
