@@ -177,6 +177,32 @@ def test_gpt_oss_bf16_gguf_equals_llama_cpp_converter_and_runs(gpt_oss_gguf_mode
 
 
 @pytest.mark.engine
+def test_gpt_oss_mxfp4_checkpoint_bf16_gguf_keeps_its_mxfp4_experts_as_the_converter(
+        gpt_oss_gguf_model, tmp_path):
+    """From OpenAI's MXFP4 layout llama.cpp's converter writes the experts' stored blocks as
+    ggml MXFP4 (nibbles re-laid, E8M0 byte first, gate/up rows de-interleaved) and the rest
+    BF16; quantkit's BF16 GGUF of the same directory equals it tensor for tensor (types,
+    shapes, bytes) and key for key but general.* (its general.file_type says MOSTLY_MXFP4_MOE);
+    llama.cpp computes the logits transformers computes from that directory, and generates."""
+    from gguf_reference import (
+        assert_generates,
+        assert_llama_cpp_logits_match,
+        assert_same_gguf,
+        convert_with_llama_cpp,
+    )
+
+    source = write_gpt_oss_mxfp4(gpt_oss_gguf_model, tmp_path / "mxfp4")
+    ref = convert_with_llama_cpp(source, tmp_path / "ref.gguf")
+    ours = _gguf(source, tmp_path / "bf16.gguf", "bf16")
+    _, tensors = assert_same_gguf(ours, ref)
+    assert tensors["blk.1.ffn_up_exps.weight"][:2] == ("MXFP4", [256, 256, 4])
+    assert tensors["blk.1.ffn_down_exps.weight"][:2] == ("MXFP4", [256, 256, 4])
+    assert tensors["blk.1.attn_q.weight"][0] == "BF16"
+    assert_llama_cpp_logits_match(ours, source, "gpt-oss MXFP4")
+    assert_generates(ours)
+
+
+@pytest.mark.engine
 def test_gpt_oss_q4_k_m_equals_llama_quantize(gpt_oss_gguf_model, gpt_oss_reference_bf16,
                                               tmp_path):
     """Q4_K_M of gpt-oss = llama_model_quantize of the converter's BF16 file, type and byte

@@ -14,6 +14,8 @@ Layout written (gguf's GGUFWriter; tensor data 32-byte aligned, dims reversed on
        Mixture of experts (qwen3moe): each block's per-expert Linears stacked into one 3-D
        tensor per projection (ffn_{gate,up,down}_exps, experts on the slowest axis), built
        as it is written; the router ffn_gate_inp F32, as llama.cpp's converter forces it.
+       gpt-oss checkpoints in MXFP4 keep their experts' stored bytes at 16-bit types, as
+       ggml MXFP4 (as the converter does).
 The llama arch wants q/k rows permuted for its rotary layout; that is a row permutation, so
 it is applied to encoded rows too (`_permute`).
 """
@@ -108,6 +110,57 @@ def gguf_slot(spec: ArchSpec, hf_name: str) -> tuple[str, int | None] | None:
         return (f"{slot[0].format(bid=int(bid))}.{suffix}", slot[1]) if slot else None
     base = {spec.embed: "token_embd", spec.final_norm: "output_norm", spec.lm_head: "output"}.get(module)
     return (f"{base}.{suffix}", None) if base else None
+
+
+def _stored_mxfp4_experts(spec: ArchSpec, config: dict, source_dir: Path | None
+                          ) -> dict[tuple[str, int], object]:
+    """gpt-oss checkpoints in MXFP4: llama.cpp's converter writes the experts' stored blocks
+    as they are, as ggml MXFP4 (whatever its 16-bit --outtype), and so does quantkit at 16-bit
+    types. {(GGUF tensor name, expert): make (rows, cols / 32 * 17) uint8}, lazily read."""
+    from quantkit.readers import safetensors_header, tensor_files
+
+    es = spec.experts
+    quant = config.get("quantization_config") or {}
+    if es is None or not es.stored_fused or quant.get("quant_method") != "mxfp4" \
+            or source_dir is None:
+        return {}
+    files = tensor_files(Path(source_dir))
+    out = {}
+    for name, file in files.items():
+        module, _, param = name.rpartition(".")
+        split = {f"{es.fused_gate_up}_blocks": (es.gate, es.up),
+                 f"{es.fused_down}_blocks": (es.down,)}.get(param)
+        if split is None:
+            continue
+        experts = safetensors_header(file)[0][name]["shape"][0]
+        scales = name[: -len("_blocks")] + "_scales"
+        for part, linear in enumerate(split):
+            gname, _ = gguf_slot(spec, f"{module}.0.{linear}.weight")
+            for e in range(experts):
+                out[(gname, e)] = lambda a=(file, name, files[scales], scales, e, part, len(split)): \
+                    _ggml_mxfp4(*a, interleaved=es.gate_up_interleaved)
+    return out
+
+
+def _ggml_mxfp4(blocks_file: Path, blocks_name: str, scales_file: Path, scales_name: str,
+                expert: int, part: int, parts: int, interleaved: bool) -> np.ndarray:
+    """One expert's rows of a checkpoint MXFP4 tensor as ggml block_mxfp4 (E8M0 byte, then 16
+    bytes: element j in byte j's low nibble, j + 16 in its high nibble), from the checkpoint's
+    blocks (element 2j low, 2j + 1 high) and scales. `part` of `parts` picks gate or up rows
+    of a fused gate_up (even / odd rows when interleaved, else halves)."""
+    from safetensors import safe_open
+
+    with safe_open(str(blocks_file), framework="pt") as f:
+        blocks = f.get_slice(blocks_name)[expert]
+    with safe_open(str(scales_file), framework="pt") as f:
+        scales = f.get_slice(scales_name)[expert]
+    if parts > 1:
+        rows = blocks.shape[0] // parts
+        pick = slice(part, None, parts) if interleaved else slice(part * rows, (part + 1) * rows)
+        blocks, scales = blocks[pick], scales[pick]
+    codes = torch.stack((blocks & 15, blocks >> 4), -1).flatten(-2)  # (rows, G, 32)
+    qs = codes[..., :16] | (codes[..., 16:] << 4)
+    return torch.cat((scales[..., None], qs), -1).flatten(-2).contiguous().numpy()
 
 
 # 2-D weights the converter always writes as F32, whatever --outtype (base.py forces the MoE
@@ -278,11 +331,18 @@ class GGUFFileWriter:
                 permute[f"blk.{i}.attn_q"], permute[f"blk.{i}.attn_k"] = n_head, n_kv
         tensors = _TensorList()
         notes, stats = [], {}
+        stored = _stored_mxfp4_experts(spec, config, source_dir) if gtype in ("bf16", "f16") \
+            else {}
         for name, res in results.items():
             slot = gguf_slot(spec, name + ".weight")
             if slot is None:
                 raise UnsupportedArchitecture(f"Cannot express quantized tensor {name} in GGUF.")
             gname, expert = slot
+            if slot in stored:  # the checkpoint's own MXFP4 bytes, as the converter writes them
+                tensors.add(gname, expert, stored[slot], Q.MXFP4)
+                if res.bias is not None:
+                    dense = {**dense, name + ".bias": res.bias}
+                continue
             qtype = Q(int(res.extra["gguf_type"]))
             data = res.extra["gguf_bytes"]
             if gname[:-len(".weight")] in permute:
@@ -305,6 +365,9 @@ class GGUFFileWriter:
                     "Only the tensors of a plain decoder (embeddings, attention, MLP, norms, "
                     "routers and experts) map.")
             gname, expert = slot
+            if slot in stored:
+                tensors.add(gname, expert, stored[slot], Q.MXFP4)
+                continue
             base = gname.rsplit(".", 1)[0]
             if base in permute:
                 t = _permute(t, permute[base])
