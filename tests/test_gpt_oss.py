@@ -84,7 +84,7 @@ FP8 = QuantScheme(kind="fp8", bits=8, group_size=-1)
 def _quantize(model: Path, out: Path, method: str, **kw) -> Path:
     options = {"awq": {"n_grid": 8, "clip_grid": 8}, "fp8": {"scheme": "dynamic"}}.get(method, {})
     req = QuantizeRequest(model=str(model), method=method, scheme=FP8 if method == "fp8" else SCHEME,
-                          out=out, calib_samples=4, calib_seqlen=64, resume=False,
+                          out=out, calib_samples=4 if method == "awq" else 2, calib_seqlen=64, resume=False,
                           method_options=options, **kw)
     quantize(req)
     return out
@@ -159,8 +159,8 @@ def test_gpt_oss_bf16_gguf_equals_llama_cpp_converter_and_runs(gpt_oss_gguf_mode
     with their biases as F32 [n, E], the biased router as F32 ffn_gate_inp, sinks as
     attn_sinks, post_attention_norm, YaRN and sliding-window keys: tensor for tensor and key
     for key what convert_hf_to_gguf.py writes (but general.* provenance); llama.cpp then
-    computes transformers' logits and generates."""
-    from gguf_reference import assert_generates, assert_llama_cpp_logits_match, assert_same_gguf
+    computes transformers' logits (the MXFP4 test below generates)."""
+    from gguf_reference import assert_llama_cpp_logits_match, assert_same_gguf
 
     ours = _gguf(gpt_oss_gguf_model, tmp_path / "bf16.gguf", "bf16")
     kv, tensors = assert_same_gguf(ours, gpt_oss_reference_bf16)
@@ -173,7 +173,6 @@ def test_gpt_oss_bf16_gguf_equals_llama_cpp_converter_and_runs(gpt_oss_gguf_mode
         (4, 2, 256, 32)
     assert kv["gpt-oss.rope.scaling.yarn_beta_fast"] == 32.0
     assert_llama_cpp_logits_match(ours, gpt_oss_gguf_model, "gpt-oss")
-    assert_generates(ours)
 
 
 @pytest.mark.engine
