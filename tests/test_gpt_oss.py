@@ -235,3 +235,19 @@ def test_gpt_oss_w4a16_artifact_in_real_vllm(gpt_oss_mxfp4, tmp_path):
                  max_model_len=256)
     assert "No WNA16 MoE backend supports the deployment configuration." in str(e.value)
     assert "Using CompressedTensorsWNA16MoEMethod" in e.value.log
+
+
+def test_gpt_oss_gguf_refuses_layer_types_llama_cpp_would_not_run(gpt_oss_bf16, tmp_path):
+    """llama.cpp's gpt-oss takes every 2nd layer as global, sliding first (the converter
+    writes no pattern): other layer_types are refused before any work."""
+    import shutil
+
+    from quantkit.errors import UnsupportedArchitecture
+
+    src = shutil.copytree(gpt_oss_bf16, tmp_path / "src")
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["layer_types"] = ["full_attention", "sliding_attention"]
+    (src / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedArchitecture, match="every 2nd layer global"):
+        _gguf(src, tmp_path / "x.gguf", "bf16")
+    assert not (tmp_path / "x.gguf").exists()

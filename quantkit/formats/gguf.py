@@ -260,7 +260,7 @@ def _check_config(spec: ArchSpec, config: dict) -> None:
         if list(config["layer_types"]) != want:
             raise UnsupportedArchitecture(
                 f"layer_types {config['layer_types']} differ from llama.cpp's {spec.gguf_arch} "
-                f"pattern (every {pattern}th layer global).",
+                f"pattern (every {({2: '2nd'}).get(pattern, f'{pattern}th')} layer global).",
                 "llama.cpp would run other layers with sliding-window attention; use another format.")
     if config.get("use_sliding_window"):
         raise UnsupportedArchitecture("Sliding-window attention is not written to GGUF by quantkit.")
