@@ -181,7 +181,7 @@ def test_gpt_oss_mxfp4_checkpoint_bf16_gguf_keeps_its_mxfp4_experts_as_the_conve
     """From OpenAI's MXFP4 layout llama.cpp's converter writes the experts' stored blocks as
     ggml MXFP4 (nibbles re-laid, E8M0 byte first, gate/up rows de-interleaved) and the rest
     BF16; quantkit's BF16 GGUF of the same directory equals it tensor for tensor (types,
-    shapes, bytes) and key for key but general.* (its general.file_type says MOSTLY_MXFP4_MOE);
+    shapes, bytes) and key for key but general.*, general.file_type MOSTLY_MXFP4_MOE in both;
     llama.cpp computes the logits transformers computes from that directory, and generates."""
     from gguf_reference import (
         assert_generates,
@@ -197,6 +197,9 @@ def test_gpt_oss_mxfp4_checkpoint_bf16_gguf_keeps_its_mxfp4_experts_as_the_conve
     assert tensors["blk.1.ffn_up_exps.weight"][:2] == ("MXFP4", [256, 256, 4])
     assert tensors["blk.1.ffn_down_exps.weight"][:2] == ("MXFP4", [256, 256, 4])
     assert tensors["blk.1.attn_q.weight"][0] == "BF16"
+    from quantkit.readers import read_gguf
+
+    assert read_gguf(ours)[0]["general.file_type"] == read_gguf(ref)[0]["general.file_type"] == 38
     assert_llama_cpp_logits_match(ours, source, "gpt-oss MXFP4")
     assert_generates(ours)
 

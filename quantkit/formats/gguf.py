@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFEndian, GGUFValueType, GGUFWriter
+from gguf import GGMLQuantizationType, GGUFEndian, GGUFValueType, GGUFWriter, LlamaFileType
 
 from quantkit.arch import ArchSpec, spec_for_config
 from quantkit.errors import SchemeMismatch, UnsupportedArchitecture
@@ -316,6 +316,10 @@ class GGUFFileWriter:
         if gtype not in FILE_TYPES:
             raise SchemeMismatch(f"gguf_type {gtype!r} is not one of {', '.join(FILE_TYPES)}.")
         ftype, dense_2d = FILE_TYPES[gtype]
+        stored = _stored_mxfp4_experts(spec, config, source_dir) if gtype in ("bf16", "f16") \
+            else {}
+        if stored:  # the converter's file type when experts stay MXFP4 (LlamaFileType)
+            ftype = int(LlamaFileType.MOSTLY_MXFP4_MOE)
         w = _FastArrayWriter(str(out_file), spec.gguf_arch)
         self._metadata(w, spec, config, ftype, meta)
         if source_dir is not None:
@@ -331,8 +335,6 @@ class GGUFFileWriter:
                 permute[f"blk.{i}.attn_q"], permute[f"blk.{i}.attn_k"] = n_head, n_kv
         tensors = _TensorList()
         notes, stats = [], {}
-        stored = _stored_mxfp4_experts(spec, config, source_dir) if gtype in ("bf16", "f16") \
-            else {}
         for name, res in results.items():
             slot = gguf_slot(spec, name + ".weight")
             if slot is None:
