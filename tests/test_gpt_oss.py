@@ -208,14 +208,17 @@ def test_gpt_oss_mxfp4_checkpoint_bf16_gguf_keeps_its_mxfp4_experts_as_the_conve
 def test_gpt_oss_q4_k_m_equals_llama_quantize(gpt_oss_gguf_model, gpt_oss_reference_bf16,
                                               tmp_path):
     """Q4_K_M of gpt-oss = llama_model_quantize of the converter's BF16 file, type and byte
-    for byte (3-D experts included, biases and router F32)."""
+    for byte (3-D experts included, biases and router F32). quantkit quantizes the MXFP4
+    checkpoint of the same weights (its own decode, streamed): llama_model_quantize itself
+    refuses the converter's MXFP4 file ("requantizing from type mxfp4 is disabled")."""
     from gguf_reference import gguf_contents
 
     from quantkit.engines.llamacpp import llama_quantize
 
     lq = tmp_path / "lq.gguf"
     llama_quantize(gpt_oss_reference_bf16, lq, "q4_k_m")
-    ours = _gguf(gpt_oss_gguf_model, tmp_path / "q4_k_m.gguf", "q4_k_m")
+    source = write_gpt_oss_mxfp4(gpt_oss_gguf_model, tmp_path / "mxfp4")
+    ours = _gguf(source, tmp_path / "q4_k_m.gguf", "q4_k_m")
     (_, got), (_, want) = gguf_contents(ours), gguf_contents(lq)
     assert {t: v[:2] for t, v in got.items()} == {t: v[:2] for t, v in want.items()}
     assert [t for t in want if got[t][2] != want[t][2]] == []
