@@ -77,6 +77,55 @@ def test_mxfp4_checkpoint_reads_as_its_bf16_decode(gpt_oss_bf16, gpt_oss_mxfp4):
         assert bad == [], (source.name, bad[:4])
 
 
+def test_awq_rows_fold_without_changing_the_model(gpt_oss_bf16):
+    """Every AWQ group of the gpt-oss row, folded with random scales into every block (the
+    norm's one scale for all experts' gate/up with the biased router compensated, q/k/v
+    from the input norm; v -> o is skipped under grouped-query attention), leaves the model's logits as they were
+    (before rounding). No up -> down group: down reads (clamp(up) + 1) * glu(gate), which a
+    scale on up's rows would change (shown: that fold moves the block's output)."""
+    import transformers
+
+    from quantkit.methods.scaling import fold_scale, scale_plans
+    from quantkit.pipeline.experts import linearize_experts
+    from quantkit.types import BlockContext
+
+    spec = spec_for_config(json.loads((gpt_oss_bf16 / "config.json").read_text()))
+    model = transformers.AutoModelForCausalLM.from_pretrained(gpt_oss_bf16, dtype=torch.float32)
+    linearize_experts(model, spec)
+    ids = torch.arange(1, 49)[None]
+    with torch.no_grad():
+        before = model(ids).logits
+    torch.manual_seed(0)
+    for block in model.model.layers:
+        linears = {n: m for n, m in block.named_modules() if isinstance(m, torch.nn.Linear)}
+        ctx = BlockContext(index=0, block=block, linears=linears, stats={}, scheme=SCHEME,
+                           inputs=[], rerun=list, arch=spec)
+        plans = scale_plans(ctx)
+        assert [p.group.prev for p in plans] == ["input_layernorm", "self_attn.v_proj",
+                                                  "post_attention_layernorm"]
+        assert list(plans[2].compensate) == ["mlp.router"] and len(plans[2].balance) == 2 * EXPERTS
+        col = {n: torch.ones(m.in_features) for n, m in linears.items()}
+        row = {n: torch.ones(m.out_features) for n, m in linears.items()}
+        for plan in plans:
+            if plan.mode == "skip":  # v -> o under grouped-query attention: AWQ skips it
+                continue
+            width = next(iter(plan.balance.values())).in_features
+            fold_scale(plan, torch.exp(torch.randn(width) / 2), col, row, {})
+    with torch.no_grad():
+        after = model(ids).logits
+    assert torch.allclose(after, before, rtol=1e-3, atol=1e-4)
+    # what the missing group would do: up's rows / s, down's columns * s moves the output
+    expert = model.model.layers[0].mlp.experts[0]
+    x = torch.randn(16, expert.up_proj.in_features)
+    with torch.no_grad():
+        out = expert(x)
+        s = torch.exp(torch.randn(expert.up_proj.out_features))
+        expert.up_proj.weight.div_(s[:, None])
+        expert.up_proj.bias.div_(s)
+        expert.down_proj.weight.mul_(s)
+        assert not torch.allclose(expert(x), out, rtol=1e-2, atol=1e-3)
+
+
 SCHEME = QuantScheme(bits=4, group_size=64)
 FP8 = QuantScheme(kind="fp8", bits=8, group_size=-1)
 

@@ -280,6 +280,11 @@ _GPT_OSS_LINEARS = _LLAMA_LINEARS[:2] + (
     (_GPT_OSS_EXPERTS.linear("down"),),
 )
 
+# AWQ: no up -> down group for gpt-oss: down reads (clamp(up) + 1) * glu(gate), not
+# linear in up's output, so a scale folded from down's columns into up's rows would change
+# what the block computes (the norm -> every expert's gate/up group stays: one scale, the
+# router compensated)
+
 # llama.cpp's gpt-oss (gguf-py MODEL_ARCH.GPT_OSS): the norm before the MoE is
 # post_attention_norm, sinks attn_sinks, the router ffn_gate_inp
 _GPT_OSS_GGUF_NAMES = {
@@ -359,7 +364,7 @@ ARCHS: tuple[ArchSpec, ...] = (
              checkpoint_renames=((".mlp.", ".block_sparse_moe."),)),
     ArchSpec("gpt_oss", ("GptOssForCausalLM",), ("gpt_oss",), gguf_arch="gpt-oss",
              sequential=_GPT_OSS_LINEARS, experts=_GPT_OSS_EXPERTS,
-             awq_groups=_LLAMA_AWQ[:2] + _moe_awq(_GPT_OSS_EXPERTS),
+             awq_groups=_LLAMA_AWQ[:2] + _moe_awq(_GPT_OSS_EXPERTS)[:1],
              roles={k: v for k, v in _ROLES.items() if k.startswith("attn")},
              gguf_names=_GPT_OSS_GGUF_NAMES,
              gguf_kv=("head_dim_if_set", "expert_count", "expert_used_count", "sliding_window",
