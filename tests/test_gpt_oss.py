@@ -68,6 +68,11 @@ def test_mxfp4_checkpoint_reads_as_its_bf16_decode(gpt_oss_bf16, gpt_oss_mxfp4):
         linear_logits = model(ids).logits
     assert torch.allclose(linear_logits, fused_logits, atol=1e-4, rtol=0)
 
+    # quantkit's whole-model load (--no-stream) of the MXFP4 checkpoint: one dtype throughout
+    from quantkit.model_io import load_model
+
+    assert {p.dtype for p in load_model(gpt_oss_mxfp4).parameters()} == {torch.float32}
+
     want = {k: v.to(torch.bfloat16) for k, v in model.state_dict().items()}
     assert "model.layers.0.mlp.experts.3.up_proj.bias" in want
     for source in (gpt_oss_mxfp4, gpt_oss_bf16):
