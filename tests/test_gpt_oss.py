@@ -170,6 +170,9 @@ def test_gpt_oss_methods_mxfp4_streamed_equals_bf16_fused(gpt_oss_bf16, gpt_oss_
     assert qcfg["quant_method"] == "compressed-tensors" and r"re:.*mlp\.router$" in qcfg["ignore"]
     stats = json.loads((streamed / "quantkit_stats.json").read_text())
     assert stats["experts"]["linears"] == 2 * EXPERTS * 3
+    # vLLM 0.32 skips these per-expert names for gpt-oss: the artifact does not claim vLLM
+    meta = json.loads((streamed / "quantkit.json").read_text())
+    assert "vllm" not in meta["engines"] and "per-expert" in meta["engine_gaps"]["vllm"]
     if method == "awq":  # one scale for the norm's whole MoE group: the router compensated
         spec = spec_for_config(json.loads((gpt_oss_bf16 / "config.json").read_text()))
         groups = spec.awq_groups_for(EXPERTS)

@@ -131,6 +131,9 @@ class ArchSpec:
     # substring, checkpoint substring). Shards are read and artifacts written under the
     # checkpoint's names, the ones the engines load (Mixtral: block_sparse_moe)
     checkpoint_renames: tuple[tuple[str, str], ...] = ()
+    # engines known to mis-load this family's quantized safetensors artifacts: engine -> why.
+    # quantize drops them from the artifact's `engines` and warns (never a silent wrong load)
+    engine_gaps: dict[str, str] = field(default_factory=dict)
 
     def checkpoint_name(self, name: str) -> str:
         """A full module-tree tensor name as the checkpoint (and the engines) spell it."""
@@ -368,7 +371,12 @@ ARCHS: tuple[ArchSpec, ...] = (
              roles={k: v for k, v in _ROLES.items() if k.startswith("attn")},
              gguf_names=_GPT_OSS_GGUF_NAMES,
              gguf_kv=("head_dim_if_set", "expert_count", "expert_used_count", "sliding_window",
-                      "expert_feed_forward_length_intermediate")),
+                      "expert_feed_forward_length_intermediate"),
+             engine_gaps={"vllm": "vLLM 0.32's gpt-oss loader reads experts only fused "
+                          "(gate_up_proj / down_proj) or under its own w13_*/w2_* names and "
+                          "skips per-expert gate_proj/up_proj/down_proj tensors without an "
+                          "error (a decoded bf16 artifact under these names generated '' on "
+                          "CPU); use --format gguf for llama.cpp"}),
     ArchSpec("gemma3_text", ("Gemma3ForCausalLM",), ("gemma3_text",), gguf_arch="gemma3",
              sequential=_LLAMA_LINEARS, awq_groups=_GEMMA3_AWQ, gguf_names=_GEMMA3_GGUF_NAMES,
              roles=_ROLES, norm_offset=1.0,

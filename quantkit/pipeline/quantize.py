@@ -463,6 +463,11 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
         if req.kv_cache:
             add_kv_cache_config(tmp, writer.name)
         meta["engines"] = list(writer.engines)  # a writer may narrow them by what it wrote (FP8)
+        for engine, why in spec.engine_gaps.items():
+            if engine in meta["engines"]:
+                meta["engines"].remove(engine)
+                meta.setdefault("engine_gaps", {})[engine] = why
+                warnings.warn(f"{spec.name}: {engine} cannot load this artifact: {why}", stacklevel=2)
         for name in TOKENIZER_FILES:
             if (source.path / name).is_file():
                 shutil.copy2(source.path / name, tmp / name)
