@@ -344,6 +344,7 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
     # NaN/Inf in any tensor (embeddings and lm_head too) stops the run now, not after every
     # block was quantized: one streamed pass over the shards
     scan_finite(source.path, on_progress=on_progress)
+    t_checked = time.perf_counter()
     # calibration activations in host memory when they would not fit the GPU (one process
     # per GPU: data-parallel ranks keep their smaller shards on it)
     offload = dp is None and str(device).startswith("cuda") and torch.cuda.is_available() \
@@ -361,6 +362,7 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
         calib = load_calibration(req.calib, tokenizer, n_samples=req.calib_samples,
                                  seqlen=req.calib_seqlen, seed=req.seed, chat=req.chat,
                                  text_column=req.text_column)
+    t_calibration = time.perf_counter()
     compute_dtype = torch.float32 if device == "cpu" else torch.bfloat16
     load_dtype = compute_dtype  # the dtype load_model gives; streaming loads blocks the same way
     store_dtype = _storage_dtype(raw_config)
@@ -437,7 +439,11 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
         # which float32 kernels ran: artifacts whose facts differ may differ in their codes
         **({"kernels": kernel_facts()} if device == "cpu" else {}),
         **({"offload_activations": True} if offload else {}),
-        "seconds": {"quantize": round(quant_seconds, 3)},
+        # where the command's time went: checks up to the NaN/Inf scan's end, tokenizer and
+        # calibration text, the block loop; `total` (set last) adds the artifact's write
+        "seconds": {"checks": round(t_checked - t_start, 3),
+                    "calibration": round(t_calibration - t_checked, 3),
+                    "quantize": round(quant_seconds, 3)},
         **({"data_parallel": dp.describe()} if dp is not None else {}),
         "command": req.command or req.cli_equivalent(),
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
