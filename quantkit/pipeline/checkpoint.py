@@ -281,8 +281,10 @@ class BlockCheckpoint:
             time.perf_counter() - self._hidden_began >= HIDDEN_INTERVAL * self._hidden_cost
 
     def _write_hidden(self, index: int, hidden: list[torch.Tensor], ready) -> None:
-        """Snapshot the hidden states (GPU ones on a side stream after `ready`), write them,
-        then drop the previous ones: only the newest are ever read."""
+        """Write the hidden states, then drop the previous ones: only the newest are ever read.
+        GPU ones are first copied to host memory on a side stream after `ready` (their GPU
+        memory is then free to go); host ones are written as they are, without a copy (a
+        2 GiB clone of an 8B model's states would only add RAM), kept alive until written."""
         began = time.perf_counter()
         try:
             if ready is not None:
@@ -291,8 +293,8 @@ class BlockCheckpoint:
                     stream.wait_event(ready)
                     hs = {f"h.{j}": _host_copy(h) for j, h in enumerate(hidden)}
             else:
-                hs = {f"h.{j}": _host_copy(h) for j, h in enumerate(hidden)}
-            hidden.clear()  # the caller's tensors are free to go
+                hs = {f"h.{j}": h.detach().contiguous() for j, h in enumerate(hidden)}
+            hidden.clear()
             _atomic_write(self.dir / f"hidden-{index:05d}.safetensors",
                           lambda p: save_file(hs, str(p)))
             old, self._hidden_index = self._hidden_index, index
