@@ -45,13 +45,20 @@ def builtin_gguf_path(alias: str) -> Path:
     return path
 
 
+def _built(stamp: Path) -> bool:
+    try:
+        return json.loads(stamp.read_text()).get("version") == _BUILD_VERSION
+    except (OSError, ValueError):
+        return False
+
+
 def ensure_builtin(alias: str, on_progress=None) -> Path:
     """Path of the bf16 HF checkpoint of a built-in model, building it on first use."""
     from quantkit.model_io import cache_dir
 
     target = cache_dir() / "models" / f"{alias}-bf16"
     stamp = target / "quantkit-built.json"
-    if stamp.is_file() and json.loads(stamp.read_text()).get("version") == _BUILD_VERSION:
+    if _built(stamp):
         return target
     gguf_file = builtin_gguf_path(alias)
     if on_progress:
@@ -63,9 +70,13 @@ def ensure_builtin(alias: str, on_progress=None) -> Path:
         (tmp / "quantkit-built.json").write_text(json.dumps(
             {"version": _BUILD_VERSION, "alias": alias, "source": str(gguf_file),
              **BUILTIN_MODELS[alias]}, indent=2))
-        if target.exists():
-            shutil.rmtree(target)
-        tmp.rename(target)
+        try:
+            tmp.rename(target)  # fails where a directory is already there
+        except OSError:
+            if not _built(stamp):  # an outdated build: replace it
+                shutil.rmtree(target)
+                tmp.rename(target)
+            # else another process built it meanwhile: keep theirs (it may be in use)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

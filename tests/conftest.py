@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -79,6 +80,17 @@ def tiny_model_factory(tmp_path):
 
 
 
+# ------------------------------------------- parallel runs (pytest-xdist --dist loadgroup) ----
+# scripts/test.sh runs two workers: a test module is one unit of work (its module fixtures are
+# built once), and modules that share an expensive session fixture run in one worker.
+_SHARED_WORKER = {"test_gptq.py": "smollm2_gptq", "test_accuracy_guards.py": "smollm2_gptq"}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(_SHARED_WORKER.get(item.path.name, item.path.name)))
+
+
 # ------------------------------------------------- skips: only those on the allow-list ----
 # A skip must not stand in for a missing feature or a missing engine: every skip whose test id
 # is not on tests/allowed_skips.txt (with the reason it may skip) fails the run.
@@ -124,7 +136,13 @@ def pytest_runtest_makereport(item, call):
     if _unlisted_skip(report):
         _as_failure(report)
     elif call.when == "call" and item.get_closest_marker("engine") and report.passed:
-        _ENGINE_TESTS_PASSED.append(item.nodeid)
+        report.user_properties.append(("engine_test_passed", item.nodeid))
+    if call.when == "teardown":
+        # carried on the report: under pytest-xdist the summary is printed by the controller
+        from vllm_checks import ENGINE_CHECKS
+
+        report.user_properties += [("engine_check", asdict(c)) for c in ENGINE_CHECKS
+                                   if c.test == item.nodeid]
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -137,15 +155,26 @@ def pytest_make_collect_report(collector):
 # --------------------------------------- end of run: real engine checks vs refusals ----
 
 _ENGINE_TESTS_PASSED: list[str] = []
+_ENGINE_CHECKS: list[dict] = []
+
+
+def pytest_runtest_logreport(report):
+    """Collect the engine records of every test, from this process or an xdist worker."""
+    for key, value in getattr(report, "user_properties", ()):
+        if key == "engine_test_passed":
+            _ENGINE_TESTS_PASSED.append(value)
+        elif key == "engine_check":
+            _ENGINE_CHECKS.append(value)
 
 
 def pytest_terminal_summary(terminalreporter):
-    from vllm_checks import ENGINE_CHECKS
+    from vllm_checks import EngineCheck
 
-    recorded = {c.test for c in ENGINE_CHECKS}
-    real = [c.test + f" [{c.kind}]" for c in ENGINE_CHECKS if c.real]
+    checks = [EngineCheck(**c) for c in _ENGINE_CHECKS]
+    recorded = {c.test for c in checks}
+    real = [c.test + f" [{c.kind}]" for c in checks if c.real]
     real += [t for t in _ENGINE_TESTS_PASSED if t not in recorded]  # engine tests with no probe
-    refused = [c for c in ENGINE_CHECKS if not c.real]
+    refused = [c for c in checks if not c.real]
     if not real and not refused:
         return
     tr = terminalreporter
