@@ -16,6 +16,7 @@ ARCH_CONFIGS = {
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
     "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
     "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
 }
 
 # family-specific config values: Gemma 3 with a short sliding window (so calibration text
@@ -27,7 +28,15 @@ FAMILY_DEFAULTS = {"gemma3_text": dict(sliding_window=32)}
 MOE_DEFAULTS = {"qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256,
                                   norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[]),
                # Mixtral's experts are intermediate_size wide (make_tiny_model's intermediate)
-               "mixtral": dict(num_local_experts=4, num_experts_per_tok=2)}
+               "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+               # DeepSeek-V3: 1 dense block then MoE, 4 routed experts in 2 groups (top-1
+               # group), one shared expert; MLA widths at K-quant multiples of 256 where
+               # llama.cpp's rules allow (qk_nope 128 makes attn_k_b fall back, as in V3)
+               "deepseek_v3": dict(n_routed_experts=4, num_experts_per_tok=2, n_group=2,
+                                   topk_group=1, n_shared_experts=1, moe_intermediate_size=256,
+                                   first_k_dense_replace=1, q_lora_rank=256, kv_lora_rank=256,
+                                   qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+                                   head_dim=64, routed_scaling_factor=2.5, norm_topk_prob=True)}
 
 
 def smollm_dir() -> Path:
@@ -83,6 +92,9 @@ def make_tiny_model(out: Path, arch: str = "llama", *, hidden: int = 256, interm
         for _name, p in model.named_parameters():
             if p.ndim in (2, 3):  # 3-D: transformers 5's fused MoE experts
                 p.normal_(0, 0.04)
+        for name, b in model.named_buffers():  # DeepSeek's router bias (zeros at init)
+            if name.endswith("e_score_correction_bias"):
+                b.uniform_(-0.05, 0.05)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     if tokenizer:

@@ -48,10 +48,17 @@ class AwqGroup:
                                   self.inspect.replace(EXPERT, str(e)), self.prev_tail,
                                   self.compensate) for e in range(num_experts))
         if any(EXPERT in b for b in self.balance):
-            return (AwqGroup(self.prev, tuple(b.replace(EXPERT, str(e)) for e in range(num_experts)
-                                              for b in self.balance),
-                             self.inspect, self.prev_tail, self.compensate),)
+            return (AwqGroup(self.prev, _expand(self.balance, num_experts), self.inspect,
+                             self.prev_tail, self.compensate),)
         return (self,)
+
+
+def _expand(names: tuple[str, ...], num_experts: int) -> tuple[str, ...]:
+    """Expert templates written out for experts 0..num_experts-1 (expert after expert), then
+    the names without EXPERT once (DeepSeek's shared expert beside the routed ones)."""
+    templates = tuple(n for n in names if EXPERT in n)
+    return (tuple(n.replace(EXPERT, str(e)) for e in range(num_experts) for n in templates)
+            + tuple(n for n in names if EXPERT not in n))
 
 
 @dataclass(frozen=True)
@@ -141,9 +148,7 @@ class ArchSpec:
         """`sequential` with each expert template written out for experts 0..num_experts-1
         (all experts' Linears of one template row form one group: they read the same
         normalised hidden states, each its own routed tokens)."""
-        return tuple(tuple(n.replace(EXPERT, str(e)) for e in range(num_experts) for n in group)
-                     if any(EXPERT in n for n in group) else group
-                     for group in self.sequential)
+        return tuple(_expand(group, num_experts) for group in self.sequential)
 
     def linears_for(self, num_experts: int) -> tuple[str, ...]:
         return tuple(n for group in self.groups_for(num_experts) for n in group)
@@ -297,6 +302,64 @@ _PHI3_GGUF_NAMES = {
     "mlp.down_proj": "blk.{bid}.ffn_down",
 }
 
+# DeepSeek-V3: multi-head latent attention (MLA) and, after the first_k_dense_replace dense
+# blocks, routed experts beside one always-on shared expert. Blocks of both kinds share the
+# table: a row names what either kind holds, absent names are skipped. q_proj replaces
+# q_a_proj / q_a_layernorm / q_b_proj where q_lora_rank is None (DeepSeek-V2-Lite)
+_DEEPSEEK_EXPERTS = ExpertsSpec(count_keys=("n_routed_experts", "num_local_experts"))
+_SHARED = "mlp.shared_experts"
+
+# in the order the attention runs them (quantkit.pipeline.staged pauses the forward at each
+# group): kv_a_proj_with_mqa reads the same input as q_a_proj but runs after q_b_proj
+_DEEPSEEK_LINEARS = (
+    ("self_attn.q_a_proj", "self_attn.q_proj"),
+    ("self_attn.q_b_proj",),   # reads q_a_layernorm(q_a_proj(x))
+    ("self_attn.kv_a_proj_with_mqa",),
+    ("self_attn.kv_b_proj",),  # reads kv_a_layernorm(the latent part of kv_a_proj_with_mqa(x))
+    ("self_attn.o_proj",),
+    ("mlp.gate_proj", "mlp.up_proj"),  # the dense blocks
+    ("mlp.down_proj",),
+    (_DEEPSEEK_EXPERTS.linear("gate"), _DEEPSEEK_EXPERTS.linear("up"),
+     f"{_SHARED}.gate_proj", f"{_SHARED}.up_proj"),
+    (_DEEPSEEK_EXPERTS.linear("down"), f"{_SHARED}.down_proj"),
+)
+
+# the shared expert reads the norm's output as every routed expert does: one scale for all
+# (its statistics see every token once, the routed ones top_k times: the mean is the same)
+_DEEPSEEK_AWQ = (
+    AwqGroup("input_layernorm", ("self_attn.q_a_proj", "self_attn.q_proj",
+                                 "self_attn.kv_a_proj_with_mqa"), "self_attn"),
+    AwqGroup("self_attn.q_a_layernorm", ("self_attn.q_b_proj",), "self_attn.q_b_proj"),
+    AwqGroup("self_attn.kv_a_layernorm", ("self_attn.kv_b_proj",), "self_attn.kv_b_proj"),
+    *_LLAMA_AWQ[2:],
+    AwqGroup("post_attention_layernorm", (_DEEPSEEK_EXPERTS.linear("gate"),
+                                          _DEEPSEEK_EXPERTS.linear("up"),
+                                          f"{_SHARED}.gate_proj", f"{_SHARED}.up_proj"),
+             "mlp", compensate=(_DEEPSEEK_EXPERTS.router,)),
+    AwqGroup(_DEEPSEEK_EXPERTS.linear("up"), (_DEEPSEEK_EXPERTS.linear("down"),),
+             _DEEPSEEK_EXPERTS.linear("down")),
+    AwqGroup(f"{_SHARED}.up_proj", (f"{_SHARED}.down_proj",), f"{_SHARED}.down_proj"),
+)
+
+# llama.cpp's deepseek2 (gguf-py constants MODEL_TENSOR.ATTN_Q_A ..., FFN_*_SHEXP, FFN_EXP_PROBS_B)
+_DEEPSEEK_GGUF_NAMES = {
+    **{k: v for k, v in _GGUF_BLOCK_NAMES.items() if not k.startswith(("self_attn.k", "self_attn.v"))},
+    "self_attn.q_a_proj": "blk.{bid}.attn_q_a",
+    "self_attn.q_a_layernorm": "blk.{bid}.attn_q_a_norm",
+    "self_attn.q_b_proj": "blk.{bid}.attn_q_b",
+    "self_attn.kv_a_proj_with_mqa": "blk.{bid}.attn_kv_a_mqa",
+    "self_attn.kv_a_layernorm": "blk.{bid}.attn_kv_a_norm",
+    _DEEPSEEK_EXPERTS.router: "blk.{bid}.ffn_gate_inp",
+    # a whole tensor name (not a module): the router's score-correction bias
+    f"{_DEEPSEEK_EXPERTS.router}.e_score_correction_bias": "blk.{bid}.exp_probs_b.bias",
+    _DEEPSEEK_EXPERTS.linear("gate"): "blk.{bid}.ffn_gate_exps",
+    _DEEPSEEK_EXPERTS.linear("up"): "blk.{bid}.ffn_up_exps",
+    _DEEPSEEK_EXPERTS.linear("down"): "blk.{bid}.ffn_down_exps",
+    f"{_SHARED}.gate_proj": "blk.{bid}.ffn_gate_shexp",
+    f"{_SHARED}.up_proj": "blk.{bid}.ffn_up_shexp",
+    f"{_SHARED}.down_proj": "blk.{bid}.ffn_down_shexp",
+}
+
 ARCHS: tuple[ArchSpec, ...] = (
     ArchSpec("llama", ("LlamaForCausalLM",), ("llama",), gguf_arch="llama", gguf_permute_qk=True,
              **_LLAMA_LIKE),
@@ -320,6 +383,12 @@ ARCHS: tuple[ArchSpec, ...] = (
              gguf_kv=("vocab_size", "rope_dimension_count", "head_dim_if_set", "expert_count",
                       "expert_used_count"),
              checkpoint_renames=((".mlp.", ".block_sparse_moe."),)),
+    # GGUF: llama.cpp's deepseek2, kv_b_proj split per head into attn_k_b / attn_v_b
+    ArchSpec("deepseek_v3", ("DeepseekV3ForCausalLM",), ("deepseek_v3",), gguf_arch="deepseek2",
+             sequential=_DEEPSEEK_LINEARS, experts=_DEEPSEEK_EXPERTS,
+             awq_groups=_DEEPSEEK_AWQ, gguf_names=_DEEPSEEK_GGUF_NAMES,
+             roles={"ffn_down": "mlp.down_proj", "attn_output": "self_attn.o_proj"},
+             gguf_kv=()),
     ArchSpec("gemma3_text", ("Gemma3ForCausalLM",), ("gemma3_text",), gguf_arch="gemma3",
              sequential=_LLAMA_LINEARS, awq_groups=_GEMMA3_AWQ, gguf_names=_GEMMA3_GGUF_NAMES,
              roles=_ROLES, norm_offset=1.0,
