@@ -126,6 +126,10 @@ class ArchSpec:
     # substring, checkpoint substring). Shards are read and artifacts written under the
     # checkpoint's names, the ones the engines load (Mixtral: block_sparse_moe)
     checkpoint_renames: tuple[tuple[str, str], ...] = ()
+    # a Linear llama.cpp stores as per-head 3-D pieces (DeepSeek's kv_b_proj -> attn_k_b,
+    # attn_v_b): block-relative Linear -> ((GGUF base name with {bid}, config key of the rows
+    # each head gives this piece, transposed per head), ...); rows are (head, piece, row)
+    gguf_head_splits: dict[str, tuple[tuple[str, str, bool], ...]] = field(default_factory=dict)
 
     def checkpoint_name(self, name: str) -> str:
         """A full module-tree tensor name as the checkpoint (and the engines) spell it."""
@@ -388,7 +392,12 @@ ARCHS: tuple[ArchSpec, ...] = (
              sequential=_DEEPSEEK_LINEARS, experts=_DEEPSEEK_EXPERTS,
              awq_groups=_DEEPSEEK_AWQ, gguf_names=_DEEPSEEK_GGUF_NAMES,
              roles={"ffn_down": "mlp.down_proj", "attn_output": "self_attn.o_proj"},
-             gguf_kv=()),
+             gguf_kv=("mla", "expert_count", "expert_used_count", "expert_groups",
+                      "leading_dense_block_count", "vocab_size", "expert_feed_forward_length",
+                      "expert_shared", "expert_gating_sigmoid", "yarn_log_mul"),
+             gguf_head_splits={"self_attn.kv_b_proj": (
+                 ("blk.{bid}.attn_k_b", "qk_nope_head_dim", True),
+                 ("blk.{bid}.attn_v_b", "v_head_dim", False))}),
     ArchSpec("gemma3_text", ("Gemma3ForCausalLM",), ("gemma3_text",), gguf_arch="gemma3",
              sequential=_LLAMA_LINEARS, awq_groups=_GEMMA3_AWQ, gguf_names=_GEMMA3_GGUF_NAMES,
              roles=_ROLES, norm_offset=1.0,

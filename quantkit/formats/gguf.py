@@ -39,7 +39,7 @@ from quantkit.types import QuantResult, QuantScheme
 __all__ = ["GGUFFileWriter", "gguf_name", "gguf_slot", "FILE_TYPES", "read_gguf", "gguf_metadata", "GGUFTensor"]
 
 Q = GGMLQuantizationType
-GGUF_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3", "phi3")
+GGUF_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3", "phi3", "deepseek2")
 # llama.cpp's gemma3 loader assumes every 6th layer is global (load_swa_pattern(ml, 6)): the
 # converter writes no pattern, so other layer_types would run differently there
 _GEMMA3_SWA_PATTERN = 6
@@ -101,6 +101,9 @@ def gguf_slot(spec: ArchSpec, hf_name: str) -> tuple[str, int | None] | None:
     prefix = spec.block_path + "."
     if module.startswith(prefix):
         bid, _, rel = module[len(prefix):].partition(".")
+        whole = spec.gguf_names.get(f"{rel}.{suffix}")  # a row naming a whole tensor
+        if whole and bid.isdigit():
+            return whole.format(bid=int(bid)), None
         slot = spec.gguf_slot(rel) if bid.isdigit() else None
         return (f"{slot[0].format(bid=int(bid))}.{suffix}", slot[1]) if slot else None
     base = {spec.embed: "token_embd", spec.final_norm: "output_norm", spec.lm_head: "output"}.get(module)
@@ -158,6 +161,29 @@ class _TensorList:
             if array.nbytes != shapes[gname]:
                 raise UnsupportedArchitecture(f"GGUF tensor {gname}: experts of unequal sizes.")
             w.write_tensor_data(array)
+
+
+def _split_heads(spec: ArchSpec, config: dict, dense: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`dense` with each Linear of spec.gguf_head_splits replaced by its per-head 3-D pieces,
+    under their GGUF names (llama.cpp's deepseek2: kv_b_proj's rows are, per head, qk_nope
+    key rows then v_head value rows; attn_k_b holds each head's key rows transposed)."""
+    if not spec.gguf_head_splits:
+        return dense
+    out = {}
+    prefix = spec.block_path + "."
+    for name, t in dense.items():
+        module, _, suffix = name.rpartition(".")
+        bid, _, rel = module[len(prefix):].partition(".") if module.startswith(prefix) else ("", "", "")
+        pieces = spec.gguf_head_splits.get(rel) if suffix == "weight" else None
+        if not pieces:
+            out[name] = t
+            continue
+        sizes = [int(config[key]) for _, key, _ in pieces]
+        heads = t.reshape(int(config["num_attention_heads"]), sum(sizes), t.shape[-1])
+        for (base, _, transpose), part in zip(pieces, heads.split(sizes, dim=1), strict=True):
+            out[f"{base.format(bid=int(bid))}.weight"] = \
+                (part.transpose(1, 2) if transpose else part).contiguous()
+    return out
 
 
 def _permute(t: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -293,8 +319,9 @@ class GGUFFileWriter:
                 **({"fallback": res.fallback} if getattr(res, "fallback", None) else {})}
             if res.bias is not None:
                 dense = {**dense, name + ".bias": res.bias}
+        dense = _split_heads(spec, config, dense)
         for name, t in dense.items():
-            slot = gguf_slot(spec, name)
+            slot = gguf_slot(spec, name) if not name.startswith("blk.") else (name, None)
             if slot is None:
                 raise UnsupportedArchitecture(
                     f"Cannot express tensor {name} in GGUF for architecture {spec.gguf_arch}.",
@@ -353,7 +380,9 @@ class GGUFFileWriter:
         w.add_embedding_length(config["hidden_size"])
         w.add_feed_forward_length(config["intermediate_size"])
         w.add_head_count(config["num_attention_heads"])
-        w.add_head_count_kv(config.get("num_key_value_heads") or config["num_attention_heads"])
+        # MLA runs as multi-query attention over the latent in llama.cpp: one KV head
+        w.add_head_count_kv(1 if "mla" in spec.gguf_kv else
+                            config.get("num_key_value_heads") or config["num_attention_heads"])
         rope = self._rope(config)
         if rope.get("rope_theta") is not None:
             w.add_rope_freq_base(float(rope["rope_theta"]))
@@ -404,6 +433,48 @@ def _softcap(w: GGUFWriter, config: dict) -> None:
         w.add_final_logit_softcapping(float(config["final_logit_softcapping"]))
 
 
+def _mla(w: GGUFWriter, c: dict) -> None:
+    """Multi-head latent attention as llama.cpp's deepseek2 reads it: the cached latent is
+    the key (kv_lora_rank + rope dims) and the value (kv_lora_rank); the *_mla lengths are
+    the decompressed heads'."""
+    if c.get("q_lora_rank"):
+        w.add_q_lora_rank(int(c["q_lora_rank"]))
+    kv_lora, rope = int(c["kv_lora_rank"]), int(c["qk_rope_head_dim"])
+    w.add_kv_lora_rank(kv_lora)
+    w.add_key_length(kv_lora + rope)
+    w.add_value_length(kv_lora)
+    w.add_key_length_mla(int(c["qk_nope_head_dim"]) + rope)
+    w.add_value_length_mla(int(c["v_head_dim"]))
+    w.add_rope_dimension_count(rope)
+
+
+def _expert_groups(w: GGUFWriter, c: dict) -> None:
+    if c.get("n_group") is not None:
+        w.add_expert_group_count(int(c["n_group"]))
+    if c.get("topk_group") is not None:
+        w.add_expert_group_used_count(int(c["topk_group"]))
+
+
+def _expert_shared(w: GGUFWriter, c: dict) -> None:
+    w.add_expert_shared_count(int(c.get("n_shared_experts") or 0))
+    if c.get("routed_scaling_factor") is not None:
+        w.add_expert_weights_scale(float(c["routed_scaling_factor"]))
+    if c.get("norm_topk_prob"):
+        w.add_expert_weights_norm(True)
+
+
+def _yarn_log_mul(w: GGUFWriter, c: dict) -> None:
+    mscale_all = GGUFFileWriter._rope(c).get("mscale_all_dim")
+    if mscale_all is not None:  # the converter's 0.1 x (llama.cpp divides it back out)
+        w.add_rope_scaling_yarn_log_mul(0.1 * float(mscale_all))
+
+
+def _gating(name: str):
+    from gguf import ExpertGatingFuncType
+
+    return getattr(ExpertGatingFuncType, name)
+
+
 # ArchSpec.gguf_kv key -> how that {arch}.* key is written (as llama.cpp's converter does)
 _OPTIONAL_KV = {
     "vocab_size": lambda w, c: w.add_vocab_size(c["vocab_size"]),
@@ -415,7 +486,18 @@ _OPTIONAL_KV = {
     "sliding_window_or_0": lambda w, c: w.add_sliding_window(int(c.get("sliding_window") or 0)),
     "final_logit_softcapping": _softcap,
     "rope_scaling_original_context": _orig_ctx,
-    "expert_count": lambda w, c: w.add_expert_count(_first(c, "num_local_experts", "num_experts")),
+    "expert_count": lambda w, c: w.add_expert_count(
+        _first(c, "num_local_experts", "num_experts", "n_routed_experts")),
+    "mla": _mla,
+    "expert_groups": _expert_groups,
+    "leading_dense_block_count": lambda w, c: w.add_leading_dense_block_count(
+        int(c.get("first_k_dense_replace") or 0)),
+    "expert_shared": _expert_shared,
+    # transformers' DeepseekV3TopkRouter always scores with a sigmoid; llama.cpp's deepseek2
+    # takes softmax when the key is absent (DeepSeek-V2 files), and llama.cpp's converter
+    # writes it only from a config's scoring_func, which DeepseekV3Config lacks
+    "expert_gating_sigmoid": lambda w, c: w.add_expert_gating_func(_gating("SIGMOID")),
+    "yarn_log_mul": _yarn_log_mul,
     "expert_used_count": lambda w, c: w.add_expert_used_count(int(c["num_experts_per_tok"])),
     "expert_feed_forward_length": lambda w, c: w.add_expert_feed_forward_length(
         int(c["moe_intermediate_size"])),

@@ -364,6 +364,16 @@ class GGUFQuantizer:
         if not get("tie_word_embeddings"):
             tensors["output.weight"] = (vocab, hidden)
         for full, shape in shapes.items():
+            if full.rpartition(f"{spec.block_path}.")[2].partition(".")[2] in spec.gguf_head_splits:
+                if self.preset.quantized:  # llama.cpp stores it as per-head pieces
+                    pieces = spec.gguf_head_splits[full.split(".", 3)[3]]
+                    raise SchemeMismatch(
+                        f"{full} is split into per-head tensors "
+                        f"({', '.join(p[0].rpartition('.')[2] for p in pieces)}) in GGUF "
+                        f"architecture {spec.gguf_arch}; quantkit does not quantize those "
+                        "pieces yet.", "Use --gguf-type bf16 or f16 (llama-quantize can "
+                        "quantize that file), or another --method / --format.")
+                continue  # 16-bit: the writer splits the dense weight
             gname = gguf_linear_name(spec, full)
             if gname is None:
                 raise SchemeMismatch(f"{full} has no GGUF name for architecture {spec.name}.")
