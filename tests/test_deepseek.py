@@ -1,0 +1,156 @@
+"""DeepSeek-V3 through the one pipeline: MLA attention, a dense first block beside MoE blocks
+with a shared expert, the sigmoid group-limited router kept unquantized with its bias.
+
+The tiny model is a real DeepseekV3ForCausalLM (hidden 256, 2 layers: block 0 dense, block 1
+4 routed experts in 2 groups with top-1 group and top-2 experts plus one shared expert; MLA
+with q_lora 256, kv_lora 256, rope 64, nope 128, v 128, 2 heads) with random weights, saved by
+transformers 5 (per-expert tensors on disk, fused 3-D experts in memory). Its config.json
+carries `scoring_func: sigmoid` as DeepSeek-V3's own does (DeepseekV3Config has no such key;
+llama.cpp's converter reads it to write the gating function).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from gguf_reference import assert_llama_cpp_logits_match, assert_same_gguf, convert_with_llama_cpp
+from safetensors import safe_open
+from tiny_models import make_tiny_model
+
+from quantkit.arch import spec_for_config
+from quantkit.pipeline.quantize import QuantizeRequest, linear_shapes, quantize
+from quantkit.types import QuantScheme
+
+SCHEME = QuantScheme(bits=4, group_size=64)
+FP8 = QuantScheme(kind="fp8", bits=8, group_size=-1)
+OPTIONS = {"awq": {"n_grid": 4, "clip_grid": 4}, "fp8": {"scheme": "dynamic"}}
+ROUTER = "model.layers.1.mlp.gate"
+
+
+@pytest.fixture(scope="module")
+def deepseek_model(tmp_path_factory) -> Path:
+    path = make_tiny_model(tmp_path_factory.mktemp("deepseek"), "deepseek_v3", hidden=256,
+                           intermediate=256, heads=2, kv_heads=2)  # MLA: kv heads = heads
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "scoring_func": "sigmoid"}))
+    return path
+
+
+def _tensors(path: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for shard in sorted(path.glob("*.safetensors")):
+        with safe_open(str(shard), framework="pt") as f:
+            out.update({k: f.get_tensor(k) for k in f.keys()})
+    return out
+
+
+def _quantize(model: Path, out: Path, method: str, **kw) -> Path:
+    if method == "gguf":
+        gguf_type = kw.pop("gguf_type")
+        kw.update(format="gguf", method_options={"gguf_type": gguf_type},
+                  scheme=QuantScheme(kind="kquant", gguf_type=gguf_type))
+    req = QuantizeRequest(model=str(model), method=method, out=out, calib_samples=4,
+                          calib_seqlen=64, resume=False,
+                          **{"scheme": FP8 if method == "fp8" else SCHEME,
+                             "method_options": OPTIONS.get(method, {}), **kw})
+    quantize(req)
+    return out
+
+
+def test_row_describes_mla_dense_and_moe_blocks(deepseek_model):
+    config = json.loads((deepseek_model / "config.json").read_text())
+    spec = spec_for_config(config)
+    assert spec.name == "deepseek_v3" and spec.experts.count(config) == 4
+    groups = spec.groups_for(4)
+    # run order: q_b_proj runs before kv_a_proj_with_mqa (the staged forward pauses there)
+    assert groups[:4] == (("self_attn.q_a_proj", "self_attn.q_proj"), ("self_attn.q_b_proj",),
+                          ("self_attn.kv_a_proj_with_mqa",), ("self_attn.kv_b_proj",))
+    assert groups[7][-2:] == ("mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj")
+    assert len(groups[7]) == 4 * 2 + 2 and len(groups[8]) == 4 + 1
+    # the norm's one AWQ scale covers every routed expert AND the shared expert, the router
+    # compensated; in the dense block the routed rows are simply absent
+    moe_norm = [g for g in spec.awq_groups_for(4) if g.compensate]
+    assert len(moe_norm) == 1 and moe_norm[0].prev == "post_attention_layernorm"
+    assert "mlp.shared_experts.up_proj" in moe_norm[0].balance and len(moe_norm[0].balance) == 10
+    from quantkit.model_io import load_config
+
+    shapes = linear_shapes(load_config(deepseek_model), spec)
+    assert shapes["model.layers.0.self_attn.kv_a_proj_with_mqa"] == (320, 256)
+    assert shapes["model.layers.0.self_attn.kv_b_proj"] == (512, 256)
+    assert shapes["model.layers.0.mlp.down_proj"] == (256, 256)  # block 0 is dense
+    assert not any(n.startswith("model.layers.0.mlp.experts") for n in shapes)
+    assert shapes["model.layers.1.mlp.shared_experts.down_proj"] == (256, 256)
+    assert not any(n.endswith(("mlp.gate", "q_proj")) for n in shapes)  # router; q_lora set
+    assert len(shapes) == 5 + 3 + 5 + 4 * 3 + 3
+
+
+@pytest.mark.parametrize("method", ["rtn", "gptq", "awq", "fp8"])
+def test_methods_both_layouts(deepseek_model, tmp_path, method):
+    """Streamed per-expert shards and transformers 5's fused in-memory experts give the same
+    bytes; every MLA, dense, routed and shared Linear is quantized, the router and its
+    score-correction bias are kept (the bias byte for byte), tokens per expert are recorded
+    (group-limited top-2 of 4: they sum to 2 x the calibration tokens), and quantkit's loader
+    runs the artifact."""
+    from quantkit.loader import load_artifact
+
+    streamed = _quantize(deepseek_model, tmp_path / "streamed", method)
+    fused = _quantize(deepseek_model, tmp_path / "fused", method, stream=False)
+    assert (streamed / "model.safetensors").read_bytes() == (fused / "model.safetensors").read_bytes()
+    t, src = _tensors(streamed), _tensors(deepseek_model)
+    suffix = "weight" if method == "fp8" else "weight_packed"
+    quantized = {k.rpartition(".")[0] for k in t if k.endswith(suffix) and t[k].dtype != torch.bfloat16}
+    assert len(quantized) == 2 * 5 + 3 + 4 * 3 + 3
+    assert f"{ROUTER}.weight" not in quantized and t[f"{ROUTER}.weight"].dtype == torch.bfloat16
+    assert torch.equal(t[f"{ROUTER}.e_score_correction_bias"], src[f"{ROUTER}.e_score_correction_bias"])
+    if method == "awq":  # the post-attention norm's scale is folded, the router compensated
+        assert not torch.equal(t["model.layers.1.post_attention_layernorm.weight"],
+                               src["model.layers.1.post_attention_layernorm.weight"])
+        assert not torch.equal(t[f"{ROUTER}.weight"], src[f"{ROUTER}.weight"])
+    qcfg = json.loads((streamed / "config.json").read_text())["quantization_config"]
+    assert r"re:.*mlp\.gate$" in qcfg["ignore"]
+    stats = json.loads((streamed / "quantkit_stats.json").read_text())
+    assert stats["experts"]["linears"] == 4 * 3 and stats["experts"]["fallback_rtn"] == []
+    if method == "gptq":
+        tokens = {k: v["tokens"] for k, v in stats["layers"].items()
+                  if k.startswith("model.layers.1.mlp.experts.") and k.endswith("gate_proj")}
+        assert len(tokens) == 4 and sum(tokens.values()) == 2 * 4 * 64
+        assert stats["layers"]["model.layers.1.mlp.shared_experts.gate_proj"]["tokens"] == 4 * 64
+    loaded = load_artifact(streamed).model
+    with torch.no_grad():
+        assert torch.isfinite(loaded(torch.arange(1, 33)[None]).logits).all()
+
+
+@pytest.mark.engine
+def test_bf16_gguf_equals_llama_cpp_converter_and_runs(deepseek_model, tmp_path):
+    """llama.cpp's deepseek2: kv_b_proj split per head into attn_k_b (transposed) and attn_v_b,
+    the dense block's ffn_*, the MoE block's ffn_*_exps (3-D), ffn_*_shexp, the router F32 and
+    its bias as exp_probs_b; the MLA and expert keys: tensor for tensor and key for key what
+    convert_hf_to_gguf.py writes; llama.cpp then computes transformers' logits."""
+    ref = convert_with_llama_cpp(deepseek_model, tmp_path / "ref.bf16.gguf")
+    ours = _quantize(deepseek_model, tmp_path / "bf16.gguf", "gguf", gguf_type="bf16")
+    kv, tensors = assert_same_gguf(ours, ref)
+    assert tensors["blk.0.attn_k_b.weight"][:2] == ("BF16", [128, 256, 2])
+    assert tensors["blk.0.attn_v_b.weight"][:2] == ("BF16", [256, 128, 2])
+    assert tensors["blk.0.ffn_down.weight"][:2] == ("BF16", [256, 256])
+    assert tensors["blk.1.ffn_gate_exps.weight"][:2] == ("BF16", [256, 256, 4])
+    assert tensors["blk.1.ffn_up_shexp.weight"][:2] == ("BF16", [256, 256])
+    assert tensors["blk.1.ffn_gate_inp.weight"][:2] == ("F32", [256, 4])
+    assert tensors["blk.1.exp_probs_b.bias"][:2] == ("F32", [4])
+    assert (kv["deepseek2.attention.head_count_kv"], kv["deepseek2.leading_dense_block_count"],
+            kv["deepseek2.expert_shared_count"], kv["deepseek2.expert_group_count"],
+            kv["deepseek2.expert_gating_func"]) == (1, 1, 1, 2, 2)  # 2 = sigmoid
+    assert_llama_cpp_logits_match(ours, deepseek_model, "DeepSeek-V3")
+
+
+def test_k_quant_gguf_refused_with_hint(deepseek_model, tmp_path):
+    """The per-head attn_k_b / attn_v_b pieces are not K-quantized by quantkit yet: refused
+    before any work, with the way out."""
+    from quantkit.errors import SchemeMismatch
+
+    with pytest.raises(SchemeMismatch, match="attn_k_b, attn_v_b") as e:
+        _quantize(deepseek_model, tmp_path / "q.gguf", "gguf", gguf_type="q4_k_m")
+    assert "--gguf-type bf16" in e.value.hint
+    assert not (tmp_path / "q.gguf").exists()
