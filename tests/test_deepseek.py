@@ -19,7 +19,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from gguf_reference import assert_llama_cpp_logits_match, assert_same_gguf, convert_with_llama_cpp
+from gguf_reference import (
+    assert_generates,
+    assert_llama_cpp_logits_match,
+    assert_same_gguf,
+    convert_with_llama_cpp,
+    gguf_body,
+    gguf_contents,
+)
 from safetensors import safe_open
 from tiny_models import make_tiny_model
 
@@ -54,8 +61,8 @@ def _tensors(path: Path) -> dict[str, torch.Tensor]:
 def _quantize(model: Path, out: Path, method: str, **kw) -> Path:
     if method == "gguf":
         gguf_type = kw.pop("gguf_type")
-        kw.update(format="gguf", method_options={"gguf_type": gguf_type},
-                  scheme=QuantScheme(kind="kquant", gguf_type=gguf_type))
+        kw.setdefault("method_options", {"gguf_type": gguf_type})
+        kw.update(format="gguf", scheme=QuantScheme(kind="kquant", gguf_type=gguf_type))
     req = QuantizeRequest(model=str(model), method=method, out=out, calib_samples=4,
                           calib_seqlen=64, resume=False,
                           **{"scheme": FP8 if method == "fp8" else SCHEME,
@@ -127,15 +134,20 @@ def test_methods_both_layouts(deepseek_model, tmp_path, method):
         assert torch.isfinite(loaded(torch.arange(1, 33)[None]).logits).all()
 
 
+@pytest.fixture(scope="module")
+def reference_bf16(deepseek_model, tmp_path_factory) -> Path:
+    """llama.cpp's own convert_hf_to_gguf.py --outtype bf16 of the tiny model."""
+    return convert_with_llama_cpp(deepseek_model, tmp_path_factory.mktemp("ref") / "ref.bf16.gguf")
+
+
 @pytest.mark.engine
-def test_bf16_gguf_equals_llama_cpp_converter_and_runs(deepseek_model, tmp_path):
+def test_bf16_gguf_equals_llama_cpp_converter_and_runs(deepseek_model, reference_bf16, tmp_path):
     """llama.cpp's deepseek2: kv_b_proj split per head into attn_k_b (transposed) and attn_v_b,
     the dense block's ffn_*, the MoE block's ffn_*_exps (3-D), ffn_*_shexp, the router F32 and
     its bias as exp_probs_b; the MLA and expert keys: tensor for tensor and key for key what
     convert_hf_to_gguf.py writes; llama.cpp then computes transformers' logits."""
-    ref = convert_with_llama_cpp(deepseek_model, tmp_path / "ref.bf16.gguf")
     ours = _quantize(deepseek_model, tmp_path / "bf16.gguf", "gguf", gguf_type="bf16")
-    kv, tensors = assert_same_gguf(ours, ref)
+    kv, tensors = assert_same_gguf(ours, reference_bf16)
     assert tensors["blk.0.attn_k_b.weight"][:2] == ("BF16", [128, 256, 2])
     assert tensors["blk.0.attn_v_b.weight"][:2] == ("BF16", [256, 128, 2])
     assert tensors["blk.0.ffn_down.weight"][:2] == ("BF16", [256, 256])
@@ -149,14 +161,40 @@ def test_bf16_gguf_equals_llama_cpp_converter_and_runs(deepseek_model, tmp_path)
     assert_llama_cpp_logits_match(ours, deepseek_model, "DeepSeek-V3")
 
 
-def test_k_quant_gguf_refused_with_hint(deepseek_model, tmp_path):
-    """The per-head attn_k_b / attn_v_b pieces are not K-quantized by quantkit yet: refused
-    before any work, with the way out."""
+@pytest.mark.engine
+def test_q4_k_m_equals_llama_quantize_in_both_layouts(deepseek_model, reference_bf16, tmp_path):
+    """Q4_K_M = llama_model_quantize of the converter's BF16 file, type and byte for byte: the
+    per-head attn_k_b (row width qk_nope 128: Q5_0, llama.cpp's fallback) and attn_v_b (Q4_K),
+    the dense ffn_down and the MoE block's ffn_down_exps / ffn_down_shexp by use_more_bits;
+    streamed per-expert shards and fused in-memory experts give the same file; it generates
+    in real llama.cpp."""
+    from quantkit.engines.llamacpp import llama_quantize
+
+    lq = tmp_path / "lq.gguf"
+    llama_quantize(reference_bf16, lq, "q4_k_m")
+    fused = _quantize(deepseek_model, tmp_path / "fused.gguf", "gguf", gguf_type="q4_k_m",
+                      stream=False)
+    (_, ours), (_, want) = gguf_contents(fused), gguf_contents(lq)
+    assert {t: v[:2] for t, v in ours.items()} == {t: v[:2] for t, v in want.items()}
+    assert [t for t in want if ours[t][2] != want[t][2]] == []
+    assert [ours[f"blk.{i}.{n}.weight"][0] for i, n in (
+        (0, "attn_k_b"), (0, "attn_v_b"), (0, "ffn_down"), (1, "ffn_down_exps"),
+        (1, "ffn_down_shexp"), (1, "ffn_gate_exps"), (1, "ffn_gate_inp"))] == \
+        ["Q5_0", "Q4_K", "Q4_K", "Q6_K", "Q6_K", "Q4_K", "F32"]
+    streamed = _quantize(deepseek_model, tmp_path / "streamed.gguf", "gguf", gguf_type="q4_k_m")
+    assert gguf_body(streamed) == gguf_body(fused)
+    assert_generates(streamed)
+
+
+def test_head_split_imatrix_refused_with_hint(deepseek_model, tmp_path):
+    """The per-head pieces get llama.cpp's plain rounding only: an imatrix is refused before
+    any work, with the way out."""
     from quantkit.errors import SchemeMismatch
 
     with pytest.raises(SchemeMismatch, match="attn_k_b, attn_v_b") as e:
-        _quantize(deepseek_model, tmp_path / "q.gguf", "gguf", gguf_type="q4_k_m")
-    assert "--gguf-type bf16" in e.value.hint
+        _quantize(deepseek_model, tmp_path / "q.gguf", "gguf", gguf_type="q4_k_m",
+                  method_options={"gguf_type": "q4_k_m", "imatrix": "calib"})
+    assert "--imatrix" in e.value.hint
     assert not (tmp_path / "q.gguf").exists()
 
 

@@ -143,6 +143,17 @@ class ArchSpec:
             name = name.replace(ckpt, module)
         return name
 
+    def head_pieces(self, rel: str, weight, config) -> list[tuple[str, object]]:
+        """A gguf_head_splits Linear's weight [heads x rows, K] -> [(GGUF base name with {bid},
+        3-D piece (heads, rows, K) or transposed (heads, K, rows))], as llama.cpp's converter
+        cuts it (view per head, split the rows, transpose where the table says)."""
+        get = config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
+        pieces = self.gguf_head_splits[rel]
+        sizes = [int(get(key)) for _, key, _ in pieces]
+        heads = weight.reshape(int(get("num_attention_heads")), sum(sizes), weight.shape[-1])
+        return [(base, (part.transpose(1, 2) if transpose else part).contiguous())
+                for (base, _, transpose), part in zip(pieces, heads.split(sizes, dim=1), strict=True)]
+
     @property
     def block_linears(self) -> tuple[str, ...]:
         """Every Linear name of `sequential` (expert templates unexpanded; see groups_for)."""

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFEndian, GGUFValueType, GGUFWriter
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFEndian, GGUFValueType, GGUFWriter
 
 from quantkit.arch import ArchSpec, spec_for_config
 from quantkit.errors import SchemeMismatch, UnsupportedArchitecture
@@ -164,9 +164,9 @@ class _TensorList:
 
 
 def _split_heads(spec: ArchSpec, config: dict, dense: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """`dense` with each Linear of spec.gguf_head_splits replaced by its per-head 3-D pieces,
-    under their GGUF names (llama.cpp's deepseek2: kv_b_proj's rows are, per head, qk_nope
-    key rows then v_head value rows; attn_k_b holds each head's key rows transposed)."""
+    """`dense` with each Linear of spec.gguf_head_splits replaced by its per-head 3-D pieces
+    under their GGUF names (ArchSpec.head_pieces: llama.cpp's deepseek2 kv_b_proj ->
+    attn_k_b, attn_v_b)."""
     if not spec.gguf_head_splits:
         return dense
     out = {}
@@ -174,16 +174,36 @@ def _split_heads(spec: ArchSpec, config: dict, dense: dict[str, torch.Tensor]) -
     for name, t in dense.items():
         module, _, suffix = name.rpartition(".")
         bid, _, rel = module[len(prefix):].partition(".") if module.startswith(prefix) else ("", "", "")
-        pieces = spec.gguf_head_splits.get(rel) if suffix == "weight" else None
-        if not pieces:
+        if suffix != "weight" or rel not in spec.gguf_head_splits:
             out[name] = t
             continue
-        sizes = [int(config[key]) for _, key, _ in pieces]
-        heads = t.reshape(int(config["num_attention_heads"]), sum(sizes), t.shape[-1])
-        for (base, _, transpose), part in zip(pieces, heads.split(sizes, dim=1), strict=True):
-            out[f"{base.format(bid=int(bid))}.weight"] = \
-                (part.transpose(1, 2) if transpose else part).contiguous()
+        for base, piece in spec.head_pieces(rel, t, config):
+            out[f"{base.format(bid=int(bid))}.weight"] = piece
     return out
+
+
+def _result_pieces(spec: ArchSpec, results: dict[str, QuantResult]):
+    """(name, result) of every GGUF tensor the results hold. A gguf_head_splits Linear's
+    result carries its per-head pieces in table order: extra "gguf_piece{i}_bytes" (heads,
+    rows, row bytes), "gguf_piece{i}_type", "gguf_piece{i}_wanted_type"; each comes out under
+    its GGUF name."""
+    prefix = spec.block_path + "."
+    for name, res in results.items():
+        bid, _, rel = name[len(prefix):].partition(".") if name.startswith(prefix) else ("", "", "")
+        if rel not in spec.gguf_head_splits:
+            yield name, res
+            continue
+        for i, (base, _, _) in enumerate(spec.gguf_head_splits[rel]):
+            data, qtype = res.extra[f"gguf_piece{i}_bytes"], res.extra[f"gguf_piece{i}_type"]
+            block, type_size = GGML_QUANT_SIZES[Q(int(qtype))]
+            piece = QuantResult(  # codes: the piece's per-head [rows, row width], no storage
+                name=base.format(bid=int(bid)), scheme=res.scheme,
+                codes=torch.zeros((), dtype=torch.uint8).expand(
+                    data.shape[1], data.shape[2] // type_size * block),
+                scale=res.scale, loss=res.loss,
+                extra={"gguf_bytes": data, "gguf_type": qtype,
+                       "gguf_wanted_type": res.extra[f"gguf_piece{i}_wanted_type"]})
+            yield piece.name, piece
 
 
 def _permute(t: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -300,8 +320,9 @@ class GGUFFileWriter:
                 permute[f"blk.{i}.attn_q"], permute[f"blk.{i}.attn_k"] = n_head, n_kv
         tensors = _TensorList()
         notes, stats = [], {}
-        for name, res in results.items():
-            slot = gguf_slot(spec, name + ".weight")
+        for name, res in _result_pieces(spec, results):
+            slot = gguf_slot(spec, name + ".weight") if not name.startswith("blk.") else \
+                (name + ".weight", None)
             if slot is None:
                 raise UnsupportedArchitecture(f"Cannot express quantized tensor {name} in GGUF.")
             gname, expert = slot
