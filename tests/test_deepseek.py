@@ -98,6 +98,55 @@ def test_row_describes_mla_dense_and_moe_blocks(deepseek_model):
     assert len(shapes) == 5 + 3 + 5 + 4 * 3 + 3
 
 
+def test_awq_folds_keep_both_block_kinds_and_routing(deepseek_model):
+    """Every scaling group's fold, with random scales, leaves each float block's output as it
+    was, in the dense block and in the MoE block (the router compensated: routing unchanged):
+    the MLA norms fold into q_a_layernorm / kv_a_layernorm, the post-attention norm's one
+    scale into every routed expert and the shared expert."""
+    from transformers import AutoModelForCausalLM
+
+    from quantkit.methods.scaling import fold_scale, scale_plans
+    from quantkit.pipeline.blocks import get_blocks
+    from quantkit.pipeline.capture import capture_block_inputs, run_block
+    from quantkit.pipeline.experts import linearize_experts
+    from quantkit.types import BlockContext
+
+    model = AutoModelForCausalLM.from_pretrained(deepseek_model, dtype=torch.float32).eval()
+    spec = spec_for_config(model.config)
+    linearize_experts(model, spec)
+    blocks = get_blocks(model, spec)
+    inputs = capture_block_inputs(model, blocks, [torch.randint(10, 40000, (1, 40))], torch.float32)
+    g = torch.Generator().manual_seed(2)
+    folded = []
+    for i, block in enumerate(blocks):
+        picks = []  # the router's chosen experts, before and after the folds
+        hook = block.get_submodule("mlp.gate").register_forward_hook(
+            lambda _m, _a, out, picks=picks: picks.append(out[2].sort(-1).values)) if i else None
+        before = run_block(block, inputs)[0]
+        names = spec.linears_for(4)
+        linears = {n: m for n, m in block.named_modules() if n in names}
+        ctx = BlockContext(index=i, block=block, linears=linears, stats={}, scheme=SCHEME,
+                           inputs=[], rerun=lambda: [], arch=spec, options={},
+                           collect=lambda *_: {})
+        for plan in scale_plans(ctx):
+            assert plan.mode == "norm" or plan.group.prev.endswith("up_proj"), plan
+            k = next(iter(plan.balance.values())).in_features
+            fold_scale(plan, 0.5 + torch.rand(k, generator=g),
+                       {b: torch.ones(k) for b in plan.balance}, {}, {})
+            folded.append((i, plan.group.prev, len(plan.balance)))
+        after = run_block(block, inputs)[0]
+        assert ((after - before).norm() / before.norm()).item() < 1e-4
+        if hook is not None:
+            hook.remove()
+            assert len(picks) == 2 and torch.equal(picks[0], picks[1])
+        inputs = inputs.with_hidden([before], i + 1)
+    assert folded[:3] == [(0, "input_layernorm", 2), (0, "self_attn.q_a_layernorm", 1),
+                          (0, "self_attn.kv_a_layernorm", 1)]
+    assert (1, "post_attention_layernorm", 4 * 2 + 2) in folded
+    assert (1, "mlp.shared_experts.up_proj", 1) in folded and (1, "mlp.experts.3.up_proj", 1) in folded
+    assert len(folded) == 5 + 4 + 4 + 1
+
+
 @pytest.mark.parametrize("method", ["rtn", "gptq", "awq", "fp8"])
 def test_methods_both_layouts(deepseek_model, tmp_path, method):
     """Streamed per-expert shards and transformers 5's fused in-memory experts give the same
