@@ -96,6 +96,16 @@ def test_row_describes_mla_dense_and_moe_blocks(deepseek_model):
     assert shapes["model.layers.1.mlp.shared_experts.down_proj"] == (256, 256)
     assert not any(n.endswith(("mlp.gate", "q_proj")) for n in shapes)  # router; q_lora set
     assert len(shapes) == 5 + 3 + 5 + 4 * 3 + 3
+    # q_lora_rank None (DeepSeek-V2-Lite's attention): q_proj, in the first group, to GGUF attn_q
+    lite = load_config(deepseek_model)
+    lite.q_lora_rank = None
+    lite_shapes = linear_shapes(lite, spec)
+    assert lite_shapes["model.layers.0.self_attn.q_proj"] == (2 * 192, 256)
+    assert not any("q_a_proj" in n or "q_b_proj" in n for n in lite_shapes)
+    from quantkit.formats.gguf import gguf_name
+
+    assert gguf_name(spec, "model.layers.1.self_attn.q_proj.weight") == "blk.1.attn_q.weight"
+    assert gguf_name(spec, f"{ROUTER}.e_score_correction_bias") == "blk.1.exp_probs_b.bias"
 
 
 def test_awq_folds_keep_both_block_kinds_and_routing(deepseek_model):
