@@ -5,7 +5,8 @@ The tiny model is a real DeepseekV3ForCausalLM (hidden 256, 2 layers: block 0 de
 4 routed experts in 2 groups with top-1 group and top-2 experts plus one shared expert; MLA
 with q_lora 256, kv_lora 256, rope 64, nope 128, v 128, 2 heads) with random weights, saved by
 transformers 5 (per-expert tensors on disk, fused 3-D experts in memory). Its config.json
-carries `scoring_func: sigmoid` and `topk_method: noaux_tc` as DeepSeek-V3's own does:
+carries `scoring_func: sigmoid`, `topk_method: noaux_tc` and YaRN RoPE scaling (with
+mscale_all_dim and betas) as DeepSeek-V3's own does:
 DeepseekV3Config has neither key (transformers always routes by sigmoid with the bias), but
 llama.cpp's converter writes the gating function from scoring_func (llama.cpp falls back to
 softmax without it) and vLLM reads both (softmax, and no e_score_correction_bias parameter,
@@ -45,8 +46,14 @@ def deepseek_model(tmp_path_factory) -> Path:
     path = make_tiny_model(tmp_path_factory.mktemp("deepseek"), "deepseek_v3", hidden=256,
                            intermediate=256, heads=2, kv_heads=2)  # MLA: kv heads = heads
     config = json.loads((path / "config.json").read_text())
+    # YaRN as DeepSeek-V3 has it (factor 40 of 4096 there; here 4 of 256, the test's
+    # calibration and logit texts stay short of it but the keys and the attention scale count)
+    yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 1.0,
+            "mscale_all_dim": 1.0, "original_max_position_embeddings": 256, "beta_fast": 32,
+            "beta_slow": 1}
     (path / "config.json").write_text(json.dumps({**config, "scoring_func": "sigmoid",
-                                                  "topk_method": "noaux_tc"}))
+                                                  "topk_method": "noaux_tc",
+                                                  "rope_parameters": yarn}))
     return path
 
 
@@ -217,6 +224,8 @@ def test_bf16_gguf_equals_llama_cpp_converter_and_runs(deepseek_model, reference
     assert (kv["deepseek2.attention.head_count_kv"], kv["deepseek2.leading_dense_block_count"],
             kv["deepseek2.expert_shared_count"], kv["deepseek2.expert_group_count"],
             kv["deepseek2.expert_gating_func"]) == (1, 1, 1, 2, 2)  # 2 = sigmoid
+    assert (kv["deepseek2.rope.scaling.yarn_beta_fast"], kv["deepseek2.rope.scaling.yarn_log_multiplier"],
+            kv["deepseek2.rope.scaling.factor"]) == (32.0, pytest.approx(0.1), 4.0)
     assert_llama_cpp_logits_match(ours, deepseek_model, "DeepSeek-V3")
 
 

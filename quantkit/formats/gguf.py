@@ -418,6 +418,14 @@ class GGUFFileWriter:
             w.add_rope_scaling_type(_rope_scaling("YARN"))
             w.add_rope_scaling_factor(float(factor))
             w.add_rope_scaling_orig_ctx_len(int(rope["original_max_position_embeddings"]))
+            # the optional YaRN knobs the converter copies for every arch (DeepSeek-V3 sets betas)
+            for key, add in (("extrapolation_factor", w.add_rope_scaling_yarn_ext_factor),
+                             ("attention_factor", w.add_rope_scaling_yarn_attn_factor),
+                             ("beta_fast", w.add_rope_scaling_yarn_beta_fast),
+                             ("beta_slow", w.add_rope_scaling_yarn_beta_slow)):
+                value = rope.get(key, rope.get("attn_factor") if key == "attention_factor" else None)
+                if value is not None:
+                    add(float(value))
         w.add_file_type(ftype)
         w.add_quantization_version(2)
         if meta:
