@@ -167,15 +167,18 @@ def test_awq_folds_keep_both_block_kinds_and_routing(deepseek_model):
 @pytest.mark.parametrize("method", ["rtn", "gptq", "awq", "fp8"])
 def test_methods_both_layouts(deepseek_model, tmp_path, method):
     """Streamed per-expert shards and transformers 5's fused in-memory experts give the same
-    bytes; every MLA, dense, routed and shared Linear is quantized, the router and its
+    bytes (GPTQ, AWQ: the runs whose statistics depend on the layout; RTN and FP8's layouts
+    slice the same way, tests/test_moe.py runs them on Qwen3-MoE and Mixtral); every MLA, dense, routed and shared Linear is quantized, the router and its
     score-correction bias are kept (the bias byte for byte), tokens per expert are recorded
     (group-limited top-2 of 4: they sum to 2 x the calibration tokens), and quantkit's loader
     runs the artifact."""
     from quantkit.loader import load_artifact
 
     streamed = _quantize(deepseek_model, tmp_path / "streamed", method)
-    fused = _quantize(deepseek_model, tmp_path / "fused", method, stream=False)
-    assert (streamed / "model.safetensors").read_bytes() == (fused / "model.safetensors").read_bytes()
+    if method in ("gptq", "awq"):  # the calibrated ones (rtn / fp8: the same slicing, in test_moe)
+        fused = _quantize(deepseek_model, tmp_path / "fused", method, stream=False)
+        assert (streamed / "model.safetensors").read_bytes() == \
+            (fused / "model.safetensors").read_bytes()
     t, src = _tensors(streamed), _tensors(deepseek_model)
     suffix = "weight" if method == "fp8" else "weight_packed"
     quantized = {k.rpartition(".")[0] for k in t if k.endswith(suffix) and t[k].dtype != torch.bfloat16}
