@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 __all__ = ["E2M1_VALUES", "FP4_MAX", "FP8_MAX", "e2m1_codes", "e2m1_decode", "nvfp4_global_scale",
-           "quantize_nvfp4", "quantize_mxfp4", "dequantize_fp4", "fp4_step", "fake_quant_nvfp4",
+           "quantize_nvfp4", "quantize_mxfp4", "dequantize_fp4", "dequantize_mxfp4_blocks", "fp4_step", "fake_quant_nvfp4",
            "FP4GroupError"]
 
 E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
@@ -116,6 +116,17 @@ def dequantize_fp4(codes: torch.Tensor, scale: torch.Tensor,
     vals = codes.float() if codes.is_floating_point() else e2m1_decode(codes)
     vals = vals.reshape(n, k // group, group)
     return (vals * step[..., None]).reshape(n, k)
+
+
+def dequantize_mxfp4_blocks(blocks: torch.Tensor, scales: torch.Tensor,
+                            dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """(..., rows, cols) weights of MXFP4 as gpt-oss checkpoints store it: `blocks` uint8
+    (..., rows, cols/32, 16), element 2j of a block in byte j's low nibble and 2j+1 in its
+    high nibble; `scales` uint8 E8M0 (..., rows, cols/32). Exact in bf16 (a code times a
+    power of two)."""
+    codes = torch.stack((blocks & 15, blocks >> 4), -1).flatten(-2)  # (..., rows, G, 32)
+    vals = e2m1_decode(codes) * torch.exp2(scales.float() - 127)[..., None]
+    return vals.flatten(-2).to(dtype)
 
 
 def fake_quant_nvfp4(x: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:

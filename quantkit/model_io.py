@@ -153,6 +153,12 @@ def load_model(path: Path, *, dtype: torch.dtype = torch.float32, allow_pickle: 
             trust_remote_code=trust_remote_code)
     except Exception as exc:
         raise ModelLoadError(f"Cannot load model weights from {path}: {exc}") from exc
+    # transformers' MXFP4 dequantizer (gpt-oss checkpoints) yields bf16 experts whatever
+    # dtype was asked for: one dtype for every tensor, as for any other checkpoint (only
+    # there: other models may keep some tensors in float32 on purpose)
+    quant = read_config_json(path).get("quantization_config") or {}
+    if isinstance(quant, dict) and quant.get("quant_method") == "mxfp4":
+        model.to(dtype)
     model.eval()
     if check_weights:
         check_finite(model.named_parameters())

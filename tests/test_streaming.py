@@ -94,6 +94,59 @@ def test_resume_after_sigkill_is_byte_identical(tiny_model_factory, tmp_path):
     assert not ckpt.exists()  # removed on success
 
 
+def test_resume_redoes_the_blocks_after_the_newest_hidden_states(tiny_model_factory, tmp_path,
+                                                                 monkeypatch):
+    """Hidden states are checkpointed sparsely (checkpoint.HIDDEN_INTERVAL): here only block
+    0's. A run stopped after block 2 resumes at block 2, redoing blocks 1-2 from block 0's
+    hidden states, and the artifact is byte-identical; no hidden states follow the last block."""
+    from quantkit.pipeline import blocks
+    from quantkit.pipeline import checkpoint as ckpt_module
+
+    model = tiny_model_factory("llama", layers=4)
+    base = dict(model=str(model), method="gptq", scheme=QuantScheme(bits=4, group_size=64),
+                calib_samples=4, calib_seqlen=32, stream=False)
+    out = tmp_path / "stopped"
+    ckpt = checkpoint_dir(out)
+    monkeypatch.setattr(ckpt_module, "HIDDEN_INTERVAL", float("inf"))  # after block 0: never
+    real_release = blocks.BlockSource.release
+
+    class Stop(Exception):
+        pass
+
+    def stop_after_block_2(self, index, block):
+        real_release(self, index, block)
+        if index == 2:
+            raise Stop
+
+    monkeypatch.setattr(blocks.BlockSource, "release", stop_after_block_2)
+    with pytest.raises(Stop):
+        quantize(QuantizeRequest(**base, out=out))
+    done = json.loads((ckpt / "done.json").read_text())
+    assert (done["blocks"], done["hidden"]) == (3, 0)
+    assert sorted(p.name for p in ckpt.glob("hidden-*")) == ["hidden-00000.safetensors"]
+
+    monkeypatch.setattr(blocks.BlockSource, "release", real_release)
+    saved: list[int] = []
+    real_save = ckpt_module.BlockCheckpoint.save
+
+    def record(self, index, total, results, dense, hidden):
+        saved.append(index)
+        real_save(self, index, total, results, dense, hidden)
+        if index == total - 1:
+            self.close()
+            assert not (self.dir / f"hidden-{index:05d}.safetensors").exists()
+
+    monkeypatch.setattr(ckpt_module.BlockCheckpoint, "save", record)
+    progress: list[str] = []
+    quantize(QuantizeRequest(**base, out=out), on_progress=lambda msg, *_: progress.append(msg))
+    assert "resuming at block 2/4" in progress
+    assert saved == [1, 2, 3]
+    fresh = tmp_path / "fresh"
+    quantize(QuantizeRequest(**base, out=fresh, resume=False))
+    assert _tensor_hashes(out) == _tensor_hashes(fresh)
+    assert not ckpt.exists()
+
+
 def test_stale_checkpoint_is_not_resumed(tiny_llama, tmp_path):
     """A checkpoint from another request (other bits) is discarded, not mixed in."""
     out = tmp_path / "a"

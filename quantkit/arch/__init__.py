@@ -83,6 +83,18 @@ class ExpertsSpec:
     router: str = "mlp.gate"
     fused_gate_up: str = "gate_up_proj"
     fused_down: str = "down_proj"
+    # gpt-oss's fused layout: (E, in, out) tensors applied as x @ W (not F.linear's (E, out,
+    # in)), gate and up rows interleaved (even = gate, odd = up) instead of halves, and biases
+    # `{fused}_bias` on every expert projection
+    fused_transposed: bool = False
+    gate_up_interleaved: bool = False
+    bias: bool = False
+    # the fused module's own method that maps the (interleaved) gate_up output to the down
+    # input (gpt-oss's clamped SwiGLU `_apply_gate`); "" = act_fn(gate) * up
+    glu: str = ""
+    # the checkpoint keeps the fused 3-D tensors (gpt-oss), optionally as MXFP4
+    # `{fused}_blocks` / `{fused}_scales`; per-expert tensors are sliced out as they are read
+    stored_fused: bool = False
 
     def linear(self, which: str, expert: int | str = EXPERT) -> str:
         """Block-relative name of expert `expert`'s `which` Linear ("gate", "up" or "down")."""
@@ -126,6 +138,9 @@ class ArchSpec:
     # substring, checkpoint substring). Shards are read and artifacts written under the
     # checkpoint's names, the ones the engines load (Mixtral: block_sparse_moe)
     checkpoint_renames: tuple[tuple[str, str], ...] = ()
+    # engines known to mis-load this family's quantized safetensors artifacts: engine -> why.
+    # quantize drops them from the artifact's `engines` and warns (never a silent wrong load)
+    engine_gaps: dict[str, str] = field(default_factory=dict)
     # a Linear llama.cpp stores as per-head 3-D pieces (DeepSeek's kv_b_proj -> attn_k_b,
     # attn_v_b): block-relative Linear -> ((GGUF base name with {bid}, config key of the rows
     # each head gives this piece, transposed per head), ...); rows are (head, piece, row)
@@ -275,6 +290,36 @@ _MIXTRAL_GGUF_NAMES = {
     _MIXTRAL_EXPERTS.linear("down"): "blk.{bid}.ffn_down_exps",
 }
 
+# gpt-oss: biased q/k/v/o and attention sinks (a per-head logit, kept unquantized), every
+# block MoE with a biased router `mlp.router` and biased experts stored fused in the
+# checkpoint (MXFP4 in OpenAI's). Per-expert Linears take llm-compressor's names
+# (`mlp.experts.{e}.gate_proj`, ...), what its gpt-oss calibration modules write
+_GPT_OSS_EXPERTS = ExpertsSpec(count_keys=("num_local_experts",), router="mlp.router",
+                               fused_transposed=True, gate_up_interleaved=True, bias=True,
+                               glu="_apply_gate", stored_fused=True)
+
+_GPT_OSS_LINEARS = _LLAMA_LINEARS[:2] + (
+    (_GPT_OSS_EXPERTS.linear("gate"), _GPT_OSS_EXPERTS.linear("up")),
+    (_GPT_OSS_EXPERTS.linear("down"),),
+)
+
+# AWQ: no up -> down group for gpt-oss: down reads (clamp(up) + 1) * glu(gate), not
+# linear in up's output, so a scale folded from down's columns into up's rows would change
+# what the block computes (the norm -> every expert's gate/up group stays: one scale, the
+# router compensated)
+
+# llama.cpp's gpt-oss (gguf-py MODEL_ARCH.GPT_OSS): the norm before the MoE is
+# post_attention_norm, sinks attn_sinks, the router ffn_gate_inp
+_GPT_OSS_GGUF_NAMES = {
+    **{k: v for k, v in _GGUF_BLOCK_NAMES.items() if not k.startswith("mlp.")},
+    "post_attention_layernorm": "blk.{bid}.post_attention_norm",
+    "self_attn.sinks": "blk.{bid}.attn_sinks",
+    _GPT_OSS_EXPERTS.router: "blk.{bid}.ffn_gate_inp",
+    _GPT_OSS_EXPERTS.linear("gate"): "blk.{bid}.ffn_gate_exps",
+    _GPT_OSS_EXPERTS.linear("up"): "blk.{bid}.ffn_up_exps",
+    _GPT_OSS_EXPERTS.linear("down"): "blk.{bid}.ffn_down_exps",
+}
+
 # Gemma 3: q/k norms, and norms after attention and after the MLP (on their outputs, before
 # the residual add), so the MLP's input norm is pre_feedforward_layernorm, not
 # post_attention_layernorm as in llama
@@ -398,6 +443,18 @@ ARCHS: tuple[ArchSpec, ...] = (
              gguf_kv=("vocab_size", "rope_dimension_count", "head_dim_if_set", "expert_count",
                       "expert_used_count"),
              checkpoint_renames=((".mlp.", ".block_sparse_moe."),)),
+    ArchSpec("gpt_oss", ("GptOssForCausalLM",), ("gpt_oss",), gguf_arch="gpt-oss",
+             sequential=_GPT_OSS_LINEARS, experts=_GPT_OSS_EXPERTS,
+             awq_groups=_LLAMA_AWQ[:2] + _moe_awq(_GPT_OSS_EXPERTS)[:1],
+             roles={k: v for k, v in _ROLES.items() if k.startswith("attn")},
+             gguf_names=_GPT_OSS_GGUF_NAMES,
+             gguf_kv=("head_dim_if_set", "expert_count", "expert_used_count", "sliding_window",
+                      "expert_feed_forward_length_intermediate"),
+             engine_gaps={"vllm": "vLLM 0.32's gpt-oss loader reads experts only fused "
+                          "(gate_up_proj / down_proj) or under its own w13_*/w2_* names and "
+                          "skips per-expert gate_proj/up_proj/down_proj tensors without an "
+                          "error (a decoded bf16 artifact under these names generated '' on "
+                          "CPU); use --format gguf for llama.cpp"}),
     # GGUF: llama.cpp's deepseek2, kv_b_proj split per head into attn_k_b / attn_v_b
     ArchSpec("deepseek_v3", ("DeepseekV3ForCausalLM",), ("deepseek_v3",), gguf_arch="deepseek2",
              sequential=_DEEPSEEK_LINEARS, experts=_DEEPSEEK_EXPERTS,

@@ -14,6 +14,8 @@ Layout written (gguf's GGUFWriter; tensor data 32-byte aligned, dims reversed on
        Mixture of experts (qwen3moe): each block's per-expert Linears stacked into one 3-D
        tensor per projection (ffn_{gate,up,down}_exps, experts on the slowest axis), built
        as it is written; the router ffn_gate_inp F32, as llama.cpp's converter forces it.
+       gpt-oss checkpoints in MXFP4 keep their experts' stored bytes at 16-bit types, as
+       ggml MXFP4 (as the converter does).
 The llama arch wants q/k rows permuted for its rotary layout; that is a row permutation, so
 it is applied to encoded rows too (`_permute`).
 """
@@ -28,7 +30,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFEndian, GGUFValueType, GGUFWriter
+from gguf import (
+    GGML_QUANT_SIZES,
+    GGMLQuantizationType,
+    GGUFEndian,
+    GGUFValueType,
+    GGUFWriter,
+    LlamaFileType,
+)
 
 from quantkit.arch import ArchSpec, spec_for_config
 from quantkit.errors import SchemeMismatch, UnsupportedArchitecture
@@ -39,10 +48,11 @@ from quantkit.types import QuantResult, QuantScheme
 __all__ = ["GGUFFileWriter", "gguf_name", "gguf_slot", "FILE_TYPES", "read_gguf", "gguf_metadata", "GGUFTensor"]
 
 Q = GGMLQuantizationType
-GGUF_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3", "phi3", "deepseek2")
-# llama.cpp's gemma3 loader assumes every 6th layer is global (load_swa_pattern(ml, 6)): the
-# converter writes no pattern, so other layer_types would run differently there
-_GEMMA3_SWA_PATTERN = 6
+GGUF_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3", "phi3", "gpt-oss", "deepseek2")
+# llama.cpp's loaders fix which layers are global (set_swa_pattern(n): every nth): gemma3
+# every 6th, gpt-oss every 2nd; the converter writes no pattern, so other layer_types would
+# run differently there
+_SWA_PATTERNS = {"gemma3": 6, "gpt-oss": 2}
 # gguf_type -> (general.file_type, type of 2-D weights that have no quantized result)
 FILE_TYPES = {"f16": (1, Q.F16), "bf16": (32, Q.BF16), "q8_0": (7, Q.F16), "q6_k": (18, Q.F16),
               "q5_k_m": (17, Q.F16), "q5_k_s": (16, Q.F16), "q4_k_m": (15, Q.F16),
@@ -101,13 +111,66 @@ def gguf_slot(spec: ArchSpec, hf_name: str) -> tuple[str, int | None] | None:
     prefix = spec.block_path + "."
     if module.startswith(prefix):
         bid, _, rel = module[len(prefix):].partition(".")
-        whole = spec.gguf_names.get(f"{rel}.{suffix}")  # a row naming a whole tensor
-        if whole and bid.isdigit():
-            return whole.format(bid=int(bid)), None
+        if bid.isdigit() and f"{rel}.{suffix}" in spec.gguf_names:  # a bare parameter (sinks)
+            whole = spec.gguf_names[f"{rel}.{suffix}"]
+            if whole.endswith((".weight", ".bias")):  # a whole GGUF tensor name (exp_probs_b.bias)
+                return whole.format(bid=int(bid)), None
+            rel, suffix = f"{rel}.{suffix}", "weight"
         slot = spec.gguf_slot(rel) if bid.isdigit() else None
         return (f"{slot[0].format(bid=int(bid))}.{suffix}", slot[1]) if slot else None
     base = {spec.embed: "token_embd", spec.final_norm: "output_norm", spec.lm_head: "output"}.get(module)
     return (f"{base}.{suffix}", None) if base else None
+
+
+def _stored_mxfp4_experts(spec: ArchSpec, config: dict, source_dir: Path | None
+                          ) -> dict[tuple[str, int], object]:
+    """gpt-oss checkpoints in MXFP4: llama.cpp's converter writes the experts' stored blocks
+    as they are, as ggml MXFP4 (whatever its 16-bit --outtype), and so does quantkit at 16-bit
+    types. {(GGUF tensor name, expert): make (rows, cols / 32 * 17) uint8}, lazily read."""
+    from quantkit.readers import safetensors_header, tensor_files
+
+    es = spec.experts
+    quant = config.get("quantization_config") or {}
+    if es is None or not es.stored_fused or quant.get("quant_method") != "mxfp4" \
+            or source_dir is None:
+        return {}
+    files = tensor_files(Path(source_dir))
+    out = {}
+    for name, file in files.items():
+        module, _, param = name.rpartition(".")
+        split = {f"{es.fused_gate_up}_blocks": (es.gate, es.up),
+                 f"{es.fused_down}_blocks": (es.down,)}.get(param)
+        if split is None:
+            continue
+        experts = safetensors_header(file)[0][name]["shape"][0]
+        scales = name[: -len("_blocks")] + "_scales"
+        for part, linear in enumerate(split):
+            gname, _ = gguf_slot(spec, f"{module}.0.{linear}.weight")
+            for e in range(experts):
+                out[(gname, e)] = lambda a=(file, name, files[scales], scales, e, part, len(split)): \
+                    _ggml_mxfp4(*a, interleaved=es.gate_up_interleaved)
+    return out
+
+
+def _ggml_mxfp4(blocks_file: Path, blocks_name: str, scales_file: Path, scales_name: str,
+                expert: int, part: int, parts: int, interleaved: bool) -> np.ndarray:
+    """One expert's rows of a checkpoint MXFP4 tensor as ggml block_mxfp4 (E8M0 byte, then 16
+    bytes: element j in byte j's low nibble, j + 16 in its high nibble), from the checkpoint's
+    blocks (element 2j low, 2j + 1 high) and scales. `part` of `parts` picks gate or up rows
+    of a fused gate_up (even / odd rows when interleaved, else halves)."""
+    from safetensors import safe_open
+
+    with safe_open(str(blocks_file), framework="pt") as f:
+        blocks = f.get_slice(blocks_name)[expert]
+    with safe_open(str(scales_file), framework="pt") as f:
+        scales = f.get_slice(scales_name)[expert]
+    if parts > 1:
+        rows = blocks.shape[0] // parts
+        pick = slice(part, None, parts) if interleaved else slice(part * rows, (part + 1) * rows)
+        blocks, scales = blocks[pick], scales[pick]
+    codes = torch.stack((blocks & 15, blocks >> 4), -1).flatten(-2)  # (rows, G, 32)
+    qs = codes[..., :16] | (codes[..., 16:] << 4)
+    return torch.cat((scales[..., None], qs), -1).flatten(-2).contiguous().numpy()
 
 
 # 2-D weights the converter always writes as F32, whatever --outtype (base.py forces the MoE
@@ -243,13 +306,14 @@ def _check_config(spec: ArchSpec, config: dict) -> None:
     if rtype not in ok:
         raise UnsupportedArchitecture(f"RoPE scaling {rtype!r} is not written by quantkit's GGUF "
                                       f"writer for {spec.gguf_arch}.", f"Supported: {sorted(ok)}.")
-    if "sliding_window" in spec.gguf_kv and config.get("layer_types"):
-        want = ["full_attention" if (i + 1) % _GEMMA3_SWA_PATTERN == 0 else "sliding_attention"
+    pattern = _SWA_PATTERNS.get(spec.gguf_arch)
+    if pattern and config.get("layer_types"):
+        want = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
                 for i in range(config["num_hidden_layers"])]
         if list(config["layer_types"]) != want:
             raise UnsupportedArchitecture(
                 f"layer_types {config['layer_types']} differ from llama.cpp's {spec.gguf_arch} "
-                f"pattern (every {_GEMMA3_SWA_PATTERN}th layer global).",
+                f"pattern (every {({2: '2nd'}).get(pattern, f'{pattern}th')} layer global).",
                 "llama.cpp would run other layers with sliding-window attention; use another format.")
     if config.get("use_sliding_window"):
         raise UnsupportedArchitecture("Sliding-window attention is not written to GGUF by quantkit.")
@@ -305,6 +369,10 @@ class GGUFFileWriter:
         if gtype not in FILE_TYPES:
             raise SchemeMismatch(f"gguf_type {gtype!r} is not one of {', '.join(FILE_TYPES)}.")
         ftype, dense_2d = FILE_TYPES[gtype]
+        stored = _stored_mxfp4_experts(spec, config, source_dir) if gtype in ("bf16", "f16") \
+            else {}
+        if stored:  # the converter's file type when experts stay MXFP4 (LlamaFileType)
+            ftype = int(LlamaFileType.MOSTLY_MXFP4_MOE)
         w = _FastArrayWriter(str(out_file), spec.gguf_arch)
         self._metadata(w, spec, config, ftype, meta)
         if source_dir is not None:
@@ -326,6 +394,11 @@ class GGUFFileWriter:
             if slot is None:
                 raise UnsupportedArchitecture(f"Cannot express quantized tensor {name} in GGUF.")
             gname, expert = slot
+            if slot in stored:  # the checkpoint's own MXFP4 bytes, as the converter writes them
+                tensors.add(gname, expert, stored[slot], Q.MXFP4)
+                if res.bias is not None:
+                    dense = {**dense, name + ".bias": res.bias}
+                continue
             qtype = Q(int(res.extra["gguf_type"]))
             data = res.extra["gguf_bytes"]
             if gname[:-len(".weight")] in permute:
@@ -349,6 +422,9 @@ class GGUFFileWriter:
                     "Only the tensors of a plain decoder (embeddings, attention, MLP, norms, "
                     "routers and experts) map.")
             gname, expert = slot
+            if slot in stored:
+                tensors.add(gname, expert, stored[slot], Q.MXFP4)
+                continue
             base = gname.rsplit(".", 1)[0]
             if base in permute:
                 t = _permute(t, permute[base])
@@ -418,7 +494,7 @@ class GGUFFileWriter:
             w.add_rope_scaling_type(_rope_scaling("YARN"))
             w.add_rope_scaling_factor(float(factor))
             w.add_rope_scaling_orig_ctx_len(int(rope["original_max_position_embeddings"]))
-            # the optional YaRN knobs the converter copies for every arch (DeepSeek-V3 sets betas)
+            # the converter's optional YaRN keys, each written when the config sets it
             for key, add in (("extrapolation_factor", w.add_rope_scaling_yarn_ext_factor),
                              ("attention_factor", w.add_rope_scaling_yarn_attn_factor),
                              ("beta_fast", w.add_rope_scaling_yarn_beta_fast),
@@ -530,6 +606,9 @@ _OPTIONAL_KV = {
     "expert_used_count": lambda w, c: w.add_expert_used_count(int(c["num_experts_per_tok"])),
     "expert_feed_forward_length": lambda w, c: w.add_expert_feed_forward_length(
         int(c["moe_intermediate_size"])),
+    # gpt-oss: its experts are intermediate_size wide
+    "expert_feed_forward_length_intermediate": lambda w, c: w.add_expert_feed_forward_length(
+        int(c["intermediate_size"])),
 }
 
 

@@ -160,19 +160,41 @@ def quantize_blocks(
                 device, offload=offload_activations and torch.device(device).type == "cuda")
     total = len(blocks)
     start = 0
-    resumed = checkpoint.resume(total) if checkpoint is not None else None
-    if resumed is not None and inputs is not None and resumed.hidden is None:
-        resumed = None  # no hidden states to continue from: start over
+    resumed = checkpoint.resume(total, needs_hidden=inputs is not None) \
+        if checkpoint is not None else None
     if resumed is not None:
         start = resumed.start
         if dense is not None:
             dense.update(resumed.dense)
-        if inputs is not None:
+        if inputs is not None and resumed.hidden is not None:
             inputs = inputs.with_hidden(resumed.hidden, start).to(device, inputs.device is not None)
         if on_progress:
             on_progress(f"resuming at block {start + 1}/{total}" if start < total else
                         f"resuming: all {total} blocks were finished, writing the artifact",
                         start, total)
+    try:
+        _run_blocks(blocks, start, total, spec, quantizer, scheme, inputs, device=device,
+                    compute_dtype=compute_dtype, options=options, on_progress=on_progress,
+                    source=source, checkpoint=checkpoint, dense=dense, dense_dtype=dense_dtype,
+                    dp=dp, staged=staged, expert_min_tokens=expert_min_tokens,
+                    kv_absmax=kv_absmax, results=results)
+    except BaseException:
+        if checkpoint is not None:  # what is on disk when the error's message is written
+            with contextlib.suppress(Exception):
+                checkpoint.close()
+        raise
+    if checkpoint is not None:
+        checkpoint.close()  # every block on disk before the writer reads them back
+        return checkpoint.results(total)
+    return results
+
+
+def _run_blocks(blocks, start: int, total: int, spec: ArchSpec, quantizer: Quantizer,
+                scheme: QuantScheme, inputs: BlockInputs | None, *, device, compute_dtype,
+                options, on_progress, source: BlockSource, checkpoint, dense, dense_dtype, dp,
+                staged, expert_min_tokens: int, kv_absmax, results: dict) -> None:
+    """The loop of quantize_blocks from block `start` on; fills `results` (the blocks a
+    checkpoint does not hold) and `dense`."""
     true_sequential = getattr(quantizer, "true_sequential", False)
     for i, block in enumerate(blocks):
         if i < start:
@@ -258,7 +280,6 @@ def quantize_blocks(
         source.release(i, block)
         if on_progress:
             on_progress(f"quantizing blocks ({quantizer.name})", i + 1, total)
-    return checkpoint.results(total) if checkpoint is not None else results
 
 
 def _outputs_and_stats(block, linears, stats: tuple[str, ...], inputs) -> tuple[list, dict]:

@@ -16,33 +16,74 @@ give the same artifact. The forward keeps the model's routing (the router module
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 
 from quantkit.arch import ArchSpec, ExpertsSpec
 
-__all__ = ["LinearExperts", "linearize_experts", "num_experts"]
+__all__ = ["LinearExperts", "expert_tensors", "linearize_experts", "num_experts"]
 
 
 class _Expert(nn.Module):
-    """One routed expert: down(act(gate(x)) * up(x)), the SwiGLU the fused module computes."""
+    """One routed expert: down(act(gate(x)) * up(x)), the SwiGLU the fused module computes, or
+    down(glu(gate_up(x))) with the fused module's own `glu` method (gpt-oss's clamped SwiGLU
+    on the interleaved gate/up output)."""
 
-    def __init__(self, spec: ExpertsSpec, hidden: int, inter: int, act_fn, dtype, device):
+    def __init__(self, spec: ExpertsSpec, hidden: int, inter: int, act_fn, dtype, device,
+                 glu=None):
         super().__init__()
         # skip_init: no random init of weights that are copied from the fused tensors (or
         # streamed in) right after: nn.Linear's kaiming init of 128 experts x 3 Linears of
         # Qwen3-30B-A3B shapes took seconds per block on the CPU
         make = lambda i, o: nn.utils.skip_init(  # noqa: E731
-            nn.Linear, i, o, bias=False, dtype=dtype, device=device)
+            nn.Linear, i, o, bias=spec.bias, dtype=dtype, device=device)
         setattr(self, spec.gate, make(hidden, inter))
         setattr(self, spec.up, make(hidden, inter))
         setattr(self, spec.down, make(inter, hidden))
         self._names = (spec.gate, spec.up, spec.down)
+        self._interleaved = spec.gate_up_interleaved
+        self._glu = glu
         self.act_fn = act_fn
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up, down = (getattr(self, n) for n in self._names)
-        return down(self.act_fn(gate(x)) * up(x))
+        if self._glu is None:
+            return down(self.act_fn(gate(x)) * up(x))
+        g, u = gate(x), up(x)
+        gate_up = torch.stack((g, u), -1).flatten(-2) if self._interleaved else torch.cat((g, u), -1)
+        return down(self._glu(gate_up))
+
+
+def _weightless(module: nn.Module) -> nn.Module:
+    shell = copy.copy(module)
+    shell._parameters, shell._buffers, shell._modules = {}, {}, {}
+    return shell
+
+
+def expert_tensors(spec: ExpertsSpec, fused: dict[str, torch.Tensor], e: int
+                   ) -> dict[str, torch.Tensor]:
+    """Expert `e`'s per-expert Linear tensors ("gate_proj.weight", "gate_proj.bias", ...) from
+    the fused 3-D ones (`fused` keyed by the fused parameter names: gate_up_proj, down_proj
+    and, with biases, gate_up_proj_bias, down_proj_bias), per the spec's layout."""
+    gate_up, down = fused[spec.fused_gate_up][e], fused[spec.fused_down][e]
+    if spec.fused_transposed:  # (in, out) -> nn.Linear's (out, in)
+        gate_up, down = gate_up.T, down.T
+    if spec.gate_up_interleaved:
+        halves = {spec.gate: gate_up[0::2], spec.up: gate_up[1::2]}
+    else:
+        inter = gate_up.shape[0] // 2
+        halves = {spec.gate: gate_up[:inter], spec.up: gate_up[inter:]}
+    out = {f"{n}.weight": w for n, w in halves.items()}
+    out[f"{spec.down}.weight"] = down
+    if spec.bias:
+        gate_up_b = fused[f"{spec.fused_gate_up}_bias"][e]
+        gate_b, up_b = ((gate_up_b[0::2], gate_up_b[1::2]) if spec.gate_up_interleaved
+                        else gate_up_b.chunk(2))
+        out.update({f"{spec.gate}.bias": gate_b, f"{spec.up}.bias": up_b,
+                    f"{spec.down}.bias": fused[f"{spec.fused_down}_bias"][e]})
+    return {k: v.contiguous() for k, v in out.items()}
 
 
 class LinearExperts(nn.ModuleList):
@@ -117,17 +158,21 @@ def linearize_experts(model: nn.Module, spec: ArchSpec, calibrate_all: bool = Fa
             fused.calibrate_all = calibrate_all
             continue
         gate_up = getattr(fused, es.fused_gate_up)
-        down = getattr(fused, es.fused_down)
-        n, two_inter, hidden = gate_up.shape
+        params = dict(fused.named_parameters(recurse=False))
+        n = gate_up.shape[0]
+        hidden, two_inter = gate_up.shape[1:] if es.fused_transposed else gate_up.shape[:0:-1]
         inter = two_inter // 2
+        # gpt-oss: a bound method of a weightless copy of the fused module, the model's own
+        # code with its constants (alpha, limit), not keeping the fused weights alive
+        glu = getattr(_weightless(fused), es.glu) if es.glu else None
+        act_fn = None if es.glu else fused.act_fn
         experts = []
         for e in range(n):
-            expert = _Expert(es, hidden, inter, fused.act_fn, gate_up.dtype, gate_up.device)
+            expert = _Expert(es, hidden, inter, act_fn, gate_up.dtype, gate_up.device, glu)
             if gate_up.device.type != "meta":
                 with torch.no_grad():
-                    getattr(expert, es.gate).weight.copy_(gate_up[e, :inter])
-                    getattr(expert, es.up).weight.copy_(gate_up[e, inter:])
-                    getattr(expert, es.down).weight.copy_(down[e])
+                    for name, value in expert_tensors(es, params, e).items():
+                        expert.get_parameter(name).copy_(value)
             experts.append(expert)
         owner_name, _, leaf = es.module.rpartition(".")
         owner = block.get_submodule(owner_name) if owner_name else block

@@ -9,6 +9,7 @@ import shutil
 import time
 import warnings
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -341,9 +342,14 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
     mem_plan = plan_request(req, config, spec, quantizer, raw_config)
     if req.memory_check:
         check_memory(mem_plan)
-    # NaN/Inf in any tensor (embeddings and lm_head too) stops the run now, not after every
-    # block was quantized: one streamed pass over the shards
-    scan_finite(source.path, on_progress=on_progress)
+    # NaN/Inf in any tensor (embeddings and lm_head too) stops the run before the model is
+    # opened, not after every block was quantized: one streamed pass over the shards, read by
+    # threads while the tokenizer and the calibration text are loaded (it waits on the disk,
+    # they on a core), and waited for below
+    t_checked = time.perf_counter()
+    scan_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="quantkit-scan")
+    scan = scan_pool.submit(scan_finite, source.path)
+    scan_pool.shutdown(wait=False)
     # calibration activations in host memory when they would not fit the GPU (one process
     # per GPU: data-parallel ranks keep their smaller shards on it)
     offload = dp is None and str(device).startswith("cuda") and torch.cuda.is_available() \
@@ -361,6 +367,11 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
         calib = load_calibration(req.calib, tokenizer, n_samples=req.calib_samples,
                                  seqlen=req.calib_seqlen, seed=req.seed, chat=req.chat,
                                  text_column=req.text_column)
+    t_calibration = time.perf_counter()
+    scan.result()  # raises BadWeights naming the first bad tensor
+    if on_progress:
+        on_progress("checking weights for NaN/Inf", 1, 1)
+    t_scanned = time.perf_counter()
     compute_dtype = torch.float32 if device == "cpu" else torch.bfloat16
     load_dtype = compute_dtype  # the dtype load_model gives; streaming loads blocks the same way
     store_dtype = _storage_dtype(raw_config)
@@ -437,7 +448,13 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
         # which float32 kernels ran: artifacts whose facts differ may differ in their codes
         **({"kernels": kernel_facts()} if device == "cpu" else {}),
         **({"offload_activations": True} if offload else {}),
-        "seconds": {"quantize": round(quant_seconds, 3)},
+        # where the command's time went: the checks before the NaN/Inf scan, tokenizer and
+        # calibration text (while the scan runs), the wait for the scan's end, the block
+        # loop; `total` (set last) adds opening the model and writing the artifact
+        "seconds": {"checks": round(t_checked - t_start, 3),
+                    "calibration": round(t_calibration - t_checked, 3),
+                    "scan_wait": round(t_scanned - t_calibration, 3),
+                    "quantize": round(quant_seconds, 3)},
         **({"data_parallel": dp.describe()} if dp is not None else {}),
         "command": req.command or req.cli_equivalent(),
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -463,6 +480,11 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
         if req.kv_cache:
             add_kv_cache_config(tmp, writer.name)
         meta["engines"] = list(writer.engines)  # a writer may narrow them by what it wrote (FP8)
+        for engine, why in spec.engine_gaps.items():
+            if engine in meta["engines"]:
+                meta["engines"].remove(engine)
+                meta.setdefault("engine_gaps", {})[engine] = why
+                warnings.warn(f"{spec.name}: {engine} cannot load this artifact: {why}", stacklevel=2)
         for name in TOKENIZER_FILES:
             if (source.path / name).is_file():
                 shutil.copy2(source.path / name, tmp / name)
@@ -579,7 +601,7 @@ def _open_model(req: QuantizeRequest, path: Path, config, load_dtype: torch.dtyp
     fused in-memory experts are sliced."""
     all_experts = req.moe_calibrate_all_experts
     if req.stream is not False and any(path.glob("*.safetensors")):
-        reader = ShardReader(path, spec.checkpoint_name)
+        reader = ShardReader(path, spec.checkpoint_name, spec)
         model = skeleton(config, load_dtype, trust_remote_code=req.trust_remote_code)
         linearize_experts(model, spec, all_experts)
         if stream_plan_ok(model, reader):

@@ -30,7 +30,8 @@ class ShardReader:
     mlp -> block_sparse_moe); every method takes and returns module-tree names.
     """
 
-    def __init__(self, path: Path, rename: Callable[[str], str] | None = None):
+    def __init__(self, path: Path, rename: Callable[[str], str] | None = None,
+                 spec: ArchSpec | None = None):
         self.path = Path(path)
         files = tensor_files(self.path)  # index and headers validated
         shapes: dict[str, tuple[int, ...]] = {}
@@ -40,12 +41,75 @@ class ShardReader:
         self._file_name = rename or (lambda name: name)
         self.files: dict[str, Path] = files
         self._shapes = shapes
+        # per-expert tensor name -> (fused experts prefix, expert index), for checkpoints that
+        # store the experts fused (gpt-oss): sliced (and MXFP4-decoded) as they are read
+        self._sliced: dict[str, tuple[str, int]] = {}
+        if spec is not None and spec.experts is not None and spec.experts.stored_fused:
+            self._index_fused_experts(spec)
+
+    def _index_fused_experts(self, spec: ArchSpec) -> None:
+        es = spec.experts
+        for name in list(self._shapes):
+            for suffix in ("", "_blocks"):
+                tail = f".{es.module}.{es.fused_gate_up}{suffix}"
+                if not name.endswith(tail):
+                    continue
+                prefix = spec.module_name(name[: -len(tail)]) + f".{es.module}."
+                shape = self._shapes[name]
+                if suffix:  # MXFP4 blocks (E, out, in/32, 16): rows are output channels
+                    n, two_inter, hidden = shape[0], shape[1], shape[2] * shape[3] * 2
+                elif es.fused_transposed:  # (E, in, out)
+                    n, hidden, two_inter = shape
+                else:
+                    n, two_inter, hidden = shape
+                inter = two_inter // 2
+                out = {es.gate: (inter, hidden), es.up: (inter, hidden), es.down: (hidden, inter)}
+                for e in range(n):
+                    for linear, wshape in out.items():
+                        self._virtual(f"{prefix}{e}.{linear}.weight", wshape, prefix, e)
+                        if es.bias:
+                            self._virtual(f"{prefix}{e}.{linear}.bias", wshape[:1], prefix, e)
+        self._experts = es
+
+    def _virtual(self, name: str, shape: tuple[int, ...], prefix: str, e: int) -> None:
+        self._sliced[name] = (prefix, e)
+        self._shapes[self._file_name(name)] = shape
 
     def __contains__(self, name: str) -> bool:
-        return self._file_name(name) in self.files
+        return name in self._sliced or self._file_name(name) in self.files
 
     def shape(self, name: str) -> tuple[int, ...]:
         return self._shapes[self._file_name(name)]
+
+    def _read_sliced(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """Per-expert tensors from the fused ones, each fused tensor read (and decoded) once."""
+        from quantkit.e2m1 import dequantize_mxfp4_blocks
+        from quantkit.pipeline.experts import expert_tensors
+
+        es = self._experts
+        by_prefix: dict[str, list[str]] = {}
+        for name in names:
+            by_prefix.setdefault(self._sliced[name][0], []).append(name)
+        out = {}
+        for prefix, group in by_prefix.items():
+            fused = {}
+            for param in (es.fused_gate_up, es.fused_down):
+                stored = prefix + param
+                if stored in self:
+                    fused[param] = self.get(stored)
+                else:  # MXFP4 (E, out, in): to the in-memory (E, in, out) transformers decodes to
+                    parts = self.get_many([stored + "_blocks", stored + "_scales"])
+                    w = dequantize_mxfp4_blocks(parts[stored + "_blocks"], parts[stored + "_scales"])
+                    fused[param] = w.transpose(1, 2) if es.fused_transposed else w
+                if es.bias:
+                    fused[param + "_bias"] = self.get(stored + "_bias")
+            cache: dict[int, dict[str, torch.Tensor]] = {}
+            for name in group:
+                e = self._sliced[name][1]
+                if e not in cache:
+                    cache[e] = expert_tensors(es, fused, e)
+                out[name] = cache[e][name[len(f"{prefix}{e}."):]]
+        return out
 
     def get(self, name: str) -> torch.Tensor:
         return self.get_many([name])[name]
@@ -54,10 +118,13 @@ class ShardReader:
         """Copies in RAM. Each shard is opened once per call: a handle kept open keeps its
         mmap, and every page read through it stays in this process's RSS (measured: +1 block
         per block)."""
+        sliced = [n for n in names if n in self._sliced]
+        out = self._read_sliced(sliced) if sliced else {}
         by_file: dict[Path, list[str]] = {}
         for name in names:
+            if name in self._sliced:
+                continue
             by_file.setdefault(self.files[self._file_name(name)], []).append(name)
-        out = {}
         for file, group in by_file.items():
             with safe_open(str(file), framework="pt") as f:
                 for name in group:
