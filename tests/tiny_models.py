@@ -17,6 +17,7 @@ ARCH_CONFIGS = {
     "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
     "phi3": ("Phi3Config", "Phi3ForCausalLM"),
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
 }
 
 # family-specific config values: Gemma 3 with a short sliding window (so calibration text
@@ -31,7 +32,15 @@ MOE_DEFAULTS = {"qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_inte
                "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
                # gpt-oss: experts intermediate_size wide; a sliding window the calibration
                # text crosses, on alternating layers (its default layer_types)
-               "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=32)}
+               "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=32),
+               # DeepSeek-V3: 1 dense block then MoE, 4 routed experts in 2 groups (top-1
+               # group), one shared expert; MLA widths at K-quant multiples of 256 where
+               # llama.cpp's rules allow (qk_nope 128 makes attn_k_b fall back, as in V3)
+               "deepseek_v3": dict(n_routed_experts=4, num_experts_per_tok=2, n_group=2,
+                                   topk_group=1, n_shared_experts=1, moe_intermediate_size=256,
+                                   first_k_dense_replace=1, q_lora_rank=256, kv_lora_rank=256,
+                                   qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+                                   head_dim=64, routed_scaling_factor=2.5, norm_topk_prob=True)}
 
 
 def smollm_dir() -> Path:
@@ -91,6 +100,9 @@ def make_tiny_model(out: Path, arch: str = "llama", *, hidden: int = 256, interm
                 p.normal_(0, 0.04)
             elif arch == "gpt_oss" and not _name.endswith("norm.weight"):  # biases, sinks
                 p.normal_(0, 0.04)
+        for name, b in model.named_buffers():  # DeepSeek's router bias (zeros at init)
+            if name.endswith("e_score_correction_bias"):
+                b.uniform_(-0.05, 0.05)
     out.mkdir(parents=True, exist_ok=True)
     if arch == "gpt_oss":  # experts on the MXFP4 grid, as OpenAI's checkpoints hold them
         _round_experts_to_mxfp4(model)

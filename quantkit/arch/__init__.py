@@ -48,10 +48,17 @@ class AwqGroup:
                                   self.inspect.replace(EXPERT, str(e)), self.prev_tail,
                                   self.compensate) for e in range(num_experts))
         if any(EXPERT in b for b in self.balance):
-            return (AwqGroup(self.prev, tuple(b.replace(EXPERT, str(e)) for e in range(num_experts)
-                                              for b in self.balance),
-                             self.inspect, self.prev_tail, self.compensate),)
+            return (AwqGroup(self.prev, _expand(self.balance, num_experts), self.inspect,
+                             self.prev_tail, self.compensate),)
         return (self,)
+
+
+def _expand(names: tuple[str, ...], num_experts: int) -> tuple[str, ...]:
+    """Expert templates written out for experts 0..num_experts-1 (expert after expert), then
+    the names without EXPERT once (DeepSeek's shared expert beside the routed ones)."""
+    templates = tuple(n for n in names if EXPERT in n)
+    return (tuple(n.replace(EXPERT, str(e)) for e in range(num_experts) for n in templates)
+            + tuple(n for n in names if EXPERT not in n))
 
 
 @dataclass(frozen=True)
@@ -134,6 +141,10 @@ class ArchSpec:
     # engines known to mis-load this family's quantized safetensors artifacts: engine -> why.
     # quantize drops them from the artifact's `engines` and warns (never a silent wrong load)
     engine_gaps: dict[str, str] = field(default_factory=dict)
+    # a Linear llama.cpp stores as per-head 3-D pieces (DeepSeek's kv_b_proj -> attn_k_b,
+    # attn_v_b): block-relative Linear -> ((GGUF base name with {bid}, config key of the rows
+    # each head gives this piece, transposed per head), ...); rows are (head, piece, row)
+    gguf_head_splits: dict[str, tuple[tuple[str, str, bool], ...]] = field(default_factory=dict)
 
     def checkpoint_name(self, name: str) -> str:
         """A full module-tree tensor name as the checkpoint (and the engines) spell it."""
@@ -147,6 +158,17 @@ class ArchSpec:
             name = name.replace(ckpt, module)
         return name
 
+    def head_pieces(self, rel: str, weight, config) -> list[tuple[str, object]]:
+        """A gguf_head_splits Linear's weight [heads x rows, K] -> [(GGUF base name with {bid},
+        3-D piece (heads, rows, K) or transposed (heads, K, rows))], as llama.cpp's converter
+        cuts it (view per head, split the rows, transpose where the table says)."""
+        get = config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
+        pieces = self.gguf_head_splits[rel]
+        sizes = [int(get(key)) for _, key, _ in pieces]
+        heads = weight.reshape(int(get("num_attention_heads")), sum(sizes), weight.shape[-1])
+        return [(base, (part.transpose(1, 2) if transpose else part).contiguous())
+                for (base, _, transpose), part in zip(pieces, heads.split(sizes, dim=1), strict=True)]
+
     @property
     def block_linears(self) -> tuple[str, ...]:
         """Every Linear name of `sequential` (expert templates unexpanded; see groups_for)."""
@@ -156,9 +178,7 @@ class ArchSpec:
         """`sequential` with each expert template written out for experts 0..num_experts-1
         (all experts' Linears of one template row form one group: they read the same
         normalised hidden states, each its own routed tokens)."""
-        return tuple(tuple(n.replace(EXPERT, str(e)) for e in range(num_experts) for n in group)
-                     if any(EXPERT in n for n in group) else group
-                     for group in self.sequential)
+        return tuple(_expand(group, num_experts) for group in self.sequential)
 
     def linears_for(self, num_experts: int) -> tuple[str, ...]:
         return tuple(n for group in self.groups_for(num_experts) for n in group)
@@ -342,6 +362,64 @@ _PHI3_GGUF_NAMES = {
     "mlp.down_proj": "blk.{bid}.ffn_down",
 }
 
+# DeepSeek-V3: multi-head latent attention (MLA) and, after the first_k_dense_replace dense
+# blocks, routed experts beside one always-on shared expert. Blocks of both kinds share the
+# table: a row names what either kind holds, absent names are skipped. q_proj replaces
+# q_a_proj / q_a_layernorm / q_b_proj where q_lora_rank is None (DeepSeek-V2-Lite)
+_DEEPSEEK_EXPERTS = ExpertsSpec(count_keys=("n_routed_experts", "num_local_experts"))
+_SHARED = "mlp.shared_experts"
+
+# in the order the attention runs them (quantkit.pipeline.staged pauses the forward at each
+# group): kv_a_proj_with_mqa reads the same input as q_a_proj but runs after q_b_proj
+_DEEPSEEK_LINEARS = (
+    ("self_attn.q_a_proj", "self_attn.q_proj"),
+    ("self_attn.q_b_proj",),   # reads q_a_layernorm(q_a_proj(x))
+    ("self_attn.kv_a_proj_with_mqa",),
+    ("self_attn.kv_b_proj",),  # reads kv_a_layernorm(the latent part of kv_a_proj_with_mqa(x))
+    ("self_attn.o_proj",),
+    ("mlp.gate_proj", "mlp.up_proj"),  # the dense blocks
+    ("mlp.down_proj",),
+    (_DEEPSEEK_EXPERTS.linear("gate"), _DEEPSEEK_EXPERTS.linear("up"),
+     f"{_SHARED}.gate_proj", f"{_SHARED}.up_proj"),
+    (_DEEPSEEK_EXPERTS.linear("down"), f"{_SHARED}.down_proj"),
+)
+
+# the shared expert reads the norm's output as every routed expert does: one scale for all
+# (its statistics see every token once, the routed ones top_k times: the mean is the same)
+_DEEPSEEK_AWQ = (
+    AwqGroup("input_layernorm", ("self_attn.q_a_proj", "self_attn.q_proj",
+                                 "self_attn.kv_a_proj_with_mqa"), "self_attn"),
+    AwqGroup("self_attn.q_a_layernorm", ("self_attn.q_b_proj",), "self_attn.q_b_proj"),
+    AwqGroup("self_attn.kv_a_layernorm", ("self_attn.kv_b_proj",), "self_attn.kv_b_proj"),
+    *_LLAMA_AWQ[2:],
+    AwqGroup("post_attention_layernorm", (_DEEPSEEK_EXPERTS.linear("gate"),
+                                          _DEEPSEEK_EXPERTS.linear("up"),
+                                          f"{_SHARED}.gate_proj", f"{_SHARED}.up_proj"),
+             "mlp", compensate=(_DEEPSEEK_EXPERTS.router,)),
+    AwqGroup(_DEEPSEEK_EXPERTS.linear("up"), (_DEEPSEEK_EXPERTS.linear("down"),),
+             _DEEPSEEK_EXPERTS.linear("down")),
+    AwqGroup(f"{_SHARED}.up_proj", (f"{_SHARED}.down_proj",), f"{_SHARED}.down_proj"),
+)
+
+# llama.cpp's deepseek2 (gguf-py constants MODEL_TENSOR.ATTN_Q_A ..., FFN_*_SHEXP, FFN_EXP_PROBS_B)
+_DEEPSEEK_GGUF_NAMES = {
+    **{k: v for k, v in _GGUF_BLOCK_NAMES.items() if not k.startswith(("self_attn.k", "self_attn.v"))},
+    "self_attn.q_a_proj": "blk.{bid}.attn_q_a",
+    "self_attn.q_a_layernorm": "blk.{bid}.attn_q_a_norm",
+    "self_attn.q_b_proj": "blk.{bid}.attn_q_b",
+    "self_attn.kv_a_proj_with_mqa": "blk.{bid}.attn_kv_a_mqa",
+    "self_attn.kv_a_layernorm": "blk.{bid}.attn_kv_a_norm",
+    _DEEPSEEK_EXPERTS.router: "blk.{bid}.ffn_gate_inp",
+    # a whole tensor name (not a module): the router's score-correction bias
+    f"{_DEEPSEEK_EXPERTS.router}.e_score_correction_bias": "blk.{bid}.exp_probs_b.bias",
+    _DEEPSEEK_EXPERTS.linear("gate"): "blk.{bid}.ffn_gate_exps",
+    _DEEPSEEK_EXPERTS.linear("up"): "blk.{bid}.ffn_up_exps",
+    _DEEPSEEK_EXPERTS.linear("down"): "blk.{bid}.ffn_down_exps",
+    f"{_SHARED}.gate_proj": "blk.{bid}.ffn_gate_shexp",
+    f"{_SHARED}.up_proj": "blk.{bid}.ffn_up_shexp",
+    f"{_SHARED}.down_proj": "blk.{bid}.ffn_down_shexp",
+}
+
 ARCHS: tuple[ArchSpec, ...] = (
     ArchSpec("llama", ("LlamaForCausalLM",), ("llama",), gguf_arch="llama", gguf_permute_qk=True,
              **_LLAMA_LIKE),
@@ -377,6 +455,17 @@ ARCHS: tuple[ArchSpec, ...] = (
                           "skips per-expert gate_proj/up_proj/down_proj tensors without an "
                           "error (a decoded bf16 artifact under these names generated '' on "
                           "CPU); use --format gguf for llama.cpp"}),
+    # GGUF: llama.cpp's deepseek2, kv_b_proj split per head into attn_k_b / attn_v_b
+    ArchSpec("deepseek_v3", ("DeepseekV3ForCausalLM",), ("deepseek_v3",), gguf_arch="deepseek2",
+             sequential=_DEEPSEEK_LINEARS, experts=_DEEPSEEK_EXPERTS,
+             awq_groups=_DEEPSEEK_AWQ, gguf_names=_DEEPSEEK_GGUF_NAMES,
+             roles={"ffn_down": "mlp.down_proj", "attn_output": "self_attn.o_proj"},
+             gguf_kv=("mla", "expert_count", "expert_used_count", "expert_groups",
+                      "leading_dense_block_count", "vocab_size", "expert_feed_forward_length",
+                      "expert_shared", "expert_gating_sigmoid", "yarn_log_mul"),
+             gguf_head_splits={"self_attn.kv_b_proj": (
+                 ("blk.{bid}.attn_k_b", "qk_nope_head_dim", True),
+                 ("blk.{bid}.attn_v_b", "v_head_dim", False))}),
     ArchSpec("gemma3_text", ("Gemma3ForCausalLM",), ("gemma3_text",), gguf_arch="gemma3",
              sequential=_LLAMA_LINEARS, awq_groups=_GEMMA3_AWQ, gguf_names=_GEMMA3_GGUF_NAMES,
              roles=_ROLES, norm_offset=1.0,

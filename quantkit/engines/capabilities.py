@@ -43,8 +43,9 @@ _WHY = {
     "fp8_block": "vLLM has no FP8 block-scaled CPU kernel on this CPU ({why})",
     "fp8_dynamic": "torch._scaled_mm cannot run FP8 on this CPU ({why})",
     "gguf": "vLLM 0.32 no longer runs GGUF in-tree (llama.cpp does)",
-    "moe": "vLLM has no quantized mixture-of-experts CPU kernel on this CPU (its fused-MoE "
-           "CPU kernels need AMX)",
+    "moe": "vLLM has no quantized mixture-of-experts CPU kernel for this model here (its "
+           "int4 fused-MoE CPU kernel needs AMX and routes by softmax top-k only, not "
+           "DeepSeek-V3's grouped sigmoid routing)",
     "moe_fp8": "vLLM's CPU FP8 mixture-of-experts kernels take 128x128 block-scaled experts "
                "only, on CPUs with AMX",
     "fp8_kv_cache": "vLLM's CPU attention has no FP8 KV cache here ({why})",

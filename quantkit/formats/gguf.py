@@ -30,7 +30,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFEndian, GGUFValueType, GGUFWriter, LlamaFileType
+from gguf import (
+    GGML_QUANT_SIZES,
+    GGMLQuantizationType,
+    GGUFEndian,
+    GGUFValueType,
+    GGUFWriter,
+    LlamaFileType,
+)
 
 from quantkit.arch import ArchSpec, spec_for_config
 from quantkit.errors import SchemeMismatch, UnsupportedArchitecture
@@ -41,7 +48,7 @@ from quantkit.types import QuantResult, QuantScheme
 __all__ = ["GGUFFileWriter", "gguf_name", "gguf_slot", "FILE_TYPES", "read_gguf", "gguf_metadata", "GGUFTensor"]
 
 Q = GGMLQuantizationType
-GGUF_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3", "phi3", "gpt-oss")
+GGUF_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3", "phi3", "gpt-oss", "deepseek2")
 # llama.cpp's loaders fix which layers are global (set_swa_pattern(n): every nth): gemma3
 # every 6th, gpt-oss every 2nd; the converter writes no pattern, so other layer_types would
 # run differently there
@@ -105,6 +112,9 @@ def gguf_slot(spec: ArchSpec, hf_name: str) -> tuple[str, int | None] | None:
     if module.startswith(prefix):
         bid, _, rel = module[len(prefix):].partition(".")
         if bid.isdigit() and f"{rel}.{suffix}" in spec.gguf_names:  # a bare parameter (sinks)
+            whole = spec.gguf_names[f"{rel}.{suffix}"]
+            if whole.endswith((".weight", ".bias")):  # a whole GGUF tensor name (exp_probs_b.bias)
+                return whole.format(bid=int(bid)), None
             rel, suffix = f"{rel}.{suffix}", "weight"
         slot = spec.gguf_slot(rel) if bid.isdigit() else None
         return (f"{slot[0].format(bid=int(bid))}.{suffix}", slot[1]) if slot else None
@@ -214,6 +224,49 @@ class _TensorList:
             if array.nbytes != shapes[gname]:
                 raise UnsupportedArchitecture(f"GGUF tensor {gname}: experts of unequal sizes.")
             w.write_tensor_data(array)
+
+
+def _split_heads(spec: ArchSpec, config: dict, dense: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`dense` with each Linear of spec.gguf_head_splits replaced by its per-head 3-D pieces
+    under their GGUF names (ArchSpec.head_pieces: llama.cpp's deepseek2 kv_b_proj ->
+    attn_k_b, attn_v_b)."""
+    if not spec.gguf_head_splits:
+        return dense
+    out = {}
+    prefix = spec.block_path + "."
+    for name, t in dense.items():
+        module, _, suffix = name.rpartition(".")
+        bid, _, rel = module[len(prefix):].partition(".") if module.startswith(prefix) else ("", "", "")
+        if suffix != "weight" or rel not in spec.gguf_head_splits:
+            out[name] = t
+            continue
+        for base, piece in spec.head_pieces(rel, t, config):
+            out[f"{base.format(bid=int(bid))}.weight"] = piece
+    return out
+
+
+def _result_pieces(spec: ArchSpec, results: dict[str, QuantResult]):
+    """(name, result) of every GGUF tensor the results hold. A gguf_head_splits Linear's
+    result carries its per-head pieces in table order: extra "gguf_piece{i}_bytes" (heads,
+    rows, row bytes), "gguf_piece{i}_type", "gguf_piece{i}_wanted_type"; each comes out under
+    its GGUF name."""
+    prefix = spec.block_path + "."
+    for name, res in results.items():
+        bid, _, rel = name[len(prefix):].partition(".") if name.startswith(prefix) else ("", "", "")
+        if rel not in spec.gguf_head_splits:
+            yield name, res
+            continue
+        for i, (base, _, _) in enumerate(spec.gguf_head_splits[rel]):
+            data, qtype = res.extra[f"gguf_piece{i}_bytes"], res.extra[f"gguf_piece{i}_type"]
+            block, type_size = GGML_QUANT_SIZES[Q(int(qtype))]
+            piece = QuantResult(  # codes: the piece's per-head [rows, row width], no storage
+                name=base.format(bid=int(bid)), scheme=res.scheme,
+                codes=torch.zeros((), dtype=torch.uint8).expand(
+                    data.shape[1], data.shape[2] // type_size * block),
+                scale=res.scale, loss=res.loss,
+                extra={"gguf_bytes": data, "gguf_type": qtype,
+                       "gguf_wanted_type": res.extra[f"gguf_piece{i}_wanted_type"]})
+            yield piece.name, piece
 
 
 def _permute(t: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -335,8 +388,9 @@ class GGUFFileWriter:
                 permute[f"blk.{i}.attn_q"], permute[f"blk.{i}.attn_k"] = n_head, n_kv
         tensors = _TensorList()
         notes, stats = [], {}
-        for name, res in results.items():
-            slot = gguf_slot(spec, name + ".weight")
+        for name, res in _result_pieces(spec, results):
+            slot = gguf_slot(spec, name + ".weight") if not name.startswith("blk.") else \
+                (name + ".weight", None)
             if slot is None:
                 raise UnsupportedArchitecture(f"Cannot express quantized tensor {name} in GGUF.")
             gname, expert = slot
@@ -359,8 +413,9 @@ class GGUFFileWriter:
                 **({"fallback": res.fallback} if getattr(res, "fallback", None) else {})}
             if res.bias is not None:
                 dense = {**dense, name + ".bias": res.bias}
+        dense = _split_heads(spec, config, dense)
         for name, t in dense.items():
-            slot = gguf_slot(spec, name)
+            slot = gguf_slot(spec, name) if not name.startswith("blk.") else (name, None)
             if slot is None:
                 raise UnsupportedArchitecture(
                     f"Cannot express tensor {name} in GGUF for architecture {spec.gguf_arch}.",
@@ -422,7 +477,9 @@ class GGUFFileWriter:
         w.add_embedding_length(config["hidden_size"])
         w.add_feed_forward_length(config["intermediate_size"])
         w.add_head_count(config["num_attention_heads"])
-        w.add_head_count_kv(config.get("num_key_value_heads") or config["num_attention_heads"])
+        # MLA runs as multi-query attention over the latent in llama.cpp: one KV head
+        w.add_head_count_kv(1 if "mla" in spec.gguf_kv else
+                            config.get("num_key_value_heads") or config["num_attention_heads"])
         rope = self._rope(config)
         if rope.get("rope_theta") is not None:
             w.add_rope_freq_base(float(rope["rope_theta"]))
@@ -481,6 +538,48 @@ def _softcap(w: GGUFWriter, config: dict) -> None:
         w.add_final_logit_softcapping(float(config["final_logit_softcapping"]))
 
 
+def _mla(w: GGUFWriter, c: dict) -> None:
+    """Multi-head latent attention as llama.cpp's deepseek2 reads it: the cached latent is
+    the key (kv_lora_rank + rope dims) and the value (kv_lora_rank); the *_mla lengths are
+    the decompressed heads'."""
+    if c.get("q_lora_rank"):
+        w.add_q_lora_rank(int(c["q_lora_rank"]))
+    kv_lora, rope = int(c["kv_lora_rank"]), int(c["qk_rope_head_dim"])
+    w.add_kv_lora_rank(kv_lora)
+    w.add_key_length(kv_lora + rope)
+    w.add_value_length(kv_lora)
+    w.add_key_length_mla(int(c["qk_nope_head_dim"]) + rope)
+    w.add_value_length_mla(int(c["v_head_dim"]))
+    w.add_rope_dimension_count(rope)
+
+
+def _expert_groups(w: GGUFWriter, c: dict) -> None:
+    if c.get("n_group") is not None:
+        w.add_expert_group_count(int(c["n_group"]))
+    if c.get("topk_group") is not None:
+        w.add_expert_group_used_count(int(c["topk_group"]))
+
+
+def _expert_shared(w: GGUFWriter, c: dict) -> None:
+    w.add_expert_shared_count(int(c.get("n_shared_experts") or 0))
+    if c.get("routed_scaling_factor") is not None:
+        w.add_expert_weights_scale(float(c["routed_scaling_factor"]))
+    if c.get("norm_topk_prob"):
+        w.add_expert_weights_norm(True)
+
+
+def _yarn_log_mul(w: GGUFWriter, c: dict) -> None:
+    mscale_all = GGUFFileWriter._rope(c).get("mscale_all_dim")
+    if mscale_all is not None:  # the converter's 0.1 x (llama.cpp divides it back out)
+        w.add_rope_scaling_yarn_log_mul(0.1 * float(mscale_all))
+
+
+def _gating(name: str):
+    from gguf import ExpertGatingFuncType
+
+    return getattr(ExpertGatingFuncType, name)
+
+
 # ArchSpec.gguf_kv key -> how that {arch}.* key is written (as llama.cpp's converter does)
 _OPTIONAL_KV = {
     "vocab_size": lambda w, c: w.add_vocab_size(c["vocab_size"]),
@@ -492,7 +591,18 @@ _OPTIONAL_KV = {
     "sliding_window_or_0": lambda w, c: w.add_sliding_window(int(c.get("sliding_window") or 0)),
     "final_logit_softcapping": _softcap,
     "rope_scaling_original_context": _orig_ctx,
-    "expert_count": lambda w, c: w.add_expert_count(_first(c, "num_local_experts", "num_experts")),
+    "expert_count": lambda w, c: w.add_expert_count(
+        _first(c, "num_local_experts", "num_experts", "n_routed_experts")),
+    "mla": _mla,
+    "expert_groups": _expert_groups,
+    "leading_dense_block_count": lambda w, c: w.add_leading_dense_block_count(
+        int(c.get("first_k_dense_replace") or 0)),
+    "expert_shared": _expert_shared,
+    # transformers' DeepseekV3TopkRouter always scores with a sigmoid; llama.cpp's deepseek2
+    # takes softmax when the key is absent (DeepSeek-V2 files), and llama.cpp's converter
+    # writes it only from a config's scoring_func, which DeepseekV3Config lacks
+    "expert_gating_sigmoid": lambda w, c: w.add_expert_gating_func(_gating("SIGMOID")),
+    "yarn_log_mul": _yarn_log_mul,
     "expert_used_count": lambda w, c: w.add_expert_used_count(int(c["num_experts_per_tok"])),
     "expert_feed_forward_length": lambda w, c: w.add_expert_feed_forward_length(
         int(c["moe_intermediate_size"])),

@@ -364,6 +364,10 @@ class GGUFQuantizer:
         if not get("tie_word_embeddings"):
             tensors["output.weight"] = (vocab, hidden)
         for full, shape in shapes.items():
+            rel = full[len(spec.block_path) + 1:].partition(".")[2]
+            if rel in spec.gguf_head_splits:  # llama.cpp stores it as per-head pieces
+                self._plan_head_pieces(spec, full, rel, shape, config, tensors)
+                continue
             gname = gguf_linear_name(spec, full)
             if gname is None:
                 raise SchemeMismatch(f"{full} has no GGUF name for architecture {spec.name}.")
@@ -385,6 +389,23 @@ class GGUFQuantizer:
             log.warning("%d tensors fall back %s, e.g. %s", len(names), note, names[0])
         if self.imatrix_path is not None:
             self.imatrix = self._checked_imatrix(load_imatrix(self.imatrix_path), tensors)
+
+    def _plan_head_pieces(self, spec, full: str, rel: str, shape: tuple[int, int], config,
+                          tensors: dict[str, tuple]) -> None:
+        """The per-head 3-D pieces of a gguf_head_splits Linear (DeepSeek's kv_b_proj ->
+        attn_k_b, attn_v_b), planned by their own GGUF names and row widths."""
+        pieces = spec.gguf_head_splits[rel]
+        if self.preset.quantized and (self.collect or self.imatrix_path is not None or self.gptq):
+            raise SchemeMismatch(
+                f"{full} is stored as per-head pieces ({', '.join(b.rpartition('.')[2] for b, _, _ in pieces)}) "
+                f"in GGUF architecture {spec.gguf_arch}; quantkit quantizes them with llama.cpp's "
+                "plain rounding only, not with an imatrix or GPTQ rounding yet.",
+                "Drop --imatrix / --calib and --rounding gptq for this model.")
+        bid = int(full[len(spec.block_path) + 1:].partition(".")[0])
+        self.config = config
+        probe = torch.empty(shape, device="meta")
+        for base, piece in spec.head_pieces(rel, probe, config):
+            tensors[base.format(bid=bid) + ".weight"] = tuple(piece.shape)
 
     def _checked_imatrix(self, data: ImatrixData, tensors: dict[str, tuple]) -> dict[str, torch.Tensor]:
         """Names and widths must match the model; missing entries fall back to no imatrix."""
@@ -440,6 +461,9 @@ class GGUFQuantizer:
                 qw = sums / float(count)  # llama.cpp: in_sum2 / counts, in float32
                 self.chunks = (max(self.chunks[0], len(ctx.inputs)),
                                count // max(1, len(ctx.inputs)))
+            if name in spec.gguf_head_splits:
+                results[name] = self._quantize_head_pieces(spec, ctx.index, name, linear.weight.data)
+                continue
             if self.gptq:
                 self._imatrix_rows[name] = qw
                 continue
@@ -471,6 +495,28 @@ class GGUFQuantizer:
             extra={"gguf_bytes": data.cpu(), "gguf_type": torch.tensor(int(plan.qtype)),
                    "gguf_wanted_type": torch.tensor(int(plan.wanted))},
             loss=err, seconds=time.perf_counter() - t0)
+
+    def _quantize_head_pieces(self, spec, index: int, name: str, w: torch.Tensor) -> QuantResult:
+        """One result for a head-split Linear: each piece's rows (heads x rows) encoded with
+        that piece's planned type, under extra "gguf_piece{i}_*" (formats/gguf.py writes each
+        as its own 3-D tensor); the error is over the whole weight."""
+        t0 = time.perf_counter()
+        extra, sq, total = {}, 0.0, 0.0
+        for i, (base, piece) in enumerate(spec.head_pieces(name, w.detach().float(), self.config)):
+            plan = self.plans[base.format(bid=index) + ".weight"]
+            heads, rows, cols = piece.shape
+            data, sq_err = quantize_tensor(piece.reshape(heads * rows, cols), plan.qtype, None,
+                                           errors=True)
+            extra.update({f"gguf_piece{i}_bytes": data.cpu().reshape(heads, rows, -1),
+                          f"gguf_piece{i}_type": torch.tensor(int(plan.qtype)),
+                          f"gguf_piece{i}_wanted_type": torch.tensor(int(plan.wanted))})
+            sq, total = sq + float(sq_err.sum()), total + float(piece.double().square().sum())
+        n, k = w.shape
+        return QuantResult(
+            name=name, scheme=QuantScheme(kind="kquant", bits=0, group_size=0,
+                                          gguf_type=self.preset.name),
+            codes=torch.zeros((), dtype=torch.uint8).expand(n, k), scale=torch.empty(0),
+            extra=extra, loss=(sq / max(total, 1e-30)) ** 0.5, seconds=time.perf_counter() - t0)
 
     def _gptq_block(self, ctx: BlockContext, spec) -> dict[str, QuantResult]:
         """Every Linear of the block through GPTQ onto its planned GGML grid (one H^-1 factor
