@@ -250,7 +250,8 @@ def check_flags_apply(ctx: click.Context, method: str, fp8_scheme: str | None,
             f"{calib[0]} is read by --method fp8 only with --scheme static; --scheme "
             f"{fp8_scheme or 'dynamic'} computes its scales from the weights alone.",
             f"Drop {calib[0]}, or pass --scheme static.")
-    if method == "gguf" and calib and imatrix and rounding != "gptq":
+    auto = str(ctx.params.get("gguf_type") or "").lower() == "auto"
+    if method == "gguf" and calib and imatrix and rounding != "gptq" and not auto:
         raise QuantkitError(
             f"--imatrix {imatrix} and {calib[0]} both give the importance matrix: one is read "
             "from the file, the other collected from calibration data.",
@@ -663,6 +664,17 @@ def _print_info(path: str) -> None:
             types.add_row(name, str(t["tensors"]), f"{t['params']:,}", f"{t['bytes']:,}",
                           f"{t['bits_per_weight']:.3f}", f"{100 * t['share']:.1f} %")
         out.print(types)
+    auto = info.get("auto_types")
+    if isinstance(auto, dict):
+        target = {k: v for k, v in (auto.get("target") or {}).items() if v is not None}
+        chosen = Table(title="types chosen by --gguf-type auto (measured sensitivity, budget "
+                             + ", ".join(f"{k}={v}" for k, v in target.items()) + ")")
+        chosen.add_column("tensor")
+        chosen.add_column("type")
+        for name, qtype in {**auto.get("fixed", {}), **auto.get("tensors", {})}.items():
+            fixed = " (fixed: q4_k_m's rule)" if name in auto.get("fixed", {}) else ""
+            chosen.add_row(escape(name), escape(str(qtype)) + fixed)
+        out.print(chosen)
 
 
 @main.command()

@@ -353,7 +353,8 @@ class GGUFQuantizer:
         self.gptq, self.damp = rounding == "gptq", float(damp)
         self.stats: tuple[str, ...] = (("sq_mean",) if self.collect else ()) + (
             ("hessian",) if self.gptq else ())
-        self.needs_calibration = bool(self.stats)
+        # auto also runs blocks on calibration inputs for the block-output gains
+        self.needs_calibration = bool(self.stats) or (self.auto and int(gain_batches) > 0)
         if self.gptq:  # as --method gptq: later Linears calibrate on the quantized outputs
             self.propagate_quantized = True
             self.true_sequential = True
