@@ -13,7 +13,7 @@ The choice is made by the format-neutral solver in quantkit.methods.bit_allocati
 
 Candidate types: AUTO_CANDIDATES, each mapped through llama.cpp's row-width fallback
 (Q4_K on 576-wide rows is written as Q5_0, ...), so sizes are the exact bytes of what the
-writer stores for that shape.
+writer stores for that shape; rows that are not a multiple of 256 wide also try Q4_1.
 """
 
 from __future__ import annotations
@@ -31,6 +31,9 @@ __all__ = ["AUTO_CANDIDATES", "written_type", "tensor_bytes", "candidate_types",
 
 Q = GGMLQuantizationType
 AUTO_CANDIDATES = (Q.Q2_K, Q.Q3_K, Q.IQ4_XS, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0)
+# rows that are not a multiple of 256 wide have only the 32-wide types: the fallbacks of the
+# candidates above (Q4_0, IQ4_NL, Q5_0, Q5_1, Q8_0) and Q4_1, which fills the 4.5 -> 5.5 gap
+NARROW_EXTRA = (Q.Q4_1,)
 
 
 def written_type(t: Q, ncols: int, fallback: dict[Q, Q]) -> Q:
@@ -51,6 +54,8 @@ def tensor_bytes(t: Q, shape: tuple[int, ...]) -> int:
 def candidate_types(shape: tuple[int, ...], fallback: dict[Q, Q]) -> list[Q]:
     """The distinct written types of AUTO_CANDIDATES for this shape, smallest first."""
     types = {written_type(t, shape[-1], fallback) for t in AUTO_CANDIDATES}
+    if shape[-1] % 256:
+        types |= {t for t in NARROW_EXTRA if shape[-1] % GGML_QUANT_SIZES[t][0] == 0}
     return sorted(types, key=lambda t: tensor_bytes(t, shape))
 
 

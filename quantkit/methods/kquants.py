@@ -395,9 +395,9 @@ class GGUFQuantizer:
         types = {p.base, Q.Q6_K, Q.Q8_0} | {t for r in p.rules for t in (r.then, r.otherwise) if t}
         types |= {p.attn_output_8_experts} - {None}
         if self.auto:
-            from quantkit.methods.gguf_auto import AUTO_CANDIDATES
+            from quantkit.methods.gguf_auto import AUTO_CANDIDATES, NARROW_EXTRA
 
-            types |= set(AUTO_CANDIDATES)
+            types |= set(AUTO_CANDIDATES) | set(NARROW_EXTRA)
         return types | {FALLBACK[t] for t in types if t in FALLBACK}
 
     def prepare(self, config, spec, shapes: dict[str, tuple[int, int]]) -> None:
