@@ -57,7 +57,12 @@ def main() -> None:
     llama_model, llama_quantize = engine
     work = Path(tempfile.mkdtemp(prefix="gguf-auto-bench-"))
     calib = {"calib_samples": args.calib_samples, "calib_seqlen": args.calib_seqlen}
-    res: dict = {"model": args.model, "threads": args.threads, "calibration_windows": calib,
+    import subprocess
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=Path(__file__).resolve().parent).stdout.strip()
+    res: dict = {"code": f"quantkit commit {commit or '?'}", "model": args.model,
+                 "threads": args.threads, "calibration_windows": calib,
                  "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                              "loadavg_start": os.getloadavg(), "torch": torch.__version__}}
     try:
