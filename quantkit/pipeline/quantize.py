@@ -152,6 +152,8 @@ class QuantizeRequest:
         reads_calib = (self.method in ("gptq", "awq")
                        or self.method_options.get("scheme") in ("static", "w4a4")
                        or (self.method == "gguf" and imatrix in ("calib", True))
+                       or (self.method == "gguf" and self.method_options.get("gguf_type") == "auto"
+                           and self.method_options.get("gain_batches", 2) > 0)
                        or (self.method == "int8"
                            and self.method_options.get("smoothquant") is not None)
                        or self.method_options.get("rounding") == "gptq"
