@@ -639,12 +639,13 @@ class GGUFQuantizer:
         The imatrix cost is a layer's output error; how much of it reaches the block's output
         differs by tensor (q/k pass through the softmax, v/o/down add to the residual, gate/up
         pass through down_proj), which one forward per tensor measures. The ratio is assumed
-        the same at every type (small perturbations: linear)."""
+        the same at every type (small perturbations: linear). The scaled cost is in block-output
+        units whatever the imatrix's scale, so tensors without an imatrix entry compare too."""
         reference = ctx.rerun(self.gain_batches)
         tokens = sum(o.shape[0] * o.shape[1] if o.dim() == 3 else o.shape[0] for o in reference)
         for name, linear in ctx.linears.items():
             gname = gguf_linear_name(spec, f"{spec.block_path}.{ctx.index}.{name}")
-            rel, opts, data, bias = self.measured[gname]
+            hf_name, opts, data, bias = self.measured[gname]
             k = linear.weight.shape[1]
             ref = min(opts, key=lambda o: abs(8 * o.nbytes / (linear.weight.numel()) - 4.5))
             saved = linear.weight.data.clone()
@@ -655,7 +656,8 @@ class GGUFQuantizer:
             err = sum(float((o.double() - r.double()).square().sum()) for o, r in zip(out, reference, strict=True))
             gain = (err / max(tokens, 1)) / ref.cost if ref.cost > 0 else 1.0
             self.gains[gname] = gain
-            self.measured[gname] = (rel, [Option(o.label, o.nbytes, o.cost * gain) for o in opts], data, bias)
+            self.measured[gname] = (hf_name, [Option(o.label, o.nbytes, o.cost * gain) for o in opts],
+                                    data, bias)
 
     def _solve_auto(self, spec) -> dict[str, QuantResult]:
         """Every block tensor's type from the measured options under the budget; the results
