@@ -114,7 +114,14 @@ def _method_options(f):
         click.option("--gguf-type", default=None,
                      help="GGUF: f16, bf16, q8_0, q6_k, q5_k_m, q5_k_s, q5_1, q5_0, q4_k_m, "
                           "q4_k_s, q4_1, q4_0, iq4_nl, iq4_xs, q3_k_l, q3_k_m, q3_k_s, q2_k (llama.cpp's names "
-                          "and per-tensor rules)."),
+                          "and per-tensor rules), or auto: each tensor's type chosen by its "
+                          "measured sensitivity to fit --target-bpw / --target-size."),
+        click.option("--target-bpw", "target_bpw", type=float, default=None,
+                     help="GGUF --gguf-type auto: bits per weight of the file's weight matrices "
+                          "(block Linears, token_embd, output), e.g. 4.5."),
+        click.option("--target-size", "target_size", default=None, metavar="SIZE",
+                     help="GGUF --gguf-type auto: the whole file's size, e.g. 80MB, 1.5GiB or "
+                          "bytes."),
         click.option("--imatrix", type=click.Path(dir_okay=False), default=None,
                      help="GGUF: importance matrix file (llama.cpp's or quantkit's); or give "
                           "--calib to collect one from calibration data."),
@@ -178,7 +185,7 @@ FLAG_READERS: dict[str, tuple[str, ...]] = {
     "bits": _INT_METHODS, "group_size": _INT_METHODS, "sym": _INT_METHODS,
     "act_order": ("gptq",), "damp": ("gptq", "int8", "nvfp4", "mxfp4", "gguf"),
     "true_sequential": ("gptq",),
-    "gguf_type": ("gguf",), "imatrix": ("gguf",), "fp8_scheme": ("fp8", "int8", "nvfp4"),
+    "gguf_type": ("gguf",), "imatrix": ("gguf",), "target_bpw": ("gguf",), "target_size": ("gguf",), "fp8_scheme": ("fp8", "int8", "nvfp4"),
     "smoothquant": ("int8",), "smoothquant_pairs": ("int8",),
     "rounding": ("int8", "nvfp4", "mxfp4", "gguf"),
     **dict.fromkeys(_CALIB_FLAGS, _CALIBRATED),
@@ -243,12 +250,25 @@ def check_flags_apply(ctx: click.Context, method: str, fp8_scheme: str | None,
             f"{calib[0]} is read by --method fp8 only with --scheme static; --scheme "
             f"{fp8_scheme or 'dynamic'} computes its scales from the weights alone.",
             f"Drop {calib[0]}, or pass --scheme static.")
-    if method == "gguf" and calib and imatrix and rounding != "gptq":
+    auto = str(ctx.params.get("gguf_type") or "").lower() == "auto"
+    if method == "gguf" and calib and imatrix and rounding != "gptq" and not auto:
         raise QuantkitError(
             f"--imatrix {imatrix} and {calib[0]} both give the importance matrix: one is read "
             "from the file, the other collected from calibration data.",
             f"Drop {calib[0]} to use the file, or drop --imatrix to collect one.")
-    if method == "gguf" and calib and "calib" not in given and rounding != "gptq":
+    auto = str(ctx.params.get("gguf_type") or "").lower() == "auto"
+    for flag in ("target_bpw", "target_size"):
+        if method == "gguf" and flag in given and not auto:
+            raise QuantkitError(f"{given[flag]} sets the size budget of --gguf-type auto; "
+                                f"--gguf-type {ctx.params.get('gguf_type') or 'q4_k_m'} has a "
+                                "fixed mix.", f"Pass --gguf-type auto, or drop {given[flag]}.")
+    if method == "gguf" and auto and not ({"target_bpw", "target_size"} & set(given)):
+        raise QuantkitError("--gguf-type auto needs a size budget.",
+                            "Pass --target-bpw (e.g. 4.5) or --target-size (e.g. 80MB).")
+    if method == "gguf" and auto and {"target_bpw", "target_size"} <= set(given):
+        raise QuantkitError("--target-bpw and --target-size both set the budget of --gguf-type auto.",
+                            "Pass one of them.")
+    if method == "gguf" and calib and "calib" not in given and rounding != "gptq" and not auto:
         raise QuantkitError(
             f"{calib[0]} shapes the importance matrix that --method gguf collects only when "
             "--calib names the data.", f"Pass --calib SET (e.g. --calib mixed), or drop {calib[0]}.")
@@ -257,6 +277,7 @@ def check_flags_apply(ctx: click.Context, method: str, fp8_scheme: str | None,
 def _request(model, method, bits, group_size, sym, act_order, damp, true_sequential, fmt,
              gguf_type, imatrix, fp8_scheme, calib, calib_samples, calib_seqlen, chat, seed,
              device, allow_pickle, trust_remote_code, stream, smoothquant=None, rounding=None,
+             target_bpw=None, target_size=None,
              smoothquant_pairs=None,
              moe_calibrate_all_experts=False,
              expert_min_tokens=_EXPERT_MIN_TOKENS, text_column=None, output=".", force=False,
@@ -287,8 +308,15 @@ def _request(model, method, bits, group_size, sym, act_order, damp, true_sequent
         calib_given = "calib" in _given_flags(ctx)
         gptq_rounding = rounding == "gptq"
         # GPTQ rounding: the Hessian's diagonal weights the scale search unless --imatrix is given
+        auto = str(gguf_type or "").lower() == "auto"
+        # auto weighs every tensor's error by the activations: it always has an imatrix
         options.update(gguf_type=gguf_type or "q4_k_m",
-                       imatrix=imatrix or ("calib" if calib_given and not gptq_rounding else None))
+                       imatrix=imatrix or ("calib" if (calib_given or auto) and not gptq_rounding
+                                           else None))
+        if target_bpw is not None:
+            options["target_bpw"] = target_bpw
+        if target_size is not None:
+            options["target_size"] = parse_size(target_size)
         if gptq_rounding:
             options["rounding"] = "gptq"
     if method == "awq" and fmt == "modelopt":  # TensorRT-LLM reads pre_quant_scale (GQA o_proj)
@@ -331,6 +359,22 @@ def _request(model, method, bits, group_size, sym, act_order, damp, true_sequent
                            moe_calibrate_all_experts=moe_calibrate_all_experts,
                            expert_min_tokens=expert_min_tokens, kv_cache=kv_cache,
                            command="quantkit " + shlex.join(sys.argv[1:]), **extra)
+
+
+_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """'80MB' -> 80_000_000, '1.5GiB' -> 1610612736, '123456' -> 123456 bytes."""
+    import re
+
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in _SIZE_UNITS:
+        raise QuantkitError(f"--target-size {text!r} is not a size.",
+                            "Write it as a number of bytes or with a unit: 80MB, 80MiB, 1.5GB.")
+    return int(float(m.group(1)) * _SIZE_UNITS[unit])
 
 
 @main.command()
@@ -620,6 +664,17 @@ def _print_info(path: str) -> None:
             types.add_row(name, str(t["tensors"]), f"{t['params']:,}", f"{t['bytes']:,}",
                           f"{t['bits_per_weight']:.3f}", f"{100 * t['share']:.1f} %")
         out.print(types)
+    auto = info.get("auto_types")
+    if isinstance(auto, dict):
+        target = {k: v for k, v in (auto.get("target") or {}).items() if v is not None}
+        chosen = Table(title="types chosen by --gguf-type auto (measured sensitivity, budget "
+                             + ", ".join(f"{k}={v}" for k, v in target.items()) + ")")
+        chosen.add_column("tensor")
+        chosen.add_column("type")
+        for name, qtype in {**auto.get("fixed", {}), **auto.get("tensors", {})}.items():
+            fixed = " (fixed: q4_k_m's rule)" if name in auto.get("fixed", {}) else ""
+            chosen.add_row(escape(name), escape(str(qtype)) + fixed)
+        out.print(chosen)
 
 
 @main.command()

@@ -158,6 +158,15 @@ def _gguf_bits(tensors: dict) -> dict:
     return out
 
 
+def _auto_types(allocation: dict) -> dict:
+    """What `--gguf-type auto` chose (from the file's quantkit.metadata): the budget and each
+    tensor's type, in llama.cpp's tensor order."""
+    return {"target": allocation.get("target"), "budget_bytes": allocation.get("budget_bytes"),
+            "chosen_bytes": allocation.get("chosen_bytes"), "fixed": allocation.get("fixed", {}),
+            "type_counts": allocation.get("type_counts", {}),
+            "tensors": {n: t["type"] for n, t in (allocation.get("tensors") or {}).items()}}
+
+
 def _gguf_info(path: Path, size: int) -> dict:
     """A GGUF file: quantkit's provenance from its `quantkit.metadata` key (when quantkit wrote
     it), the tensor types it holds and the bits per weight they add up to."""
@@ -174,5 +183,6 @@ def _gguf_info(path: Path, size: int) -> dict:
             or (meta.get("calibration") or {}).get("source"),
             "architecture": kv.get("general.architecture"),
             "tensor_types": gguf_tensor_types(tensors),
+            **({"auto_types": _auto_types(meta["gguf_auto"])} if meta.get("gguf_auto") else {}),
             "nominal_bits_per_weight": nominal_bits_per_weight(meta.get("scheme")),
             **_gguf_bits(tensors)}

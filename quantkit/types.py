@@ -144,7 +144,8 @@ class BlockContext:
     `linears` maps names relative to the block (e.g. "self_attn.q_proj") to the modules in
     quantization order. `stats[linear_name][stat]` holds the statistics the quantizer asked
     for, gathered from this block's calibration inputs. `rerun()` runs the block again on its
-    cached inputs and returns the outputs (AWQ's search needs it).
+    cached inputs and returns the outputs (AWQ's search needs it; `rerun(n)`: the first n
+    batches only).
     """
 
     index: int
@@ -153,7 +154,7 @@ class BlockContext:
     stats: dict[str, dict[str, Any]]
     scheme: QuantScheme
     inputs: list[torch.Tensor]
-    rerun: Callable[[], list[torch.Tensor]]
+    rerun: Callable[..., list[torch.Tensor]]
     arch: Any = None  # quantkit.arch.ArchSpec
     options: dict[str, Any] = field(default_factory=dict)
     collect: Callable[[list[str], tuple[str, ...]], dict[str, dict[str, Any]]] | None = None

@@ -58,7 +58,15 @@ FILE_TYPES = {"f16": (1, Q.F16), "bf16": (32, Q.BF16), "q8_0": (7, Q.F16), "q6_k
               "q5_k_m": (17, Q.F16), "q5_k_s": (16, Q.F16), "q4_k_m": (15, Q.F16),
               "q4_k_s": (14, Q.F16), "q5_1": (9, Q.F16), "q5_0": (8, Q.F16), "q4_1": (3, Q.F16),
               "q4_0": (2, Q.F16), "q3_k_l": (13, Q.F16), "q3_k_m": (12, Q.F16), "q3_k_s": (11, Q.F16),
-              "q2_k": (10, Q.F16), "iq4_nl": (25, Q.F16), "iq4_xs": (30, Q.F16)}
+              "q2_k": (10, Q.F16), "iq4_nl": (25, Q.F16), "iq4_xs": (30, Q.F16),
+              # per-tensor types chosen by quantkit (--gguf-type auto): no llama_ftype names the
+              # mix, so general.file_type is left out and llama.cpp guesses it from the most
+              # common tensor type (llama_model_loader: LLAMA_FTYPE_GUESSED)
+              "auto": (None, Q.F16)}
+# what one tensor adds to a file beyond its data, at most: tensor info (name, dims, type,
+# offset), 32-byte alignment, and its entries in quantkit.stats / quantkit.metadata
+_PER_TENSOR_OVERHEAD = 768
+_METADATA_SLACK = 64 * 1024  # quantkit.metadata's fixed part (command, provenance, versions)
 
 
 _NUMERIC = {GGUFValueType.UINT8: "<u1", GGUFValueType.INT8: "<i1", GGUFValueType.UINT16: "<u2",
@@ -467,7 +475,24 @@ class GGUFFileWriter:
     def _head_dim(config: dict) -> int:
         return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
 
-    def _metadata(self, w: GGUFWriter, spec: ArchSpec, config: dict, ftype: int, meta: dict | None) -> None:
+    def overhead_bytes(self, config, float_values: int, n_tensors: int) -> int:
+        """Bytes a file will hold beyond its weight matrices (an upper estimate, for a size
+        budget chosen before writing): the metadata and tokenizer keys as packed, the 1-D
+        tensors (F32), and per tensor its info, alignment and quantkit.* entries."""
+        cfg = config if isinstance(config, dict) else config.to_dict()
+        spec = spec_for_config(cfg)
+        w = _FastArrayWriter(None, spec.gguf_arch)
+        self._metadata(w, spec, cfg, 0, None)
+        cached = getattr(self, "_tokenizer", None)
+        if cached is not None:
+            cached[1].add_to(w)
+        kv = sum(len(w._pack_val(k, GGUFValueType.STRING, add_vtype=False))
+                 + len(w._pack_val(v.value, v.type, add_vtype=True, sub_type=v.sub_type))
+                 for k, v in w.kv_data[0].items())
+        return 24 + kv + 4 * float_values + n_tensors * _PER_TENSOR_OVERHEAD + _METADATA_SLACK
+
+    def _metadata(self, w: GGUFWriter, spec: ArchSpec, config: dict, ftype: int | None,
+                  meta: dict | None) -> None:
         w.add_type("model")
         src = (meta or {}).get("source_model", {})
         w.add_name(str(config.get("_model_name_or_path") or config.get("_name_or_path")
@@ -502,7 +527,8 @@ class GGUFFileWriter:
                 value = rope.get(key, rope.get("attn_factor") if key == "attention_factor" else None)
                 if value is not None:
                     add(float(value))
-        w.add_file_type(ftype)
+        if ftype is not None:
+            w.add_file_type(ftype)
         w.add_quantization_version(2)
         if meta:
             w.add_string("quantkit.version", str(meta.get("quantkit_version", "")))

@@ -27,6 +27,7 @@ permutation, which commutes with row-wise encoding).
 from __future__ import annotations
 
 import logging
+import math
 import re
 import time
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize as _np_dequantize
 
 from quantkit.errors import SchemeMismatch
+from quantkit.methods.bit_allocation import Option
 from quantkit.methods.imatrix import ImatrixData, load_imatrix, save_imatrix
 from quantkit.methods.kquants_decode import DECODABLE, decode_rows
 from quantkit.methods.kquants_encode import encode_rows, preload_compiled
@@ -106,6 +108,8 @@ class Preset:
 
 
 _MORE_BITS_Q6 = Rule("more_bits", Q.Q6_K)
+# --gguf-type auto keeps this preset's rules for token_embd and output (Q6_K, Q8_0 on widths
+# that are not multiples of 256) and chooses every block tensor by measured sensitivity
 PRESETS: dict[str, Preset] = {p.name: p for p in (
     Preset("q4_k_m", 15, Q.Q4_K, attn_v=_MORE_BITS_Q6, ffn_down=_MORE_BITS_Q6,
            attn_output_8_experts=Q.Q5_K),
@@ -134,6 +138,7 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
     Preset("f16", 1, Q.F16),
     Preset("bf16", 32, Q.BF16),
 )}
+AUTO_BASE = "q4_k_m"
 # a 256-wide type on rows whose width is not a multiple of 256 (then F16 if 32 fails too)
 FALLBACK = {Q.Q2_K: Q.Q4_0, Q.Q3_K: Q.Q4_0, Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0,
             Q.IQ4_XS: Q.IQ4_NL}
@@ -300,11 +305,33 @@ class GGUFQuantizer:
 
     def __init__(self, gguf_type: str = "q4_k_m", imatrix: str | Path | bool | None = None,
                  imatrix_out: str | Path | None = None, imatrix_dataset: str | None = None,
-                 rounding: str = "rtn", damp: float = 0.01, **_):
+                 rounding: str = "rtn", damp: float = 0.01, target_bpw: float | None = None,
+                 target_size: int | None = None, gain_batches: int = 2, **_):
         key = str(gguf_type).lower()
-        if key not in PRESETS:
+        self.auto = key == "auto"
+        if key not in PRESETS and not self.auto:
             raise SchemeMismatch(f"Unknown GGUF type {gguf_type!r}.",
-                                 f"Choose one of: {', '.join(PRESETS)}.")
+                                 f"Choose one of: {', '.join(PRESETS)}, auto.")
+        if not self.auto and (target_bpw is not None or target_size is not None):
+            flag = "--target-bpw" if target_bpw is not None else "--target-size"
+            raise SchemeMismatch(f"{flag} sets the size budget of --gguf-type auto; --gguf-type "
+                                 f"{key} has a fixed mix.",
+                                 f"Pass --gguf-type auto with {flag}, or drop {flag}.")
+        self.budget = None
+        if self.auto:
+            from quantkit.methods.gguf_auto import Budget
+
+            self.budget = Budget(target_bpw, target_size)
+            if rounding == "gptq":
+                raise SchemeMismatch(
+                    "--gguf-type auto with --rounding gptq is not built: auto chooses the types "
+                    "after every block has been measured, and GPTQ needs each tensor's type while "
+                    "its block is quantized.",
+                    "Drop --rounding gptq (auto rounds with llama.cpp's imatrix encoders), or pick "
+                    "a fixed --gguf-type for GPTQ.")
+            if imatrix is None or imatrix is False:
+                imatrix = "calib"  # sensitivity is weighted by the activations: always measured
+            key = AUTO_BASE
         self.preset = PRESETS[key]
         self.collect = imatrix is True or (isinstance(imatrix, str) and imatrix.lower() == "calib")
         self.imatrix_path = None if (self.collect or not imatrix) else Path(imatrix)
@@ -326,7 +353,8 @@ class GGUFQuantizer:
         self.gptq, self.damp = rounding == "gptq", float(damp)
         self.stats: tuple[str, ...] = (("sq_mean",) if self.collect else ()) + (
             ("hessian",) if self.gptq else ())
-        self.needs_calibration = bool(self.stats)
+        # auto also runs blocks on calibration inputs for the block-output gains
+        self.needs_calibration = bool(self.stats) or (self.auto and int(gain_batches) > 0)
         if self.gptq:  # as --method gptq: later Linears calibrate on the quantized outputs
             self.propagate_quantized = True
             self.true_sequential = True
@@ -337,14 +365,27 @@ class GGUFQuantizer:
         self.collected: dict[str, tuple[torch.Tensor, int | list[int]]] = {}
         self.n_expert = 0
         self.chunks = (0, 0)
+        self.type_name = "auto" if self.auto else self.preset.name
+        # auto: GGUF name -> (HF module name, kept options, their bytes, bias) until the solve
+        self.measured: dict[str, tuple[str, list, dict[str, torch.Tensor], torch.Tensor | None]] = {}
+        self.auto_shapes: dict[str, tuple[int, ...]] = {}
+        self.fixed_shapes: dict[str, tuple[int, ...]] = {}
+        self.file_overhead_bytes = 0  # auto --target-size: what the writer adds (set by the pipeline)
+        self.allocation: dict | None = None  # auto: the solve, recorded in the file's metadata
+        self._seconds: dict[str, float] = {}
+        self._rel_error: dict[str, dict[str, float]] = {}
+        # auto: calibration batches each tensor's block-output gain is measured on (0: off,
+        # the imatrix cost alone); the gains found, by GGUF name
+        self.gain_batches = int(gain_batches)
+        self.gains: dict[str, float] = {}
 
     # ------------------------------------------------------------------ before any data
     def check(self, scheme: QuantScheme) -> None:
         if scheme.kind != "kquant":
             raise SchemeMismatch(f"--method gguf needs a kquant scheme, not {scheme.kind!r}.")
-        if scheme.gguf_type and scheme.gguf_type.lower() != self.preset.name:
+        if scheme.gguf_type and scheme.gguf_type.lower() != self.type_name:
             raise SchemeMismatch(f"Scheme gguf_type {scheme.gguf_type!r} disagrees with method "
-                                 f"option gguf_type {self.preset.name!r}.")
+                                 f"option gguf_type {self.type_name!r}.")
         if self.preset.quantized and not torch.cuda.is_available():
             preload_compiled(self._possible_types())  # CPU encoders load while the model opens
 
@@ -353,6 +394,10 @@ class GGUFQuantizer:
         p = self.preset
         types = {p.base, Q.Q6_K, Q.Q8_0} | {t for r in p.rules for t in (r.then, r.otherwise) if t}
         types |= {p.attn_output_8_experts} - {None}
+        if self.auto:
+            from quantkit.methods.gguf_auto import AUTO_CANDIDATES, NARROW_EXTRA
+
+            types |= set(AUTO_CANDIDATES) | set(NARROW_EXTRA)
         return types | {FALLBACK[t] for t in types if t in FALLBACK}
 
     def prepare(self, config, spec, shapes: dict[str, tuple[int, int]]) -> None:
@@ -389,6 +434,25 @@ class GGUFQuantizer:
             log.warning("%d tensors fall back %s, e.g. %s", len(names), note, names[0])
         if self.imatrix_path is not None:
             self.imatrix = self._checked_imatrix(load_imatrix(self.imatrix_path), tensors)
+        if self.auto:
+            self._prepare_auto(tensors)
+
+    def _prepare_auto(self, tensors: dict[str, tuple[int, ...]]) -> None:
+        """Which tensors auto chooses (every block Linear) and the budget they share, checked
+        against what the candidates can make before any data is read."""
+        from quantkit.methods.gguf_auto import candidate_types, tensor_bytes
+
+        if self.n_expert:
+            raise SchemeMismatch("--gguf-type auto is not built for mixture-of-experts models yet.",
+                                 "Pick a fixed --gguf-type (e.g. q4_k_m) for this model.")
+        self.auto_shapes = {n: s for n, s in tensors.items() if n.startswith("blk.") and n in self.plans}
+        self.fixed_shapes = {n: tensors[n] for n in self.plans if n not in self.auto_shapes}
+        self.matrix_params = sum(math.prod(s) for n, s in tensors.items() if n in self.plans)
+        self.fixed_bytes = sum(tensor_bytes(self.plans[n].qtype, s) for n, s in self.fixed_shapes.items())
+        sizes = {n: [tensor_bytes(t, s) for t in candidate_types(s, FALLBACK)]
+                 for n, s in self.auto_shapes.items()}
+        self.auto_budget = self.budget.check(sizes, self.matrix_params, self.fixed_bytes,
+                                             self.file_overhead_bytes)
 
     def _plan_head_pieces(self, spec, full: str, rel: str, shape: tuple[int, int], config,
                           tensors: dict[str, tuple]) -> None:
@@ -467,9 +531,14 @@ class GGUFQuantizer:
             if self.gptq:
                 self._imatrix_rows[name] = qw
                 continue
+            if self.auto:
+                results[name] = self._measure(name, gname, linear, qw)
+                continue
             results[name] = self._quantize(name, gname, linear.weight.data, qw, linear.bias)
         if self.gptq:
             results = self._gptq_block(ctx, spec)
+        if self.auto and self.gain_batches and ctx.inputs:
+            self._block_gains(ctx, spec)
         for gname, parts in experts.items():  # one imatrix entry per 3-D tensor, expert-major
             order = sorted(parts)
             self.collected[gname] = (torch.stack([parts[e][0] for e in order]),
@@ -588,10 +657,108 @@ class GGUFQuantizer:
                    "gguf_wanted_type": torch.tensor(int(wanted))},
             loss=err)
 
+    def _measure(self, name: str, gname: str, linear: torch.nn.Linear, qw) -> QuantResult:
+        """auto: the tensor at every candidate type (bytes kept for the hull's options, cost =
+        imatrix-weighted squared error); a stand-in result of the smallest option until the
+        solve in quantize_rest picks the one written."""
+        from quantkit.methods.gguf_auto import candidate_types, measure_options
+
+        t0 = time.perf_counter()
+        w = linear.weight.data
+        options, data, rel = measure_options(
+            w, candidate_types(tuple(w.shape), FALLBACK), qw,
+            lambda x, t, imp: quantize_tensor(x, t, imp), dequantize_tensor)
+        bias = None if linear.bias is None else linear.bias.detach().cpu().clone()
+        self.measured[gname] = (name, options, {k: v.cpu() for k, v in data.items()}, bias)
+        self._rel_error[gname] = rel
+        self._seconds[gname] = time.perf_counter() - t0
+        first = Q[options[0].label]
+        res = self._result(name, first, first, data[first.name], linear.bias, rel[first.name])
+        res.seconds = self._seconds[gname]
+        return res
+
+    def _block_gains(self, ctx: BlockContext, spec) -> None:
+        """Scale each tensor's costs to the block's output: quantize that tensor alone at its
+        option nearest 4.5 bits, run the block on the first `gain_batches` calibration batches
+        and divide the squared block-output error per token by the tensor's own cost there.
+
+        The imatrix cost is a layer's output error; how much of it reaches the block's output
+        differs by tensor (q/k pass through the softmax, v/o/down add to the residual, gate/up
+        pass through down_proj), which one forward per tensor measures. The ratio is assumed
+        the same at every type (small perturbations: linear). The scaled cost is in block-output
+        units whatever the imatrix's scale, so tensors without an imatrix entry compare too."""
+        reference = ctx.rerun(self.gain_batches)
+        tokens = sum(o.shape[0] * o.shape[1] if o.dim() == 3 else o.shape[0] for o in reference)
+        for name, linear in ctx.linears.items():
+            gname = gguf_linear_name(spec, f"{spec.block_path}.{ctx.index}.{name}")
+            hf_name, opts, data, bias = self.measured[gname]
+            k = linear.weight.shape[1]
+            ref = min(opts, key=lambda o: abs(8 * o.nbytes / (linear.weight.numel()) - 4.5))
+            saved = linear.weight.data.clone()
+            deq = dequantize_tensor(data[ref.label], Q[ref.label]).reshape(-1, k)
+            linear.weight.data.copy_(deq.to(linear.weight.device, linear.weight.dtype))
+            out = ctx.rerun(self.gain_batches)
+            linear.weight.data.copy_(saved)
+            err = sum(float((o.double() - r.double()).square().sum()) for o, r in zip(out, reference, strict=True))
+            gain = (err / max(tokens, 1)) / ref.cost if ref.cost > 0 else 1.0
+            self.gains[gname] = gain
+            self.measured[gname] = (hf_name, [Option(o.label, o.nbytes, o.cost * gain) for o in opts],
+                                    data, bias)
+
+    def _solve_auto(self, spec) -> dict[str, QuantResult]:
+        """Every block tensor's type from the measured options under the budget; the results
+        that replace the stand-ins, keyed by full module name."""
+        from quantkit.methods.gguf_auto import allocate
+
+        missing = sorted(set(self.auto_shapes) - set(self.measured))
+        if missing:
+            raise SchemeMismatch(f"auto measured no options for {missing[:3]}.")
+        candidates = {g: opts for g, (_, opts, _, _) in self.measured.items()}
+        chosen = allocate(candidates, self.auto_budget)
+        results, tensors = {}, {}
+        for gname, option in chosen.items():
+            name, opts, data, bias = self.measured[gname]
+            qtype = Q[option.label]
+            block = int(_layer(gname))
+            full = f"{spec.block_path}.{block}.{name}"
+            n = self.auto_shapes[gname]
+            res = self._result(name, qtype, qtype, data[option.label], bias,
+                               self._rel_error[gname][option.label])
+            res.seconds = self._seconds.get(gname)
+            results[full] = res
+            tensors[gname] = {"type": qtype.name, "bytes": option.nbytes, "shape": list(n),
+                              "cost": option.cost,
+                              **({"block_gain": self.gains[gname]} if gname in self.gains else {}),
+                              "options": {o.label: [o.nbytes, o.cost] for o in opts}}
+        self.measured.clear()
+        used = sum(t["bytes"] for t in tensors.values())
+        matrix_bytes = used + self.fixed_bytes
+        counts: dict[str, int] = {}
+        for t in tensors.values():
+            counts[t["type"]] = counts.get(t["type"], 0) + 1
+        self.allocation = {
+            "target": {"bits_per_weight": self.budget.target_bpw, "size_bytes": self.budget.target_size},
+            "sensitivity": "sum_j imatrix_j * sum_i (W_ij - dequantized_ij)^2 (the squared layer "
+                           "output error per calibration token, diagonal input covariance)"
+                           + (f" x block_gain (squared block-output error / that cost, the tensor "
+                              f"alone at its option nearest 4.5 bpw, first {self.gain_batches} "
+                              f"calibration batches)" if self.gains else ""),
+            "solver": "greedy on each tensor's lower convex hull of (bytes, cost), then leftover fill",
+            "budget_bytes": self.auto_budget, "chosen_bytes": used,
+            "fixed": {n: self.plans[n].qtype.name for n in self.fixed_shapes},
+            "fixed_bytes": self.fixed_bytes, "file_overhead_bytes_estimate": self.file_overhead_bytes,
+            "bits_per_weight_matrices": 8 * matrix_bytes / self.matrix_params,
+            "type_counts": dict(sorted(counts.items())),
+            "tensors": dict(sorted(tensors.items(), key=lambda kv: (_layer(kv[0]), kv[0]))),
+        }
+        log.info("auto: %d tensors, %s, %.4f bpw over the weight matrices", len(tensors),
+                 counts, self.allocation["bits_per_weight_matrices"])
+        return results
+
     # ------------------------------------------------------------------ after the blocks
     def quantize_rest(self, model, spec) -> dict[str, QuantResult]:
         """token_embd (and output when untied), which live outside the decoder blocks."""
-        results: dict[str, QuantResult] = {}
+        results: dict[str, QuantResult] = self._solve_auto(spec) if self.auto else {}
         if self.preset.quantized:
             mods = dict(model.named_modules())
             device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -240,8 +240,10 @@ def _run_blocks(blocks, start: int, total: int, spec: ArchSpec, quantizer: Quant
                 if experts and stats and (dp is None or dp.is_main):
                     _warn_few_tokens(prefix, spec, stats, expert_min_tokens)
 
-                def rerun(block=block, inputs=inputs):
-                    return run_block(block, inputs) if inputs is not None else []
+                def rerun(max_batches=None, block=block, inputs=inputs):
+                    if inputs is None:
+                        return []
+                    return run_block(block, inputs if max_batches is None else inputs.head(max_batches))
 
                 ctx = BlockContext(
                     index=i, block=block, linears=linears, stats=stats, scheme=scheme,

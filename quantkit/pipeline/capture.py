@@ -58,6 +58,10 @@ class BlockInputs:
         return BlockInputs(hidden, per_block[index], torch.device(device) if offload else None,
                            per_block if self.block_kwargs else [], index)
 
+    def head(self, n: int) -> BlockInputs:
+        """The first n batches only (a cheaper forward for a method's measurements)."""
+        return BlockInputs(self.hidden[:n], self.kwargs[:n], self.device, self.block_kwargs, self.block)
+
     def with_hidden(self, hidden: list[torch.Tensor], block: int | None = None) -> BlockInputs:
         """The same placement with new hidden states (a block's outputs), and the kwargs of
         `block` (default: the current block's)."""

@@ -132,6 +132,9 @@ class QuantizeRequest:
         else:
             args += ["--bits", str(s.bits), "--group-size", str(s.group_size),
                      "--sym" if s.symmetric else "--asym"] + (["--act-order"] if s.act_order else [])
+        for key in ("target_bpw", "target_size"):
+            if self.method == "gguf" and self.method_options.get(key) is not None:
+                args += ["--" + key.replace("_", "-"), str(self.method_options[key])]
         if self.method in ("int8", "nvfp4", "mxfp4", "gguf") and self.method_options.get("rounding"):
             args += ["--rounding", str(self.method_options["rounding"])]
         if "damp" in self.method_options:
@@ -150,6 +153,8 @@ class QuantizeRequest:
         reads_calib = (self.method in ("gptq", "awq")
                        or self.method_options.get("scheme") in ("static", "w4a4")
                        or (self.method == "gguf" and imatrix in ("calib", True))
+                       or (self.method == "gguf" and self.method_options.get("gguf_type") == "auto"
+                           and self.method_options.get("gain_batches", 2) > 0)
                        or (self.method == "int8"
                            and self.method_options.get("smoothquant") is not None)
                        or self.method_options.get("rounding") == "gptq"
@@ -336,6 +341,11 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
                              "modelopt, gguf) or the scheme flags the message names.")
     if hasattr(writer, "check_source"):  # writers that embed tokenizer/config (GGUF) check them now
         writer.check_source(source.path, config)
+    if hasattr(quantizer, "file_overhead_bytes") and hasattr(writer, "overhead_bytes"):
+        # a whole-file size budget (GGUF auto --target-size): what the file holds besides the
+        # weight matrices, known before any data is read
+        floats, n_tensors = _non_matrix_values(config, spec, shapes)
+        quantizer.file_overhead_bytes = writer.overhead_bytes(config, floats, n_tensors)
     if hasattr(quantizer, "prepare"):  # per-tensor plans (GGUF type mix) from the config alone
         quantizer.prepare(config=config, spec=spec, shapes=shapes)
     device = dp_device or _device(req.device)
@@ -444,6 +454,8 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
         # Linears the method could not treat its own way, and what ran instead (loud on purpose)
         **({"fallbacks": fb} if (fb := {n: r.fallback for n, r in results.items()
                                          if r.fallback}) else {}),
+        # per-tensor types the method chose itself (GGUF auto: the budget, the solve, each type)
+        **({"gguf_auto": quantizer.allocation} if getattr(quantizer, "allocation", None) else {}),
         "device": device,
         # which float32 kernels ran: artifacts whose facts differ may differ in their codes
         **({"kernels": kernel_facts()} if device == "cpu" else {}),
@@ -500,6 +512,15 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
     if ckpt is not None:
         ckpt.remove()
     return meta
+
+
+def _non_matrix_values(config, spec: ArchSpec, shapes: dict[str, tuple[int, int]]) -> tuple[int, int]:
+    """(values of every tensor that is not a block Linear or the embeddings / output head, the
+    number of tensors in all), from a meta-device model: no weights are read."""
+    model = meta_model(config)
+    skip = {f"{n}.weight" for n in shapes} | {f"{spec.embed}.weight", f"{spec.lm_head}.weight"}
+    state = model.state_dict()
+    return sum(t.numel() for n, t in state.items() if n not in skip), len(state)
 
 
 def without_remote_code(config: dict, what: str) -> dict:

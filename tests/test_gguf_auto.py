@@ -1,0 +1,160 @@
+"""`--gguf-type auto`: per-tensor GGML types chosen by measured sensitivity under a size budget.
+
+The solver gives the bigger type to the tensor whose activations make its error costly; on
+the tiny Llama the file meets --target-bpw / --target-size from its actual tensor bytes, the
+chosen types are in quantkit.metadata and `quantkit info`, stock llama.cpp loads and
+generates from it, and at the bits of the uniform Q4_K_M mix its KLD through llama.cpp's
+logits is lower; bad budgets and flags are refused with the possible range."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from quantkit.cli import main, parse_size
+from quantkit.errors import QuantkitError, SchemeMismatch
+from quantkit.formats.gguf import gguf_metadata, read_gguf
+from quantkit.info import artifact_info
+from quantkit.methods.bit_allocation import Option, allocate, hull
+from quantkit.methods.gguf_auto import candidate_types, measure_options
+from quantkit.methods.kquants import FALLBACK, GGUFQuantizer, dequantize_tensor, quantize_tensor
+from quantkit.pipeline.quantize import QuantizeRequest, quantize
+from quantkit.types import QuantScheme
+
+CALIB = {"calib_samples": 16, "calib_seqlen": 128}
+
+
+def test_hull_drops_options_that_never_win():
+    opts = [Option("a", 10, 9.0), Option("b", 20, 8.9), Option("c", 30, 1.0), Option("d", 40, 1.5)]
+    assert [o.label for o in hull(opts)] == ["a", "c"]  # b above the chord a-c, d dominated
+
+
+def test_sensitive_tensor_gets_a_bigger_type_than_its_twins():
+    """Three tensors of one shape and weights of one distribution; one's imatrix is scaled up
+    (louder activations): under a budget between all-small and all-large it alone gets more
+    bytes, and the total stays within the budget and close to it."""
+    g = torch.Generator().manual_seed(0)
+    imatrix = torch.rand(512, generator=g) + 0.5
+    candidates = {}
+    for name, scale in (("twin_a", 1.0), ("loud", 30.0), ("twin_b", 1.0)):
+        w = torch.randn(64, 512, generator=g) * 0.04
+        types = candidate_types(tuple(w.shape), FALLBACK)
+        candidates[name], _, _ = measure_options(w, types, imatrix * scale, quantize_tensor, dequantize_tensor)
+    smallest = sum(min(o.nbytes for o in v) for v in candidates.values())
+    budget = smallest + 30_000
+    chosen = allocate(candidates, budget)
+    used = sum(o.nbytes for o in chosen.values())
+    assert smallest < used <= budget and used > budget - 12_000, (used, budget)
+    assert chosen["loud"].nbytes > max(chosen["twin_a"].nbytes, chosen["twin_b"].nbytes), chosen
+
+
+def test_bad_flags_are_refused_with_a_hint(tiny_llama):
+    run = CliRunner()
+    cases = [(["--gguf-type", "q4_k_m", "--target-bpw", "4.5"], "--gguf-type auto"),
+             (["--gguf-type", "auto"], "needs a size budget"),
+             (["--gguf-type", "auto", "--target-bpw", "4.5", "--target-size", "80MB"], "both"),
+             (["--gguf-type", "auto", "--target-size", "eighty"], "not a size")]
+    for flags, says in cases:
+        r = run.invoke(main, ["plan", str(tiny_llama), "--method", "gguf", *flags])
+        assert r.exit_code == 2 and says in r.output and "hint:" in r.output, (flags, r.output)
+    assert parse_size("80MB") == 80_000_000 and parse_size("1.5KiB") == 1536
+    with pytest.raises(QuantkitError):
+        parse_size("-3MB")
+    with pytest.raises(SchemeMismatch, match="--rounding gptq is not built"):
+        GGUFQuantizer("auto", target_bpw=4.5, rounding="gptq")
+    with pytest.raises(SchemeMismatch, match="fixed mix"):
+        GGUFQuantizer("q4_k_m", target_bpw=4.5)
+
+
+@pytest.mark.parametrize("target", [{"target_bpw": 2.0}, {"target_bpw": 9.0}])
+def test_budget_outside_the_possible_range_is_refused_before_any_data(tiny_llama, tmp_path, target):
+    with pytest.raises(SchemeMismatch, match="bits per weight are possible") as exc:
+        _gguf(tiny_llama, tmp_path / "x.gguf", "auto", **target)
+    assert ("below" if target["target_bpw"] < 5 else "above") in exc.value.message
+    assert not (tmp_path / "x.gguf").exists()
+
+
+# ---------------------------------------------------------------- the tiny Llama, end to end
+
+def _gguf(model: Path, out: Path, gguf_type: str, **options) -> dict:
+    return quantize(QuantizeRequest(model=str(model), method="gguf", format="gguf", out=out,
+                                    scheme=QuantScheme(kind="kquant", gguf_type=gguf_type),
+                                    method_options={"gguf_type": gguf_type, **options}, **CALIB))
+
+
+@pytest.fixture(scope="module")
+def auto_vs_q4km(tiny_llama, tmp_path_factory):
+    """The tiny Llama (widths 256/512) as llama.cpp's imatrix Q4_K_M, and as auto at that
+    file's bits per weight with the same imatrix file (and calibration windows for gains)."""
+    root = tmp_path_factory.mktemp("gguf-auto")
+    _gguf(tiny_llama, root / "q4km.gguf", "q4_k_m", imatrix="calib", imatrix_out=str(root / "imatrix.gguf"))
+    target = artifact_info(root / "q4km.gguf")["bits_per_weight_with_embeddings"]
+    meta = _gguf(tiny_llama, root / "auto.gguf", "auto", target_bpw=target,
+                 imatrix=str(root / "imatrix.gguf"))
+    return tiny_llama, root, target, meta
+
+
+def test_file_meets_the_bpw_budget_and_records_its_types(auto_vs_q4km):
+    model, root, target, meta = auto_vs_q4km
+    info = artifact_info(root / "auto.gguf")
+    bpw = info["bits_per_weight_with_embeddings"]  # from the file's tensor bytes
+    assert target - 0.02 < bpw <= target, (bpw, target)
+    kv, tensors = read_gguf(root / "auto.gguf")
+    recorded = gguf_metadata(root / "auto.gguf", kv)["gguf_auto"]
+    assert recorded["chosen_bytes"] <= recorded["budget_bytes"]
+    assert recorded["chosen_bytes"] > 0.95 * recorded["budget_bytes"]
+    written = {n: t.qtype.name for n, t in tensors.items() if n.startswith("blk.") and len(t.shape) == 2}
+    assert {n: t["type"] for n, t in recorded["tensors"].items()} == written
+    assert len(set(written.values())) > 1  # a mix, not one type
+    assert info["auto_types"]["tensors"] == written
+    r = CliRunner().invoke(main, ["info", str(root / "auto.gguf")])
+    assert r.exit_code == 0 and "types chosen by --gguf-type auto" in r.output
+    assert all(n in r.output for n in written)
+    assert "--target-bpw" in meta["command"]
+
+
+def test_auto_loads_in_llama_cpp_and_beats_uniform_q4_k_m_kld(auto_vs_q4km):
+    """Same bits per weight as the uniform Q4_K_M (same imatrix): KLD to the float model
+    through llama.cpp's logits on held-out text is lower."""
+    pytest.importorskip("llama_cpp")
+    from gguf_reference import assert_generates
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from quantkit.engines.llamacpp import LlamaCppModel
+
+    model, root, _, _ = auto_vs_q4km
+    assert_generates(root / "auto.gguf")
+    tok = AutoTokenizer.from_pretrained(model)
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    repo = Path(__file__).resolve().parents[1]
+    windows = [tok.encode((repo / src).read_text()[:6000], add_special_tokens=False)[:256]
+               for src in ("README.md", "tests/test_gguf.py", "quantkit/cli.py", "quantkit/info.py")]
+    with torch.no_grad():
+        refs = [torch.log_softmax(hf(torch.tensor([ids])).logits[0].double(), -1) for ids in windows]
+    kld = {}
+    for name in ("auto", "q4km"):
+        llm = LlamaCppModel(root / f"{name}.gguf", n_ctx=512, logits_all=True)
+        try:
+            kld[name] = sum(float((ref.exp() * (ref - torch.log_softmax(
+                torch.from_numpy(llm.logits(ids)).double(), -1))).sum(-1).mean())
+                for ids, ref in zip(windows, refs, strict=True)) / len(windows)
+        finally:
+            llm.close()
+    print("KLD through llama.cpp:", kld)
+    assert kld["auto"] < 0.8 * kld["q4km"], kld  # measured 0.0070 vs 0.0112 (0.63x)
+
+
+def test_target_size_is_the_whole_file(auto_vs_q4km, tmp_path):
+    """--target-size counts the whole file (metadata, tokenizer, norms): the file is at most
+    that many bytes and close to it (imatrix cost alone, no calibration pass: fast)."""
+    model, root, _, _ = auto_vs_q4km
+    target = (root / "q4km.gguf").stat().st_size
+    out = tmp_path / "sized.gguf"
+    meta = _gguf(model, out, "auto", target_size=target, imatrix=str(root / "imatrix.gguf"),
+                 gain_batches=0)
+    size = out.stat().st_size
+    assert 0.99 * target < size <= target, (size, target)
+    assert meta["calibration"] is None and "--target-size" in meta["command"]
