@@ -225,7 +225,6 @@ def test_cli_refusals_and_plan(fp4_artifacts, tmp_path):
         (["--method", "nvfp4", "--bits", "4"], "--bits is read by --method rtn"),
         (["--method", "mxfp4", "--calib-samples", "4"], "--calib-samples is read by"),
         (["--method", "nvfp4", "--smoothquant", "0.5"], "--smoothquant is read by --method int8"),
-        (["--method", "mxfp4", "--format", "modelopt"], "ModelOpt FP4 is written here as NVFP4 W4A4"),
     ]
     for i, (args, msg) in enumerate(cases):
         res = run(main, ["quantize", str(model), *args, "-o", str(tmp_path / f"o{i}")])
@@ -258,26 +257,39 @@ def test_unpack_reads_back_what_was_packed():
 
 # ------------------------------------------------------- ModelOpt NVFP4 for TensorRT-LLM ----
 
-def test_modelopt_nvfp4_equals_nvidia_modelopt(fp4_artifacts, tmp_path, capsys):
+# the nvidia-modelopt 0.47 configs run once (one subprocess) for the ModelOpt FP4 tests
+MODELOPT_FP4_CFGS = ("NVFP4_DEFAULT_CFG", "W4A16_NVFP4_CFG", "W4A8_MXFP4_FP8_CFG", "MXFP4_DEFAULT_CFG")
+
+
+@pytest.fixture(scope="module")
+def modelopt_fp4_refs(fp4_artifacts, tmp_path_factory) -> Path:
+    """nvidia-modelopt 0.47 quantizes and exports the tiny Llama on CPU from the same windows
+    (test_fp8's reference runner, a subprocess), once per config of MODELOPT_FP4_CFGS."""
+    import sys
+
+    model = fp4_artifacts[0]
+    ref_root = tmp_path_factory.mktemp("modelopt-fp4")
+    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("test_fp8.py")),
+                           "--modelopt-reference", str(model), str(model.parent / "ids.pt"),
+                           str(ref_root), *MODELOPT_FP4_CFGS],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((ref_root / "outcome.json").read_text()) == dict.fromkeys(MODELOPT_FP4_CFGS, "ok")
+    return ref_root
+
+
+def test_modelopt_nvfp4_equals_nvidia_modelopt(fp4_artifacts, modelopt_fp4_refs, tmp_path, capsys):
     """nvidia-modelopt 0.47 quantizes (NVFP4_DEFAULT_CFG) and exports the same tiny Llama on
-    CPU from the same windows (test_fp8's reference runner, a subprocess); quantkit's
-    `--format modelopt` NVFP4 has its hf_quant_config, config, tensor names, dtypes and shapes.
+    CPU from the same windows; quantkit's `--format modelopt` NVFP4 has its hf_quant_config,
+    config, tensor names, dtypes and shapes.
     Values: ModelOpt derives scales from amax / 2688 where compressed-tensors (whose codes
     quantkit keeps) multiplies by a bf16-rounded 2688 / amax, so a few codes and scales sit one
     step apart (share printed). `verify --engine trtllm` passes both; quantkit's loader reads
     ModelOpt's and its own back to the same weights as the compressed-tensors artifact."""
-    import sys
-
     from quantkit.verify import verify
 
     model, ours_ct, _ = fp4_artifacts
-    ref_root = tmp_path / "ref"
-    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("test_fp8.py")),
-                           "--modelopt-reference", str(model), str(model.parent / "ids.pt"),
-                           str(ref_root), "NVFP4_DEFAULT_CFG"],
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert json.loads((ref_root / "outcome.json").read_text()) == {"NVFP4_DEFAULT_CFG": "ok"}
+    ref_root = modelopt_fp4_refs
     ref = ref_root / "NVFP4_DEFAULT_CFG"
     ours = tmp_path / "ours"
     quantize(QuantizeRequest(model=str(model), method="nvfp4", scheme=fp4_scheme("nvfp4", "w4a4"),
@@ -334,6 +346,144 @@ def test_modelopt_nvfp4_equals_nvidia_modelopt(fp4_artifacts, tmp_path, capsys):
     save_file(t, str(bad / "model.safetensors"), metadata={"format": "pt"})
     rep = verify(bad, "trtllm")
     assert not rep.conformant and "weight_scale_2 differs over the shards" in rep.render()
+
+
+def _modelopt_config_pair(ours: Path, ref: Path) -> tuple[dict, dict]:
+    """(hf_quant_config, inline quantization_config) of quantkit's artifact == ModelOpt's,
+    producer aside."""
+    hq_ours = json.loads((ours / "hf_quant_config.json").read_text())
+    hq_ref = json.loads((ref / "hf_quant_config.json").read_text())
+    assert hq_ours["quantization"] == hq_ref["quantization"]
+    c_ours = json.loads((ours / "config.json").read_text())["quantization_config"]
+    c_ref = json.loads((ref / "config.json").read_text())["quantization_config"]
+    assert c_ours.pop("producer")["name"] == "quantkit" and c_ref.pop("producer")["name"] == "modelopt"
+    assert c_ours == c_ref
+    assert tensor_headers(ours) == tensor_headers(ref)
+    return hq_ref["quantization"], c_ref
+
+
+def _e2m1_positions(packed: torch.Tensor) -> torch.Tensor:
+    """Signed grid position (-7 .. 7) of every packed E2M1 code; -0 and +0 are both 0."""
+    v = e2m1_decode(_nibbles(packed))
+    return torch.bucketize(v.abs(), E2M1_VALUES) * v.sign()
+
+
+def test_modelopt_nvfp4a16_equals_nvidia_modelopt(fp4_artifacts, modelopt_fp4_refs, tmp_path,
+                                                  capsys):
+    """Weight-only NVFP4 for TensorRT-LLM (quant_algo W4A16_NVFP4): quantkit's `--method nvfp4
+    --format modelopt` against ModelOpt's W4A16_NVFP4_CFG export: the same hf_quant_config,
+    config (config_groups with weights only), tensor names, dtypes, shapes (no input_scale);
+    codes and E4M3 scales one step apart at most (the amax / 2688 rounding as for NVFP4),
+    identical shares printed. Both pass `verify --engine trtllm`; the loader reads quantkit's
+    back to the compressed-tensors NVFP4A16 weights and leaves the inputs in bf16."""
+    from quantkit.verify import verify
+
+    model, ours_ct, _ = fp4_artifacts
+    ref = modelopt_fp4_refs / "W4A16_NVFP4_CFG"
+    ours = tmp_path / "ours"
+    quantize(QuantizeRequest(model=str(model), method="nvfp4", scheme=fp4_scheme("nvfp4"),
+                             out=ours, format="modelopt", method_options={"scheme": "w4a16"},
+                             **CALIB))
+    quant, inline = _modelopt_config_pair(ours, ref)
+    assert quant["quant_algo"] == "W4A16_NVFP4" and quant["group_size"] == 16
+    assert "input_activations" not in inline["config_groups"]["group_0"]
+    a, b = load_tensors(ours), load_tensors(ref)
+    assert not any(k.endswith("input_scale") for k in b)
+    same = {"codes": 0, "scales": 0}
+    total = {"codes": 0, "scales": 0}
+    for k, t in b.items():
+        if t.dtype == torch.uint8:
+            pa, pb = _e2m1_positions(a[k]), _e2m1_positions(t)
+            assert int((pa - pb).abs().max()) <= 1, k
+            same["codes"] += int((pa == pb).sum())
+            total["codes"] += pa.numel()
+        elif t.dtype == torch.float8_e4m3fn:
+            ua, ub = a[k].view(torch.uint8).int(), t.view(torch.uint8).int()
+            assert int((ua - ub).abs().max()) <= 1, k
+            same["scales"] += int((ua == ub).sum())
+            total["scales"] += ua.numel()
+        elif k.endswith("weight_scale_2"):
+            assert abs(float(a[k]) / float(t) - 1) <= 2 ** -6, (k, float(a[k]), float(t))
+        else:
+            assert torch.equal(a[k], t), k
+    share = {k: same[k] / total[k] for k in same}
+    with capsys.disabled():
+        print(f"\nquantkit vs nvidia-modelopt 0.47 W4A16_NVFP4 (tiny Llama): codes identical "
+              f"{share['codes']:.4f}, E4M3 scales identical {share['scales']:.4f}")
+    assert share["codes"] > 0.95 and share["scales"] > 0.9
+    for art in (ours, ref):
+        rep = verify(art, "trtllm")
+        assert rep.conformant and rep.quant_algo == "W4A16_NVFP4", rep.render()
+    lm = load_artifact(ours)
+    assert sum(len(m._forward_pre_hooks) for m in lm.model.modules()) == 0  # bf16 inputs
+    w_ct = load_artifact(ours_ct["nvfp4-w4a16"]).model.state_dict()
+    for name, w in lm.model.state_dict().items():
+        assert torch.allclose(w, w_ct[name], rtol=1e-6, atol=0), name
+
+
+def test_modelopt_mxfp4_layout_and_modelopt_scale_rule(fp4_artifacts, modelopt_fp4_refs, tmp_path,
+                                                       capsys):
+    """MXFP4 for TensorRT-LLM. ModelOpt 0.47 writes MXFP4_DEFAULT_CFG as quant_algo "mxfp4",
+    which TensorRT-LLM's QuantAlgo rejects (verify says so), and TensorRT-LLM has no dense
+    weight-only MXFP4 Linear; its dense MXFP4 Linear is W4A8_MXFP4_FP8 (FP8 per-tensor inputs
+    at run time), the config ModelOpt writes for W4A8_MXFP4_FP8_CFG with the very same tensors.
+    quantkit's `--method mxfp4 --format modelopt` equals that export in hf_quant_config,
+    config, tensor names, dtypes and shapes. Values: ModelOpt picks the E8M0 scale
+    2^ceil(log2(amax / 6)) (never clips) where quantkit keeps compressed-tensors' / OCP's
+    2^(floor(log2 amax) - 2) (mantissa >= 1.75 rounds up): ModelOpt's exponent is the same or
+    one higher (share printed), and where the exponents agree the codes are within one E2M1
+    step (ModelOpt rounds ties down, not to even)."""
+    from quantkit.model_io import load_model
+    from quantkit.verify import verify
+
+    model, ours_ct, _ = fp4_artifacts
+    ref = modelopt_fp4_refs / "W4A8_MXFP4_FP8_CFG"
+    ours = tmp_path / "ours"
+    quantize(QuantizeRequest(
+        model=str(model), method="mxfp4", scheme=fp4_scheme("mxfp4"), out=ours, format="modelopt",
+        **CALIB))
+    quant, inline = _modelopt_config_pair(ours, ref)
+    assert quant["quant_algo"] == "W4A8_MXFP4_FP8" and quant["group_size"] == 32
+    assert "config_groups" not in inline
+    own = modelopt_fp4_refs / "MXFP4_DEFAULT_CFG"  # ModelOpt's MXFP4: the same tensors, bytes
+    mx_tensors, w4a8_tensors = load_tensors(own), load_tensors(ref)
+    assert all(torch.equal(t, w4a8_tensors[k]) for k, t in mx_tensors.items())
+    assert json.loads((own / "hf_quant_config.json").read_text())["quantization"]["quant_algo"] == "mxfp4"
+    rep = verify(own, "trtllm")
+    assert not rep.conformant and "quant_algo 'mxfp4' is not a QuantAlgo" in rep.render()
+    for art in (ours, ref):
+        rep = verify(art, "trtllm")
+        assert rep.conformant and rep.quant_algo == "W4A8_MXFP4_FP8", rep.render()
+    base = load_model(model, dtype=torch.bfloat16).state_dict()
+    a = load_tensors(ours)
+    higher = n_scales = code_diff = n_codes = 0
+    for k, t in w4a8_tensors.items():
+        if not k.endswith(".weight_scale"):
+            continue
+        w = base[k.replace(".weight_scale", ".weight")].float()
+        amax = w.reshape(w.shape[0], -1, 32).abs().amax(-1)
+        rule = torch.ceil(torch.log2(amax / 6).clamp_min(-127)) + 127  # ModelOpt's MXFP4QTensor
+        assert torch.equal(t.float(), rule), k
+        d = t.int() - a[k].int()
+        assert set(d.unique().tolist()) <= {0, 1}, k
+        higher += int(d.sum())
+        n_scales += d.numel()
+        packed = k.replace(".weight_scale", ".weight")
+        pa, pb = _e2m1_positions(a[packed]), _e2m1_positions(w4a8_tensors[packed])
+        agree = (d == 0).repeat_interleave(32, dim=1)
+        assert int(((pa - pb).abs() * agree).max()) <= 1, packed
+        code_diff += int(((pa != pb) & agree).sum())
+        n_codes += int(agree.sum())
+    with capsys.disabled():
+        print(f"\nquantkit vs nvidia-modelopt 0.47 MXFP4 (tiny Llama): E8M0 exponent one higher "
+              f"in ModelOpt's {higher / n_scales:.4f} of blocks; where equal, codes differ in "
+              f"{code_diff / n_codes:.4f}")
+    assert code_diff / n_codes < 0.02 and 0 < higher / n_scales < 0.5
+    lm = load_artifact(ours)  # FP8 per-tensor inputs, as W4A8MXFP4FP8LinearMethod runs them
+    assert sum(len(m._forward_pre_hooks) for m in lm.model.modules()) == 14
+    w_ct = load_artifact(ours_ct["mxfp4"]).model.state_dict()
+    for name, w in lm.model.state_dict().items():
+        assert torch.equal(w, w_ct[name]), name
 
 
 # ------------------------------------------------- --rounding gptq onto the FP4 grid ----
