@@ -47,7 +47,7 @@ QUANT_ALGOS = {"W8A16", "W4A16", "W4A16_AWQ", "W4A8_AWQ", "W8A16_GPTQ", "W4A16_G
                "FP8_BLOCK_SCALES", "INT8", "MIXED_PRECISION", "NVFP4", "W4A16_NVFP4",
                "W4A8_NVFP4_FP8", "W4A16_MXFP4", "W4A8_MXFP4_FP8", "W4A8_MXFP4_MXFP8", "MXFP8",
                "NVFP4_AWQ", "NO_QUANT"}
-CHECKED_ALGOS = ("FP8", "FP8_PER_CHANNEL_PER_TOKEN", "FP8_BLOCK_SCALES", "W4A16_AWQ", "NVFP4",
+CHECKED_ALGOS = ("FP8", "FP8_PER_CHANNEL_PER_TOKEN", "FP8_BLOCK_SCALES", "W4A16_AWQ", "W4A8_AWQ", "NVFP4",
                  "W4A16_NVFP4", "W4A8_MXFP4_FP8")
 FUSED = {"q_proj": ("qkv_proj", ("q_proj", "k_proj", "v_proj")),
          "k_proj": ("qkv_proj", ("q_proj", "k_proj", "v_proj")),
@@ -301,8 +301,8 @@ def _check_linear(name: str, shape: tuple[int, int] | None, algo: str, headers: 
                  "(load_weights_vanilla_helper asserts 'weight' in weights)")
         return
     n, k = shape or (w["shape"][0], w["shape"][1])
-    if algo == "W4A16_AWQ":
-        _check_awq(name, n, k, w, headers, group_size, rep)
+    if algo in ("W4A16_AWQ", "W4A8_AWQ"):
+        _check_awq(name, n, k, w, headers, group_size, rep, algo)
         return
     if algo in ("NVFP4", "W4A16_NVFP4"):
         _check_nvfp4(name, n, k, w, headers, rep, with_input_scale=algo == "NVFP4")
@@ -348,9 +348,28 @@ def _check_linear(name: str, shape: tuple[int, int] | None, algo: str, headers: 
         rep.fail(name, f"input_scale shape {i['shape']}", "input_scale is one per-tensor value")
 
 
-def _check_awq(name, n, k, w, headers, group_size, rep) -> None:
-    """ModelOpt W4A16_AWQ per formats.md: weight uint8 [N/2, K], weight_scale [N, K/G]."""
+def _check_awq(name, n, k, w, headers, group_size, rep, algo: str = "W4A16_AWQ") -> None:
+    """ModelOpt W4A16_AWQ per formats.md: weight uint8 [N/2, K], weight_scale [N, K/G];
+    pre_quant_scale [K] on every Linear loaded unfused (load_weights_vanilla reads it
+    unconditionally). W4A8_AWQ also: scalar weight_scale_2 and input_scale
+    (load_weight_scales_w4a8 multiplies them into alpha), pre_quant_scale in the model dtype
+    (asserted)."""
     g = group_size or 128
+    leaf = name.rpartition(".")[2]
+    p = headers.get(f"{name}.pre_quant_scale")
+    if leaf not in FUSED and (p is None or p["shape"] != [k]):
+        rep.fail(name, f"pre_quant_scale {None if p is None else p['shape']}",
+                 f"{algo} load_weights_vanilla reads weights['pre_quant_scale'] [{k}] "
+                 "unconditionally on a Linear it loads unfused")
+    if algo == "W4A8_AWQ":
+        for key in ("weight_scale_2", "input_scale"):
+            t = headers.get(f"{name}.{key}")
+            if t is None or math.prod(t["shape"]) != 1:
+                rep.fail(name, f"{key} {None if t is None else t['shape']}",
+                         "load_weight_scales_w4a8 reads one scalar each of input_scale and "
+                         "weight_scale_2 (alpha = input_scale * weight_scale_2)")
+        if p is not None and p["dtype"] not in ("BF16", "F16"):
+            rep.note("W4A8_AWQ asserts pre_quant_scale.dtype == the model dtype (bf16 / fp16)")
     if w["dtype"] != "U8" or w["shape"] != [n // 2, k]:
         rep.fail(name, f"weight {w['dtype']} {w['shape']}",
                  f"W4A16_AWQ packs two signed int4 rows per uint8: weight U8 [{n // 2}, {k}]")
@@ -436,12 +455,12 @@ def _check_fused(linears: dict, algo: str, headers: dict, quantized: set[str], r
                 rep.fail(fused, "input_scale on some shards only",
                          "rescale_fused_weights takes the max of every shard's input_scale "
                          "(uninitialized for shards without one)")
-        if algo in ("NVFP4", "W4A16_NVFP4") and path is not None:
+        if algo in ("NVFP4", "W4A16_NVFP4", "W4A8_AWQ") and path is not None:
             for key in ("weight_scale_2", "input_scale"):
                 vals = _scalars(path, [f"{m}.{key}" for m in members])
                 if None not in vals and len(set(vals)) > 1:
                     rep.fail(fused, f"{key} differs over the shards: {vals}",
-                             f"NVFP4 load_weight_scales asserts 'The {key} should be same for all "
+                             f"{algo} load_weight_scales asserts 'The {key} should be same for all "
                              "the weights'", "share one global scale per fused group")
         if algo == "FP8_BLOCK_SCALES":
             bad = [m for m in members[:-1] if linears[m] and linears[m][0] % 128]

@@ -219,6 +219,8 @@ def test_cli_refusals_and_plan(fp4_artifacts, tmp_path):
     model, ours, _ = fp4_artifacts
     run = CliRunner().invoke
     cases = [
+        (["--method", "awq", "--scheme", "w4a8"], "--format compressed-tensors has no FP8 input"),
+        (["--method", "awq", "--scheme", "w4a4", "--format", "modelopt"], "Unknown AWQ scheme"),
         (["--method", "nvfp4", "--calib-samples", "4"], "only with --scheme w4a4"),
         (["--method", "mxfp4", "--scheme", "w4a4"], "--method mxfp4 does not use it"),
         (["--method", "nvfp4", "--scheme", "w8a8"], "Unknown NVFP4 scheme 'w8a8'"),
@@ -258,13 +260,15 @@ def test_unpack_reads_back_what_was_packed():
 # ------------------------------------------------------- ModelOpt NVFP4 for TensorRT-LLM ----
 
 # the nvidia-modelopt 0.47 configs run once (one subprocess) for the ModelOpt FP4 tests
-MODELOPT_FP4_CFGS = ("NVFP4_DEFAULT_CFG", "W4A16_NVFP4_CFG", "W4A8_MXFP4_FP8_CFG", "MXFP4_DEFAULT_CFG")
+MODELOPT_FP4_CFGS = ("NVFP4_DEFAULT_CFG", "W4A16_NVFP4_CFG", "W4A8_MXFP4_FP8_CFG", "MXFP4_DEFAULT_CFG",
+                     "W4A8_AWQ_BETA_CFG")
 
 
 @pytest.fixture(scope="module")
 def modelopt_fp4_refs(fp4_artifacts, tmp_path_factory) -> Path:
     """nvidia-modelopt 0.47 quantizes and exports the tiny Llama on CPU from the same windows
-    (test_fp8's reference runner, a subprocess), once per config of MODELOPT_FP4_CFGS."""
+    (test_fp8's reference runner, a subprocess), once per config of MODELOPT_FP4_CFGS (the
+    W4A8_AWQ one is int4 AWQ with FP8 inputs; it is checked here beside the FP4 layouts)."""
     import sys
 
     model = fp4_artifacts[0]
@@ -484,6 +488,108 @@ def test_modelopt_mxfp4_layout_and_modelopt_scale_rule(fp4_artifacts, modelopt_f
     w_ct = load_artifact(ours_ct["mxfp4"]).model.state_dict()
     for name, w in lm.model.state_dict().items():
         assert torch.equal(w, w_ct[name]), name
+
+
+def _w4a8_relations(art: Path) -> dict[str, float]:
+    """What TensorRT-LLM's W4A8_AWQ_LinearMethod needs of a checkpoint, asserted: weight_scale_2
+    = max |q * weight_scale| / 448 of its fused group, one input_scale and one weight_scale_2
+    per fused group, pre_quant_scale (bf16) on o_proj / down_proj only; returns input_scales."""
+    from quantkit.formats.modelopt import unpack_int4_rows
+
+    t = load_tensors(art)
+    fused = {"self_attn": ("q_proj", "k_proj", "v_proj"), "mlp": ("gate_proj", "up_proj")}
+    inputs = {}
+    for layer in range(2):
+        groups = [(f"{m}.{x}",) for m, x in (("self_attn", "o_proj"), ("mlp", "down_proj"))]
+        groups += [tuple(f"{m}.{x}" for x in xs) for m, xs in fused.items()]
+        for group in groups:
+            names = [f"model.layers.{layer}.{x}" for x in group]
+            amax = 0.0
+            for n in names:
+                q = unpack_int4_rows(t[n + ".weight"]).float()
+                s = t[n + ".weight_scale"]
+                amax = max(amax, float((q * s.repeat_interleave(q.shape[1] // s.shape[1], 1)).abs().max()))
+                assert (n + ".pre_quant_scale" in t) == (len(group) == 1), n
+                if len(group) == 1:
+                    assert t[n + ".pre_quant_scale"].dtype == torch.bfloat16, n
+                inputs[n] = float(t[n + ".input_scale"])
+            for key in ("weight_scale_2", "input_scale"):
+                assert len({float(t[f"{n}.{key}"]) for n in names}) == 1, (names, key)
+            assert abs(float(t[names[0] + ".weight_scale_2"]) * 448 / amax - 1) < 1e-6, names
+    return inputs
+
+
+def test_modelopt_w4a8_awq_equals_nvidia_modelopt(fp4_artifacts, modelopt_fp4_refs, tmp_path,
+                                                  capsys):
+    """int4 AWQ weights with FP8 static inputs for TensorRT-LLM (quant_algo W4A8_AWQ):
+    `--method awq --scheme w4a8 --format modelopt` against ModelOpt's W4A8_AWQ_BETA_CFG export
+    (awq_lite) on the same tiny Llama and windows: the same hf_quant_config, config, tensor
+    names, dtypes and shapes; both hold the scale relations the engine's loader assumes. The
+    AWQ searches differ (quantkit's grid + clipping, ModelOpt's awq_lite), so values are
+    compared as quantities: FP8 input scales within 25 % of ModelOpt's (ratio range printed),
+    each Linear's effective weight error no worse than 1.5x ModelOpt's + 0.02. `verify --engine
+    trtllm` passes both and catches a missing o_proj pre_quant_scale; the loader emulates the
+    FP8 inputs on every Linear."""
+    from quantkit.formats.modelopt import read_modelopt_awq
+    from quantkit.model_io import load_model
+    from quantkit.verify import verify
+
+    model = fp4_artifacts[0]
+    ref = modelopt_fp4_refs / "W4A8_AWQ_BETA_CFG"
+    ours = tmp_path / "ours"
+    res = CliRunner().invoke(main, ["quantize", str(model), "--method", "awq", "--scheme", "w4a8",
+                                    "--format", "modelopt", "--group-size", "128",
+                                    "--calib-samples", str(CALIB["calib_samples"]),
+                                    "--calib-seqlen", str(CALIB["calib_seqlen"]), "-o", str(ours)])
+    assert res.exit_code == 0, res.output
+    hq = json.loads((ref / "hf_quant_config.json").read_text())
+    assert json.loads((ours / "hf_quant_config.json").read_text()) == hq
+    assert hq["quantization"]["quant_algo"] == "W4A8_AWQ" and hq["quantization"]["group_size"] == 128
+    assert (json.loads((ours / "config.json").read_text())["quantization_config"]
+            == json.loads((ref / "config.json").read_text())["quantization_config"])
+    assert tensor_headers(ours) == tensor_headers(ref)
+    in_ours, in_ref = _w4a8_relations(ours), _w4a8_relations(ref)
+    ratios = [in_ours[n] / in_ref[n] for n in in_ref]
+    assert 0.8 < min(ratios) and max(ratios) < 1.25, ratios
+    base = load_model(model, dtype=torch.float32).state_dict()
+    w_ours, w_ref = read_modelopt_awq(ours), read_modelopt_awq(ref)
+    errs = []
+    for layer in range(2):
+        for lin, norm in (("self_attn.q_proj", "input_layernorm"), ("self_attn.o_proj", None),
+                          ("mlp.up_proj", "post_attention_layernorm"), ("mlp.down_proj", None)):
+            key = f"model.layers.{layer}.{lin}.weight"
+
+            def eff(state, key=key, norm=norm, layer=layer):
+                return state[key] * (state[f"model.layers.{layer}.{norm}.weight"][None, :]
+                                     if norm else 1)
+            w0 = eff(base)
+            e_ours = float((eff(w_ours) - w0).norm() / w0.norm())
+            e_ref = float((eff(w_ref) - w0).norm() / w0.norm())
+            assert e_ours < 1.5 * e_ref + 0.02, (key, e_ours, e_ref)
+            errs.append(e_ours / e_ref)
+    with capsys.disabled():
+        print(f"\nquantkit vs nvidia-modelopt 0.47 W4A8_AWQ (tiny Llama): input_scale ratio "
+              f"{min(ratios):.3f} .. {max(ratios):.3f}; effective-weight error ratio "
+              f"{min(errs):.3f} .. {max(errs):.3f}")
+    for art in (ours, ref):
+        rep = verify(art, "trtllm")
+        assert rep.conformant and rep.quant_algo == "W4A8_AWQ", rep.render()
+    bad = tmp_path / "bad"
+    shutil.copytree(ours, bad)
+    t = load_tensors(bad)
+    del t["model.layers.0.self_attn.o_proj.pre_quant_scale"]
+    from safetensors.torch import save_file
+    save_file(t, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    rep = verify(bad, "trtllm")
+    assert not rep.conformant and "pre_quant_scale None" in rep.render()
+    lm = load_artifact(ours)
+    assert sum(len(m._forward_pre_hooks) for m in lm.model.modules()) == 14
+    meta = json.loads((ours / "quantkit.json").read_text())
+    assert meta["scheme"]["activations"] == "fp8" and meta["method_options"]["pre_quant_scale"]
+    res = CliRunner().invoke(main, ["plan", str(model), "--method", "awq", "--scheme", "w4a8",
+                                    "--format", "modelopt", "--json"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.output)["scheme"].startswith("W4A8 int4 g128 sym, FP8"), res.output
 
 
 # ------------------------------------------------- --rounding gptq onto the FP4 grid ----

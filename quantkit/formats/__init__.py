@@ -158,6 +158,11 @@ def _prepare_activations(model: torch.nn.Module, path: Path, fmt: str) -> None:
         if algo in MODELOPT_FP4_ALGOS:
             prepare_modelopt_nvfp4_model(model, path, algo)
             return
+        if algo == "W4A8_AWQ":  # int4 weights, FP8 static inputs (x * pre_quant_scale)
+            from quantkit.formats.modelopt import prepare_modelopt_w4a8_model
+
+            prepare_modelopt_w4a8_model(model, path)
+            return
     elif fmt != "fp8":
         return
     from quantkit.formats.fp8 import prepare_fp8_model

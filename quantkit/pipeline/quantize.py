@@ -131,6 +131,8 @@ class QuantizeRequest:
         else:
             args += ["--bits", str(s.bits), "--group-size", str(s.group_size),
                      "--sym" if s.symmetric else "--asym"] + (["--act-order"] if s.act_order else [])
+            if s.activations == "fp8":
+                args += ["--scheme", "w4a8"]
         if self.method in ("int8", "nvfp4", "mxfp4", "gguf") and self.method_options.get("rounding"):
             args += ["--rounding", str(self.method_options["rounding"])]
         if "damp" in self.method_options:
