@@ -211,6 +211,13 @@ class ModelOptNVFP4Writer:
             raise ValueError(f"one FP4 scheme per artifact, got {sorted(map(str, schemes))}")
         scheme = schemes.pop()
         algo = modelopt_fp4_algo(scheme)
+        if algo == MXFP4_ALGO:
+            import warnings
+
+            warnings.warn("ModelOpt MXFP4 is written as quant_algo W4A8_MXFP4_FP8: TensorRT-LLM's "
+                          "only dense MXFP4 Linear casts the inputs to FP8 per tensor at run time "
+                          "(quantkit eval emulates that); it has no weight-only MXFP4 Linear.",
+                          stacklevel=2)
         tensors = dict(dense)
         for name, r in results.items():
             tensors[f"{name}.weight"] = pack_e2m1(r.codes)
