@@ -31,7 +31,7 @@ from quantkit.e2m1 import (
     quantize_nvfp4,
 )
 from quantkit.formats.common import load_tensors
-from quantkit.formats.fp4 import pack_e2m1
+from quantkit.formats.fp4 import pack_e2m1, read_fp4_pack_quantized, read_modelopt_nvfp4
 from quantkit.info import artifact_info
 from quantkit.loader import load_artifact
 from quantkit.methods.fp4 import fp4_scheme
@@ -420,8 +420,8 @@ def test_modelopt_nvfp4a16_equals_nvidia_modelopt(fp4_artifacts, modelopt_fp4_re
         assert rep.conformant and rep.quant_algo == "W4A16_NVFP4", rep.render()
     lm = load_artifact(ours)
     assert sum(len(m._forward_pre_hooks) for m in lm.model.modules()) == 0  # bf16 inputs
-    w_ct = load_artifact(ours_ct["nvfp4-w4a16"]).model.state_dict()
-    for name, w in lm.model.state_dict().items():
+    w_ct = read_fp4_pack_quantized(ours_ct["nvfp4-w4a16"])
+    for name, w in read_modelopt_nvfp4(ours).items():
         assert torch.allclose(w, w_ct[name], rtol=1e-6, atol=0), name
 
 
@@ -485,8 +485,8 @@ def test_modelopt_mxfp4_layout_and_modelopt_scale_rule(fp4_artifacts, modelopt_f
     assert code_diff / n_codes < 0.02 and 0 < higher / n_scales < 0.5
     lm = load_artifact(ours)  # FP8 per-tensor inputs, as W4A8MXFP4FP8LinearMethod runs them
     assert sum(len(m._forward_pre_hooks) for m in lm.model.modules()) == 14
-    w_ct = load_artifact(ours_ct["mxfp4"]).model.state_dict()
-    for name, w in lm.model.state_dict().items():
+    w_ct = read_fp4_pack_quantized(ours_ct["mxfp4"])
+    for name, w in read_modelopt_nvfp4(ours).items():
         assert torch.equal(w, w_ct[name]), name
 
 
@@ -675,7 +675,6 @@ def test_gptq_lowers_every_layer_output_error(gptq_artifacts, capsys):
     inputs its Hessian summed: true-sequential, quantized outputs propagated), the output
     error ||X W^T - X Q^T|| of GPTQ-FP4 is below RTN-FP4's for every Linear of the tiny model."""
     from quantkit.calibration import load_calibration
-    from quantkit.formats.fp4 import read_fp4_pack_quantized
     from quantkit.model_io import load_model, load_tokenizer
 
     model, rtn_arts, gptq_arts = gptq_artifacts
@@ -715,7 +714,6 @@ def test_gptq_artifact_decodes_with_compressed_tensors(gptq_artifacts):
     shapes and quantization_config as the RTN one, the same scales (GPTQ moves codes only),
     and compressed-tensors' own decompressor gives exactly quantkit's weights (in its bf16);
     the loader reads it unchanged."""
-    from quantkit.formats.fp4 import read_fp4_pack_quantized
 
     _, rtn_arts, gptq_arts = gptq_artifacts
     for method, preset, comp in (("nvfp4", "NVFP4A16", NVFP4PackedCompressor),
