@@ -169,7 +169,7 @@ class FP4Quantizer:
     def prepare(self, *, config=None, spec=None, shapes: dict[str, tuple[int, int]] | None = None,
                 **_) -> None:
         """Before any data is loaded: every Linear's input width must hold whole groups."""
-        self.dtype = checkpoint_dtype(config)
+        self.dtype = _stored_dtype(config)
         group = self._scheme.group_size
         bad = {n: s for n, s in (shapes or {}).items() if s[1] % group}
         if bad:
@@ -267,7 +267,7 @@ class FP4Quantizer:
                 start += rows
 
 
-def checkpoint_dtype(config) -> torch.dtype:
+def _stored_dtype(config) -> torch.dtype:
     """The checkpoint's dtype (config.dtype / torch_dtype), bfloat16 when it says nothing."""
     name = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "bfloat16"
     if isinstance(name, torch.dtype):

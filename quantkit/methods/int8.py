@@ -26,7 +26,6 @@ import time
 import torch
 
 from quantkit.errors import CalibrationError, SchemeMismatch
-from quantkit.methods.fp4 import checkpoint_dtype
 from quantkit.methods.fp8 import fused_groups
 from quantkit.methods.gptq import DEFAULT_BLOCK_SIZE, DEFAULT_DAMP, GPTQQuantizer
 from quantkit.methods.intquant import relative_error, rtn_quantize_weight
@@ -99,7 +98,6 @@ class Int8Quantizer:
         self.propagate_quantized = self._gptq is not None
         self.calib_batch_size = 8  # the same sums as batch 1, fewer and larger ops (see GPTQ)
         self.history: list[dict] = []  # SmoothQuant's folded groups (for reports and tests)
-        self.dtype = torch.float32  # the checkpoint's, set by prepare()
         self._logged: set[str] = set()
 
     @property
@@ -116,7 +114,6 @@ class Int8Quantizer:
         """Before any data is loaded: SmoothQuant needs the architecture's scaling table."""
         if self.alpha is not None:
             require_scaling_table(spec, "SmoothQuant", "drop --smoothquant")
-        self.dtype = checkpoint_dtype(config)  # SmoothQuant's arithmetic, llm-compressor's
 
     def _log_once(self, msg: str) -> None:
         if msg not in self._logged:
@@ -129,7 +126,7 @@ class Int8Quantizer:
         if self.alpha is not None:
             require_scaling_table(ctx.arch, "SmoothQuant", "drop --smoothquant")
             smooth = smooth_block(ctx, self.alpha, log=self._log_once,
-                                  pairs=self.smoothquant_pairs, dtype=self.dtype)
+                                  pairs=self.smoothquant_pairs)
             self.history += smooth.history
             if self._gptq is not None:
                 _smooth_hessians(ctx, smooth)

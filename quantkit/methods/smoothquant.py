@@ -11,11 +11,7 @@ artifacts are the reference quantkit's are tested against value for value:
 
 R_j = max X_j - min X_j is channel j's dynamic range over every calibration token of the
 shared loader (the pipeline's "colmax" / "colmin" statistics); 2 max|W_:,j| the weights'
-range, over the rows of every balance Linear of the group (q/k/v share one s). Like
-llm-compressor, the arithmetic runs in the checkpoint's dtype (bf16: max and min rounded to it,
-then every op rounded), so the same statistics give its scales bit for bit; llm-compressor
-also takes the statistics from a bf16 eager-attention forward where quantkit's is float32, so
-a few channels' ranges still differ (tests/test_int8.py re-derives its artifact exactly). For a channel
+range, over the rows of every balance Linear of the group (q/k/v share one s). For a channel
 symmetric about 0 this is the paper's max|X_j|^alpha / max|W_:,j|^(1 - alpha). A channel that
 saw no activation or holds no weight keeps s = 1 (llm-compressor: its activation range, which
 such a channel ignores anyway); s is clamped at 1e-5 (both). The 1/s goes into the previous op
@@ -53,21 +49,19 @@ def check_alpha(alpha: float) -> float:
 
 
 def smoothing_scales(act_range: torch.Tensor, weights: list[torch.Tensor],
-                     alpha: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                     alpha: float) -> torch.Tensor:
     """s [K] for inputs whose per-channel range (max x - min x) is `act_range` [K], read by
-    `weights` (each [N_i, K]); computed in `dtype` (the checkpoint's, as llm-compressor does),
-    returned as float32."""
-    a = act_range.to(dtype)
-    w = 2.0 * torch.cat([x.detach().to(dtype).abs() for x in weights]).amax(0)
+    `weights` (each [N_i, K]); float32."""
+    a = act_range.float()
+    w = 2.0 * torch.cat([x.detach().float().abs() for x in weights]).amax(0)
     s = a.pow(alpha) / w.pow(1 - alpha)
     ok = (a > 0) & (w > 0) & torch.isfinite(s)
-    return torch.where(ok, s, torch.ones_like(s)).float().clamp(min=MIN_SCALE)
+    return torch.where(ok, s, torch.ones_like(s)).clamp(min=MIN_SCALE)
 
 
-def input_range(st: dict, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Per-channel max x - min x from the pipeline's colmax / colmin statistics, both rounded
-    to `dtype` and subtracted in it."""
-    return st["colmax"].to(dtype) - st["colmin"].to(dtype)
+def input_range(st: dict) -> torch.Tensor:
+    """Per-channel max x - min x from the pipeline's colmax / colmin statistics."""
+    return st["colmax"].float() - st["colmin"].float()
 
 
 @dataclass
@@ -84,11 +78,10 @@ class Smoothing:
         return self.col[name]
 
 
-def smooth_block(ctx: BlockContext, alpha: float, log=None, pairs: str = "all",
-                 dtype: torch.dtype = torch.float32) -> Smoothing:
+def smooth_block(ctx: BlockContext, alpha: float, log=None, pairs: str = "all") -> Smoothing:
     """Fold SmoothQuant scales into the block in place, group by group in table order
-    (each group's s from the weights as they are when its turn comes, in `dtype`);
-    pairs="norms" folds only the norm -> Linear groups (llm-compressor's default mappings)."""
+    (each group's s from the weights as they are when its turn comes); pairs="norms" folds
+    only the norm -> Linear groups (llm-compressor's default mappings)."""
     dev = next(ctx.block.parameters()).device
     col = {n: torch.ones(lin.in_features, device=dev) for n, lin in ctx.linears.items()}
     row = {n: torch.ones(lin.out_features, device=dev) for n, lin in ctx.linears.items()}
@@ -103,8 +96,8 @@ def smooth_block(ctx: BlockContext, alpha: float, log=None, pairs: str = "all",
                 raise CalibrationError(
                     f"SmoothQuant: {first} of block {ctx.index} received no calibration tokens.",
                     "Pass calibration data (--calib, --calib-samples >= 1), or drop --smoothquant.")
-            s = smoothing_scales(input_range(st, dtype).to(dev),
-                                 [lin.weight.data for lin in plan.balance.values()], alpha, dtype)
+            s = smoothing_scales(input_range(st).to(dev), [lin.weight.data for lin in
+                                                            plan.balance.values()], alpha)
             fold_scale(plan, s, col, row, {})
             out.history.append({"block": ctx.index, "prev": plan.group.prev,
                                 "balance": list(plan.balance), "mode": plan.mode,
