@@ -129,7 +129,8 @@ def _method_options(f):
                      help="FP8: dynamic, static or block. int8: dynamic (per-token inputs) or "
                           "static (one calibrated per-tensor input scale). nvfp4: w4a16 "
                           "(weights only, default) or w4a4 (NVFP4 inputs, calibrated global "
-                          "input scales)."),
+                          "input scales). awq: w4a16 (default) or w4a8 (FP8 static inputs, "
+                          "TensorRT-LLM's W4A8_AWQ; --format modelopt)."),
         click.option("--smoothquant", "smoothquant", type=click.FloatRange(0.0, 1.0), default=None,
                      metavar="ALPHA",
                      help="int8: migrate activation outliers into the weights with strength "
@@ -185,7 +186,7 @@ FLAG_READERS: dict[str, tuple[str, ...]] = {
     "bits": _INT_METHODS, "group_size": _INT_METHODS, "sym": _INT_METHODS,
     "act_order": ("gptq",), "damp": ("gptq", "int8", "nvfp4", "mxfp4", "gguf"),
     "true_sequential": ("gptq",),
-    "gguf_type": ("gguf",), "imatrix": ("gguf",), "target_bpw": ("gguf",), "target_size": ("gguf",), "fp8_scheme": ("fp8", "int8", "nvfp4"),
+    "gguf_type": ("gguf",), "imatrix": ("gguf",), "target_bpw": ("gguf",), "target_size": ("gguf",), "fp8_scheme": ("fp8", "int8", "nvfp4", "awq"),
     "smoothquant": ("int8",), "smoothquant_pairs": ("int8",),
     "rounding": ("int8", "nvfp4", "mxfp4", "gguf"),
     **dict.fromkeys(_CALIB_FLAGS, _CALIBRATED),
@@ -235,6 +236,14 @@ def check_flags_apply(ctx: click.Context, method: str, fp8_scheme: str | None,
                 f"{calib[0]} is read by --method int8 only with --scheme static, --smoothquant "
                 "or --rounding gptq; dynamic int8 with round-to-nearest needs no calibration.",
                 f"Drop {calib[0]}, or pass one of those flags.")
+    if method == "awq" and fp8_scheme not in (None, "w4a16", "w4a8"):
+        raise QuantkitError(f"Unknown AWQ scheme {fp8_scheme!r}.",
+                            "Choose w4a16 (default) or w4a8 (FP8 inputs, --format modelopt).")
+    if method == "awq" and fp8_scheme == "w4a8" and ctx.params.get("fmt") != "modelopt":
+        raise QuantkitError(
+            f"--scheme w4a8 (int4 weights, FP8 inputs) is written only as ModelOpt W4A8_AWQ for "
+            f"TensorRT-LLM; --format {ctx.params.get('fmt')} has no FP8 input scales.",
+            "Pass --format modelopt, or drop --scheme w4a8.")
     if method == "nvfp4" and calib and (fp8_scheme or "w4a16") != "w4a4" and rounding != "gptq":
         raise QuantkitError(
             f"{calib[0]} is read by --method nvfp4 only with --scheme w4a4 (input scales) or "
@@ -328,7 +337,8 @@ def _request(model, method, bits, group_size, sym, act_order, damp, true_sequent
         options["scheme"] = fp8_scheme or "dynamic"
         bits, group_size = 8, _fp8_scheme(options["scheme"]).group_size  # what quantkit.json records
     scheme = QuantScheme(kind=kind, bits=bits, group_size=group_size, symmetric=sym,
-                         act_order=act_order, gguf_type=gguf_type)
+                         act_order=act_order, gguf_type=gguf_type,
+                         activations="fp8" if method == "awq" and fp8_scheme == "w4a8" else None)
     if method == "int8":
         from quantkit.methods.int8 import int8_scheme
 

@@ -54,7 +54,8 @@ class QuantScheme:
 
     `activations`: None for weight-only schemes; "dynamic" (per-token scales computed by the
     engine) or "static" (one calibrated per-tensor scale) when the engine also quantizes the
-    Linear's inputs to the weights' integer type (int8 W8A8)."""
+    Linear's inputs to the weights' integer type (int8 W8A8); "fp8" for int4 weights whose
+    inputs the engine casts to FP8 E4M3 under one calibrated per-tensor scale (W4A8_AWQ)."""
 
     kind: str = "int"  # "int" | "fp8" | "kquant" | "nvfp4" | "mxfp4"
     bits: int = 4
@@ -73,6 +74,9 @@ class QuantScheme:
     def describe(self) -> str:
         if self.kind == "int":
             g = "per-channel" if self.group_size in (-1, 0) else f"g{self.group_size}"
+            if self.activations == "fp8":  # ModelOpt / TensorRT-LLM W4A8_AWQ
+                return (f"W{self.bits}A8 int{self.bits} {g} {'sym' if self.symmetric else 'asym'}, "
+                        "FP8 E4M3 static per-tensor inputs")
             if self.activations:
                 inputs = "dynamic per-token" if self.activations == "dynamic" else "static per-tensor"
                 return f"W{self.bits}A{self.bits} int{self.bits} {g} {'sym' if self.symmetric else 'asym'}, {inputs} inputs"

@@ -11,7 +11,11 @@ read from its 1.x PyTorch backend (cited per rule):
               (weight_scale_inv | weight_scale [ceil(N/128), ceil(K/128)], fused shard offsets
               remapped with ceil(offset / 128)), NVFP4LinearMethod (in_features % 16 == 0,
               weight float4_e2m1x2 [N, K/2], weight_scale float8_e4m3fn [N, K/16] (asserted),
-              scalar weight_scale_2 and input_scale, both equal over fused shards (asserted))
+              scalar weight_scale_2 and input_scale, both equal over fused shards (asserted)),
+              W4A16NVFP4LinearMethod (the NVFP4 weight tensors, no input_scale: bf16 inputs),
+              W4A8MXFP4FP8LinearMethod (weight [N, K/2], weight_scale uint8 E8M0 [N, K/32]
+              (asserted uint8); inputs cast to FP8 per tensor at run time), get_quant_method
+              (no dense Linear for W4A16_MXFP4: 'unsupported quant mode')
   exclusions  QuantConfig.is_module_excluded_from_quantization: fnmatch on TensorRT-LLM's own
               module names (q/k/v fuse into qkv_proj, gate/up into gate_up_proj)
 """
@@ -43,7 +47,8 @@ QUANT_ALGOS = {"W8A16", "W4A16", "W4A16_AWQ", "W4A8_AWQ", "W8A16_GPTQ", "W4A16_G
                "FP8_BLOCK_SCALES", "INT8", "MIXED_PRECISION", "NVFP4", "W4A16_NVFP4",
                "W4A8_NVFP4_FP8", "W4A16_MXFP4", "W4A8_MXFP4_FP8", "W4A8_MXFP4_MXFP8", "MXFP8",
                "NVFP4_AWQ", "NO_QUANT"}
-CHECKED_ALGOS = ("FP8", "FP8_PER_CHANNEL_PER_TOKEN", "FP8_BLOCK_SCALES", "W4A16_AWQ", "NVFP4")
+CHECKED_ALGOS = ("FP8", "FP8_PER_CHANNEL_PER_TOKEN", "FP8_BLOCK_SCALES", "W4A16_AWQ", "W4A8_AWQ", "NVFP4",
+                 "W4A16_NVFP4", "W4A8_MXFP4_FP8")
 FUSED = {"q_proj": ("qkv_proj", ("q_proj", "k_proj", "v_proj")),
          "k_proj": ("qkv_proj", ("q_proj", "k_proj", "v_proj")),
          "v_proj": ("qkv_proj", ("q_proj", "k_proj", "v_proj")),
@@ -138,8 +143,13 @@ def _detect(path: Path, config: dict, rep: VerifyReport) -> dict | None:
                              "TensorRT-LLM only; older 1.x releases raise on it")
             algo = "FP8_BLOCK_SCALES"
         if algo is not None and algo not in QUANT_ALGOS:
+            mx = str(algo).lower() == "mxfp4"  # what nvidia-modelopt 0.47 writes for MXFP4
             rep.fail("hf_quant_config.json", f"quant_algo {algo!r} is not a QuantAlgo",
-                     "QuantAlgo(json['quant_algo']) raises ValueError")
+                     "QuantAlgo(json['quant_algo']) raises ValueError" + (
+                         " (read_modelopt_quant_config aliases only fp8_pb_wo; the MXFP4 "
+                         "members are W4A16_MXFP4, W4A8_MXFP4_FP8, W4A8_MXFP4_MXFP8)" if mx else ""),
+                     "write `--method mxfp4 --format modelopt` (quant_algo W4A8_MXFP4_FP8)" if mx
+                     else "")
             return None
         kv = q.get("kv_cache_quant_algo")
         if kv is not None and kv not in QUANT_ALGOS:
@@ -291,11 +301,14 @@ def _check_linear(name: str, shape: tuple[int, int] | None, algo: str, headers: 
                  "(load_weights_vanilla_helper asserts 'weight' in weights)")
         return
     n, k = shape or (w["shape"][0], w["shape"][1])
-    if algo == "W4A16_AWQ":
-        _check_awq(name, n, k, w, headers, group_size, rep)
+    if algo in ("W4A16_AWQ", "W4A8_AWQ"):
+        _check_awq(name, n, k, w, headers, group_size, rep, algo)
         return
-    if algo == "NVFP4":
-        _check_nvfp4(name, n, k, w, headers, rep)
+    if algo in ("NVFP4", "W4A16_NVFP4"):
+        _check_nvfp4(name, n, k, w, headers, rep, with_input_scale=algo == "NVFP4")
+        return
+    if algo == "W4A8_MXFP4_FP8":
+        _check_mxfp4(name, n, k, w, headers, rep)
         return
     if w["dtype"] != FP8 or w["shape"] != [n, k]:
         rep.fail(name, f"weight {w['dtype']} {w['shape']}",
@@ -335,9 +348,28 @@ def _check_linear(name: str, shape: tuple[int, int] | None, algo: str, headers: 
         rep.fail(name, f"input_scale shape {i['shape']}", "input_scale is one per-tensor value")
 
 
-def _check_awq(name, n, k, w, headers, group_size, rep) -> None:
-    """ModelOpt W4A16_AWQ per formats.md: weight uint8 [N/2, K], weight_scale [N, K/G]."""
+def _check_awq(name, n, k, w, headers, group_size, rep, algo: str = "W4A16_AWQ") -> None:
+    """ModelOpt W4A16_AWQ per formats.md: weight uint8 [N/2, K], weight_scale [N, K/G];
+    pre_quant_scale [K] on every Linear loaded unfused (load_weights_vanilla reads it
+    unconditionally). W4A8_AWQ also: scalar weight_scale_2 and input_scale
+    (load_weight_scales_w4a8 multiplies them into alpha), pre_quant_scale in the model dtype
+    (asserted)."""
     g = group_size or 128
+    leaf = name.rpartition(".")[2]
+    p = headers.get(f"{name}.pre_quant_scale")
+    if leaf not in FUSED and (p is None or p["shape"] != [k]):
+        rep.fail(name, f"pre_quant_scale {None if p is None else p['shape']}",
+                 f"{algo} load_weights_vanilla reads weights['pre_quant_scale'] [{k}] "
+                 "unconditionally on a Linear it loads unfused")
+    if algo == "W4A8_AWQ":
+        for key in ("weight_scale_2", "input_scale"):
+            t = headers.get(f"{name}.{key}")
+            if t is None or math.prod(t["shape"]) != 1:
+                rep.fail(name, f"{key} {None if t is None else t['shape']}",
+                         "load_weight_scales_w4a8 reads one scalar each of input_scale and "
+                         "weight_scale_2 (alpha = input_scale * weight_scale_2)")
+        if p is not None and p["dtype"] not in ("BF16", "F16"):
+            rep.note("W4A8_AWQ asserts pre_quant_scale.dtype == the model dtype (bf16 / fp16)")
     if w["dtype"] != "U8" or w["shape"] != [n // 2, k]:
         rep.fail(name, f"weight {w['dtype']} {w['shape']}",
                  f"W4A16_AWQ packs two signed int4 rows per uint8: weight U8 [{n // 2}, {k}]")
@@ -347,8 +379,9 @@ def _check_awq(name, n, k, w, headers, group_size, rep) -> None:
                  f"W4A16_AWQ reads weight_scale [{n}, {k // g}] (group_size {g})")
 
 
-def _check_nvfp4(name, n, k, w, headers, rep) -> None:
-    """NVFP4LinearMethod: packed E2M1 pairs, E4M3 scales per 16, scalar global scales."""
+def _check_nvfp4(name, n, k, w, headers, rep, with_input_scale: bool = True) -> None:
+    """NVFP4LinearMethod: packed E2M1 pairs, E4M3 scales per 16, scalar global scales
+    (W4A16_NVFP4: weight_scale_2 only; its inputs stay in bf16)."""
     if k % 16:
         rep.fail(name, f"in_features {k}", "create_weights asserts in_features % 16 == 0")
         return
@@ -360,12 +393,32 @@ def _check_nvfp4(name, n, k, w, headers, rep) -> None:
         got = None if s is None else f"{s['dtype']} {s['shape']}"
         rep.fail(name, f"weight_scale {got}", "load_weight_scales asserts float8_e4m3fn; "
                  f"block_scale_interleave takes [{n}, {k // 16}] (one scale per 16 inputs)")
-    for key, what in (("weight_scale_2", "amax_w / (448 * 6)"), ("input_scale", "amax_x / (448 * 6)")):
+    scalars = [("weight_scale_2", "amax_w / (448 * 6)")]
+    if with_input_scale:
+        scalars.append(("input_scale", "amax_x / (448 * 6)"))
+    elif f"{name}.input_scale" in headers:
+        rep.note("input_scale stored in a W4A16_NVFP4 checkpoint: weight-only Linears ignore it")
+    for key, what in scalars:
         t = headers.get(f"{name}.{key}")
         if t is None or math.prod(t["shape"]) != 1:
             rep.fail(name, f"{key} {None if t is None else t['shape']}",
                      f"load_weight_scales reads one scalar {key} ({what}); alpha = input_scale * "
                      "weight_scale_2")
+
+
+def _check_mxfp4(name, n, k, w, headers, rep) -> None:
+    """W4A8MXFP4FP8LinearMethod: packed E2M1 pairs, uint8 E8M0 scales per 32, no input_scale."""
+    if k % 32:
+        rep.fail(name, f"in_features {k}", "create_weights asserts in_features % 32 == 0")
+        return
+    if w["dtype"] != "U8" or w["shape"] != [n, k // 2]:
+        rep.fail(name, f"weight {w['dtype']} {w['shape']}",
+                 f"W4A8_MXFP4_FP8 creates weight as float4_e2m1x2 [{n}, {k // 2}]")
+    s = headers.get(f"{name}.weight_scale")
+    if s is None or s["dtype"] != "U8" or s["shape"] != [n, k // 32]:
+        got = None if s is None else f"{s['dtype']} {s['shape']}"
+        rep.fail(name, f"weight_scale {got}", "load_weight_scales asserts uint8 (E8M0); "
+                 f"block_scale_interleave takes [{n}, {k // 32}] (one scale per 32 inputs)")
 
 
 def _scalars(path: Path, names: list[str]) -> list[float | None]:
@@ -402,12 +455,12 @@ def _check_fused(linears: dict, algo: str, headers: dict, quantized: set[str], r
                 rep.fail(fused, "input_scale on some shards only",
                          "rescale_fused_weights takes the max of every shard's input_scale "
                          "(uninitialized for shards without one)")
-        if algo == "NVFP4" and path is not None:
+        if algo in ("NVFP4", "W4A16_NVFP4", "W4A8_AWQ") and path is not None:
             for key in ("weight_scale_2", "input_scale"):
                 vals = _scalars(path, [f"{m}.{key}" for m in members])
                 if None not in vals and len(set(vals)) > 1:
                     rep.fail(fused, f"{key} differs over the shards: {vals}",
-                             f"NVFP4 load_weight_scales asserts 'The {key} should be same for all "
+                             f"{algo} load_weight_scales asserts 'The {key} should be same for all "
                              "the weights'", "share one global scale per fused group")
         if algo == "FP8_BLOCK_SCALES":
             bad = [m for m in members[:-1] if linears[m] and linears[m][0] % 128]

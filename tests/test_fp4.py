@@ -31,7 +31,7 @@ from quantkit.e2m1 import (
     quantize_nvfp4,
 )
 from quantkit.formats.common import load_tensors
-from quantkit.formats.fp4 import pack_e2m1
+from quantkit.formats.fp4 import pack_e2m1, read_fp4_pack_quantized, read_modelopt_nvfp4
 from quantkit.info import artifact_info
 from quantkit.loader import load_artifact
 from quantkit.methods.fp4 import fp4_scheme
@@ -219,13 +219,14 @@ def test_cli_refusals_and_plan(fp4_artifacts, tmp_path):
     model, ours, _ = fp4_artifacts
     run = CliRunner().invoke
     cases = [
+        (["--method", "awq", "--scheme", "w4a8"], "--format compressed-tensors has no FP8 input"),
+        (["--method", "awq", "--scheme", "w4a4", "--format", "modelopt"], "Unknown AWQ scheme"),
         (["--method", "nvfp4", "--calib-samples", "4"], "only with --scheme w4a4"),
         (["--method", "mxfp4", "--scheme", "w4a4"], "--method mxfp4 does not use it"),
         (["--method", "nvfp4", "--scheme", "w8a8"], "Unknown NVFP4 scheme 'w8a8'"),
         (["--method", "nvfp4", "--bits", "4"], "--bits is read by --method rtn"),
         (["--method", "mxfp4", "--calib-samples", "4"], "--calib-samples is read by"),
         (["--method", "nvfp4", "--smoothquant", "0.5"], "--smoothquant is read by --method int8"),
-        (["--method", "mxfp4", "--format", "modelopt"], "ModelOpt FP4 is written here as NVFP4 W4A4"),
     ]
     for i, (args, msg) in enumerate(cases):
         res = run(main, ["quantize", str(model), *args, "-o", str(tmp_path / f"o{i}")])
@@ -258,26 +259,41 @@ def test_unpack_reads_back_what_was_packed():
 
 # ------------------------------------------------------- ModelOpt NVFP4 for TensorRT-LLM ----
 
-def test_modelopt_nvfp4_equals_nvidia_modelopt(fp4_artifacts, tmp_path, capsys):
+# the nvidia-modelopt 0.47 configs run once (one subprocess) for the ModelOpt FP4 tests
+MODELOPT_FP4_CFGS = ("NVFP4_DEFAULT_CFG", "W4A16_NVFP4_CFG", "W4A8_MXFP4_FP8_CFG", "MXFP4_DEFAULT_CFG",
+                     "W4A8_AWQ_BETA_CFG")
+
+
+@pytest.fixture(scope="module")
+def modelopt_fp4_refs(fp4_artifacts, tmp_path_factory) -> Path:
+    """nvidia-modelopt 0.47 quantizes and exports the tiny Llama on CPU from the same windows
+    (test_fp8's reference runner, a subprocess), once per config of MODELOPT_FP4_CFGS (the
+    W4A8_AWQ one is int4 AWQ with FP8 inputs; it is checked here beside the FP4 layouts)."""
+    import sys
+
+    model = fp4_artifacts[0]
+    ref_root = tmp_path_factory.mktemp("modelopt-fp4")
+    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("test_fp8.py")),
+                           "--modelopt-reference", str(model), str(model.parent / "ids.pt"),
+                           str(ref_root), *MODELOPT_FP4_CFGS],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((ref_root / "outcome.json").read_text()) == dict.fromkeys(MODELOPT_FP4_CFGS, "ok")
+    return ref_root
+
+
+def test_modelopt_nvfp4_equals_nvidia_modelopt(fp4_artifacts, modelopt_fp4_refs, tmp_path, capsys):
     """nvidia-modelopt 0.47 quantizes (NVFP4_DEFAULT_CFG) and exports the same tiny Llama on
-    CPU from the same windows (test_fp8's reference runner, a subprocess); quantkit's
-    `--format modelopt` NVFP4 has its hf_quant_config, config, tensor names, dtypes and shapes.
+    CPU from the same windows; quantkit's `--format modelopt` NVFP4 has its hf_quant_config,
+    config, tensor names, dtypes and shapes.
     Values: ModelOpt derives scales from amax / 2688 where compressed-tensors (whose codes
     quantkit keeps) multiplies by a bf16-rounded 2688 / amax, so a few codes and scales sit one
     step apart (share printed). `verify --engine trtllm` passes both; quantkit's loader reads
     ModelOpt's and its own back to the same weights as the compressed-tensors artifact."""
-    import sys
-
     from quantkit.verify import verify
 
     model, ours_ct, _ = fp4_artifacts
-    ref_root = tmp_path / "ref"
-    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("test_fp8.py")),
-                           "--modelopt-reference", str(model), str(model.parent / "ids.pt"),
-                           str(ref_root), "NVFP4_DEFAULT_CFG"],
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert json.loads((ref_root / "outcome.json").read_text()) == {"NVFP4_DEFAULT_CFG": "ok"}
+    ref_root = modelopt_fp4_refs
     ref = ref_root / "NVFP4_DEFAULT_CFG"
     ours = tmp_path / "ours"
     quantize(QuantizeRequest(model=str(model), method="nvfp4", scheme=fp4_scheme("nvfp4", "w4a4"),
@@ -334,6 +350,246 @@ def test_modelopt_nvfp4_equals_nvidia_modelopt(fp4_artifacts, tmp_path, capsys):
     save_file(t, str(bad / "model.safetensors"), metadata={"format": "pt"})
     rep = verify(bad, "trtllm")
     assert not rep.conformant and "weight_scale_2 differs over the shards" in rep.render()
+
+
+def _modelopt_config_pair(ours: Path, ref: Path) -> tuple[dict, dict]:
+    """(hf_quant_config, inline quantization_config) of quantkit's artifact == ModelOpt's,
+    producer aside."""
+    hq_ours = json.loads((ours / "hf_quant_config.json").read_text())
+    hq_ref = json.loads((ref / "hf_quant_config.json").read_text())
+    assert hq_ours["quantization"] == hq_ref["quantization"]
+    c_ours = json.loads((ours / "config.json").read_text())["quantization_config"]
+    c_ref = json.loads((ref / "config.json").read_text())["quantization_config"]
+    assert c_ours.pop("producer")["name"] == "quantkit" and c_ref.pop("producer")["name"] == "modelopt"
+    assert c_ours == c_ref
+    assert tensor_headers(ours) == tensor_headers(ref)
+    return hq_ref["quantization"], c_ref
+
+
+def _e2m1_positions(packed: torch.Tensor) -> torch.Tensor:
+    """Signed grid position (-7 .. 7) of every packed E2M1 code; -0 and +0 are both 0."""
+    v = e2m1_decode(_nibbles(packed))
+    return torch.bucketize(v.abs(), E2M1_VALUES) * v.sign()
+
+
+def test_modelopt_nvfp4a16_equals_nvidia_modelopt(fp4_artifacts, modelopt_fp4_refs, tmp_path,
+                                                  capsys):
+    """Weight-only NVFP4 for TensorRT-LLM (quant_algo W4A16_NVFP4): quantkit's `--method nvfp4
+    --format modelopt` against ModelOpt's W4A16_NVFP4_CFG export: the same hf_quant_config,
+    config (config_groups with weights only), tensor names, dtypes, shapes (no input_scale);
+    codes and E4M3 scales one step apart at most (the amax / 2688 rounding as for NVFP4),
+    identical shares printed. Both pass `verify --engine trtllm`; the loader reads quantkit's
+    back to the compressed-tensors NVFP4A16 weights and leaves the inputs in bf16."""
+    from quantkit.verify import verify
+
+    model, ours_ct, _ = fp4_artifacts
+    ref = modelopt_fp4_refs / "W4A16_NVFP4_CFG"
+    ours = tmp_path / "ours"
+    quantize(QuantizeRequest(model=str(model), method="nvfp4", scheme=fp4_scheme("nvfp4"),
+                             out=ours, format="modelopt", method_options={"scheme": "w4a16"},
+                             **CALIB))
+    quant, inline = _modelopt_config_pair(ours, ref)
+    assert quant["quant_algo"] == "W4A16_NVFP4" and quant["group_size"] == 16
+    assert "input_activations" not in inline["config_groups"]["group_0"]
+    a, b = load_tensors(ours), load_tensors(ref)
+    assert not any(k.endswith("input_scale") for k in b)
+    same = {"codes": 0, "scales": 0}
+    total = {"codes": 0, "scales": 0}
+    for k, t in b.items():
+        if t.dtype == torch.uint8:
+            pa, pb = _e2m1_positions(a[k]), _e2m1_positions(t)
+            assert int((pa - pb).abs().max()) <= 1, k
+            same["codes"] += int((pa == pb).sum())
+            total["codes"] += pa.numel()
+        elif t.dtype == torch.float8_e4m3fn:
+            ua, ub = a[k].view(torch.uint8).int(), t.view(torch.uint8).int()
+            assert int((ua - ub).abs().max()) <= 1, k
+            same["scales"] += int((ua == ub).sum())
+            total["scales"] += ua.numel()
+        elif k.endswith("weight_scale_2"):
+            assert abs(float(a[k]) / float(t) - 1) <= 2 ** -6, (k, float(a[k]), float(t))
+        else:
+            assert torch.equal(a[k], t), k
+    share = {k: same[k] / total[k] for k in same}
+    with capsys.disabled():
+        print(f"\nquantkit vs nvidia-modelopt 0.47 W4A16_NVFP4 (tiny Llama): codes identical "
+              f"{share['codes']:.4f}, E4M3 scales identical {share['scales']:.4f}")
+    assert share["codes"] > 0.95 and share["scales"] > 0.9
+    for art in (ours, ref):
+        rep = verify(art, "trtllm")
+        assert rep.conformant and rep.quant_algo == "W4A16_NVFP4", rep.render()
+    lm = load_artifact(ours)
+    assert sum(len(m._forward_pre_hooks) for m in lm.model.modules()) == 0  # bf16 inputs
+    w_ct = read_fp4_pack_quantized(ours_ct["nvfp4-w4a16"])
+    for name, w in read_modelopt_nvfp4(ours).items():
+        assert torch.allclose(w, w_ct[name], rtol=1e-6, atol=0), name
+
+
+def test_modelopt_mxfp4_layout_and_modelopt_scale_rule(fp4_artifacts, modelopt_fp4_refs, tmp_path,
+                                                       capsys):
+    """MXFP4 for TensorRT-LLM. ModelOpt 0.47 writes MXFP4_DEFAULT_CFG as quant_algo "mxfp4",
+    which TensorRT-LLM's QuantAlgo rejects (verify says so), and TensorRT-LLM has no dense
+    weight-only MXFP4 Linear; its dense MXFP4 Linear is W4A8_MXFP4_FP8 (FP8 per-tensor inputs
+    at run time), the config ModelOpt writes for W4A8_MXFP4_FP8_CFG with the very same tensors.
+    quantkit's `--method mxfp4 --format modelopt` equals that export in hf_quant_config,
+    config, tensor names, dtypes and shapes. Values: ModelOpt picks the E8M0 scale
+    2^ceil(log2(amax / 6)) (never clips) where quantkit keeps compressed-tensors' / OCP's
+    2^(floor(log2 amax) - 2) (mantissa >= 1.75 rounds up): ModelOpt's exponent is the same or
+    one higher (share printed), and where the exponents agree the codes are within one E2M1
+    step (ModelOpt rounds ties down, not to even)."""
+    from quantkit.model_io import load_model
+    from quantkit.verify import verify
+
+    model, ours_ct, _ = fp4_artifacts
+    ref = modelopt_fp4_refs / "W4A8_MXFP4_FP8_CFG"
+    ours = tmp_path / "ours"
+    quantize(QuantizeRequest(
+        model=str(model), method="mxfp4", scheme=fp4_scheme("mxfp4"), out=ours, format="modelopt",
+        **CALIB))
+    quant, inline = _modelopt_config_pair(ours, ref)
+    assert quant["quant_algo"] == "W4A8_MXFP4_FP8" and quant["group_size"] == 32
+    assert "config_groups" not in inline
+    own = modelopt_fp4_refs / "MXFP4_DEFAULT_CFG"  # ModelOpt's MXFP4: the same tensors, bytes
+    mx_tensors, w4a8_tensors = load_tensors(own), load_tensors(ref)
+    assert all(torch.equal(t, w4a8_tensors[k]) for k, t in mx_tensors.items())
+    assert json.loads((own / "hf_quant_config.json").read_text())["quantization"]["quant_algo"] == "mxfp4"
+    rep = verify(own, "trtllm")
+    assert not rep.conformant and "quant_algo 'mxfp4' is not a QuantAlgo" in rep.render()
+    for art in (ours, ref):
+        rep = verify(art, "trtllm")
+        assert rep.conformant and rep.quant_algo == "W4A8_MXFP4_FP8", rep.render()
+    base = load_model(model, dtype=torch.bfloat16).state_dict()
+    a = load_tensors(ours)
+    higher = n_scales = code_diff = n_codes = 0
+    for k, t in w4a8_tensors.items():
+        if not k.endswith(".weight_scale"):
+            continue
+        w = base[k.replace(".weight_scale", ".weight")].float()
+        amax = w.reshape(w.shape[0], -1, 32).abs().amax(-1)
+        rule = torch.ceil(torch.log2(amax / 6).clamp_min(-127)) + 127  # ModelOpt's MXFP4QTensor
+        assert torch.equal(t.float(), rule), k
+        d = t.int() - a[k].int()
+        assert set(d.unique().tolist()) <= {0, 1}, k
+        higher += int(d.sum())
+        n_scales += d.numel()
+        packed = k.replace(".weight_scale", ".weight")
+        pa, pb = _e2m1_positions(a[packed]), _e2m1_positions(w4a8_tensors[packed])
+        agree = (d == 0).repeat_interleave(32, dim=1)
+        assert int(((pa - pb).abs() * agree).max()) <= 1, packed
+        code_diff += int(((pa != pb) & agree).sum())
+        n_codes += int(agree.sum())
+    with capsys.disabled():
+        print(f"\nquantkit vs nvidia-modelopt 0.47 MXFP4 (tiny Llama): E8M0 exponent one higher "
+              f"in ModelOpt's {higher / n_scales:.4f} of blocks; where equal, codes differ in "
+              f"{code_diff / n_codes:.4f}")
+    assert code_diff / n_codes < 0.02 and 0 < higher / n_scales < 0.5
+    lm = load_artifact(ours)  # FP8 per-tensor inputs, as W4A8MXFP4FP8LinearMethod runs them
+    assert sum(len(m._forward_pre_hooks) for m in lm.model.modules()) == 14
+    w_ct = read_fp4_pack_quantized(ours_ct["mxfp4"])
+    for name, w in read_modelopt_nvfp4(ours).items():
+        assert torch.equal(w, w_ct[name]), name
+
+
+def _w4a8_relations(art: Path) -> dict[str, float]:
+    """What TensorRT-LLM's W4A8_AWQ_LinearMethod needs of a checkpoint, asserted: weight_scale_2
+    = max |q * weight_scale| / 448 of its fused group, one input_scale and one weight_scale_2
+    per fused group, pre_quant_scale (bf16) on o_proj / down_proj only; returns input_scales."""
+    from quantkit.formats.modelopt import unpack_int4_rows
+
+    t = load_tensors(art)
+    fused = {"self_attn": ("q_proj", "k_proj", "v_proj"), "mlp": ("gate_proj", "up_proj")}
+    inputs = {}
+    for layer in range(2):
+        groups = [(f"{m}.{x}",) for m, x in (("self_attn", "o_proj"), ("mlp", "down_proj"))]
+        groups += [tuple(f"{m}.{x}" for x in xs) for m, xs in fused.items()]
+        for group in groups:
+            names = [f"model.layers.{layer}.{x}" for x in group]
+            amax = 0.0
+            for n in names:
+                q = unpack_int4_rows(t[n + ".weight"]).float()
+                s = t[n + ".weight_scale"]
+                amax = max(amax, float((q * s.repeat_interleave(q.shape[1] // s.shape[1], 1)).abs().max()))
+                assert (n + ".pre_quant_scale" in t) == (len(group) == 1), n
+                if len(group) == 1:
+                    assert t[n + ".pre_quant_scale"].dtype == torch.bfloat16, n
+                inputs[n] = float(t[n + ".input_scale"])
+            for key in ("weight_scale_2", "input_scale"):
+                assert len({float(t[f"{n}.{key}"]) for n in names}) == 1, (names, key)
+            assert abs(float(t[names[0] + ".weight_scale_2"]) * 448 / amax - 1) < 1e-6, names
+    return inputs
+
+
+def test_modelopt_w4a8_awq_equals_nvidia_modelopt(fp4_artifacts, modelopt_fp4_refs, tmp_path,
+                                                  capsys):
+    """int4 AWQ weights with FP8 static inputs for TensorRT-LLM (quant_algo W4A8_AWQ):
+    `--method awq --scheme w4a8 --format modelopt` against ModelOpt's W4A8_AWQ_BETA_CFG export
+    (awq_lite) on the same tiny Llama and windows: the same hf_quant_config, config, tensor
+    names, dtypes and shapes; both hold the scale relations the engine's loader assumes. The
+    AWQ searches differ (quantkit's grid + clipping, ModelOpt's awq_lite), so values are
+    compared as quantities: FP8 input scales within 25 % of ModelOpt's (ratio range printed),
+    each Linear's effective weight error no worse than 1.5x ModelOpt's + 0.02. `verify --engine
+    trtllm` passes both and catches a missing o_proj pre_quant_scale; the loader emulates the
+    FP8 inputs on every Linear."""
+    from quantkit.formats.modelopt import read_modelopt_awq
+    from quantkit.model_io import load_model
+    from quantkit.verify import verify
+
+    model = fp4_artifacts[0]
+    ref = modelopt_fp4_refs / "W4A8_AWQ_BETA_CFG"
+    ours = tmp_path / "ours"
+    res = CliRunner().invoke(main, ["quantize", str(model), "--method", "awq", "--scheme", "w4a8",
+                                    "--format", "modelopt", "--group-size", "128",
+                                    "--calib-samples", str(CALIB["calib_samples"]),
+                                    "--calib-seqlen", str(CALIB["calib_seqlen"]), "-o", str(ours)])
+    assert res.exit_code == 0, res.output
+    hq = json.loads((ref / "hf_quant_config.json").read_text())
+    assert json.loads((ours / "hf_quant_config.json").read_text()) == hq
+    assert hq["quantization"]["quant_algo"] == "W4A8_AWQ" and hq["quantization"]["group_size"] == 128
+    assert (json.loads((ours / "config.json").read_text())["quantization_config"]
+            == json.loads((ref / "config.json").read_text())["quantization_config"])
+    assert tensor_headers(ours) == tensor_headers(ref)
+    in_ours, in_ref = _w4a8_relations(ours), _w4a8_relations(ref)
+    ratios = [in_ours[n] / in_ref[n] for n in in_ref]
+    assert 0.8 < min(ratios) and max(ratios) < 1.25, ratios
+    base = load_model(model, dtype=torch.float32).state_dict()
+    w_ours, w_ref = read_modelopt_awq(ours), read_modelopt_awq(ref)
+    errs = []
+    for layer in range(2):
+        for lin, norm in (("self_attn.q_proj", "input_layernorm"), ("self_attn.o_proj", None),
+                          ("mlp.up_proj", "post_attention_layernorm"), ("mlp.down_proj", None)):
+            key = f"model.layers.{layer}.{lin}.weight"
+
+            def eff(state, key=key, norm=norm, layer=layer):
+                return state[key] * (state[f"model.layers.{layer}.{norm}.weight"][None, :]
+                                     if norm else 1)
+            w0 = eff(base)
+            e_ours = float((eff(w_ours) - w0).norm() / w0.norm())
+            e_ref = float((eff(w_ref) - w0).norm() / w0.norm())
+            assert e_ours < 1.5 * e_ref + 0.02, (key, e_ours, e_ref)
+            errs.append(e_ours / e_ref)
+    with capsys.disabled():
+        print(f"\nquantkit vs nvidia-modelopt 0.47 W4A8_AWQ (tiny Llama): input_scale ratio "
+              f"{min(ratios):.3f} .. {max(ratios):.3f}; effective-weight error ratio "
+              f"{min(errs):.3f} .. {max(errs):.3f}")
+    for art in (ours, ref):
+        rep = verify(art, "trtllm")
+        assert rep.conformant and rep.quant_algo == "W4A8_AWQ", rep.render()
+    bad = tmp_path / "bad"
+    shutil.copytree(ours, bad)
+    t = load_tensors(bad)
+    del t["model.layers.0.self_attn.o_proj.pre_quant_scale"]
+    from safetensors.torch import save_file
+    save_file(t, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    rep = verify(bad, "trtllm")
+    assert not rep.conformant and "pre_quant_scale None" in rep.render()
+    lm = load_artifact(ours)
+    assert sum(len(m._forward_pre_hooks) for m in lm.model.modules()) == 14
+    meta = json.loads((ours / "quantkit.json").read_text())
+    assert meta["scheme"]["activations"] == "fp8" and meta["method_options"]["pre_quant_scale"]
+    res = CliRunner().invoke(main, ["plan", str(model), "--method", "awq", "--scheme", "w4a8",
+                                    "--format", "modelopt", "--json"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.output)["scheme"].startswith("W4A8 int4 g128 sym, FP8"), res.output
 
 
 # ------------------------------------------------- --rounding gptq onto the FP4 grid ----
@@ -419,7 +675,6 @@ def test_gptq_lowers_every_layer_output_error(gptq_artifacts, capsys):
     inputs its Hessian summed: true-sequential, quantized outputs propagated), the output
     error ||X W^T - X Q^T|| of GPTQ-FP4 is below RTN-FP4's for every Linear of the tiny model."""
     from quantkit.calibration import load_calibration
-    from quantkit.formats.fp4 import read_fp4_pack_quantized
     from quantkit.model_io import load_model, load_tokenizer
 
     model, rtn_arts, gptq_arts = gptq_artifacts
@@ -459,7 +714,6 @@ def test_gptq_artifact_decodes_with_compressed_tensors(gptq_artifacts):
     shapes and quantization_config as the RTN one, the same scales (GPTQ moves codes only),
     and compressed-tensors' own decompressor gives exactly quantkit's weights (in its bf16);
     the loader reads it unchanged."""
-    from quantkit.formats.fp4 import read_fp4_pack_quantized
 
     _, rtn_arts, gptq_arts = gptq_artifacts
     for method, preset, comp in (("nvfp4", "NVFP4A16", NVFP4PackedCompressor),

@@ -205,10 +205,11 @@ def test_artifacts_equal_llm_compressor(llmc_int8, capsys):
     `_quantize`: x / scale in x's dtype), so w / s is rounded to 8 significant bits before it
     is rounded to an integer; its codes are exactly that double rounding, quantkit's the
     nearest integer to w / s in float32, and quantkit's dequantized weights are closer to the
-    originals. With SmoothQuant both take the same smoothing scales from the same windows, but
-    llm-compressor computes them and the smoothed weights in bf16 (each ~0.4 % off) and its
-    later layers see already quantized layers: measured scales within ~1.7 %, codes up to 3
-    steps apart (~18 % differ)."""
+    originals. With SmoothQuant both take the same smoothing formula on the same windows, but
+    llm-compressor computes its statistics in a bf16 eager-attention forward and the scales
+    and smoothed weights in bf16 (test_llm_compressor_smoothquant_rederived_exactly
+    reproduces its artifact bit for bit that way): measured scales within ~1.7 %, codes up to
+    3 steps apart (~15-18 % differ)."""
     model, ours, refs = llmc_int8
     src = load_tensors(model)
     report = []
@@ -268,6 +269,63 @@ def test_artifacts_equal_llm_compressor(llmc_int8, capsys):
                 report[-1]
     with capsys.disabled():
         print("\nquantkit vs llm-compressor 0.14.0.1 int8 (tiny Llama): " + "; ".join(report))
+
+
+def test_llm_compressor_smoothquant_rederived_exactly(llmc_int8):
+    """Why quantkit's SmoothQuant codes sit up to 3 steps from llm-compressor's: its
+    SmoothQuantModifier works in the checkpoint dtype and on an eager-attention forward.
+    Re-derived here outside both tools, its artifact is reproduced exactly: every smoothed norm
+    bit for bit, and every int8 code given its stored weight_scale, by
+      - per-channel min / max of the norm's output over the windows from a bf16 forward with
+        attn_implementation="eager" (SDPA's bf16 attention output changes 20 of the 256
+        post-attention ranges of layer 0: a different scale for those channels);
+      - the layer's own statistics on its unsmoothed weights, earlier layers smoothed but not
+        quantized (unquantized outputs propagated, as quantkit does);
+      - range = max - min, s = range^0.5 / (2 max|W|)^0.5 clamped at 1e-5, all in bf16;
+        norm.div_(s), W.mul_(s) in bf16; codes round(bf16(W * s) / scale) in bf16.
+    quantkit computes the statistics in a float32 SDPA forward and s in float32, so its norms
+    are ~1 % off and the weight scales (per row, set by the smoothed row max) ~1.5 %: up to 3
+    int8 steps near the top of the range."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir, _, refs = llmc_int8
+    ref = load_tensors(refs["sq"])
+    ids = torch.load(refs["sq"].parent.parent / "ids.pt")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16,
+                                                 attn_implementation="eager")
+
+    def channel_range(module: torch.nn.Module) -> torch.Tensor:
+        seen: list[torch.Tensor] = []
+        hook = module.register_forward_hook(
+            lambda _m, _a, out: seen.append(out.detach().reshape(-1, out.shape[-1])))
+        with torch.no_grad():
+            for row in ids:
+                model(row[None], use_cache=False)
+        hook.remove()
+        x = torch.cat(seen)
+        return x.amax(0) - x.amin(0)  # bf16, as the modifier subtracts them
+
+    for i, layer in enumerate(model.model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        groups = [(layer.input_layernorm, [attn.q_proj, attn.k_proj, attn.v_proj]),
+                  (layer.post_attention_layernorm, [mlp.gate_proj, mlp.up_proj])]
+        ranges = [channel_range(norm) for norm, _ in groups]  # both before this layer smooths
+        for (norm, lins), act in zip(groups, ranges, strict=True):
+            w = 2.0 * torch.cat([lin.weight.abs().amax(0, keepdim=True) for lin in lins]).amax(0)
+            s = (act.pow(0.5) / w.pow(0.5)).clamp(min=1e-5)
+            assert s.dtype == torch.bfloat16
+            for lin in lins:
+                lin.weight.data.mul_(s.view(1, -1))
+            norm.weight.data.div_(s)
+        for name in ("input_layernorm", "post_attention_layernorm"):
+            key = f"model.layers.{i}.{name}.weight"
+            assert torch.equal(getattr(layer, name).weight.data, ref[key]), key
+        for name, lin in layer.named_modules():
+            if not isinstance(lin, torch.nn.Linear):
+                continue
+            key = f"model.layers.{i}.{name}.weight"
+            codes = torch.round(lin.weight.data / ref[key + "_scale"]).clamp(-128, 127)
+            assert torch.equal(codes.to(torch.int8), ref[key]), key
 
 
 # ----------------------------------------------------------------------- SmoothQuant ----

@@ -152,10 +152,16 @@ def _prepare_activations(model: torch.nn.Module, path: Path, fmt: str) -> None:
     elif fmt == "modelopt":
         from quantkit.formats.modelopt_fp8 import read_hf_quant_config
 
-        if read_hf_quant_config(path).get("quant_algo") == "NVFP4":
-            from quantkit.formats.fp4 import prepare_modelopt_nvfp4_model
+        algo = read_hf_quant_config(path).get("quant_algo")
+        from quantkit.formats.fp4 import MODELOPT_FP4_ALGOS, prepare_modelopt_nvfp4_model
 
-            prepare_modelopt_nvfp4_model(model, path)
+        if algo in MODELOPT_FP4_ALGOS:
+            prepare_modelopt_nvfp4_model(model, path, algo)
+            return
+        if algo == "W4A8_AWQ":  # int4 weights, FP8 static inputs (x * pre_quant_scale)
+            from quantkit.formats.modelopt import prepare_modelopt_w4a8_model
+
+            prepare_modelopt_w4a8_model(model, path)
             return
     elif fmt != "fp8":
         return

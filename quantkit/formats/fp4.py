@@ -35,7 +35,8 @@ from quantkit.types import QuantResult, QuantScheme
 
 __all__ = ["FP4CompressedTensorsWriter", "fp4_quantization_config", "read_fp4_pack_quantized",
            "prepare_nvfp4_model", "pack_e2m1", "FP4_FORMATS", "preset_for", "ModelOptNVFP4Writer",
-           "read_modelopt_nvfp4", "prepare_modelopt_nvfp4_model", "NVFP4_ALGO"]
+           "read_modelopt_nvfp4", "prepare_modelopt_nvfp4_model", "NVFP4_ALGO",
+           "NVFP4A16_ALGO", "MXFP4_ALGO", "MODELOPT_FP4_ALGOS", "modelopt_fp4_algo"]
 
 FP4_FORMATS = {"nvfp4": "nvfp4-pack-quantized", "mxfp4": "mxfp4-pack-quantized"}
 _PACK_ROWS = 256  # the library's packer holds 8 floats per value: pack a few rows at a time
@@ -154,29 +155,48 @@ def prepare_nvfp4_model(model: torch.nn.Module, path: Path) -> int:
     return install_input_quant(model, plan, lambda x, _mode, _group, s: fake_quant_nvfp4(x, s))
 
 
-# ------------------------------------------------------------------ ModelOpt NVFP4 ----
-# TensorRT-LLM's NVFP4 checkpoint as nvidia-modelopt 0.47's export_hf_checkpoint writes it
+# ------------------------------------------------------------------ ModelOpt FP4 ----
+# TensorRT-LLM's FP4 checkpoints as nvidia-modelopt 0.47's export_hf_checkpoint writes them
 # (checked against it on CPU: tests/test_fp4.py), per quantized Linear:
 #   weight          uint8 [N, K/2]        the same E2M1 nibbles as compressed-tensors
-#   weight_scale    float8_e4m3fn [N, K/16]
-#   weight_scale_2  float32 []            1 / g (ModelOpt multiplies where compressed-tensors
-#                                         divides: amax / (448 * 6))
-#   input_scale     float32 []            1 / input_global_scale
-# hf_quant_config.json: quant_algo NVFP4, group_size 16, exclude_modules; q/k/v and gate/up
+#   NVFP4 (quant_algo NVFP4 = W4A4, W4A16_NVFP4 = weights only):
+#     weight_scale    float8_e4m3fn [N, K/16]
+#     weight_scale_2  float32 []            1 / g (ModelOpt multiplies where compressed-tensors
+#                                           divides: amax / (448 * 6))
+#     input_scale     float32 []            NVFP4 only: 1 / input_global_scale
+#   MXFP4:
+#     weight_scale    uint8 [N, K/32]       E8M0 exponents, as compressed-tensors stores them
+# hf_quant_config.json: quant_algo, group_size (16 / 32), exclude_modules; q/k/v and gate/up
 # share weight_scale_2 and input_scale (TensorRT-LLM fuses them), as quantkit's results do.
+# MXFP4: ModelOpt 0.47 writes quant_algo "mxfp4" (lower case) for MXFP4_DEFAULT_CFG and
+# MXFP4_MLP_WEIGHT_ONLY_CFG alike; TensorRT-LLM's QuantAlgo has no such member (QuantAlgo("mxfp4")
+# raises ValueError) and no dense weight-only MXFP4 Linear (W4A16_MXFP4 is MoE-only:
+# linear.get_quant_method raises 'unsupported quant mode'). Its dense MXFP4 Linear is
+# W4A8MXFP4FP8LinearMethod: the same two tensors, inputs cast to FP8 per tensor at run time
+# (dynamic, no input_scale), which is what ModelOpt's W4A8_MXFP4_FP8_CFG exports. quantkit
+# writes that quant_algo, W4A8_MXFP4_FP8, with ModelOpt's tensors byte for byte.
 
 NVFP4_ALGO = "NVFP4"
+NVFP4A16_ALGO = "W4A16_NVFP4"
+MXFP4_ALGO = "W4A8_MXFP4_FP8"
+
+
+def modelopt_fp4_algo(scheme: QuantScheme) -> str:
+    """The ModelOpt quant_algo quantkit writes for an FP4 scheme."""
+    if scheme.kind == "mxfp4":
+        return MXFP4_ALGO
+    return NVFP4_ALGO if scheme.activations else NVFP4A16_ALGO
 
 
 class ModelOptNVFP4Writer:
+    """ModelOpt NVFP4 (W4A4), W4A16_NVFP4 and MXFP4 (W4A8_MXFP4_FP8) for TensorRT-LLM."""
+
     name = "modelopt"
     engines: tuple[str, ...] = ("trtllm",)
 
     def check(self, scheme: QuantScheme, shapes: dict[str, tuple[int, int]]) -> list[str]:
-        if scheme.kind != "nvfp4" or not scheme.activations:
-            return ["ModelOpt FP4 is written here as NVFP4 W4A4 (quant_algo NVFP4): use "
-                    "--method nvfp4 --scheme w4a4, or --format compressed-tensors for "
-                    "NVFP4A16 / MXFP4"]
+        if scheme.kind not in FP4_FORMATS:
+            return ["the ModelOpt FP4 writer takes NVFP4 / MXFP4 schemes"]
         return FP4CompressedTensorsWriter().check(scheme, shapes)
 
     def write(self, out_dir: Path, *, config: dict, dense: dict[str, torch.Tensor],
@@ -186,32 +206,54 @@ class ModelOptNVFP4Writer:
         import quantkit
         from quantkit.formats.modelopt_fp8 import QUANT_CONFIG_FILE, _exclusions
 
+        schemes = {r.scheme for r in results.values()}
+        if len(schemes) != 1:
+            raise ValueError(f"one FP4 scheme per artifact, got {sorted(map(str, schemes))}")
+        scheme = schemes.pop()
+        algo = modelopt_fp4_algo(scheme)
+        if algo == MXFP4_ALGO:
+            import warnings
+
+            warnings.warn("ModelOpt MXFP4 is written as quant_algo W4A8_MXFP4_FP8: TensorRT-LLM's "
+                          "only dense MXFP4 Linear casts the inputs to FP8 per tensor at run time "
+                          "(quantkit eval emulates that); it has no weight-only MXFP4 Linear.",
+                          stacklevel=2)
         tensors = dict(dense)
         for name, r in results.items():
             tensors[f"{name}.weight"] = pack_e2m1(r.codes)
             tensors[f"{name}.weight_scale"] = r.scale.contiguous()
-            tensors[f"{name}.weight_scale_2"] = (
-                1.0 / r.extra["global_scale"].double()).float().reshape(())
-            tensors[f"{name}.input_scale"] = (
-                1.0 / r.extra["input_global_scale"].double()).float().reshape(())
+            if scheme.kind == "nvfp4":
+                tensors[f"{name}.weight_scale_2"] = (
+                    1.0 / r.extra["global_scale"].double()).float().reshape(())
+            if scheme.activations:
+                tensors[f"{name}.input_scale"] = (
+                    1.0 / r.extra["input_global_scale"].double()).float().reshape(())
             if r.bias is not None:
                 tensors[f"{name}.bias"] = r.bias.to(dtype)
-        quant = {"quant_algo": NVFP4_ALGO, "kv_cache_quant_algo": None, "group_size": 16,
+        quant = {"quant_algo": algo, "kv_cache_quant_algo": None, "group_size": scheme.group_size,
                  "exclude_modules": _exclusions(list(ignore), dense, [])}
         hf_quant = {"producer": {"name": "quantkit", "version": quantkit.__version__},
                     "quantization": quant}
-        fp4 = {"dynamic": False, "num_bits": 4, "type": "float", "group_size": 16}
-        inline = {"config_groups": {"group_0": {"input_activations": dict(fp4),
-                                                "weights": dict(fp4), "targets": ["Linear"]}},
-                  "ignore": quant["exclude_modules"], "quant_algo": NVFP4_ALGO,
-                  "producer": hf_quant["producer"], "quant_method": "modelopt"}
+        inline: dict = {}
+        if scheme.kind == "nvfp4":  # ModelOpt's inline mirror has config_groups for NVFP4 only
+            fp4 = {"dynamic": False, "num_bits": 4, "type": "float", "group_size": 16}
+            group = {"input_activations": dict(fp4)} if scheme.activations else {}
+            inline["config_groups"] = {"group_0": {**group, "weights": dict(fp4),
+                                                   "targets": ["Linear"]}}
+        inline.update({"ignore": quant["exclude_modules"], "quant_algo": algo,
+                       "producer": hf_quant["producer"], "quant_method": "modelopt"})
         save_tensors(out_dir, tensors)
         (out_dir / QUANT_CONFIG_FILE).write_text(json.dumps(hf_quant, indent=4))
         write_config(out_dir, {**config, "quantization_config": inline})
 
 
+# quant_algo values read as ModelOpt FP4 ("mxfp4": what ModelOpt 0.47 itself writes for MXFP4)
+MODELOPT_FP4_ALGOS = (NVFP4_ALGO, NVFP4A16_ALGO, MXFP4_ALGO, "mxfp4")
+
+
 def read_modelopt_nvfp4(path: Path, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-    """A dense state dict of a ModelOpt NVFP4 checkpoint (uint8 `.weight` + scales)."""
+    """A dense state dict of a ModelOpt FP4 checkpoint (uint8 `.weight` + scales): NVFP4 /
+    W4A16_NVFP4 (E4M3 weight_scale, weight_scale_2) or MXFP4 (uint8 E8M0 weight_scale)."""
     raw = load_tensors(path)
     out: dict[str, torch.Tensor] = {}
     for key, t in raw.items():
@@ -220,19 +262,32 @@ def read_modelopt_nvfp4(path: Path, dtype: torch.dtype = torch.float32) -> dict[
         base = key[: -len(".weight")]
         if key.endswith(".weight") and t.dtype == torch.uint8:
             scale, s2 = raw.get(f"{base}.weight_scale"), raw.get(f"{base}.weight_scale_2")
-            if scale is None or s2 is None:
-                raise ModelLoadError(f"{path}: NVFP4 weight {key} lacks weight_scale(_2).",
+            mx = scale is not None and scale.dtype == torch.uint8
+            if scale is None or (s2 is None and not mx):
+                raise ModelLoadError(f"{path}: FP4 weight {key} lacks weight_scale(_2).",
                                      "The checkpoint is incomplete; export it again.")
             n, half = t.shape
             values = unpack_fp4_from_uint8(t, n, half * 2, dtype=torch.float32)
-            out[key] = dequantize_fp4(values, scale, 1.0 / s2.double().reshape(1)).to(dtype)
+            g = None if mx else 1.0 / s2.double().reshape(1)
+            out[key] = dequantize_fp4(values, scale, g).to(dtype)
         else:
             out[key] = t.to(dtype) if t.is_floating_point() else t
     return out
 
 
-def prepare_modelopt_nvfp4_model(model: torch.nn.Module, path: Path) -> int:
-    """ModelOpt NVFP4: every FP4 Linear rounds its input through NVFP4 under 1 / input_scale."""
+def prepare_modelopt_nvfp4_model(model: torch.nn.Module, path: Path, algo: str = NVFP4_ALGO) -> int:
+    """The engine's Linear inputs: NVFP4 rounds them through NVFP4 under 1 / input_scale;
+    W4A8_MXFP4_FP8 casts them to FP8 E4M3 with one dynamic scale per tensor
+    (W4A8MXFP4FP8LinearMethod's quantize_e4m3_per_tensor); W4A16_NVFP4 leaves them alone."""
+    if algo == MXFP4_ALGO:
+        from quantkit.formats.activations import quantized_linear_inputs
+        from quantkit.formats.fp8 import fake_quant_input
+
+        names, _ = quantized_linear_inputs(path, "U8")
+        plan = {n: ("tensor", 0, None) for n in sorted(names)}
+        return install_input_quant(model, plan, fake_quant_input)
+    if algo != NVFP4_ALGO:
+        return 0
     scales = {k[: -len(".input_scale")]: t for k, t in load_tensors(path).items()
               if k.endswith(".input_scale")}
     plan = {n: ("nvfp4", 16, (1.0 / s.double()).float().reshape(1))

@@ -146,7 +146,7 @@ def _awq_writer():
 
 
 def ModelOptDispatch() -> KindDispatch:  # noqa: N802 (a factory that reads like the class it builds)
-    """`--format modelopt`: FP8 schemes here, NVFP4 in quantkit/formats/fp4.py, integer
+    """`--format modelopt`: FP8 schemes here, NVFP4 / MXFP4 in quantkit/formats/fp4.py, integer
     (W4A16_AWQ) in quantkit/formats/modelopt.py."""
     from quantkit.formats.fp4 import ModelOptNVFP4Writer
 
@@ -183,9 +183,9 @@ def modelopt_activation_plan(path: Path, has_input_scales: bool) -> tuple[str, i
 def read_modelopt(path: Path, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """Dense state dict of a ModelOpt checkpoint: FP8 here, W4A16_AWQ via formats/modelopt.py."""
     algo = read_hf_quant_config(path).get("quant_algo")
-    if algo == "NVFP4":
-        from quantkit.formats.fp4 import read_modelopt_nvfp4
+    from quantkit.formats.fp4 import MODELOPT_FP4_ALGOS, read_modelopt_nvfp4
 
+    if algo in MODELOPT_FP4_ALGOS:
         return read_modelopt_nvfp4(path, dtype)
     if algo not in FP8_ALGOS:
         try:

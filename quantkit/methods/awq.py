@@ -310,8 +310,13 @@ class AWQQuantizer:
         if scheme.kind != "int":
             raise SchemeMismatch(f"AWQ produces integer weights, not {scheme.kind!r}.",
                                  "Use --bits 4 (or 8) with an integer format.")
+        if scheme.activations not in (None, "fp8"):
+            raise SchemeMismatch(f"AWQ's inputs are bf16 or FP8 (W4A8), not {scheme.activations!r}.",
+                                 "Use --scheme w4a16 or w4a8.")
         check_int_scheme(scheme)
         check_no_act_order(scheme, self.name)
+        # W4A8: the max |input| per channel gives each Linear's FP8 input scale after smoothing
+        self.stats = ("absmean", "absmax") if scheme.activations == "fp8" else ("absmean",)
 
     def prepare(self, *, config=None, spec: ArchSpec, shapes: dict | None = None, **_) -> None:
         """Before calibration: refuse an architecture without a scaling table; say which
@@ -405,6 +410,8 @@ class AWQQuantizer:
                 res.fallback = "rtn"
             res.bias = None if lin.bias is None else lin.bias.data.clone()
             results[name] = res
+        if scheme.activations == "fp8":
+            fp8_scales(ctx, results, col)
         seconds = time.perf_counter() - t0
         total = sum(lin.weight.numel() for lin in ctx.linears.values())
         for name, res in results.items():
@@ -474,6 +481,39 @@ class AWQQuantizer:
             "alpha": None if best == 0 else (best - 1) / self.n_grid,
             "loss": float(losses[best]), "rtn_loss": float(losses[0])})
         return cands[best]
+
+
+FP8_MAX = 448.0
+
+
+def fp8_scales(ctx: BlockContext, results: dict[str, QuantResult], col: dict) -> None:
+    """W4A8 (TensorRT-LLM's W4A8_AWQ): the per-tensor FP8 scales of every Linear, in
+    `extra` as float32 scalars, as nvidia-modelopt's export derives them:
+      input_scale     max |x / col| / 448: the smoothed input the GEMM casts to FP8 (x * pqs
+                      where the scale stays a pre_quant_scale, x of the scaled norm elsewhere)
+      weight_scale_2  max |q * scale| / 448: the int4 weight rescaled into FP8 range at run time
+    Linears the engine fuses (q/k/v, gate/up) share the largest of each (TensorRT-LLM asserts
+    one value per fused GEMM)."""
+    from quantkit.methods.fp8 import fused_groups
+
+    for group in fused_groups(ctx):
+        members = [n for n in group if n in results]
+        if not members:
+            continue
+        in_amax, w_amax = [], []
+        for n in members:
+            st = ctx.stats.get(n) or {}
+            if "absmax" not in st or not st.get("tokens"):
+                raise CalibrationError(
+                    f"AWQ W4A8: block {ctx.index} {n} saw no calibration tokens, so it has no "
+                    "FP8 input scale.", "Use more calibration data or --scheme w4a16.")
+            in_amax.append((st["absmax"].float().to(col[n].device) / col[n]).max())
+            w_amax.append(results[n].dequantize().abs().max())
+        input_scale = (torch.stack(in_amax).max().cpu() / FP8_MAX).float().reshape(())
+        weight_scale_2 = (torch.stack(w_amax).max().cpu() / FP8_MAX).float().reshape(())
+        for n in members:
+            results[n].extra["input_scale"] = input_scale.clone()
+            results[n].extra["weight_scale_2"] = weight_scale_2.clone()
 
 
 def _input_absmean(stats: dict, names: list[str]) -> tuple[torch.Tensor | None, int]:

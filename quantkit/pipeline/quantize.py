@@ -132,6 +132,8 @@ class QuantizeRequest:
         else:
             args += ["--bits", str(s.bits), "--group-size", str(s.group_size),
                      "--sym" if s.symmetric else "--asym"] + (["--act-order"] if s.act_order else [])
+            if s.activations == "fp8":
+                args += ["--scheme", "w4a8"]
         for key in ("target_bpw", "target_size"):
             if self.method == "gguf" and self.method_options.get(key) is not None:
                 args += ["--" + key.replace("_", "-"), str(self.method_options[key])]
