@@ -5,5 +5,4 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/ruff check .
 # -rs lists every skip; a skip not on tests/allowed_skips.txt fails the run (tests/conftest.py)
-# two workers (tests/conftest.py keeps each module, and modules sharing a fixture, in one)
-exec .venv/bin/python -m pytest -q -p no:cacheprovider -rs --durations=20 -n 2 --dist loadgroup "$@"
+exec .venv/bin/python -m pytest -q -p no:cacheprovider -rs --durations=20 "$@"

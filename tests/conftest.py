@@ -80,17 +80,6 @@ def tiny_model_factory(tmp_path):
 
 
 
-# ------------------------------------------- parallel runs (pytest-xdist --dist loadgroup) ----
-# scripts/test.sh runs two workers: a test module is one unit of work (its module fixtures are
-# built once), and modules that share an expensive session fixture run in one worker.
-_SHARED_WORKER = {"test_gptq.py": "smollm2_gptq", "test_accuracy_guards.py": "smollm2_gptq"}
-
-
-def pytest_collection_modifyitems(items):
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(_SHARED_WORKER.get(item.path.name, item.path.name)))
-
-
 # ------------------------------------------------- skips: only those on the allow-list ----
 # A skip must not stand in for a missing feature or a missing engine: every skip whose test id
 # is not on tests/allowed_skips.txt (with the reason it may skip) fails the run.
@@ -138,7 +127,7 @@ def pytest_runtest_makereport(item, call):
     elif call.when == "call" and item.get_closest_marker("engine") and report.passed:
         report.user_properties.append(("engine_test_passed", item.nodeid))
     if call.when == "teardown":
-        # carried on the report: under pytest-xdist the summary is printed by the controller
+        # carried on the report, so a controller process (pytest-xdist) could print it too
         from vllm_checks import ENGINE_CHECKS
 
         report.user_properties += [("engine_check", asdict(c)) for c in ENGINE_CHECKS
