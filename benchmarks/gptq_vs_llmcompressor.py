@@ -15,7 +15,11 @@ What it does, in one run:
 
 Same settings on both sides: int4, symmetric, group 64, damp 0.01, block 128, static
 act-order (llm-compressor 0.14's default `actorder: static`; quantkit --act-order, whose
-default is static groups), float32 compute on CPU, identical calibration ids in the same order.
+default is static groups), identical calibration ids in the same order. Compute dtype: quantkit
+runs its calibration forwards in the checkpoint's bf16 where torch has native bf16 GEMMs
+(AMX / AVX512-BF16), else float32 (recorded per run as `compute_dtype`); llm-compressor runs
+in the dtype the model is loaded in, once per `--llmc-dtypes` entry (default both float32, its
+usual CPU setting, and bfloat16), so the ratio is shown against each setting.
 This file also runs as the worker of each side (--worker quantkit|llmc); the llm-compressor
 worker imports nothing from quantkit, since it runs in the other venv.
 """
@@ -85,7 +89,8 @@ def worker_quantkit(a: argparse.Namespace) -> dict:
     job = time.perf_counter() - t0
     return {"job_s": job, "quantize_call_s": job, "block_loop_s": meta["seconds"]["quantize"],
             "process_s": time.perf_counter() - t_proc, "peak_rss_mib": _peak_rss_mib(),
-            "threads": torch.get_num_threads(), "torch": torch.__version__}
+            "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "compute_dtype": meta.get("compute_dtype", "float32")}
 
 
 def worker_llmc(a: argparse.Namespace) -> dict:
@@ -103,7 +108,7 @@ def worker_llmc(a: argparse.Namespace) -> dict:
     ids = load_file(a.calib_file)["input_ids"]
     n, seqlen = ids.shape
     t_job = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(a.model_path, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(a.model_path, dtype=getattr(torch, a.llmc_dtype))
     tok = AutoTokenizer.from_pretrained(a.model_path)
     ds = Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": [[1] * seqlen] * n})
     weights = {"num_bits": a.bits, "type": "int", "symmetric": True, "strategy": "group",
@@ -123,7 +128,7 @@ def worker_llmc(a: argparse.Namespace) -> dict:
     return {"job_s": job, "quantize_call_s": quant_s, "process_s": time.perf_counter() - t_proc,
             "peak_rss_mib": _peak_rss_mib(), "threads": torch.get_num_threads(),
             "torch": torch.__version__, "llmcompressor": llmcompressor.__version__,
-            "batch_size": a.llmc_batch_size}
+            "batch_size": a.llmc_batch_size, "compute_dtype": a.llmc_dtype}
 
 
 # ----------------------------------------------------------------------------- driver
@@ -196,6 +201,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch threads on both sides")
     p.add_argument("--llmc-python", default=None, help="python of a venv with llmcompressor")
     p.add_argument("--llmc-batch-size", type=int, default=1, help="oneshot batch_size (its default 1)")
+    p.add_argument("--llmc-dtypes", default="float32,bfloat16",
+                   help="dtypes llm-compressor loads the model in, one peer run each")
+    p.add_argument("--llmc-dtype", default="float32", help=argparse.SUPPRESS)  # worker's own
     p.add_argument("--workdir", type=Path, default=Path("/tmp/quantkit-bench-gptq"))
     p.add_argument("--results", type=Path, default=RESULTS)
     p.add_argument("--skip-eval", action="store_true")
@@ -218,13 +226,13 @@ def main(argv: list[str] | None = None) -> None:
     save_file({"input_ids": calib.input_ids.contiguous()}, str(args.workdir / "calib_ids.safetensors"))
     llmc_python = ensure_llmc_python(args.llmc_python)
 
-    runs = {
-        "quantkit_gptq": run_worker(Path(sys.executable), "quantkit", args,
-                                    args.workdir / "quantkit_gptq", method="gptq"),
-        "llmcompressor_gptq": run_worker(llmc_python, "llmc", args, args.workdir / "llmc_gptq"),
-        "quantkit_rtn": run_worker(Path(sys.executable), "quantkit", args,
-                                   args.workdir / "quantkit_rtn", method="rtn"),
-    }
+    peers = {_peer_key(d): d for d in args.llmc_dtypes.split(",")}
+    runs = {"quantkit_gptq": run_worker(Path(sys.executable), "quantkit", args,
+                                        args.workdir / "quantkit_gptq", method="gptq")}
+    for key, dtype in peers.items():
+        runs[key] = run_worker(llmc_python, "llmc", args, args.workdir / key, llmc_dtype=dtype)
+    runs["quantkit_rtn"] = run_worker(Path(sys.executable), "quantkit", args,
+                                      args.workdir / "quantkit_rtn", method="rtn")
     metrics: dict[str, dict] = {}
     if not args.skip_eval:
         from quantkit.eval.harness import evaluate
@@ -232,7 +240,7 @@ def main(argv: list[str] | None = None) -> None:
 
         print(f"[{time.strftime('%H:%M:%S')}] eval: base + {len(runs)} artifacts", flush=True)
         names = list(runs)
-        records = evaluate([str(args.workdir / n.replace("llmcompressor", "llmc")) for n in names],
+        records = evaluate([str(args.workdir / n) for n in names],
                            base=str(args.model_path), heldout=args.heldout,
                            conv=PPLConvention(ctx=512, max_windows=args.eval_windows))
         for n, rec in zip(names, records, strict=True):
@@ -244,21 +252,27 @@ def main(argv: list[str] | None = None) -> None:
     else:
         convention = None
 
-    qk, lc, rtn = (runs[k]["job_s"] for k in ("quantkit_gptq", "llmcompressor_gptq", "quantkit_rtn"))
-    acceptance = {"time_ratio_quantkit_over_llmc": qk / lc, "time_goal": "<= 0.5",
-                  "time_ratio_quantkit_job_over_llmc_oneshot_only":
-                      qk / runs["llmcompressor_gptq"]["quantize_call_s"]}
+    qk, rtn = runs["quantkit_gptq"]["job_s"], runs["quantkit_rtn"]["job_s"]
+    acceptance: dict = {"time_goal": "<= 0.5"}
+    for key, dtype in peers.items():
+        acceptance[f"time_ratio_quantkit_over_llmc_{dtype}"] = qk / runs[key]["job_s"]
+        acceptance[f"time_ratio_quantkit_job_over_llmc_{dtype}_oneshot_only"] = \
+            qk / runs[key]["quantize_call_s"]
+        acceptance[f"peak_rss_quantkit_le_llmc_{dtype}"] = \
+            runs["quantkit_gptq"]["peak_rss_mib"] <= runs[key]["peak_rss_mib"]
     if metrics:
-        kq, kl, kr = (metrics[k]["kld_mean"] for k in ("quantkit_gptq", "llmcompressor_gptq", "quantkit_rtn"))
-        acceptance.update(kld_ratio_quantkit_over_rtn=kq / kr, kld_goal_vs_rtn="<= 0.9",
-                          kld_quantkit_le_llmc=kq <= kl)
+        kq, kr = metrics["quantkit_gptq"]["kld_mean"], metrics["quantkit_rtn"]["kld_mean"]
+        acceptance.update(kld_ratio_quantkit_over_rtn=kq / kr, kld_goal_vs_rtn="<= 0.9")
+        for key, dtype in peers.items():
+            acceptance[f"kld_quantkit_le_llmc_{dtype}"] = kq <= metrics[key]["kld_mean"]
     result = {
         "benchmark": "gptq_vs_llmcompressor_cpu",
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "model": args.model, "model_path": str(args.model_path),
         "scheme": {"bits": args.bits, "group_size": args.group_size, "symmetric": True,
                    "act_order": "static" if args.act_order else None, "damp": args.damp,
-                   "block_size": 128, "compute_dtype": "float32"},
+                   "block_size": 128,
+                   "compute_dtype": {k: r.get("compute_dtype") for k, r in runs.items()}},
         "calibration": {**calib.provenance, "file": str(args.workdir / "calib_ids.safetensors"),
                         "shared_by_both_sides": True},
         "machine": {"cpu": _cpu_name(), "cores": os.cpu_count(), "torch_threads": args.threads or "default",
@@ -269,12 +283,23 @@ def main(argv: list[str] | None = None) -> None:
                      "llm-compressor oneshot() alone (the model already loaded, not saved); "
                      "process_s: the whole subprocess",
         "runs": runs, "metrics": metrics, "eval_convention": convention, "acceptance": acceptance,
-        "rtn_job_s": rtn,
+        "rtn_job_s": rtn, "git_commit": _git_commit(),
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
     }
     args.results.parent.mkdir(parents=True, exist_ok=True)
     args.results.write_text(json.dumps(result, indent=2, default=str) + "\n")
     print_table(result)
     print(f"wrote {args.results}")
+
+
+def _peer_key(dtype: str) -> str:
+    return "llmcompressor_gptq" if dtype == "float32" else f"llmcompressor_gptq_{dtype}"
+
+
+def _git_commit() -> str | None:
+    proc = subprocess.run(["git", "-C", str(HERE), "rev-parse", "HEAD"], capture_output=True,
+                          text=True)
+    return proc.stdout.strip() or None
 
 
 def _cpu_name() -> str:
@@ -288,19 +313,22 @@ def _cpu_name() -> str:
 
 
 def print_table(r: dict) -> None:
-    rows = [("quantkit GPTQ", "quantkit_gptq"), ("llm-compressor GPTQ", "llmcompressor_gptq"),
-            ("quantkit RTN", "quantkit_rtn")]
-    print(f"\n{'':22s} {'job s':>9s} {'process s':>10s} {'peak RSS MiB':>13s} {'PPL':>8s} "
+    rows = [(f"quantkit GPTQ ({r['runs']['quantkit_gptq'].get('compute_dtype', 'float32')})",
+             "quantkit_gptq")]
+    rows += [(f"llm-compressor GPTQ ({r['runs'][k].get('compute_dtype', 'float32')})", k)
+             for k in r["runs"] if k.startswith("llmcompressor_gptq")]
+    rows.append(("quantkit RTN", "quantkit_rtn"))
+    print(f"\n{'':32s} {'job s':>9s} {'process s':>10s} {'peak RSS MiB':>13s} {'PPL':>8s} "
           f"{'KLD':>8s} {'top-1':>7s}")
     for label, key in rows:
         run, m = r["runs"][key], r["metrics"].get(key, {})
         ppl = f"{m['ppl']:8.3f}" if m else f"{'-':>8s}"
         kld = f"{m['kld_mean']:8.4f}" if m else f"{'-':>8s}"
         top1 = f"{m['top1'] * 100:6.2f}%" if m else f"{'-':>7s}"
-        print(f"{label:22s} {run['job_s']:9.1f} {run['process_s']:10.1f} "
+        print(f"{label:32s} {run['job_s']:9.1f} {run['process_s']:10.1f} "
               f"{run['peak_rss_mib']:13.0f} {ppl} {kld} {top1}")
     if r["metrics"]:
-        print(f"{'base (bf16 -> fp32)':22s} {'':9s} {'':10s} {'':13s} "
+        print(f"{'base (bf16 -> fp32)':32s} {'':9s} {'':10s} {'':13s} "
               f"{r['metrics']['quantkit_gptq']['base_ppl']:8.3f}")
     print("acceptance:", json.dumps({k: round(v, 3) if isinstance(v, float) else v
                                      for k, v in r["acceptance"].items()}))

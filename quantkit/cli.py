@@ -815,7 +815,11 @@ def _doctor_text(r: dict) -> str:
              + (f", cgroup limit {mem['cgroup_limit'] / gib:.1f} GiB" if "cgroup_limit" in mem
                 else ""),
              f"torch      {tch['version']}; GPUs: " + (", ".join(
-                 f"{g['name']} ({g['memory_bytes'] / gib:.0f} GiB)" for g in tch["gpus"]) or "none")]
+                 f"{g['name']} ({g['memory_bytes'] / gib:.0f} GiB)" for g in tch["gpus"]) or "none"),
+             "           CPU bf16 GEMM: " + ("native (calibration forwards on the CPU run in "
+                                           "bf16 for bf16 checkpoints)" if tch["cpu_bf16_native"]
+                                           else "emulated (calibration on the CPU runs in "
+                                                "float32)")]
     if v["available"]:
         lines.append(f"vLLM       {v['version']} ({v['python']}); compiled ops: "
                      f"{v['kernel_library'] or '?'} ({v['platform']})")

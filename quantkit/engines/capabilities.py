@@ -28,7 +28,8 @@ from quantkit.types import QuantScheme
 
 __all__ = ["VllmCapabilities", "vllm_capabilities", "vllm_cannot_run", "vllm_too_slow_to_time",
            "explain_vllm_failure",
-           "cpu_info", "llamacpp_info", "machine_report", "what_runs_here", "probe_cache_dir"]
+           "cpu_info", "llamacpp_info", "machine_report", "what_runs_here", "probe_cache_dir",
+           "torch_cpu_bf16_native"]
 
 _WORKER = Path(__file__).with_name("vllm_probe_worker.py")
 _PROBE_TIMEOUT_S = 300
@@ -370,6 +371,21 @@ def _meminfo() -> dict:
     return out
 
 
+def torch_cpu_bf16_native() -> bool:
+    """Whether torch's CPU GEMMs run bfloat16 natively here, asked of torch (its oneDNN
+    build and its own checks for AMX tiles / AVX512-BF16, which include the OS enabling the
+    tiles). There a bf16 Linear runs ~2x (AVX512-BF16) to ~10x (AMX) faster than float32 with
+    float32 accumulation; elsewhere (AVX2, AVX512 without BF16) torch emulates bf16, no faster
+    than float32, so quantize keeps float32 there."""
+    import torch
+
+    try:
+        return bool(torch.backends.mkldnn.is_available()
+                    and (torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()))
+    except (AttributeError, RuntimeError):  # a torch without these queries: assume emulated
+        return False
+
+
 def _torch_info() -> dict:
     import torch
 
@@ -378,7 +394,8 @@ def _torch_info() -> dict:
         for i in range(torch.cuda.device_count()):
             p = torch.cuda.get_device_properties(i)
             gpus.append({"name": p.name, "memory_bytes": int(p.total_memory)})
-    return {"version": torch.__version__, "cuda": torch.version.cuda, "gpus": gpus}
+    return {"version": torch.__version__, "cuda": torch.version.cuda, "gpus": gpus,
+            "cpu_bf16_native": torch_cpu_bf16_native()}
 
 
 def machine_report(refresh: bool = False) -> dict:

@@ -131,7 +131,8 @@ def estimate(config, spec: ArchSpec, *, method: str, scheme: QuantScheme, calib_
              calib_seqlen: int, calibrated: bool, device: str = "cpu", calib_batch: int = 1,
              store_dtype: torch.dtype = torch.bfloat16, streaming: bool = True,
              resume: bool = True, true_sequential: bool = True,
-             hessians: bool | None = None, moe_all_experts: bool = False) -> MemoryPlan:
+             hessians: bool | None = None, moe_all_experts: bool = False,
+             compute_dtype: torch.dtype | None = None) -> MemoryPlan:
     """Expected peaks for `quantize` with these settings (see the module docstring).
 
     `hessians`: the method gathers GPTQ Hessians and solves with them (default: method gptq;
@@ -140,13 +141,18 @@ def estimate(config, spec: ArchSpec, *, method: str, scheme: QuantScheme, calib_
     `moe_all_experts` (--moe-calibrate-all-experts): every expert reads every token; AWQ's
     capture then holds each expert's down_proj input over all search tokens.
 
+    `compute_dtype`: what the blocks run in (default bf16 on a GPU, float32 on the CPU;
+    quantize's compute_dtype_for decides): the loaded blocks and the activations take its size.
+
     `true_sequential` (GPTQ) sets the block forwards per block: on a GPU the replay runs
     ~2.5 partial forwards for the groups + 1 for the outputs, or 1 + 1 without it; on the
     CPU the true-sequential groups share one forward, and without them it is 1 + 1.
     """
     per_block, linears, outside, largest = _param_counts(config, spec)
     cuda = str(device).startswith("cuda")
-    load_bytes = 2 if cuda else 4
+    if compute_dtype is None:
+        compute_dtype = torch.bfloat16 if cuda else torch.float32
+    load_bytes = _BYTES[compute_dtype]
     sb = _BYTES.get(store_dtype, 2)
     hidden = int(config.hidden_size)
     inter = int(getattr(config, "intermediate_size", 4 * hidden) or 4 * hidden)
@@ -154,7 +160,7 @@ def estimate(config, spec: ArchSpec, *, method: str, scheme: QuantScheme, calib_
     head_dim = int(getattr(config, "head_dim", None) or hidden // heads)
     kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
     tokens = calib_samples * calib_seqlen if calibrated else 0
-    act_bytes = 2 if cuda else 4
+    act_bytes = load_bytes
     hidden_io = 2 * tokens * hidden * act_bytes  # inputs + outputs of the current block
     batch_tokens = min(calib_batch, max(calib_samples, 1)) * calib_seqlen if calibrated else 0
 

@@ -235,6 +235,9 @@ def plan_request(req: QuantizeRequest, config, spec: ArchSpec, quantizer,
                     device=_device(req.device),
                     calib_batch=getattr(quantizer, "calib_batch_size", 1),
                     store_dtype=_storage_dtype(raw_config), streaming=req.stream is not False,
+                    compute_dtype=compute_dtype_for(
+                        _device(req.device), _storage_dtype(raw_config),
+                        quantizer.needs_calibration or bool(req.kv_cache), req.reproducible),
                     resume=req.resume and not hasattr(quantizer, "quantize_rest")
                     and not req.kv_cache,
                     true_sequential=getattr(quantizer, "true_sequential", False),
@@ -384,9 +387,9 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
     if on_progress:
         on_progress("checking weights for NaN/Inf", 1, 1)
     t_scanned = time.perf_counter()
-    compute_dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    load_dtype = compute_dtype  # the dtype load_model gives; streaming loads blocks the same way
     store_dtype = _storage_dtype(raw_config)
+    compute_dtype = compute_dtype_for(device, store_dtype, calibrate, req.reproducible)
+    load_dtype = compute_dtype  # the dtype load_model gives; streaming loads blocks the same way
     streaming, reader, model = _open_model(req, source.path, config, load_dtype, spec)
     ckpt = None
     # data-parallel ranks hold only their shard's hidden states: no per-block checkpoints
@@ -458,7 +461,7 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
                                          if r.fallback}) else {}),
         # per-tensor types the method chose itself (GGUF auto: the budget, the solve, each type)
         **({"gguf_auto": quantizer.allocation} if getattr(quantizer, "allocation", None) else {}),
-        "device": device,
+        "device": device, "compute_dtype": str(compute_dtype).removeprefix("torch."),
         # which float32 kernels ran: artifacts whose facts differ may differ in their codes
         **({"kernels": kernel_facts()} if device == "cpu" else {}),
         **({"offload_activations": True} if offload else {}),
@@ -660,6 +663,25 @@ def _streamed_dense(model, reader: ShardReader, spec: ArchSpec, results: dict[st
             t = t.to(load_dtype)
         out[name] = dense_tensor(t, dtype)
     return out
+
+
+def compute_dtype_for(device: str, store_dtype: torch.dtype, calibrated: bool,
+                      reproducible: bool = False) -> torch.dtype:
+    """The dtype the blocks run in. On a GPU bfloat16. On the CPU, for calibrated methods, the
+    checkpoint's own bfloat16 where torch runs bf16 GEMMs natively (AMX / AVX512-BF16: the
+    block forwards, most of a CPU run, go 2-10x faster; the weights are the checkpoint's
+    values either way and every statistic still accumulates in float32, as on the GPU);
+    float32 where bf16 is emulated (no faster), without calibration (no forward to speed up),
+    for float16 / float32 checkpoints (bf16 would round their weights) and under
+    --reproducible (the same kernels on every CPU)."""
+    if device != "cpu":
+        return torch.bfloat16
+    from quantkit.engines.capabilities import torch_cpu_bf16_native
+
+    if calibrated and store_dtype == torch.bfloat16 and not reproducible \
+            and torch_cpu_bf16_native():
+        return torch.bfloat16
+    return torch.float32
 
 
 def _storage_dtype(raw_config: dict) -> torch.dtype:
