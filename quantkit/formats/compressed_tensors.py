@@ -65,12 +65,15 @@ def quantization_config(scheme: QuantScheme, ignore: list[str], dynamic_g_idx: b
 def int_quantized_config(activations: str, ignore: list[str]) -> dict:
     """quantization_config of int8 W8A8 (`int-quantized`): llm-compressor's preset W8A8 for
     dynamic inputs (per-channel symmetric int8 weights, per-token symmetric int8 inputs), or the
-    same weights with static per-tensor inputs; built from the library's own classes."""
+    same weights with static per-tensor inputs; built from the library's own classes. Static
+    inputs name their observer: static_minmax, llm-compressor's running min / max, which is
+    quantkit's rule (max|x| over every calibration token; not llm-compressor's default for
+    static inputs, the moving average it names minmax)."""
     weights = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="channel",
                                dynamic=False)
     if activations == "static":
         inputs = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="tensor",
-                                  dynamic=False)
+                                  dynamic=False, observer="static_minmax")
     else:
         inputs = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="token",
                                   dynamic=True)

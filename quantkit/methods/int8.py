@@ -12,8 +12,10 @@ How a result is encoded (formats read only this, never this module):
                        s = max|w| / 127.5: the compressed-tensors convention, codes in
                        [-128, 127] once the 128 is taken off)
   extra["input_scale"] float32 [1], static only: max|x| / 127.5 over the calibration tokens
-                       (after smoothing), ONE for q/k/v and one for gate/up: vLLM fuses them
-                       into one GEMM and keeps the max of the shards' input scales.
+                       (after smoothing; llm-compressor's static_minmax observer), ONE for
+                       q/k/v and one for gate/up: vLLM 0.32 fuses them into one GEMM whose
+                       int8 input_scale is a single [1] parameter each shard's load overwrites
+                       (BasevLLMParameter), so the last shard loaded would win.
 dequantize() is exactly the weight the pipeline writes back (smoothed when SmoothQuant ran;
 the folded norms travel with the block's dense tensors).
 """
