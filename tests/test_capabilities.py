@@ -16,12 +16,14 @@ from vllm_checks import vllm_runs
 from quantkit.engines.capabilities import (
     FP8_SLOW_FACTOR,
     explain_vllm_failure,
+    torch_cpu_bf16_native,
     vllm_cannot_run,
     vllm_capabilities,
     vllm_too_slow_to_time,
 )
 from quantkit.engines.vllm import run_vllm
-from quantkit.errors import EngineError
+from quantkit.errors import EngineError, QuantkitError
+from quantkit.pipeline.quantize import CPU_DTYPE_ENV, compute_dtype_for
 from quantkit.types import QuantScheme
 
 REPO = Path(__file__).parents[1]
@@ -138,6 +140,33 @@ def test_doctor_text_and_json():
     rows = {r["what"]: r for r in report["what_runs_here"]}
     assert rows["GGUF artifacts (--method gguf) in llama.cpp"]["runs"]
     assert not rows["TensorRT-LLM"]["runs"]
+    native = torch_cpu_bf16_native()
+    assert report["torch"]["cpu_bf16_native"] == native
+    assert ("CPU bf16 GEMM: native" if native else "CPU bf16 GEMM: emulated") in text
+
+
+def test_cpu_compute_dtype_follows_torch_and_the_checkpoint(monkeypatch):
+    """Calibration on the CPU runs in bf16 only where torch says its bf16 GEMMs are native,
+    only for bf16 checkpoints (no rounding of float16 / float32 weights), only when there is a
+    forward to speed up, never under --reproducible; the environment variable overrides."""
+    import torch
+
+    bf16, f32 = torch.bfloat16, torch.float32
+    monkeypatch.delenv(CPU_DTYPE_ENV, raising=False)
+    assert compute_dtype_for("cpu", bf16, True) == (bf16 if torch_cpu_bf16_native() else f32)
+    assert compute_dtype_for("cpu", bf16, False) == f32
+    assert compute_dtype_for("cpu", torch.float16, True) == f32
+    assert compute_dtype_for("cpu", f32, True) == f32
+    assert compute_dtype_for("cpu", bf16, True, reproducible=True) == f32
+    assert compute_dtype_for("cuda:0", f32, False) == bf16
+    monkeypatch.setenv(CPU_DTYPE_ENV, "float32")
+    assert compute_dtype_for("cpu", bf16, True) == f32
+    monkeypatch.setenv(CPU_DTYPE_ENV, "bfloat16")
+    assert compute_dtype_for("cpu", torch.float16, False) == bf16
+    monkeypatch.setenv(CPU_DTYPE_ENV, "half")
+    with pytest.raises(QuantkitError) as e:
+        compute_dtype_for("cpu", bf16, True)
+    assert CPU_DTYPE_ENV in e.value.message and "float32" in e.value.hint
 
 
 

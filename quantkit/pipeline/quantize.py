@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 import shutil
 import time
@@ -665,6 +666,9 @@ def _streamed_dense(model, reader: ShardReader, spec: ArchSpec, results: dict[st
     return out
 
 
+CPU_DTYPE_ENV = "QUANTKIT_CPU_DTYPE"
+
+
 def compute_dtype_for(device: str, store_dtype: torch.dtype, calibrated: bool,
                       reproducible: bool = False) -> torch.dtype:
     """The dtype the blocks run in. On a GPU bfloat16. On the CPU, for calibrated methods, the
@@ -673,11 +677,18 @@ def compute_dtype_for(device: str, store_dtype: torch.dtype, calibrated: bool,
     values either way and every statistic still accumulates in float32, as on the GPU);
     float32 where bf16 is emulated (no faster), without calibration (no forward to speed up),
     for float16 / float32 checkpoints (bf16 would round their weights) and under
-    --reproducible (the same kernels on every CPU)."""
+    --reproducible (the same kernels on every CPU). QUANTKIT_CPU_DTYPE=float32 (or bfloat16)
+    overrides the CPU choice, e.g. to match artifacts made on CPUs of the other kind."""
     if device != "cpu":
         return torch.bfloat16
     from quantkit.engines.capabilities import torch_cpu_bf16_native
 
+    forced = os.environ.get(CPU_DTYPE_ENV)
+    if forced:
+        if forced not in ("float32", "bfloat16"):
+            raise QuantkitError(f"{CPU_DTYPE_ENV}={forced!r} is not a compute dtype.",
+                                f"Set {CPU_DTYPE_ENV}=float32 or bfloat16, or unset it.")
+        return getattr(torch, forced)
     if calibrated and store_dtype == torch.bfloat16 and not reproducible \
             and torch_cpu_bf16_native():
         return torch.bfloat16
