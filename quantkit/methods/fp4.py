@@ -208,7 +208,7 @@ class FP4Quantizer:
                 extra: dict[str, torch.Tensor] = {}
                 if nv:
                     codes, scale, g = quantize_nvfp4(w, shared, self.dtype)
-                    extra["global_scale"] = g
+                    extra["global_scale"] = g.clone()  # fused members share the value, not storage
                 else:
                     codes, scale = quantize_mxfp4(w)
                 if in_scale is not None:

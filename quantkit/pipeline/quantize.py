@@ -551,9 +551,14 @@ def _input_paths(req: QuantizeRequest, model_dir: Path) -> dict[str, Path]:
 MOE_FORMATS = ("compressed-tensors", "gguf")
 
 
+# methods whose uncalibrated schemes need no per-expert statistics (FP8 dynamic / block, NVFP4
+# W4A16 and MXFP4 rounded to nearest): every expert is
+# quantized from its weights alone, whatever the router chose
+MOE_UNCALIBRATED = ("fp8", "nvfp4", "mxfp4")
+
+
 def check_moe_support(spec: ArchSpec, method: str, format_name: str, calibrated: bool) -> None:
-    """Refuse, before any work, what is not built for mixture-of-experts models yet
-    (FP8 without calibration, dynamic or block, needs no per-expert statistics)."""
+    """Refuse, before any work, what is not built for mixture-of-experts models yet."""
     if spec.experts is None:
         return
     if format_name not in MOE_FORMATS or (format_name == "gguf"
@@ -563,10 +568,19 @@ def check_moe_support(spec: ArchSpec, method: str, format_name: str, calibrated:
             f"Use --format {MOE_FORMATS[0]} (per-expert tensors vLLM's FusedMoE loader reads).")
     if format_name == "gguf" and method == "gguf":
         return  # K-quants need no statistics; an imatrix is gathered per expert (sq_mean)
-    if method not in ("rtn", "gptq", "awq") and not (method == "fp8" and not calibrated):
+    if method in ("rtn", "gptq", "awq") or (method in MOE_UNCALIBRATED and not calibrated):
+        return
+    if method in MOE_UNCALIBRATED:
         raise SchemeMismatch(
-            f"Method {method} does not handle the experts of {spec.name} (mixture of experts) yet.",
-            "Use --method gptq, awq or rtn, or --method fp8 --scheme dynamic (or block).")
+            f"Method {method} with calibration (static input scales, W4A4, SmoothQuant or "
+            f"--rounding gptq) does not handle the experts of {spec.name} (mixture of experts) yet.",
+            "Use its uncalibrated form: --method fp8 --scheme dynamic (or block), --method "
+            "nvfp4 --scheme w4a16 or --method mxfp4 (no --rounding gptq); or --method gptq, "
+            "awq or rtn.")
+    raise SchemeMismatch(
+        f"Method {method} does not handle the experts of {spec.name} (mixture of experts) yet.",
+        "Use --method gptq, awq or rtn, --method fp8 --scheme dynamic (or block), --method "
+        "nvfp4 --scheme w4a16 or --method mxfp4.")
 
 
 def check_kv_cache(kv_cache: str, format_name: str, spec: ArchSpec, data_parallel: bool) -> None:
