@@ -552,9 +552,9 @@ MOE_FORMATS = ("compressed-tensors", "gguf")
 
 
 # methods whose uncalibrated schemes need no per-expert statistics (FP8 dynamic / block, NVFP4
-# W4A16 and MXFP4 rounded to nearest): every expert is
+# W4A16 and MXFP4 rounded to nearest, int8 W8A8 with dynamic inputs): every expert is
 # quantized from its weights alone, whatever the router chose
-MOE_UNCALIBRATED = ("fp8", "nvfp4", "mxfp4")
+MOE_UNCALIBRATED = ("fp8", "nvfp4", "mxfp4", "int8")
 
 
 def check_moe_support(spec: ArchSpec, method: str, format_name: str, calibrated: bool) -> None:
@@ -575,12 +575,12 @@ def check_moe_support(spec: ArchSpec, method: str, format_name: str, calibrated:
             f"Method {method} with calibration (static input scales, W4A4, SmoothQuant or "
             f"--rounding gptq) does not handle the experts of {spec.name} (mixture of experts) yet.",
             "Use its uncalibrated form: --method fp8 --scheme dynamic (or block), --method "
-            "nvfp4 --scheme w4a16 or --method mxfp4 (no --rounding gptq); or --method gptq, "
-            "awq or rtn.")
+            "nvfp4 --scheme w4a16, --method mxfp4, --method int8 --scheme dynamic (no "
+            "--smoothquant, no --rounding gptq); or --method gptq, awq or rtn.")
     raise SchemeMismatch(
         f"Method {method} does not handle the experts of {spec.name} (mixture of experts) yet.",
         "Use --method gptq, awq or rtn, --method fp8 --scheme dynamic (or block), --method "
-        "nvfp4 --scheme w4a16 or --method mxfp4.")
+        "nvfp4 --scheme w4a16, --method mxfp4 or --method int8 --scheme dynamic.")
 
 
 def check_kv_cache(kv_cache: str, format_name: str, spec: ArchSpec, data_parallel: bool) -> None:
