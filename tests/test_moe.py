@@ -131,8 +131,7 @@ def test_moe_refuses_what_is_not_built_yet(moe_model, tmp_path):
 
     # schemes with calibration (static / W4A4 input scales, SmoothQuant, GPTQ rounding) need
     # per-expert activation statistics: not built for FP4 / int8 experts yet
-    for method, scheme, opts in (("nvfp4", fp4_scheme("nvfp4", "w4a4"), {"scheme": "w4a4"}),
-                                 ("nvfp4", fp4_scheme("nvfp4"), {"rounding": "gptq"}),
+    for method, scheme, opts in (("nvfp4", fp4_scheme("nvfp4"), {"rounding": "gptq"}),
                                  ("int8", int8_scheme("static"), {"scheme": "static"}),
                                  ("int8", int8_scheme(), {"smoothquant": 0.5})):
         with pytest.raises(SchemeMismatch, match=f"Method {method} with calibration") as e:
@@ -941,7 +940,8 @@ def test_report_heatmap_of_tokens_per_expert(starved_model, tmp_path):
 # ------------------------------------------- FP4 and int8 W8A8 experts (issue 20), llm-compressor
 
 # quantkit's uncalibrated MoE schemes -> llm-compressor's preset of the same scheme
-MOE_PRESETS = {"nvfp4": "NVFP4A16", "mxfp4": "MXFP4A16", "int8": "W8A8"}
+MOE_PRESETS = {"nvfp4": "NVFP4A16", "mxfp4": "MXFP4A16", "int8": "W8A8", "w4a4": "NVFP4"}
+MOE_CALIB = {"calib_samples": 1, "calib_seqlen": 16}  # the reference's window (llmc_moe)
 
 
 @pytest.fixture(scope="module")
@@ -956,15 +956,16 @@ def small_moe(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def llmc_moe(small_moe, tmp_path_factory) -> dict[str, Path]:
     """llm-compressor 0.14.0.1's artifacts of the small Qwen3-MoE (its own venv; it linearizes
-    transformers 5's fused experts into per-expert Linears itself). No activation statistic
-    enters these weight-only / dynamic presets, so one 16-token window is enough."""
+    transformers 5's fused experts into per-expert Linears itself, and by default sends every
+    token through every expert for statistics). Only NVFP4 (W4A4) reads activations: its input
+    global scales come from one 16-token window, which quantkit calibrates on as well."""
     from llmc_reference import run_reference
 
     from quantkit.calibration import load_calibration
     from quantkit.model_io import load_tokenizer
 
-    ids = load_calibration("mixed", load_tokenizer(small_moe), n_samples=1, seqlen=16,
-                           seed=0).input_ids
+    ids = load_calibration("mixed", load_tokenizer(small_moe), n_samples=MOE_CALIB["calib_samples"],
+                           seqlen=MOE_CALIB["calib_seqlen"], seed=0).input_ids
     refs = run_reference(small_moe, ids, tmp_path_factory.mktemp("llmc_moe"),
                          list(MOE_PRESETS.values()))
     assert all(isinstance(p, Path) for p in refs.values()), refs
@@ -1153,3 +1154,74 @@ def test_int8_moe_artifact_in_real_vllm(int8_moe):
     share = agreement(int8_moe, res["score"][0]["top1"], ids)
     print(f"int8 W8A8 MoE in vLLM vs quantkit loader top-1 agreement: {share:.3f}")
     assert share >= 0.9
+
+
+def test_nvfp4_w4a4_experts_beside_llm_compressor(small_moe, llmc_moe, tmp_path):
+    """NVFP4 W4A4 on the small Qwen3-MoE with every token through every expert for statistics
+    (llm-compressor's default): one input global scale per expert Linear (448 * 6 / max|x|
+    of its inputs; vLLM's FusedMoE reads them as w13/w2_input_global_scale [E, 2] / [E] and
+    each kernel reduces them: the max of 1 / scale per expert, or one over all experts);
+    per expert, gate and up share it (they read the same tokens). Against llm-compressor's
+    NVFP4: the same names, dtypes, shapes and config (but the router ignore form), weights
+    and their scales identical. Input global scales: the first Linears (block 0's q/k/v, fed
+    the embeddings) equal; every later one differs, since llm-compressor calibrates with its
+    W4A4 fake quantization already on in the forward (QuantizationMixin.start_calibration:
+    "enable quantization as we calibrate"), while quantkit observes the unquantized model as
+    its RTN methods do: measured ratios 0.59-1.13 on this random model (printed)."""
+    from tiny_models import tensor_headers
+
+    from quantkit.formats.common import load_tensors
+
+    ours = tmp_path / "w4a4"
+    quantize(QuantizeRequest(model=str(small_moe), method="nvfp4", scheme=fp4_scheme("nvfp4", "w4a4"),
+                             out=ours, method_options={"scheme": "w4a4"}, resume=False,
+                             moe_calibrate_all_experts=True, **MOE_CALIB))
+    ref = llmc_moe["w4a4"]
+    assert tensor_headers(ours) == tensor_headers(ref)
+    _same_config_as_llmc(ours, ref)
+    a, b = load_tensors(ours), load_tensors(ref)
+    ratios = {}
+    for name, t in b.items():
+        if name.endswith(".input_global_scale"):
+            ratios[name] = float(a[name]) / float(t)
+        elif t.dtype == torch.float8_e4m3fn:
+            assert torch.equal(a[name].view(torch.uint8), t.view(torch.uint8)), name
+        else:
+            assert torch.equal(a[name], t), name
+    assert len(ratios) == 2 * (4 + 4 * 3)  # q/k/v/o and every expert Linear of both blocks
+    assert [ratios[f"model.layers.0.self_attn.{p}_proj.input_global_scale"] for p in "qkv"] == [1.0] * 3
+    assert all(0.5 < r < 2 for r in ratios.values())
+    print(f"NVFP4 W4A4 input global scales, quantkit / llm-compressor: "
+          f"{min(ratios.values()):.3f} - {max(ratios.values()):.3f}")
+    for e in range(4):
+        p = f"model.layers.0.mlp.experts.{e}"
+        assert torch.equal(a[f"{p}.gate_proj.input_global_scale"], a[f"{p}.up_proj.input_global_scale"])
+    stats = json.loads((ours / "quantkit_stats.json").read_text())
+    assert {v["tokens"] for k, v in stats["layers"].items() if ".experts." in k} == {16}
+    assert "fallbacks" not in json.loads((ours / "quantkit.json").read_text())
+
+
+def test_nvfp4_w4a4_starved_experts_borrow_the_widest_input_scale(starved_model, tmp_path):
+    """Routed calibration: experts the router never picks have no input statistics. Each
+    borrows, per projection, the smallest input global scale of its block's calibrated
+    experts (the widest range any of them saw), loudly: a warning, `fallback` in
+    quantkit_stats.json and quantkit.json; every scale finite and positive."""
+    from quantkit.formats.common import load_tensors
+
+    with pytest.warns(RuntimeWarning, match="NVFP4 W4A4: .* received no calibration tokens"):
+        out = _quantize(starved_model, tmp_path / "w4a4", "nvfp4", scheme=fp4_scheme("nvfp4", "w4a4"),
+                        method_options={"scheme": "w4a4"})
+    t = load_tensors(out)
+    stats = json.loads((out / "quantkit_stats.json").read_text())["layers"]
+    empty = {k for k, v in stats.items() if ".experts." in k and v["tokens"] == 0}
+    assert {f"model.layers.{i}.mlp.experts.{e}.{p}" for i in (0, 1) for e in STARVED
+            for p in ("gate_proj", "up_proj", "down_proj")} <= empty
+    assert {k for k, v in stats.items() if "fallback" in v} == empty
+    assert set(json.loads((out / "quantkit.json").read_text())["fallbacks"]) == empty
+    for name in empty:
+        block, proj = name.split(".mlp.experts.")[0], name.rsplit(".", 1)[-1]
+        fed = [t[f"{block}.mlp.experts.{e}.{proj}.input_global_scale"] for e in range(8)
+               if f"{block}.mlp.experts.{e}.{proj}" not in empty]
+        assert torch.equal(t[f"{name}.input_global_scale"], torch.stack(fed).min(0).values), name
+    scales = [v for k, v in t.items() if k.endswith("input_global_scale")]
+    assert all(torch.isfinite(v).all() and (v > 0).all() for v in scales)
