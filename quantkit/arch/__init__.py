@@ -145,6 +145,8 @@ class ArchSpec:
     # attn_v_b): block-relative Linear -> ((GGUF base name with {bid}, config key of the rows
     # each head gives this piece, transposed per head), ...); rows are (head, piece, row)
     gguf_head_splits: dict[str, tuple[tuple[str, str, bool], ...]] = field(default_factory=dict)
+    # why per-layer FP8 k/v scales (--kv-cache fp8) do not fit this family's cache ("" = they do)
+    kv_cache_gap: str = ""
 
     def checkpoint_name(self, name: str) -> str:
         """A full module-tree tensor name as the checkpoint (and the engines) spell it."""
@@ -477,6 +479,9 @@ ARCHS: tuple[ArchSpec, ...] = (
              gguf_kv=("mla", "expert_count", "expert_used_count", "expert_groups",
                       "leading_dense_block_count", "vocab_size", "expert_feed_forward_length",
                       "expert_shared", "expert_gating_sigmoid", "yarn_log_mul"),
+             kv_cache_gap="vLLM's MLA caches the compressed latent (kv_a_proj's output), not the "
+                          "per-head keys and values transformers computes, so their k/v scales "
+                          "would describe other tensors",
              gguf_head_splits={"self_attn.kv_b_proj": (
                  ("blk.{bid}.attn_k_b", "qk_nope_head_dim", True),
                  ("blk.{bid}.attn_v_b", "v_head_dim", False))}),

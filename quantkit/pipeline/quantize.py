@@ -601,8 +601,8 @@ def check_kv_cache(kv_cache: str, format_name: str, spec: ArchSpec, data_paralle
     if data_parallel:
         raise SchemeMismatch("--kv-cache fp8 is not wired into data-parallel (torchrun) runs yet.",
                              "Run it as one process (no torchrun).")
-    if spec.experts is not None:
-        raise SchemeMismatch(f"--kv-cache fp8 is not built for {spec.name} (mixture of experts) yet.",
+    if spec.kv_cache_gap:
+        raise SchemeMismatch(f"--kv-cache fp8 is not built for {spec.name}: {spec.kv_cache_gap}.",
                              "Drop --kv-cache.")
 
 
