@@ -509,6 +509,8 @@ class AWQQuantizer:
         names = [p.group.inspect for p in own if p.group.inspect not in others]
         sizes = [h.shape[0] * h.shape[1] for h in ctx.inputs]
         used, total = sum(sizes[:batches]), sum(sizes)
+        if not total:
+            return []
         need = {}
         for n in names:
             lin = ctx.linears[n]
@@ -540,8 +542,8 @@ class AWQQuantizer:
             xs = _replay_inputs(experts, calls, {n: ctx.linears[n] for n in chunk})
             largest = max(largest, _held_bytes(xs))
             for n in chunk:
-                i = plan_of[n]
-                s, entry = searched[i] = self._search(ctx, plans[i], xs, {}, dev)
+                searched[plan_of[n]] = self._search(ctx, plans[plan_of[n]], xs, {}, dev)
+                s = searched[plan_of[n]][0]
                 x = xs.pop(n)
                 clip_of[n] = None
                 if self.clip and n not in skip_clip and x.shape[0]:
