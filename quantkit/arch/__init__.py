@@ -145,6 +145,8 @@ class ArchSpec:
     # attn_v_b): block-relative Linear -> ((GGUF base name with {bid}, config key of the rows
     # each head gives this piece, transposed per head), ...); rows are (head, piece, row)
     gguf_head_splits: dict[str, tuple[tuple[str, str, bool], ...]] = field(default_factory=dict)
+    # why per-layer FP8 k/v scales (--kv-cache fp8) do not fit this family's cache ("" = they do)
+    kv_cache_gap: str = ""
 
     def checkpoint_name(self, name: str) -> str:
         """A full module-tree tensor name as the checkpoint (and the engines) spell it."""
@@ -179,6 +181,20 @@ class ArchSpec:
         (all experts' Linears of one template row form one group: they read the same
         normalised hidden states, each its own routed tokens)."""
         return tuple(_expand(group, num_experts) for group in self.sequential)
+
+    def fused_sets_for(self, num_experts: int) -> tuple[tuple[str, ...], ...]:
+        """The Linears each engine GEMM reads together (q/k/v, gate/up), per expert: `sequential`
+        with each expert template row split into one tuple per expert (vLLM's FusedMoE keeps
+        ONE w13 global / input scale per expert for its gate and up), the non-expert names of
+        such a row (DeepSeek's shared expert) as a tuple of their own."""
+        out: list[tuple[str, ...]] = []
+        for group in self.sequential:
+            templates = tuple(n for n in group if EXPERT in n)
+            out += [tuple(n.replace(EXPERT, str(e)) for n in templates) for e in range(num_experts)
+                    ] if templates else []
+            rest = tuple(n for n in group if EXPERT not in n)
+            out += [rest] if rest else []
+        return tuple(out)
 
     def linears_for(self, num_experts: int) -> tuple[str, ...]:
         return tuple(n for group in self.groups_for(num_experts) for n in group)
@@ -463,6 +479,9 @@ ARCHS: tuple[ArchSpec, ...] = (
              gguf_kv=("mla", "expert_count", "expert_used_count", "expert_groups",
                       "leading_dense_block_count", "vocab_size", "expert_feed_forward_length",
                       "expert_shared", "expert_gating_sigmoid", "yarn_log_mul"),
+             kv_cache_gap="vLLM's MLA caches the compressed latent (kv_a_proj's output), not the "
+                          "per-head keys and values transformers computes, so their k/v scales "
+                          "would describe other tensors",
              gguf_head_splits={"self_attn.kv_b_proj": (
                  ("blk.{bid}.attn_k_b", "qk_nope_head_dim", True),
                  ("blk.{bid}.attn_v_b", "v_head_dim", False))}),

@@ -35,6 +35,14 @@ router reads the scaled input too and is compensated (AwqGroup.compensate), so r
 unchanged. Each expert's up -> down is its own group on its routed tokens; an expert with no
 token keeps s = 1, is not clipped, and is reported as an RTN fallback.
 
+Memory of those expert groups: their searches and clips read each expert's down_proj input
+over its search tokens. Where those inputs together exceed `expert_input_bytes` (1 GiB; all
+experts calibrated on every token, Qwen3-30B-A3B shapes: 128 x 65536 x 768 x 2 B = 12 GiB),
+they are not captured with the rest: the experts module replays its recorded calls for one
+chunk of experts at a time (only those experts run), each expert's scale is searched and its
+down_proj's clip found on the chunk, and the chunk is freed. Every expert sees the same
+tensors as in a one-pass capture, so the artifact is the same bytes (tests/test_moe.py).
+
 Propagation: the next block sees this block's UNQUANTIZED outputs (`propagate_quantized =
 False`, AutoAWQ's choice; folding alone leaves outputs unchanged, so scaled-but-unquantized
 and original are the same function). `propagate_quantized=True` calibrates each block on the
@@ -84,6 +92,9 @@ MIN_CALIB_TOKENS = 256  # below this x_mean is noise: refuse rather than scale o
 # (benchmarks/README.md, AWQ on the CPU) at half the search's cost
 AUTO_SEARCH_TOKENS = {"cpu": 2048, "accel": 65536}
 _MAX_CHUNK_ELEMS = 1 << 25  # bounds temporaries of the vectorised searches (128 MiB fp32)
+# the most bytes of expert Linears' search inputs held at once (see the module docstring);
+# routed Qwen3-30B-A3B shapes hold 0.75 GiB and stay in the one-pass capture
+EXPERT_INPUT_BYTES = 1 << 30
 
 
 class _Enough(Exception):
@@ -270,7 +281,9 @@ class AWQQuantizer:
     accelerator; statistics always use every token); min_tokens (256) refuses shorter
     calibration; pre_quant_scale (False) keeps Linear -> Linear scales as a pre_quant_scale
     (ModelOpt); propagate_quantized (False); coarse_to_fine (True) searches the alphas coarse,
-    then around the best (12 loss evaluations of 21); False: all of them.
+    then around the best (12 loss evaluations of 21); False: all of them;
+    expert_input_bytes (1 GiB): above this the experts' up -> down searches and clips run on
+    chunks of experts (the same results, less memory).
     """
 
     name = "awq"
@@ -286,13 +299,16 @@ class AWQQuantizer:
                  clip_grid: int = DEFAULT_CLIP_GRID, max_shrink: float = DEFAULT_MAX_SHRINK,
                  search_tokens: int | None = None, min_tokens: int = MIN_CALIB_TOKENS,
                  pre_quant_scale: bool = False, propagate_quantized: bool = False,
-                 coarse_to_fine: bool = True):
+                 coarse_to_fine: bool = True, expert_input_bytes: int = EXPERT_INPUT_BYTES):
         if n_grid < 1 or clip_grid < 1:
             raise SchemeMismatch(f"AWQ grids need at least one point (n_grid={n_grid}, "
                                  f"clip_grid={clip_grid}).", "The usual value is 20.")
         if not 0.0 <= max_shrink < 1.0:
             raise SchemeMismatch(f"AWQ max_shrink must be in [0, 1), got {max_shrink}.",
                                  "The usual value is 0.5.")
+        if expert_input_bytes < 1:
+            raise SchemeMismatch(f"AWQ expert_input_bytes must be positive, got {expert_input_bytes}.",
+                                 f"The default is {EXPERT_INPUT_BYTES} (1 GiB).")
         if pre_quant_scale and propagate_quantized:
             raise SchemeMismatch("AWQ pre_quant_scale=True cannot propagate quantized outputs: "
                                  "the block's Linears then hold W * s without the input scale.")
@@ -303,7 +319,11 @@ class AWQQuantizer:
         self.pre_quant_scale = bool(pre_quant_scale)
         self.propagate_quantized = bool(propagate_quantized)
         self.coarse_to_fine = bool(coarse_to_fine)
+        self.expert_input_bytes = int(expert_input_bytes)
         self.history: list[dict] = []  # per block and group: chosen alpha, losses (for reports)
+        # per block: bytes of the captured search inputs held with the one-pass capture, the
+        # expert chunks and the largest chunk's bytes (benchmarks, tests)
+        self.captures: list[dict] = []
         self._logged: set[str] = set()
 
     def check(self, scheme: QuantScheme) -> None:
@@ -357,21 +377,42 @@ class AWQQuantizer:
                 "Pass more --calib-samples or a longer --calib-seqlen (AWQ usually takes "
                 "128 x 512 tokens).")
         batches = self._search_batches(ctx, dev)
+        chunks = self._expert_chunks(ctx, plans, batches)
+        deferred = {n for chunk in chunks for n in chunk}
+        experts = ctx.block.get_submodule(spec.experts.module) if chunks else None
         inspect = {p.group.inspect: submodule(ctx.block, p.group.inspect) for p in plans
                    if p.mode != "skip" and not _is_single_linear(p)}
-        seen = _capture(ctx, inspect, ctx.linears, batches)
+        linears = {n: lin for n, lin in ctx.linears.items() if n not in deferred}
+        seen = _capture(ctx, inspect, linears, batches,
+                        {spec.experts.module: experts} if chunks else {})
         for key in list(seen):
             if key.startswith("mod:"):
                 seen[key] = _merge_batches(seen[key])
-        xs = _linear_inputs(seen, ctx.linears)
+        xs = _linear_inputs(seen, linears)
+        skip_clip = {spec.roles.get("attn_q"), spec.roles.get("attn_k")}
 
-        # 1-2: search every group on the unmodified block
+        # 1-2: search every group on the unmodified block (the deferred experts' chunk by chunk)
+        searched: dict[int, tuple[torch.Tensor, dict]] = {}
+        clip_of: dict[str, torch.Tensor | None] = {}
+        if chunks:
+            plan_of = {next(iter(p.balance)): i for i, p in enumerate(plans)
+                       if next(iter(p.balance)) in deferred}
+            largest = self._search_expert_chunks(ctx, chunks, plans, plan_of,
+                                                 seen.pop("in:" + spec.experts.module), experts,
+                                                 searched, clip_of, skip_clip, dev)
+        held = {"block": ctx.index, "one_pass_bytes": _held_bytes(xs), "expert_chunks": len(chunks),
+                "largest_chunk_bytes": largest if chunks else 0}
+        self.captures.append(held)
+        log.debug("AWQ block %d search inputs: %s", ctx.index, held, extra={"awq_capture": held})
+        for i, plan in enumerate(plans):
+            if plan.mode != "skip" and i not in searched:
+                searched[i] = self._search(ctx, plan, xs, seen, dev)
         found: list[tuple[ScalePlan, torch.Tensor]] = []
-        for plan in plans:
-            if plan.mode == "skip":
-                continue
-            s = self._search(ctx, plan, xs, seen, dev)
-            found.append((plan, s))
+        for i, plan in enumerate(plans):  # the table's order: the folds' and the history's
+            if i in searched:
+                s, entry = searched[i]
+                self.history.append(entry)
+                found.append((plan, s))
         # 3: fold
         col = {n: torch.ones(lin.in_features, device=dev) for n, lin in ctx.linears.items()}
         row = {n: torch.ones(lin.out_features, device=dev) for n, lin in ctx.linears.items()}
@@ -381,12 +422,13 @@ class AWQQuantizer:
                 fold_scale(plan, s, col, row, pqs)
                 scaled: dict[int, torch.Tensor] = {}  # balance Linears sharing x share x / s
                 for bname in plan.balance:
+                    if bname not in xs:  # a deferred expert's: clipped on its chunk
+                        continue
                     x = xs[bname]
                     if id(x) not in scaled:
                         scaled[id(x)] = _divide_tokens(x, s)
                     xs[bname] = scaled[id(x)]
         # 4-5: clip, quantize
-        skip_clip = {spec.roles.get("attn_q"), spec.roles.get("attn_k")}
         # experts the router chose for no calibration token: no statistics, no clipping; they
         # still carry the scale of a group they share (the norm's fold divides their input)
         starved = [n for n in ctx.linears if spec.is_expert_linear(n)
@@ -395,8 +437,13 @@ class AWQQuantizer:
         results: dict[str, QuantResult] = {}
         for name, lin in ctx.linears.items():
             w = lin.weight.data.float()
-            if self.clip and name not in skip_clip and xs[name].shape[0]:
+            if name in clip_of:
+                max_val = clip_of[name]
+            elif self.clip and name not in skip_clip and xs[name].shape[0]:
                 max_val = search_clip(w, xs[name], scheme, self.clip_grid, self.max_shrink)
+            else:
+                max_val = None
+            if max_val is not None:
                 g = scheme.effective_group(w.shape[1])
                 w = torch.clamp(w.reshape(w.shape[0], -1, g), -max_val[..., None],
                                 max_val[..., None]).reshape(w.shape)
@@ -432,18 +479,94 @@ class AWQQuantizer:
             n += 1
         return max(n, 1)
 
+    def _expert_chunks(self, ctx: BlockContext, plans: list[ScalePlan], batches: int
+                       ) -> list[list[str]]:
+        """Expert Linears whose search inputs are captured chunk by chunk, in chunks of at
+        most `expert_input_bytes` (one expert where one alone is larger); [] where all of
+        them fit it (the one-pass capture, as for a dense block).
+
+        Candidates: an expert's Linear that is its group's only balance Linear and read by no
+        other group (down_proj of up -> down). Its search tokens are estimated from its
+        statistics: tokens x (search tokens / calibration tokens), exact when every expert
+        reads every token (--moe-calibrate-all-experts)."""
+        from quantkit.pipeline.experts import LinearExperts
+
+        spec = ctx.arch
+        if spec.experts is None or not ctx.inputs:
+            return []
+        try:
+            experts = ctx.block.get_submodule(spec.experts.module)
+        except AttributeError:
+            return []
+        if not isinstance(experts, LinearExperts):
+            return []
+        own = [p for p in plans if p.mode != "skip" and _is_single_linear(p)
+               and spec.is_expert_linear(p.group.inspect)]
+        others = set()
+        for p in plans:
+            if not any(p is q for q in own):
+                others |= set(p.balance) | set(p.compensate) | {p.group.prev}
+        names = [p.group.inspect for p in own if p.group.inspect not in others]
+        sizes = [h.shape[0] * h.shape[1] for h in ctx.inputs]
+        used, total = sum(sizes[:batches]), sum(sizes)
+        if not total:
+            return []
+        need = {}
+        for n in names:
+            lin = ctx.linears[n]
+            tokens = int((ctx.stats.get(n) or {}).get("tokens", 0))
+            need[n] = -(-tokens * used // total) * lin.in_features * lin.weight.element_size()
+        if sum(need.values()) <= self.expert_input_bytes:
+            return []
+        chunks: list[list[str]] = []
+        held = 0
+        for n in names:
+            if not chunks or (held + need[n] > self.expert_input_bytes and chunks[-1]):
+                chunks.append([])
+                held = 0
+            chunks[-1].append(n)
+            held += need[n]
+        return chunks
+
+    def _search_expert_chunks(self, ctx: BlockContext, chunks: list[list[str]],
+                              plans: list[ScalePlan], plan_of: dict[str, int], calls: _Seen,
+                              experts: torch.nn.Module, searched: dict, clip_of: dict,
+                              skip_clip: set, dev: torch.device) -> int:
+        """Search the deferred experts' groups chunk by chunk: replay the experts module's
+        recorded `calls` with only the chunk's experts running, search each group, find its
+        Linear's clip as it will be after the fold (columns * s, input / s), free the chunk.
+        Fills `searched` (plan index -> (s, history entry)) and `clip_of`; returns the
+        largest chunk's bytes."""
+        largest = 0
+        for chunk in chunks:
+            xs = _replay_inputs(experts, calls, {n: ctx.linears[n] for n in chunk})
+            largest = max(largest, _held_bytes(xs))
+            for n in chunk:
+                searched[plan_of[n]] = self._search(ctx, plans[plan_of[n]], xs, {}, dev)
+                s = searched[plan_of[n]][0]
+                x = xs.pop(n)
+                clip_of[n] = None
+                if self.clip and n not in skip_clip and x.shape[0]:
+                    lin = ctx.linears[n]
+                    # fold_scale's in-place `weight *= s` on the balance Linear, out of place
+                    w = (lin.weight.data * s[None, :].to(lin.weight.dtype)).float()
+                    clip_of[n] = search_clip(w, _divide_tokens(x, s), ctx.scheme,
+                                             self.clip_grid, self.max_shrink)
+                del x
+            del xs
+        return largest
+
     def _search(self, ctx: BlockContext, plan: ScalePlan, xs: dict, seen: dict,
-                dev: torch.device) -> torch.Tensor:
-        """The best scale s [K] of one group (ones when plain RTN is best)."""
+                dev: torch.device) -> tuple[torch.Tensor, dict]:
+        """The best scale s [K] of one group (ones when plain RTN is best) and its history entry."""
         names = list(plan.balance)
         k = plan.balance[names[0]].in_features
         absmean, tokens = _input_absmean(ctx.stats, names)
         if not tokens or (_is_single_linear(plan) and not xs[names[0]].shape[0]):
             # an expert the router chose for no calibration token: nothing to weigh, s = 1
-            self.history.append({"block": ctx.index, "prev": plan.group.prev, "balance": names,
-                                 "alpha": None, "loss": None, "rtn_loss": None,
-                                 "reason": "no calibration tokens"})
-            return torch.ones(k, device=dev)
+            return torch.ones(k, device=dev), {
+                "block": ctx.index, "prev": plan.group.prev, "balance": names, "alpha": None,
+                "loss": None, "rtn_loss": None, "reason": "no calibration tokens"}
         weights = [plan.balance[n].weight.data.float().clone() for n in names]
         stacked = torch.cat(weights)
         x_mean = (absmean.to(dev).float() / tokens).clamp(min=0)
@@ -476,11 +599,10 @@ class AWQQuantizer:
                 for n, w in zip(names, weights, strict=True):
                     plan.balance[n].weight.data.copy_(w.to(plan.balance[n].weight.dtype))
         best = int(torch.argmin(losses.cpu()))
-        self.history.append({
+        return cands[best], {
             "block": ctx.index, "prev": plan.group.prev, "balance": names,
             "alpha": None if best == 0 else (best - 1) / self.n_grid,
-            "loss": float(losses[best]), "rtn_loss": float(losses[0])})
-        return cands[best]
+            "loss": float(losses[best]), "rtn_loss": float(losses[0])}
 
 
 FP8_MAX = 448.0
@@ -562,27 +684,32 @@ def _is_single_linear(plan: ScalePlan) -> bool:
     return list(plan.balance) == [plan.group.inspect]
 
 
+def _recorder(seen: dict[str, _Seen], key: str, keep_out: bool):
+    """A forward hook appending a module's call (and output) to seen[key]."""
+    rec = seen.setdefault(key, _Seen())
+
+    def fn(_m, args, kwargs, out):
+        rec.args.append(args)
+        rec.kwargs.append(kwargs)
+        if keep_out:
+            rec.outs.append(out[0] if isinstance(out, tuple) else out)
+    return fn
+
+
 def _capture(ctx: BlockContext, modules: dict[str, torch.nn.Module],
-             linears: dict[str, torch.nn.Linear], n_batches: int) -> dict[str, _Seen]:
+             linears: dict[str, torch.nn.Linear], n_batches: int,
+             calls: dict[str, torch.nn.Module] | None = None) -> dict[str, _Seen]:
     """Rerun the block on its first `n_batches` cached batches, recording what `modules`
-    receive and return ("mod:NAME") and what every Linear receives ("lin:NAME")."""
+    receive and return ("mod:NAME"), what every Linear receives ("lin:NAME") and the calls
+    of `calls` without their outputs ("in:NAME": a later replay's arguments)."""
     seen: dict[str, _Seen] = {}
     handles = []
-
-    def hook(key: str, keep_out: bool):
-        rec = seen.setdefault(key, _Seen())
-
-        def fn(_m, args, kwargs, out):
-            rec.args.append(args)
-            rec.kwargs.append(kwargs)
-            if keep_out:
-                rec.outs.append(out[0] if isinstance(out, tuple) else out)
-        return fn
-
     for name, mod in modules.items():
-        handles.append(mod.register_forward_hook(hook("mod:" + name, True), with_kwargs=True))
+        handles.append(mod.register_forward_hook(_recorder(seen, "mod:" + name, True), with_kwargs=True))
     for name, lin in linears.items():
-        handles.append(lin.register_forward_hook(hook("lin:" + name, False), with_kwargs=True))
+        handles.append(lin.register_forward_hook(_recorder(seen, "lin:" + name, False), with_kwargs=True))
+    for name, mod in (calls or {}).items():
+        handles.append(mod.register_forward_hook(_recorder(seen, "in:" + name, False), with_kwargs=True))
     count = [0]
 
     def stop(_m, _args, _kwargs):
@@ -621,6 +748,33 @@ def _linear_inputs(seen: dict[str, _Seen], linears: dict) -> dict[str, torch.Ten
         rec.args, rec.kwargs = [], []
         out[name] = by_ids[ids]
     return out
+
+
+def _replay_inputs(experts: torch.nn.Module, calls: _Seen,
+                   linears: dict[str, torch.nn.Linear]) -> dict[str, torch.Tensor]:
+    """What `linears` (Linears of some experts of the LinearExperts `experts`) receive when
+    `experts` runs its recorded calls again with only their experts running: the same
+    tensors the block's capture would have given them (same inputs, same routing)."""
+    wanted = {id(lin) for lin in linears.values()}
+    keep = {e for e, expert in enumerate(experts) if any(id(m) in wanted for m in expert.modules())}
+    seen: dict[str, _Seen] = {}
+    handles = [lin.register_forward_hook(_recorder(seen, "lin:" + name, False), with_kwargs=True)
+               for name, lin in linears.items()]
+    experts.only = keep
+    try:
+        with torch.no_grad():
+            for args, kwargs in zip(calls.args, calls.kwargs, strict=True):
+                experts(*args, **kwargs)
+    finally:
+        experts.only = None
+        for h in handles:
+            h.remove()
+    return _linear_inputs(seen, linears)
+
+
+def _held_bytes(xs: dict[str, torch.Tensor]) -> int:
+    """Bytes of the distinct tensors in `xs` (Linears sharing an input share one tensor)."""
+    return sum(t.numel() * t.element_size() for t in {id(t): t for t in xs.values()}.values())
 
 
 def _divide_tokens(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:

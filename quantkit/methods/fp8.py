@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from quantkit.arch import EXPERT
 from quantkit.errors import CalibrationError, SchemeMismatch
 from quantkit.types import BlockContext, QuantResult, QuantScheme
 
@@ -141,8 +142,15 @@ def dequantize_fp8(codes: torch.Tensor, scale: torch.Tensor, block: int = BLOCK)
 
 def fused_groups(ctx: BlockContext) -> list[tuple[str, ...]]:
     """Linears that share one input and that engines fuse into one GEMM (q/k/v, gate/up):
-    the multi-member groups of the architecture's sequential table."""
-    seq = getattr(ctx.arch, "sequential", ()) or ()
+    the multi-member groups of the architecture's sequential table; a routed expert's
+    gate/up per expert (each expert is its own fused GEMM)."""
+    arch = ctx.arch
+    experts = 0
+    if arch is not None and arch.experts is not None:
+        gate = arch.experts.linear("gate")
+        while gate.replace(EXPERT, str(experts)) in ctx.linears:
+            experts += 1
+    seq = arch.fused_sets_for(experts) if arch is not None else ()
     groups = [tuple(n for n in g if n in ctx.linears) for g in seq]
     seen = {n for g in groups for n in g}
     groups += [(n,) for n in ctx.linears if n not in seen]

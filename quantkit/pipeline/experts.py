@@ -93,11 +93,15 @@ class LinearExperts(nn.ModuleList):
     expert's tokens ordered by top-k slot then token). `calibrate_all` runs every expert on
     every token so statistics hooks see all of them (llm-compressor's
     moe_calibrate_all_experts); the output still sums only the routed tokens' results.
+    `only` (a set of expert indices, normally None) runs just those experts: a replay that
+    wants some experts' inputs (AWQ's chunked capture) skips the others' work, and the output
+    is then not the module's.
     """
 
     def __init__(self, experts: list[_Expert], calibrate_all: bool = False):
         super().__init__(experts)
         self.calibrate_all = calibrate_all
+        self.only: set[int] | None = None
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -115,6 +119,8 @@ class LinearExperts(nn.ModuleList):
             end = start + counts[e]
             pos, tok = pos_all[start:end], tok_all[start:end]
             start = end
+            if self.only is not None and e not in self.only:
+                continue
             if self.calibrate_all:
                 y = expert(hidden_states)[tok]
             elif tok.numel():

@@ -29,6 +29,7 @@ import torch
 from quantkit.arch import ArchSpec
 from quantkit.errors import NotEnoughMemory
 from quantkit.methods.awq import AUTO_SEARCH_TOKENS as AWQ_SEARCH_TOKENS
+from quantkit.methods.awq import EXPERT_INPUT_BYTES as AWQ_EXPERT_INPUT_BYTES
 from quantkit.types import QuantScheme
 
 __all__ = ["MemoryPlan", "estimate", "available_memory", "check_memory", "BASELINE_BYTES",
@@ -127,6 +128,17 @@ def _staged_floats_per_token(hidden: int, inter: int, q_dim: int, kv_dim: int) -
     return max(at_o, at_down)
 
 
+def _awq_expert_down_inputs(search: int, experts: int, top_k: int, width: int, act_bytes: int,
+                            all_experts: bool) -> int:
+    """Bytes of the experts' down_proj search inputs AWQ holds at once (quantkit.methods.awq):
+    all of them where they fit AWQ_EXPERT_INPUT_BYTES, else one chunk of experts. An expert
+    reads every search token with all experts calibrated, top_k / experts of them routed."""
+    per_expert = search * (1 if all_experts else top_k / max(1, experts)) * width * act_bytes
+    if per_expert * experts <= AWQ_EXPERT_INPUT_BYTES:
+        return int(per_expert * experts)
+    return int(max(1, AWQ_EXPERT_INPUT_BYTES // per_expert) * per_expert)
+
+
 def estimate(config, spec: ArchSpec, *, method: str, scheme: QuantScheme, calib_samples: int,
              calib_seqlen: int, calibrated: bool, device: str = "cpu", calib_batch: int = 1,
              store_dtype: torch.dtype = torch.bfloat16, streaming: bool = True,
@@ -138,8 +150,9 @@ def estimate(config, spec: ArchSpec, *, method: str, scheme: QuantScheme, calib_
     `hessians`: the method gathers GPTQ Hessians and solves with them (default: method gptq;
     int8, nvfp4 and mxfp4 with GPTQ rounding do too).
 
-    `moe_all_experts` (--moe-calibrate-all-experts): every expert reads every token; AWQ's
-    capture then holds each expert's down_proj input over all search tokens.
+    `moe_all_experts` (--moe-calibrate-all-experts): every expert reads every token; AWQ
+    then searches the experts' up -> down groups on chunks of experts whose down_proj inputs
+    (over all search tokens) fill at most AWQ_EXPERT_INPUT_BYTES.
 
     `compute_dtype`: what the blocks run in (default bf16 on a GPU, float32 on the CPU;
     quantize's compute_dtype_for decides): the loaded blocks and the activations take its size.
@@ -222,17 +235,20 @@ def estimate(config, spec: ArchSpec, *, method: str, scheme: QuantScheme, calib_
         # copies of the norm-fed inputs, and fp32 copies of one group's weights (measured on
         # the H100: 13.7 GiB for Llama-3.1-8B shapes, 9.1 GiB for 3.2-3B)
         search = min(tokens, AWQ_SEARCH_TOKENS["accel" if cuda else "cpu"])
-        stats = search * (7 * hidden + inter) * act_bytes + 2 * block_params * 4
-        if moe and moe_all_experts:
-            # every expert's down_proj input over every search token, instead of the routed
-            # top_k per token (H100, Qwen3-30B-A3B shapes: 128 x 65536 x 768 x 2 B = 12 GiB;
-            # peak 23.6 GiB against 14.2 GiB routed, benchmarks/README.md)
+        down = search * inter * act_bytes  # a dense block's down_proj input
+        if moe:
+            # the experts' down_proj inputs: at most one chunk of them at a time (all experts
+            # calibrated, H100, Qwen3-30B-A3B shapes: 10 of 128 experts x 65536 x 768 x 2 B
+            # = 0.94 GiB instead of all 12 GiB; benchmarks/README.md)
             n_exp = spec.experts.count(config)
             top_k = int(getattr(config, "num_experts_per_tok", 1) or 1)
             widest = max(linears, key=len, default={})
             expert_inter = max((k for name, (_, k) in widest.items()
                                 if spec.is_expert_linear(name) and k != hidden), default=inter)
-            stats += search * max(0, n_exp - top_k) * expert_inter * act_bytes
+            dense_blocks = any(not any(spec.is_expert_linear(n) for n in lin) for lin in linears)
+            down = max(down if dense_blocks else 0, _awq_expert_down_inputs(
+                search, n_exp, top_k, expert_inter, act_bytes, moe_all_experts))
+        stats = search * 7 * hidden * act_bytes + down + 2 * block_params * 4
     elif method == "gguf":
         stats = 2 * block_params * 4
     # uint8 codes + fp32 scale + int32 zero; with checkpoints (resume) finished blocks' results

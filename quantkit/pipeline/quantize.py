@@ -330,7 +330,8 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
     writer = get_writer(req.format)  # after the cheap refusals: compressed-tensors loads slowly
     raw_config = read_config_json(source.path)
     spec = spec_for_config(raw_config)  # before transformers parses it: cheap, clear errors
-    check_moe_support(spec, req.method, writer.name, quantizer.needs_calibration)
+    check_moe_support(spec, req.method, writer.name, quantizer.needs_calibration,
+                      getattr(quantizer, "moe_calibrated", False))
     if req.kv_cache:
         check_kv_cache(req.kv_cache, writer.name, spec, dp is not None)
     calibrate = quantizer.needs_calibration or bool(req.kv_cache)
@@ -555,9 +556,17 @@ def _input_paths(req: QuantizeRequest, model_dir: Path) -> dict[str, Path]:
 MOE_FORMATS = ("compressed-tensors", "gguf")
 
 
-def check_moe_support(spec: ArchSpec, method: str, format_name: str, calibrated: bool) -> None:
-    """Refuse, before any work, what is not built for mixture-of-experts models yet
-    (FP8 without calibration, dynamic or block, needs no per-expert statistics)."""
+# methods whose uncalibrated schemes need no per-expert statistics (FP8 dynamic / block, NVFP4
+# W4A16 and MXFP4 rounded to nearest, int8 W8A8 with dynamic inputs): every expert is
+# quantized from its weights alone, whatever the router chose
+MOE_UNCALIBRATED = ("fp8", "nvfp4", "mxfp4", "int8")
+
+
+def check_moe_support(spec: ArchSpec, method: str, format_name: str, calibrated: bool,
+                      moe_calibrated: bool = False) -> None:
+    """Refuse, before any work, what is not built for mixture-of-experts models yet.
+    `moe_calibrated`: the quantizer's statistics are per expert and it handles an expert the
+    router fed no calibration token (NVFP4 W4A4's input scales)."""
     if spec.experts is None:
         return
     if format_name not in MOE_FORMATS or (format_name == "gguf"
@@ -567,10 +576,20 @@ def check_moe_support(spec: ArchSpec, method: str, format_name: str, calibrated:
             f"Use --format {MOE_FORMATS[0]} (per-expert tensors vLLM's FusedMoE loader reads).")
     if format_name == "gguf" and method == "gguf":
         return  # K-quants need no statistics; an imatrix is gathered per expert (sq_mean)
-    if method not in ("rtn", "gptq", "awq") and not (method == "fp8" and not calibrated):
+    if method in ("rtn", "gptq", "awq") or (method in MOE_UNCALIBRATED
+                                            and (not calibrated or moe_calibrated)):
+        return
+    if method in MOE_UNCALIBRATED:
         raise SchemeMismatch(
-            f"Method {method} does not handle the experts of {spec.name} (mixture of experts) yet.",
-            "Use --method gptq, awq or rtn, or --method fp8 --scheme dynamic (or block).")
+            f"Method {method} with calibration (static input scales, SmoothQuant or --rounding "
+            f"gptq) does not handle the experts of {spec.name} (mixture of experts) yet.",
+            "Use --method fp8 --scheme dynamic (or block), --method nvfp4 --scheme w4a16 or "
+            "w4a4, --method mxfp4, --method int8 --scheme dynamic (no --smoothquant, no "
+            "--rounding gptq); or --method gptq, awq or rtn.")
+    raise SchemeMismatch(
+        f"Method {method} does not handle the experts of {spec.name} (mixture of experts) yet.",
+        "Use --method gptq, awq or rtn, --method fp8 --scheme dynamic (or block), --method "
+        "nvfp4 --scheme w4a16, --method mxfp4 or --method int8 --scheme dynamic.")
 
 
 def check_kv_cache(kv_cache: str, format_name: str, spec: ArchSpec, data_parallel: bool) -> None:
@@ -586,8 +605,8 @@ def check_kv_cache(kv_cache: str, format_name: str, spec: ArchSpec, data_paralle
     if data_parallel:
         raise SchemeMismatch("--kv-cache fp8 is not wired into data-parallel (torchrun) runs yet.",
                              "Run it as one process (no torchrun).")
-    if spec.experts is not None:
-        raise SchemeMismatch(f"--kv-cache fp8 is not built for {spec.name} (mixture of experts) yet.",
+    if spec.kv_cache_gap:
+        raise SchemeMismatch(f"--kv-cache fp8 is not built for {spec.name}: {spec.kv_cache_gap}.",
                              "Drop --kv-cache.")
 
 
