@@ -76,50 +76,83 @@ def _timed(fn, *a, **kw):
     return round(time.perf_counter() - t, 1), out
 
 
-def _quantize_all(args, model: str, work: Path, res: dict) -> dict[str, Path]:
-    """Every file of the curve; fills res["seconds"], res["points"] (sizes, bit-exactness)."""
-    llama_model, llama_quantize = _llama_cpp()
-    calib = {"calib_samples": args.calib_samples, "calib_seqlen": args.calib_seqlen}
-    raw = json.loads((_model_dir(model) / "config.json").read_text())
-    float_type = "f16" if raw.get("dtype", raw.get("torch_dtype")) == "float16" else "bf16"
-    seconds = res["seconds"]
-    paths = {"base": work / "base.gguf"}
-    seconds["convert_16bit"], _ = _quantkit(model, paths["base"], float_type)
-    imatrix = work / "imatrix.gguf"
-    values = None
-    for t in args.types:
+class _Curve:
+    """The files of the curve, one type at a time: each type's files are scored as soon as
+    they are written and the results JSON is rewritten, so a run cut short keeps its points."""
+
+    def __init__(self, args, model: str, work: Path, res: dict, out: Path) -> None:
+        self.args, self.model, self.work, self.res, self.out = args, model, work, res, out
+        self.llama_model, self.llama_quantize = _llama_cpp()
+        self.calib = {"calib_samples": args.calib_samples, "calib_seqlen": args.calib_seqlen}
+        self.paths = {"base": work / "base.gguf"}
+        self.imatrix = work / "imatrix.gguf"
+        self.values = None
+        res.update(sizes_bytes={}, bpw={}, quality={})
+        raw = json.loads((_model_dir(model) / "config.json").read_text())
+        float_type = "f16" if raw.get("dtype", raw.get("torch_dtype")) == "float16" else "bf16"
+        self._seconds("convert_16bit", _quantkit(model, self.paths["base"], float_type))
+        from quantkit.calibration import load_heldout_text
+
+        text, self.heldout = load_heldout_text("mixed")
+        base = self.llama_model(self.paths["base"], n_ctx=512)
+        self.ids = base.tokenize(text)
+        base.close()
+
+    def _seconds(self, key: str, timed: tuple):
+        self.res["seconds"][key] = round(timed[0], 1)
+        return timed[1]
+
+    def run_type(self, t: str) -> None:
+        work, model, imatrix, res = self.work, self.model, self.imatrix, self.res
         rtn = work / f"rtn-{t}.gguf"
-        if values is None:  # the first quantkit file also collects the imatrix every row uses
-            seconds[f"rtn-{t} (+ imatrix collection)"], meta = _quantkit(
-                model, rtn, t, options={"imatrix": "calib", "imatrix_out": str(imatrix)}, **calib)
+        if self.values is None:  # the first quantkit file also collects the imatrix every row uses
+            meta = self._seconds(f"rtn-{t} (+ imatrix collection)", _quantkit(
+                model, rtn, t, options={"imatrix": "calib", "imatrix_out": str(imatrix)}, **self.calib))
             res["calibration"] = meta["calibration"]
-            values = {k: v.numpy() for k, v in load_imatrix(imatrix).values.items()}
+            self.values = {k: v.numpy() for k, v in load_imatrix(imatrix).values.items()}
         else:
-            seconds[f"rtn-{t}"], _ = _quantkit(model, rtn, t, options={"imatrix": str(imatrix)})
+            self._seconds(f"rtn-{t}", _quantkit(model, rtn, t, options={"imatrix": str(imatrix)}))
         ref = work / f"llamacpp-{t}.gguf"
-        seconds[f"llamacpp-{t}"], _ = _timed(llama_quantize, paths["base"], ref, t,
-                                             nthread=args.threads, imatrix=values)
-        seconds[f"gptq-{t}"], meta_g = _quantkit(
-            model, work / f"gptq-{t}.gguf", t,
-            options={"rounding": "gptq", "imatrix": str(imatrix), "damp": args.damp}, **calib)
+        self._seconds(f"llamacpp-{t}", _timed(self.llama_quantize, self.paths["base"], ref, t,
+                                              nthread=self.args.threads, imatrix=self.values))
+        gptq = work / f"gptq-{t}.gguf"
+        meta_g = self._seconds(f"gptq-{t}", _quantkit(
+            model, gptq, t, options={"rounding": "gptq", "imatrix": str(imatrix),
+                                     "damp": self.args.damp}, **self.calib))
         target = artifact_info(ref)["bits_per_weight_with_embeddings"]
         point = {"type": t, "target_bpw_for_auto": target,
                  "rtn_bit_exact_with_llamacpp": _same_tensors(rtn, ref),
                  "gptq_fallbacks": meta_g.get("fallbacks", {})}
-        paths.update({f"llamacpp-{t}": ref, f"rtn-{t}": rtn, f"gptq-{t}": work / f"gptq-{t}.gguf"})
+        files = {"base": self.paths["base"], f"llamacpp-{t}": ref, f"rtn-{t}": rtn, f"gptq-{t}": gptq}
         auto = work / f"auto-{t}.gguf"
         try:
-            seconds[f"auto-{t}"], meta_a = _quantkit(
-                model, auto, "auto", options={"imatrix": str(imatrix), "target_bpw": target}, **calib)
+            meta_a = self._seconds(f"auto-{t}", _quantkit(
+                model, auto, "auto", options={"imatrix": str(imatrix), "target_bpw": target},
+                **self.calib))
             point["auto_type_counts"] = meta_a["gguf_auto"]["type_counts"]
-            paths[f"auto-{t}"] = auto
+            files[f"auto-{t}"] = auto
         except Exception as exc:  # noqa: BLE001 - a refused budget is a result of the curve
             point["auto_refused"] = str(exc).splitlines()[0]
         res["points"][t] = point
-        res["seconds"] = {k: round(v, 1) for k, v in seconds.items()}
-        seconds = res["seconds"]
-        print(f"{t}: done ({json.dumps({k: v for k, v in seconds.items() if t in k})})", flush=True)
-    return paths
+        self.paths.update(files)
+        for n, p in files.items():
+            info = artifact_info(p)
+            res["sizes_bytes"][n] = p.stat().st_size
+            res["bpw"][n] = {"with_embeddings": info.get("bits_per_weight_with_embeddings"),
+                             "block_linears": info.get("bits_per_weight_quantized")}
+        quality = self._seconds(f"scoring-{t}", _timed(_score, self.llama_model, files, self.ids, 512,
+                                                        self.args.windows))
+        res["quality"].update({**quality, "heldout": self.heldout})
+        res["table"] = _table(res)
+        self.write()
+        print(f"{t}: done ({json.dumps({k: v for k, v in res['seconds'].items() if t in k})})", flush=True)
+
+    def write(self) -> None:
+        self.res["machine"]["loadavg_end"] = os.getloadavg()
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.out.with_name(self.out.name + ".tmp")
+        tmp.write_text(json.dumps(self.res, indent=2, default=str) + "\n")
+        tmp.replace(self.out)
 
 
 def _table(res: dict) -> list[dict]:
@@ -127,6 +160,8 @@ def _table(res: dict) -> list[dict]:
     q = res["quality"]
     rows = []
     for t in res["types"]:
+        if f"kld_llamacpp-{t}" not in q:  # not reached yet
+            continue
         ref_kld = q[f"kld_llamacpp-{t}"]
         for kind in ("llamacpp", "rtn", "gptq", "auto"):
             name = f"{kind}-{t}"
@@ -166,7 +201,6 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     if _llama_cpp() is None:
         sys.exit("error: llama-cpp-python is not installed\nhint: run in quantkit's .venv")
-    llama_model = _llama_cpp()[0]
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=REPO).stdout.strip()
     dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
@@ -184,26 +218,13 @@ def main() -> None:
     t0 = time.perf_counter()
     try:
         model = _model(args.model, work)
-        paths = _quantize_all(args, model, work, res)
-        res["sizes_bytes"] = {n: p.stat().st_size for n, p in paths.items()}
-        res["bpw"] = {}
-        for n, p in paths.items():
-            info = artifact_info(p)
-            res["bpw"][n] = {"with_embeddings": info.get("bits_per_weight_with_embeddings"),
-                             "block_linears": info.get("bits_per_weight_quantized")}
-        from quantkit.calibration import load_heldout_text
-
-        text, prov = load_heldout_text("mixed")
-        base = llama_model(paths["base"], n_ctx=512)
-        ids = base.tokenize(text)
-        base.close()
-        res["seconds"]["scoring"], quality = _timed(_score, llama_model, paths, ids, 512, args.windows)
-        res["quality"] = {**quality, "heldout": prov}
-        res["table"] = _table(res)
+        curve = _Curve(args, model, work, res, out)
+        for t in args.types:
+            curve.run_type(t)
         if args.report:
             report = args.report if args.report.is_absolute() else Path.cwd() / args.report
             cmd = [sys.executable, "-m", "quantkit.cli", "compare",
-                   *[str(p) for n, p in paths.items() if n != "base"], "--base", model,
+                   *[str(p) for n, p in curve.paths.items() if n != "base"], "--base", model,
                    "--report", str(report), "--max-windows", str(args.compare_windows),
                    "--title", f"GGUF size vs KLD: llama.cpp vs quantkit RTN / GPTQ / auto ({args.model})"]
             res["seconds"]["compare_report"], r = _timed(
@@ -214,11 +235,10 @@ def main() -> None:
                                          f"{args.report} --max-windows {args.compare_windows}",
                               "stderr_tail": r.stderr[-2000:] if r.returncode else ""}
         res["seconds"]["total"] = round(time.perf_counter() - t0, 1)
-        res["machine"]["loadavg_end"] = os.getloadavg()
+        res["complete"] = True
+        curve.write()
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=2, default=str) + "\n")
     print(json.dumps({"seconds": res["seconds"], "points": res["points"]}, indent=2, default=str))
     for row in res.get("table", []):
         print(f"{row['file']:>16}  {row['bpw_with_embeddings']:.3f} bpw  {row['bpw_block_linears']:.3f} blk  "
