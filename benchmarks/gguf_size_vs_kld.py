@@ -195,6 +195,9 @@ def main() -> None:
     args = ap.parse_args()
     args.types = [t.strip().lower() for t in args.types.split(",") if t.strip()]
     out = args.out or REPO / "benchmarks" / "results" / f"gguf_size_vs_kld_{Path(args.model).name}.json"
+    if args.report and args.report.resolve().with_suffix(".json") == out.resolve():
+        sys.exit(f"error: the compare page's JSON twin would overwrite {out}\n"
+                 "hint: name the page differently (e.g. reports/gguf_size_vs_kld_tiny.html)")
 
     import torch
 
