@@ -667,7 +667,11 @@ def gguf_metadata(path: str | Path, kv: dict | None = None) -> dict:
     if not isinstance(meta, dict):
         raise bad_gguf(Path(path), "its quantkit.metadata key is not a JSON object")
     gguf_type = str((meta.get("scheme") or {}).get("gguf_type") or "").lower()
-    ftype = kv.get("general.file_type")
-    if gguf_type in FILE_TYPES and (None if ftype is None else int(ftype)) != FILE_TYPES[gguf_type][0]:
-        return {}  # inherited from the input of another tool's rewrite
+    if gguf_type in FILE_TYPES:
+        written = {FILE_TYPES[gguf_type][0]}
+        if gguf_type in ("bf16", "f16"):  # experts kept MXFP4 (gpt-oss): the converter's ftype
+            written.add(int(LlamaFileType.MOSTLY_MXFP4_MOE))
+        ftype = kv.get("general.file_type")
+        if (None if ftype is None else int(ftype)) not in written:
+            return {}  # inherited from the input of another tool's rewrite
     return meta
