@@ -174,6 +174,12 @@ def test_float_export_logits_equal_hf(tmp_path, arch, dtype, gguf_type, rope):
     # llama.cpp's own quantizer accepts our 16-bit export as its input
     llama_quantize(out, tmp_path / "q8.gguf", "q8_0")
     assert read_gguf(tmp_path / "q8.gguf")[1]["blk.0.attn_q.weight"].qtype.name == "Q8_0"
+    # it copies our quantkit.metadata too; that is the BF16 input's provenance, not its own
+    from quantkit.info import artifact_info
+
+    assert artifact_info(out)["scheme"]["gguf_type"] == gguf_type
+    info = artifact_info(tmp_path / "q8.gguf")
+    assert info["scheme"] is None and info["nominal_bits_per_weight"] is None
 
 
 # ---------------------------------------------------------------- refusals, before any work

@@ -21,7 +21,8 @@ from quantkit.methods.kquants_encode import encode_rows
 from quantkit.pipeline.quantize import QuantizeRequest, quantize
 from quantkit.types import QuantScheme
 
-GRIDS = (Q.Q4_K, Q.Q6_K, Q.Q5_0, Q.Q8_0)
+K_GRIDS = (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)
+GRIDS = (*K_GRIDS, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0)
 CALIB = {"calib_samples": 16, "calib_seqlen": 128}
 
 
@@ -38,21 +39,23 @@ def _weights_and_inputs(n: int = 96, k: int = 512, tokens: int = 2048):
 @pytest.mark.parametrize("qtype", GRIDS)
 def test_identity_hessian_gives_llama_cpp_bytes(qtype):
     """H = I feeds nothing back: the grid choice, the rounding and the packing are then
-    llama.cpp's own, byte for byte (with and without an imatrix). Q5_0/Q8_0: llama.cpp
-    rounds with its float32 scale, the grid here with the stored fp16 one, so codes may
-    differ in rare near-ties; the scale bytes are its own."""
+    llama.cpp's own, byte for byte (with and without an imatrix) for every K-quant. The
+    32-wide types: llama.cpp rounds with its float32 scale (and min), the grid here with the
+    stored fp16 ones, so codes may differ in rare near-ties; the scale (and min) bytes are
+    its own and the rounding is never worse."""
     w, _ = _weights_and_inputs()
     qw = torch.rand(w.shape[1], generator=torch.Generator().manual_seed(1)) + 0.1
     for imatrix in (None, qw):
         data, deq = gptq_ggml(w, torch.eye(w.shape[1]), qtype, imatrix)
         ref = encode_rows(w, qtype, imatrix)
-        if qtype in (Q.Q4_K, Q.Q6_K):
+        if qtype in K_GRIDS:
             assert torch.equal(data, ref)
         else:
             assert data.shape == ref.shape
             size = data.shape[1] * 32 // w.shape[1]
             blocks, ref_blocks = data.view(-1, size), ref.view(-1, size)
-            assert torch.equal(blocks[:, :2], ref_blocks[:, :2])  # the same fp16 scales
+            header = 4 if qtype in (Q.Q4_1, Q.Q5_1) else 2
+            assert torch.equal(blocks[:, :header], ref_blocks[:, :header])  # the same fp16 d (m)
             plain = decode_rows(ref, qtype)
             assert (deq != plain).float().mean() < 0.01
             assert (deq - w).norm() <= (plain - w).norm()
@@ -150,12 +153,25 @@ def test_error_feedback_q4_k_m_beats_imatrix_q4_k_m_in_llama_cpp(q4km_pair):
     assert kld["gptq"] < 0.95 * kld["rtn"], kld
 
 
+def test_q2_k_mix_is_error_fed_on_every_linear(tiny_llama, tmp_path):
+    """Q2_K's mix on the tiny Llama (Q3_K attn_v / ffn_down, Q2_K the rest): every block
+    Linear goes through the GPTQ loop on both new grids, none falls back to llama.cpp's
+    encoder."""
+    from quantkit.formats.gguf import read_gguf
+
+    meta = _gguf(tiny_llama, tmp_path / "q2k.gguf", "q2_k", rounding="gptq")
+    assert "fallbacks" not in meta
+    tensors = read_gguf(tmp_path / "q2k.gguf")[1]
+    types = {t.qtype.name for n, t in tensors.items() if n.startswith("blk.") and "norm" not in n}
+    assert types == {"Q2_K", "Q3_K"}, types  # attn_v, ffn_down Q3_K; the rest Q2_K
+
+
 def test_types_without_a_grid_fall_back_loudly(tiny_llama, tmp_path):
-    """Q5_K has no GPTQ grid yet: every Linear keeps llama.cpp's encoder and the metadata
+    """IQ4_XS has no GPTQ grid yet: every Linear keeps llama.cpp's encoder and the metadata
     names each one and why."""
-    meta = _gguf(tiny_llama, tmp_path / "q5ks.gguf", "q5_k_s", rounding="gptq")
+    meta = _gguf(tiny_llama, tmp_path / "iq4xs.gguf", "iq4_xs", rounding="gptq")
     assert len(meta["fallbacks"]) == 2 * 7
-    assert all("no GPTQ grid for Q5_K" in why for why in meta["fallbacks"].values())
+    assert all("no GPTQ grid for IQ4_XS" in why for why in meta["fallbacks"].values())
 
 
 def test_cli_method_gptq_format_gguf_is_gguf_with_gptq_rounding(tiny_llama, tmp_path):

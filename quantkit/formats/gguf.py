@@ -652,8 +652,12 @@ def _rope_scaling(name: str):
 # ---------------------------------------------------------------------- reading
 def gguf_metadata(path: str | Path, kv: dict | None = None) -> dict:
     """quantkit's provenance stored in a GGUF (`quantkit.metadata`), {} when another tool wrote
-    it; `kv` is read_gguf's when the caller has it."""
-    raw = (kv if kv is not None else read_gguf(path)[0]).get("quantkit.metadata")
+    it; `kv` is read_gguf's when the caller has it. llama-quantize copies every key of its
+    input, so a file it made from a quantkit BF16 GGUF still holds that file's metadata: when
+    general.file_type is not the one quantkit wrote for the recorded gguf_type, the metadata
+    is inherited, not this file's, and {} is returned."""
+    kv = kv if kv is not None else read_gguf(path)[0]
+    raw = kv.get("quantkit.metadata")
     if raw is None:
         return {}
     try:
@@ -662,4 +666,12 @@ def gguf_metadata(path: str | Path, kv: dict | None = None) -> dict:
         meta = None
     if not isinstance(meta, dict):
         raise bad_gguf(Path(path), "its quantkit.metadata key is not a JSON object")
+    gguf_type = str((meta.get("scheme") or {}).get("gguf_type") or "").lower()
+    if gguf_type in FILE_TYPES:
+        written = {FILE_TYPES[gguf_type][0]}
+        if gguf_type in ("bf16", "f16"):  # experts kept MXFP4 (gpt-oss): the converter's ftype
+            written.add(int(LlamaFileType.MOSTLY_MXFP4_MOE))
+        ftype = kv.get("general.file_type")
+        if (None if ftype is None else int(ftype)) not in written:
+            return {}  # inherited from the input of another tool's rewrite
     return meta

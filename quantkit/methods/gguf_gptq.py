@@ -5,7 +5,8 @@ through GPTQ's column loop (quantkit.methods.gptq) and the round-to-grid step is
 block grid itself, so the file is an ordinary GGUF of that type:
 
   * when the loop reaches a super-block (256 columns), its scales/mins are chosen by
-    llama.cpp's own encoder (make_qkx3 for Q4_K, the Q6_K search), imatrix-weighted by the
+    llama.cpp's own encoder (make_qkx2/3 for Q2_K/Q4_K/Q5_K, make_q3 / make_qx for Q3_K,
+    the Q6_K search), imatrix-weighted by the
     imatrix when one is given, else by diag(H), on the CURRENT (error-updated) columns;
   * each column of the super-block is then rounded to that fixed grid with llama.cpp's own
     rounding formula and its error is carried into the later columns through H^-1;
@@ -13,9 +14,10 @@ block grid itself, so the file is an ordinary GGUF of that type:
     bytes are kept as they are), so the writer gets finished GGML blocks.
 
 With H = I nothing is fed back and the bytes are `encode_rows`'s, bit for bit (the tests
-check it for the K-quants). Supported grids: GPTQ_GRIDS (Q4_K, Q6_K and the fallbacks Q5_0,
-Q8_0: every type of the Q4_K_M mix, also on widths that are not multiples of 256); other types are encoded by the plain llama.cpp encoder and the
-result says so (QuantResult.fallback, in the file's quantkit.metadata stats).
+check it for the K-quants). Supported grids: GPTQ_GRIDS (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K and
+the 32-wide Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: every type of the Q2_K ... Q8_0 mixes, also the
+row-width fallbacks of widths that are not multiples of 256); the IQ4 types are encoded by the
+plain llama.cpp encoder and the result says so (QuantResult.fallback, in the file's quantkit.metadata stats).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ __all__ = ["GPTQ_GRIDS", "GGMLColumnGrid", "gptq_ggml", "grid_block", "hessian_f
 
 Q = GGMLQuantizationType
 SUPER_BLOCK = 256  # the column-loop block: whole K-quant super-blocks, whole 32-blocks
-GPTQ_GRIDS = (Q.Q4_K, Q.Q6_K, Q.Q5_0, Q.Q8_0)
+GPTQ_GRIDS = (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0)
 
 
 def _f16(b: torch.Tensor) -> torch.Tensor:
@@ -49,6 +51,23 @@ def _q4k_grid(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return d[:, None] * sc.float(), dmin[:, None] * mn.float()
 
 
+def _q2k_grid(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q2_K bytes [N, 84] -> (step d*sc, offset dmin*m) per sub-block of 16, [N, 16] each."""
+    s = blocks[:, 0:16].to(torch.int32)
+    d, dmin = _f16(blocks[:, 80:82]), _f16(blocks[:, 82:84])
+    return d[:, None] * (s & 15).float(), dmin[:, None] * (s >> 4).float()
+
+
+def _q3k_grid(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q3_K bytes [N, 110] -> (step d*(sc-32) per sub-block of 16 [N, 16], no offset)."""
+    s = blocks[:, 96:108].to(torch.int32)
+    low = torch.cat([s[:, 0:8] & 15, s[:, 0:8] >> 4], 1)  # sc_j & 15, j = 0..15
+    j = torch.arange(16)
+    high = (s[:, 8 + j % 4] >> (2 * (j // 4))) & 3  # sc_j >> 4 sits in byte 8 + j%4 at 2*(j//4)
+    step = _f16(blocks[:, 108:110])[:, None] * ((low | (high << 4)) - 32).float()
+    return step, torch.zeros_like(step)
+
+
 def _q6k_grid(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Q6_K bytes [N, 210] -> (step d*sc per sub-block of 16 [N, 16], no offset)."""
     sc = blocks[:, 192:208].contiguous().view(torch.int8).float()
@@ -62,6 +81,33 @@ def _pack_q4k(blocks: torch.Tensor, q: torch.Tensor) -> None:
     blocks[:, 16:144] = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(-1, 128).to(torch.uint8)
 
 
+def _pack_q5k(blocks: torch.Tensor, q: torch.Tensor) -> None:
+    """Codes [N, 256] (0..31) into the qh/qs bytes of Q5_K blocks [N, 176], in place."""
+    q = q.to(torch.int32).reshape(-1, 4, 2, 32)  # chunk, half, lane
+    blocks[:, 48:176] = ((q[:, :, 0] & 15) | ((q[:, :, 1] & 15) << 4)).reshape(-1, 128).to(torch.uint8)
+    shifts = (2 * torch.arange(4))[None, :, None, None] + torch.arange(2)[None, None, :, None]
+    blocks[:, 16:48] = ((q >> 4) << shifts).sum((1, 2)).to(torch.uint8)  # qh[l] bit 2c+h
+
+
+def _pack_2bit_low(q: torch.Tensor) -> torch.Tensor:
+    """The low 2 bits of codes [N, 256] as Q2_K/Q3_K's qs [N, 64]: value 128h + 32k + l at
+    bits 2k of byte 32h + l."""
+    lo = (q.to(torch.int32) & 3).reshape(-1, 2, 4, 32)  # half, quarter, lane
+    return (lo << (2 * torch.arange(4))[None, None, :, None]).sum(2).reshape(-1, 64).to(torch.uint8)
+
+
+def _pack_q2k(blocks: torch.Tensor, q: torch.Tensor) -> None:
+    """Codes [N, 256] (0..3) into the qs bytes of Q2_K blocks [N, 84], in place."""
+    blocks[:, 16:80] = _pack_2bit_low(q)
+
+
+def _pack_q3k(blocks: torch.Tensor, q: torch.Tensor) -> None:
+    """Codes [N, 256] (0..7 = value + 4) into the hmask/qs bytes of Q3_K blocks [N, 110]."""
+    hi = (q.to(torch.int32) >> 2).reshape(-1, 8, 32)  # bit 2 of value 32b + m -> hmask[m] bit b
+    blocks[:, 0:32] = (hi << torch.arange(8)[None, :, None]).sum(1).to(torch.uint8)
+    blocks[:, 32:96] = _pack_2bit_low(q)
+
+
 def _pack_q6k(blocks: torch.Tensor, q: torch.Tensor) -> None:
     """Codes [N, 256] (0..63) into the ql/qh bytes of Q6_K blocks [N, 210], in place."""
     v = q.to(torch.int32).reshape(-1, 2, 4, 32)  # half, quarter, lane
@@ -73,17 +119,49 @@ def _pack_q6k(blocks: torch.Tensor, q: torch.Tensor) -> None:
 
 
 def _d_grid(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q5_0 / Q8_0 bytes [N, size] -> (step d [N, 1], no offset): one scale per 32 values."""
+    """Q4_0 / Q5_0 / Q8_0 bytes [N, size] -> (step d [N, 1], no offset): one scale per 32 values."""
     step = _f16(blocks[:, 0:2])[:, None]
     return step, torch.zeros_like(step)
+
+
+def _dm_grid(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_1 / Q5_1 bytes [N, size] -> (step d [N, 1], offset -m [N, 1]): x = d*q + m."""
+    return _f16(blocks[:, 0:2])[:, None], -_f16(blocks[:, 2:4])[:, None]
+
+
+def _nibbles32(q: torch.Tensor) -> torch.Tensor:
+    """Codes [N, 32] -> the 32-wide types' qs [N, 16]: q[j] & 15 | (q[j+16] & 15) << 4."""
+    return ((q[:, :16] & 15) | ((q[:, 16:] & 15) << 4)).to(torch.uint8)
+
+
+def _qh32(q: torch.Tensor) -> torch.Tensor:
+    """Bit 4 of codes [N, 32] as a little-endian uint32 [N, 4] (bit j = q[j] >> 4)."""
+    qh = ((q >> 4) << torch.arange(32)).sum(1, keepdim=True)
+    return ((qh >> (8 * torch.arange(4))) & 255).to(torch.uint8)
+
+
+def _pack_q4_0(blocks: torch.Tensor, q: torch.Tensor) -> None:
+    """Codes [N, 32] (0..15) into the qs bytes of Q4_0 blocks [N, 18], in place."""
+    blocks[:, 2:18] = _nibbles32(q.to(torch.int64))
+
+
+def _pack_q4_1(blocks: torch.Tensor, q: torch.Tensor) -> None:
+    """Codes [N, 32] (0..15) into the qs bytes of Q4_1 blocks [N, 20], in place."""
+    blocks[:, 4:20] = _nibbles32(q.to(torch.int64))
 
 
 def _pack_q5_0(blocks: torch.Tensor, q: torch.Tensor) -> None:
     """Codes [N, 32] (0..31) into the qh/qs bytes of Q5_0 blocks [N, 22], in place."""
     q = q.to(torch.int64)
-    qh = ((q >> 4) << torch.arange(32)).sum(1, keepdim=True)  # bit j = q[j] >> 4
-    blocks[:, 2:6] = ((qh >> (8 * torch.arange(4))) & 255).to(torch.uint8)
-    blocks[:, 6:22] = ((q[:, :16] & 15) | ((q[:, 16:] & 15) << 4)).to(torch.uint8)
+    blocks[:, 2:6] = _qh32(q)
+    blocks[:, 6:22] = _nibbles32(q)
+
+
+def _pack_q5_1(blocks: torch.Tensor, q: torch.Tensor) -> None:
+    """Codes [N, 32] (0..31) into the qh/qs bytes of Q5_1 blocks [N, 24], in place."""
+    q = q.to(torch.int64)
+    blocks[:, 4:8] = _qh32(q)
+    blocks[:, 8:24] = _nibbles32(q)
 
 
 def _pack_q8_0(blocks: torch.Tensor, q: torch.Tensor) -> None:
@@ -105,23 +183,35 @@ class _Grid:
     with_min: bool = False
 
 
-_GRIDS = {Q.Q4_K: _Grid(256, 32, 144, _q4k_grid, _pack_q4k, 0, 15, with_min=True),
+_GRIDS = {Q.Q2_K: _Grid(256, 16, 84, _q2k_grid, _pack_q2k, 0, 3, with_min=True),
+          Q.Q3_K: _Grid(256, 16, 110, _q3k_grid, _pack_q3k, -4, 3),
+          Q.Q4_K: _Grid(256, 32, 144, _q4k_grid, _pack_q4k, 0, 15, with_min=True),
+          Q.Q5_K: _Grid(256, 32, 176, _q4k_grid, _pack_q5k, 0, 31, with_min=True),
           Q.Q6_K: _Grid(256, 16, 210, _q6k_grid, _pack_q6k, -32, 31),
+          Q.Q4_0: _Grid(32, 32, 18, _d_grid, _pack_q4_0, -8, 7),
+          Q.Q4_1: _Grid(32, 32, 20, _dm_grid, _pack_q4_1, 0, 15, with_min=True),
           Q.Q5_0: _Grid(32, 32, 22, _d_grid, _pack_q5_0, -16, 15),
+          Q.Q5_1: _Grid(32, 32, 24, _dm_grid, _pack_q5_1, 0, 31, with_min=True),
           Q.Q8_0: _Grid(32, 32, 34, _d_grid, _pack_q8_0, -128, 127)}
 
 
 class GGMLColumnGrid:
     """GPTQ's round-to-grid step onto a GGML block grid (GPTQ_GRIDS).
 
-    At each block start (256 columns for K-quants, 32 for Q5_0/Q8_0) the encoder picks the
+    At each block start (256 columns for K-quants, 32 for the 32-wide types) the encoder picks the
     grid from the updated columns; each column is then rounded to that grid as ggml-quants.c
     rounds once the stored (fp16) scales are fixed:
+      Q2_K  q = clamp(nearest((x + dmin*m) / (d*sc)), 0, 3),    x' = d*sc*q - dmin*m
+      Q3_K  q = clamp(nearest(x / (d*(sc-32))), -4, 3),         x' = d*(sc-32)*q
       Q4_K  q = clamp(nearest((x + dmin*m) / (d*sc)), 0, 15),   x' = d*sc*q - dmin*m
+      Q5_K  q = clamp(nearest((x + dmin*m) / (d*sc)), 0, 31),   x' = d*sc*q - dmin*m
       Q6_K  q = clamp(nearest(x / (d*sc)), -32, 31),            x' = d*sc*q
+      Q4_0  q = clamp(nearest(x / d), -8, 7),                   x' = d*q
+      Q4_1  q = clamp(nearest((x - m) / d), 0, 15),             x' = d*q + m
       Q5_0  q = clamp(nearest(x / d), -16, 15),                 x' = d*q
+      Q5_1  q = clamp(nearest((x - m) / d), 0, 31),             x' = d*q + m
       Q8_0  q = clamp(nearest(x / d), -128, 127),               x' = d*q
-    (Q5_0/Q8_0: llama.cpp rounds with its float32 scale before storing it in fp16, so with
+    (32-wide types: llama.cpp rounds with its float32 scale before storing it in fp16, so with
     H = I a code can differ from its in rare ties; the grid is the stored one either way.
     A zero step gives value 0 - offset whatever the code.)
     """
@@ -133,7 +223,7 @@ class GGMLColumnGrid:
         self.qtype = qtype
         self.g = _GRIDS[qtype]
         self.qw = qw
-        self.rows = rows  # the original rows: Q5_0's imatrix weights read their sum(x^2) / K
+        self.rows = rows  # the original rows: the legacy types' imatrix weights read their sum(x^2) / K
         self.blocks = torch.empty(n, k // self.g.block, self.g.size, dtype=torch.uint8)
         self.dequantized = torch.empty(n, k)
         self._step = self._offset = None
