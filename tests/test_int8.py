@@ -270,8 +270,9 @@ def test_artifacts_equal_llm_compressor(llmc_int8, capsys):
             assert steps == 1 and share < 0.12, report[-1]
             assert err_ours < err_ref, (err_ours, err_ref)
             report[-1] += f"; mean |w_hat - w| quantkit / llm-compressor {err_ours / err_ref:.4f}"
-        else:  # measured 18.4 %, 3 steps, scales 1.7 %, norms 1.4 %
-            assert steps <= 3 and share < 0.25 and worst_scale < 0.03 and worst_dense < 0.03, \
+        else:  # measured 18.4 %, 3 steps, scales 1.7 %, norms 1.4 % (float32 statistics);
+            # 15.6 %, 4 steps, 1.55 %, 1.43 % (bf16 SDPA statistics: CPUs with native bf16)
+            assert steps <= 4 and share < 0.25 and worst_scale < 0.03 and worst_dense < 0.03, \
                 report[-1]
     with capsys.disabled():
         print("\nquantkit vs llm-compressor 0.14.0.1 int8 (tiny Llama): " + "; ".join(report))
@@ -289,9 +290,10 @@ def test_llm_compressor_smoothquant_rederived_exactly(llmc_int8):
         quantized (unquantized outputs propagated, as quantkit does);
       - range = max - min, s = range^0.5 / (2 max|W|)^0.5 clamped at 1e-5, all in bf16;
         norm.div_(s), W.mul_(s) in bf16; codes round(bf16(W * s) / scale) in bf16.
-    quantkit computes the statistics in a float32 SDPA forward and s in float32, so its norms
-    are ~1 % off and the weight scales (per row, set by the smoothed row max) ~1.5 %: up to 3
-    int8 steps near the top of the range."""
+    quantkit computes the statistics in an SDPA forward (float32, or bf16 on CPUs with native
+    bf16 GEMMs) and s in float32, so its norms are ~1 % off and the weight scales (per row, set
+    by the smoothed row max) ~1.5 %: up to 3 (float32) or 4 (bf16 SDPA) int8 steps near the
+    top of the range."""
     from transformers import AutoModelForCausalLM
 
     model_dir, _, refs = llmc_int8
@@ -349,7 +351,7 @@ def test_static_artifact_equals_llm_compressor(llmc_int8, capsys):
     Both of llm-compressor's input scales are re-derived here bit for bit from a bf16
     eager-attention forward over the windows in order: per window min / max of each Linear's
     input, then the moving average or the running min / max, each op in bf16, and
-    max(|min|, |max|) / 127.5 in bf16. quantkit's scales (float32 SDPA forward) lie within 1 % of
+    max(|min|, |max|) / 127.5 in bf16. quantkit's scales (SDPA forward, float32 or bf16) lie within 1 % of
     the static_minmax ones. quantkit keeps max|x|, llm-compressor's FP8 static observer: the
     moving average depends on the windows' order (llm-compressor shuffles them with an unseeded
     sampler by default; reversed here, every scale changes) and in vLLM's static path (x / scale
