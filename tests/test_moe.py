@@ -295,18 +295,22 @@ def test_awq_expert_chunks_give_the_same_artifact_with_bounded_inputs(
     """AWQ's up -> down searches and clips over chunks of experts (the down_proj inputs
     replayed, searched and freed chunk by chunk) write the same bytes as the one-pass capture
     (the fixtures, default expert_input_bytes), while the expert inputs held at once stay
-    within `expert_input_bytes`. Tiny model, 512 calibration tokens, float32 on the CPU: each
-    expert's down_proj input is 512 x 256 x 4 B = 512 KiB with all experts calibrated (4 MiB
-    for 8), ~128 KiB routed."""
+    within `expert_input_bytes`. Tiny model, 512 calibration tokens, in the CPU's compute
+    dtype (4 B float32, 2 B bf16 where torch has native bf16 GEMMs): each expert's down_proj
+    input is 512 x 256 x 4 B = 512 KiB in float32 with all experts calibrated (4 MiB for 8),
+    ~128 KiB routed; half that in bf16."""
     import logging
 
+    from quantkit.pipeline.quantize import compute_dtype_for
+
+    elem = torch.finfo(compute_dtype_for("cpu", torch.bfloat16, True)).bits // 8
     caplog.set_level(logging.DEBUG, logger="quantkit.awq")
     if experts == "all":
-        budget, reference = 3 * 512 * 1024, starved_awq_all_experts  # 3 experts a chunk
+        budget, reference = 3 * 512 * 256 * elem, starved_awq_all_experts  # 3 experts a chunk
         chunked = _quantize(starved_model, tmp_path / "chunked", "awq", moe_calibrate_all_experts=True,
                             method_options={**AWQ_FASTER, "expert_input_bytes": budget})
     else:
-        budget, reference = 256 * 1024, awq_artifact
+        budget, reference = 64 * 1024 * elem, awq_artifact
         chunked = _quantize(moe_model, tmp_path / "chunked", "awq",
                             method_options={**AWQ_FAST, "expert_input_bytes": budget})
     assert (chunked / "model.safetensors").read_bytes() == (reference / "model.safetensors").read_bytes()
@@ -316,7 +320,7 @@ def test_awq_expert_chunks_give_the_same_artifact_with_bounded_inputs(
     # what stays in the one-pass capture: q/k/v's input, o_proj's and the experts' gate/up
     # input (all experts: one shared tensor; routed: 2 x 512 gathered rows): no down_proj's
     rows = 3 * 512 if experts == "all" else 4 * 512
-    assert all(h["one_pass_bytes"] == rows * 256 * 4 for h in held), held
+    assert all(h["one_pass_bytes"] == rows * 256 * elem for h in held), held
 
 
 def test_awq_starved_experts_scale_one_and_all_experts_calibration(starved_model, starved_awq_all_experts,
