@@ -46,20 +46,11 @@ sys.path.insert(0, str(REPO / "tests"))
 
 from gguf_vs_llamacpp import _llama_cpp, _model_dir, _quantkit, _same_tensors, _score  # noqa: E402
 
+from quantkit.engines.capabilities import cpu_info  # noqa: E402
 from quantkit.info import artifact_info  # noqa: E402
 from quantkit.methods.imatrix import load_imatrix  # noqa: E402
 
 TYPES = "q2_k,q3_k_m,q4_k_m,q5_k_m,q6_k,q8_0"
-
-
-def _cpu() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def _model(spec: str, work: Path) -> str:
@@ -214,7 +205,7 @@ def main() -> None:
                  "model": args.model, "types": args.types, "threads": args.threads,
                  "calibration_windows": {"calib_samples": args.calib_samples,
                                          "calib_seqlen": args.calib_seqlen},
-                 "machine": {"cpu": _cpu(), "cpus": os.cpu_count(), "platform": platform.platform(),
+                 "machine": {"cpu": cpu_info()["model"], "cpus": os.cpu_count(), "platform": platform.platform(),
                              "loadavg_start": os.getloadavg(), "torch": torch.__version__},
                  "seconds": {}, "points": {}}
     work = Path(tempfile.mkdtemp(prefix="gguf-curve-"))

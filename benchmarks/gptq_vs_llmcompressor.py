@@ -217,6 +217,7 @@ def main(argv: list[str] | None = None) -> None:
     from safetensors.torch import save_file
 
     from quantkit.calibration import load_calibration
+    from quantkit.engines.capabilities import cpu_info
     from quantkit.model_io import load_tokenizer, resolve_model
 
     args.workdir.mkdir(parents=True, exist_ok=True)
@@ -275,7 +276,7 @@ def main(argv: list[str] | None = None) -> None:
                    "compute_dtype": {k: r.get("compute_dtype") for k, r in runs.items()}},
         "calibration": {**calib.provenance, "file": str(args.workdir / "calib_ids.safetensors"),
                         "shared_by_both_sides": True},
-        "machine": {"cpu": _cpu_name(), "cores": os.cpu_count(), "torch_threads": args.threads or "default",
+        "machine": {"cpu": cpu_info()["model"], "cores": os.cpu_count(), "torch_threads": args.threads or "default",
                     "load_avg_at_end": os.getloadavg(), "python": platform.python_version()},
         "time_note": "job_s (the compared time): load the model + calibrate + quantize + save the "
                      "artifact, imports done before the timer on both sides (quantkit quantize(); "
@@ -300,16 +301,6 @@ def _git_commit() -> str | None:
     proc = subprocess.run(["git", "-C", str(HERE), "rev-parse", "HEAD"], capture_output=True,
                           text=True)
     return proc.stdout.strip() or None
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def print_table(r: dict) -> None:
