@@ -298,8 +298,9 @@ def test_plan_within_30_percent_gptq_when_activations_dominate(tiny_model_factor
     constant. Measured 2.75 GiB on 2 cores, planned 2.63, with intermediate 3072 in float32; the
     width is 6144 since CPUs with native bf16 GEMMs calibrate in bf16 (half the bytes). Fails when the one-pass forward
     reuses freed heap memory again (3.1-3.4 GiB peaks with intermediate 1536) or when the
-    plan stops counting the paused batches (quantkit.pipeline.plan)."""
-    model = tiny_model_factory("llama", hidden=128, intermediate=6144, layers=2, heads=4, kv_heads=2)
+    plan stops counting the paused batches (quantkit.pipeline.plan). One layer: the peak is one
+    block's, and a second layer only doubled the GPTQ solves of the 6144-wide down_proj."""
+    model = tiny_model_factory("llama", hidden=128, intermediate=6144, layers=1, heads=4, kv_heads=2)
     calib = ["--calib", "mixed", "--calib-samples", "280", "--calib-seqlen", "512"]
     proc, peak = run_measured(["quantize", str(model), "--method", "gptq", *calib,
                                "-o", str(tmp_path / "out")])
