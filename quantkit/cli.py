@@ -180,6 +180,7 @@ def _method_options(f):
 _INT_METHODS = ("rtn", "gptq", "awq")
 _CALIBRATED = ("gptq", "awq", "gguf", "fp8", "int8", "nvfp4", "mxfp4")
 _CALIB_FLAGS = ("calib", "calib_samples", "calib_seqlen", "chat", "seed", "text_column")
+_MOE_FLAGS = ("moe_calibrate_all_experts", "expert_min_tokens")
 # which methods read each flag (click parameter names); given explicitly to another method, a
 # flag is refused rather than silently ignored or recorded as if it had been applied
 FLAG_READERS: dict[str, tuple[str, ...]] = {
@@ -190,9 +191,9 @@ FLAG_READERS: dict[str, tuple[str, ...]] = {
     "smoothquant": ("int8",), "smoothquant_pairs": ("int8",),
     "rounding": ("int8", "nvfp4", "mxfp4", "gguf"),
     **dict.fromkeys(_CALIB_FLAGS, _CALIBRATED),
-    # per-expert statistics: GPTQ's Hessians and AWQ's activation means of mixture-of-experts
-    # blocks
-    "moe_calibrate_all_experts": ("gptq", "awq"), "expert_min_tokens": ("gptq", "awq"),
+    # per-expert statistics of mixture-of-experts blocks: GPTQ's Hessians, AWQ's activation
+    # means, int8 / NVFP4 W4A4 input scales, SmoothQuant ranges, FP4 / int8 GPTQ rounding
+    **dict.fromkeys(_MOE_FLAGS, ("gptq", "awq", "int8", "nvfp4", "mxfp4")),
 }
 
 
@@ -219,7 +220,7 @@ def check_flags_apply(ctx: click.Context, method: str, fp8_scheme: str | None,
             raise QuantkitError(
                 f"{flag} is read by --method {' / '.join(readers)} only; --method {method} does "
                 "not use it.", f"Drop {flag}, or use --method {readers[0]}.")
-    calib = [given[n] for n in _CALIB_FLAGS if n in given]
+    calib = [given[n] for n in (*_CALIB_FLAGS, *_MOE_FLAGS) if n in given]
     rounding = ctx.params.get("rounding") or "rtn"
     if method in ("int8", "nvfp4", "mxfp4", "gguf") and "damp" in given and rounding != "gptq":
         raise QuantkitError(f"--damp is read by --method {method} only with --rounding gptq.",

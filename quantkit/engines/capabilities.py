@@ -49,6 +49,9 @@ _WHY = {
            "DeepSeek-V3's grouped sigmoid routing)",
     "moe_fp8": "vLLM's CPU FP8 mixture-of-experts kernels take 128x128 block-scaled experts "
                "only, on CPUs with AMX",
+    "moe_int8_static": "vLLM 0.32 has no mixture-of-experts method for int8 experts with "
+                       "static inputs on any device (compressed-tensors' int8 MoE takes "
+                       "dynamic per-token inputs only: 'Unsupported FusedMoe scheme')",
     "fp8_kv_cache": "vLLM's CPU attention has no FP8 KV cache here ({why})",
     "fp8_kv_cache_head": "vLLM's CPU attention takes an FP8 KV cache only for head sizes "
                          "divisible by 32",
@@ -281,6 +284,8 @@ def vllm_cannot_run(scheme: QuantScheme | Mapping | str, *, moe: bool = False) -
         return f"vLLM cannot start here ({caps.error.rstrip('.')})"
     if moe and kind == "fp8" and (group != 128 or not caps.moe_quantized):
         return _WHY["moe_fp8"]  # vLLM 0.32: CPUExpertsFp8 takes 128-blocks (W8A16 / AMX W8A8)
+    if moe and kind == "int" and activations == "static":
+        return _WHY["moe_int8_static"]
     if moe and not caps.moe_quantized:
         return _WHY["moe"]
     if kind == "int" and activations:  # W8A8: oneDNN int8 GEMM + int8 input quantization
@@ -324,6 +329,9 @@ _KNOWN_FAILURES = [
     (r"No WNA16 MoE backend supports", "moe"),
     (r"No Int8 MoE backend supports", "moe"),  # W8A8 experts: CPUExpertsInt8 needs AMX
     (r"Unsupported FP8 MoE backend: NONE", "moe_fp8"),
+    # int8 experts with static per-tensor inputs: no compressed-tensors MoE method matches
+    (r"Unsupported FusedMoe scheme: num_bits=8 type='int'.*, num_bits=8 type='int' .*"
+     r"strategy='tensor'.*dynamic=False", "moe_int8_static"),
     (r"FP8 KV cache on CPU requires x86 with AVX-512 or AMX", "fp8_kv_cache"),
     (r"FP8 KV cache requires head_size divisible by 32 on CPU", "fp8_kv_cache_head"),
 ]

@@ -39,7 +39,6 @@ How a result is encoded (formats read only this, never this module):
 from __future__ import annotations
 
 import time
-import warnings
 
 import torch
 
@@ -63,6 +62,7 @@ from quantkit.methods.gptq import (
     prepare_hessian,
     shared_input_sets,
 )
+from quantkit.methods.intquant import announce_rtn_fallback, borrow_input_scales, starved_experts
 from quantkit.types import BlockContext, QuantResult, QuantScheme
 
 __all__ = ["FP4Quantizer", "FP4ColumnGrid", "fp4_scheme", "gptq_fp4", "NVFP4_SCHEMES", "GROUPS",
@@ -149,9 +149,10 @@ class FP4Quantizer:
         self.stats: tuple[str, ...] = (("absmax",) if self.w4a4 else ()) + (
             ("hessian",) if self.gptq else ())
         self.needs_calibration = bool(self.stats)
-        # MoE experts: W4A4 input scales come per expert from its routed tokens, and an expert
-        # the router fed nothing borrows one (loudly); GPTQ rounding has no such fallback yet
-        self.moe_calibrated = self.w4a4 and not self.gptq
+        # MoE experts: W4A4 input scales come per expert from its routed tokens and GPTQ rounds
+        # each expert with its own Hessian; an expert the router fed nothing borrows an input
+        # scale and keeps its RTN codes (both loudly)
+        self.moe_calibrated = True
         # RTN: input scales are observed on the unquantized model. GPTQ: later Linears and
         # blocks calibrate on the quantized outputs (q/k/v -> o -> gate/up -> down), as
         # --method gptq does; on the CPU that order runs in one forward per block
@@ -197,41 +198,6 @@ class FP4Quantizer:
             amax = m if amax is None else torch.maximum(amax, m)
         return nvfp4_global_scale(amax, self.dtype)
 
-    def _no_tokens(self, ctx: BlockContext, group: tuple[str, ...]) -> bool:
-        """Whether `group` is routed experts' Linears that received no calibration token."""
-        return ctx.arch is not None and all(
-            ctx.arch.is_expert_linear(n) and not (ctx.stats.get(n) or {}).get("tokens")
-            for n in group)
-
-    def _borrow_input_scales(self, ctx: BlockContext, results: dict[str, QuantResult],
-                             starved: list[str]) -> None:
-        """Experts the router fed no calibration token get, per projection, the smallest input
-        global scale (the widest input range) of the block's calibrated experts: a scale the
-        engine may apply to them without clipping more than any calibrated expert clips (and
-        the one kernels that share one scale across experts take anyway). Loud: warned and
-        recorded as the Linear's fallback."""
-        donors: dict[str, torch.Tensor] = {}
-        for n, res in results.items():
-            g = res.extra.get("input_global_scale")
-            if g is not None and ctx.arch.is_expert_linear(n):
-                proj = n.rsplit(".", 1)[-1]
-                donors[proj] = g if proj not in donors else torch.minimum(donors[proj], g)
-        for n in starved:
-            proj = n.rsplit(".", 1)[-1]
-            if proj not in donors:
-                raise CalibrationError(
-                    f"NVFP4 W4A4 input scales: no expert {proj} of block {ctx.index} received a "
-                    "calibration token, so none has an input scale to share.",
-                    "Use more calibration samples or --moe-calibrate-all-experts.")
-            results[n].extra["input_global_scale"] = donors[proj].clone()
-            results[n].fallback = "input_global_scale of the block's widest calibrated expert"
-        shown = ", ".join(starved[:6]) + (" ..." if len(starved) > 6 else "")
-        warnings.warn(
-            f"NVFP4 W4A4: {len(starved)} expert Linear(s) of block {ctx.index} received no "
-            f"calibration tokens and take the smallest input global scale of the block's "
-            f"calibrated experts: {shown}. Use --moe-calibrate-all-experts to calibrate each "
-            "on every token.", RuntimeWarning, stacklevel=2)
-
     def quantize_block(self, ctx: BlockContext) -> dict[str, QuantResult]:
         results: dict[str, QuantResult] = {}
         nv = self._scheme.kind == "nvfp4"
@@ -243,7 +209,7 @@ class FP4Quantizer:
                 shared = torch.cat([nvfp4_global_scale(w.abs().amax(), self.dtype)
                                     for w in weights.values()]).min().reshape(1)
             in_scale = None
-            if self.w4a4 and self._no_tokens(ctx, group):
+            if self.w4a4 and starved_experts(ctx, group):
                 starved += group  # filled in from the calibrated experts once all are done
             elif self.w4a4:
                 in_scale = self._input_global_scale(ctx, group)
@@ -264,7 +230,8 @@ class FP4Quantizer:
                 res.seconds = time.perf_counter() - t0
                 results[n] = res
         if starved:
-            self._borrow_input_scales(ctx, results, starved)
+            borrow_input_scales(ctx, results, starved, "input_global_scale", torch.minimum,
+                                "NVFP4 W4A4", "smallest input global scale")
         if self.gptq:
             self._gptq_codes(ctx, results)
         for n, res in results.items():  # the stored weight, exactly: what later blocks see
@@ -279,7 +246,7 @@ class FP4Quantizer:
         """Replace the RTN codes with GPTQ's under the same scales; Linears that read the same
         input (q/k/v, gate/up) share H and are solved as one stacked weight."""
         prefix = f"{ctx.arch.block_path}.{ctx.index}." if ctx.arch is not None else f"block {ctx.index} "
-        calibrated = []
+        calibrated, starved = [], []
         for n in ctx.linears:
             st = ctx.stats.get(n) or {}
             if st.get("tokens") and "hessian" in st:
@@ -290,7 +257,11 @@ class FP4Quantizer:
                     "no Hessian to round with.",
                     f"Use more or longer calibration samples, or drop --rounding gptq "
                     f"(--method {self.name} rounds to nearest without calibration).")
-            # an expert routing chose for no token keeps its RTN codes
+            else:  # an expert routing chose for no token keeps its RTN codes
+                starved.append(n)
+                results[n].fallback = (f"rtn; {results[n].fallback}" if results[n].fallback
+                                       else "rtn")
+        announce_rtn_fallback(ctx, starved, f"{self.name} GPTQ rounding", stacklevel=3)
         group = self._scheme.group_size
         for names in shared_input_sets(ctx, calibrated):
             t0 = time.perf_counter()

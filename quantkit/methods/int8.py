@@ -30,7 +30,12 @@ import torch
 from quantkit.errors import CalibrationError, SchemeMismatch
 from quantkit.methods.fp8 import fused_groups
 from quantkit.methods.gptq import DEFAULT_BLOCK_SIZE, DEFAULT_DAMP, GPTQQuantizer
-from quantkit.methods.intquant import relative_error, rtn_quantize_weight
+from quantkit.methods.intquant import (
+    borrow_input_scales,
+    relative_error,
+    rtn_quantize_weight,
+    starved_experts,
+)
 from quantkit.methods.scaling import require_scaling_table
 from quantkit.methods.smoothquant import (
     SMOOTHQUANT_PAIRS,
@@ -96,6 +101,10 @@ class Int8Quantizer:
             stats.append("hessian")
         self.stats: tuple[str, ...] = tuple(stats)
         self.needs_calibration = bool(self.stats)
+        # MoE experts: static input scales per expert from its routed tokens (an expert the
+        # router fed nothing borrows the widest, loudly), SmoothQuant's norm scale shared by
+        # the router and every expert, GPTQ per expert (RTN for a starved one, loudly)
+        self.moe_calibrated = True
         # GPTQ's choice: later blocks calibrate on this block's quantized outputs
         self.propagate_quantized = self._gptq is not None
         self.calib_batch_size = 8  # the same sums as batch 1, fewer and larger ops (see GPTQ)
@@ -148,10 +157,17 @@ class Int8Quantizer:
                 w_hat = _unsmoothed(res.dequantize().to(originals[name].device), name, smooth)
                 res.loss = relative_error(originals[name], w_hat)
         if self.static:
-            for group in fused_groups(ctx):
+            starved: list[str] = []
+            for group in fused_groups(ctx):  # q/k/v, and each expert's gate/up, share one
+                if starved_experts(ctx, group):
+                    starved += group  # borrowed from the calibrated experts below
+                    continue
                 scale = _static_input_scale(ctx, group, smooth)
                 for name in group:
                     results[name].extra["input_scale"] = scale.clone()
+            if starved:
+                borrow_input_scales(ctx, results, starved, "input_scale", torch.maximum,
+                                    "int8 static", "largest input scale")
         seconds = time.perf_counter() - t0
         total = sum(lin.weight.numel() for lin in ctx.linears.values())
         for name, res in results.items():

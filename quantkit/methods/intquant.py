@@ -13,11 +13,12 @@ import warnings
 
 import torch
 
-from quantkit.errors import SchemeMismatch
+from quantkit.errors import CalibrationError, SchemeMismatch
 from quantkit.types import BlockContext, QuantResult, QuantScheme, int_qrange
 
 __all__ = ["check_int_scheme", "group_qparams", "quantize_to_codes", "rtn_quantize_weight",
-           "relative_error", "rtn_fallback", "announce_rtn_fallback"]
+           "relative_error", "rtn_fallback", "announce_rtn_fallback", "starved_experts",
+           "borrow_input_scales"]
 
 SUPPORTED_BITS = (2, 3, 4, 8)
 
@@ -122,3 +123,42 @@ def rtn_fallback(ctx: BlockContext, names: list[str], method: str) -> dict[str, 
         res.seconds = time.perf_counter() - t0
         results[name] = res
     return results
+
+
+def starved_experts(ctx: BlockContext, names) -> bool:
+    """Whether `names` are routed experts' Linears that all received no calibration token."""
+    return ctx.arch is not None and all(
+        ctx.arch.is_expert_linear(n) and not (ctx.stats.get(n) or {}).get("tokens") for n in names)
+
+
+def borrow_input_scales(ctx: BlockContext, results: dict[str, QuantResult], starved: list[str],
+                        key: str, widest, method: str, what: str) -> None:
+    """Experts the router fed no calibration token get, per projection (gate_proj, up_proj,
+    down_proj), the static input scale `extra[key]` of the block's calibrated experts with the
+    widest input range (`widest`: torch.minimum for NVFP4's global scale 448 * 6 / max|x|,
+    torch.maximum for int8's max|x| / 127.5): a scale the engine may apply to them without
+    clipping more than any calibrated expert clips. Loud: one warning per block, and the
+    Linear's `fallback` (quantkit_stats.json, quantkit.json). `what` names that scale in the
+    warning."""
+    donors: dict[str, torch.Tensor] = {}
+    for n, res in results.items():
+        s = res.extra.get(key)
+        if s is not None and n not in starved and ctx.arch.is_expert_linear(n):
+            proj = n.rsplit(".", 1)[-1]
+            donors[proj] = s if proj not in donors else widest(donors[proj], s)
+    for n in starved:
+        proj = n.rsplit(".", 1)[-1]
+        if proj not in donors:
+            raise CalibrationError(
+                f"{method} input scales: no expert {proj} of block {ctx.index} received a "
+                "calibration token, so none has an input scale to share.",
+                "Use more calibration samples or --moe-calibrate-all-experts.")
+        results[n].extra[key] = donors[proj].clone()
+        why = f"{key} of the block's widest calibrated expert"
+        results[n].fallback = f"{results[n].fallback}; {why}" if results[n].fallback else why
+    shown = ", ".join(starved[:6]) + (" ..." if len(starved) > 6 else "")
+    warnings.warn(
+        f"{method}: {len(starved)} expert Linear(s) of block {ctx.index} received no "
+        f"calibration tokens and take the {what} of the block's calibrated experts: {shown}. "
+        "Use --moe-calibrate-all-experts to calibrate each on every token.",
+        RuntimeWarning, stacklevel=3)

@@ -29,10 +29,11 @@ from dataclasses import dataclass, field
 import torch
 
 from quantkit.errors import CalibrationError, SchemeMismatch
+from quantkit.methods.intquant import starved_experts
 from quantkit.methods.scaling import fold_scale, scale_plans
 from quantkit.types import BlockContext
 
-__all__ = ["smoothing_scales", "smooth_block", "Smoothing", "check_alpha", "input_range",
+__all__ = ["smoothing_scales", "smooth_block", "group_input_range", "Smoothing", "check_alpha", "input_range",
            "SMOOTHQUANT_STATS", "SMOOTHQUANT_PAIRS"]
 
 MIN_SCALE = 1e-5
@@ -64,6 +65,20 @@ def input_range(st: dict) -> torch.Tensor:
     return st["colmax"].float() - st["colmin"].float()
 
 
+def group_input_range(stats: dict, names: list[str]) -> torch.Tensor | None:
+    """Per-channel max x - min x of the input a scaling group's Linears share, over every
+    calibration token: the extremes over its fed members. q/k/v read the same tokens; an MoE
+    block's experts each read their routed ones, and every token is routed to some expert
+    (top-k >= 1), so the experts' extremes together are those of the block's whole normalised
+    input (the router's too). None when no member received a token."""
+    fed = [st for st in (stats.get(n) or {} for n in names) if st.get("tokens") and "colmax" in st]
+    if not fed:
+        return None
+    hi = torch.stack([st["colmax"].float() for st in fed]).amax(0)
+    lo = torch.stack([st["colmin"].float().to(hi.device) for st in fed]).amin(0)
+    return hi - lo
+
+
 @dataclass
 class Smoothing:
     """What smooth_block did: `col[name]` [K] multiplies each Linear's input columns (its input
@@ -90,14 +105,20 @@ def smooth_block(ctx: BlockContext, alpha: float, log=None, pairs: str = "all") 
         for plan in scale_plans(ctx, log=log, method="SmoothQuant"):
             if plan.mode == "skip" or (pairs == "norms" and plan.mode != "norm"):
                 continue
-            first = next(iter(plan.balance))
-            st = ctx.stats.get(first) or {}
-            if "colmax" not in st or not st.get("tokens"):
+            act_range = group_input_range(ctx.stats, list(plan.balance))
+            if act_range is None and starved_experts(ctx, plan.balance):
+                # an expert's up -> down the router fed no token: nothing to smooth on (s = 1)
+                out.history.append({"block": ctx.index, "prev": plan.group.prev,
+                                    "balance": list(plan.balance), "mode": "skip",
+                                    "reason": "no calibration tokens"})
+                continue
+            if act_range is None:
                 raise CalibrationError(
-                    f"SmoothQuant: {first} of block {ctx.index} received no calibration tokens.",
+                    f"SmoothQuant: {next(iter(plan.balance))} of block {ctx.index} received no "
+                    "calibration tokens.",
                     "Pass calibration data (--calib, --calib-samples >= 1), or drop --smoothquant.")
-            s = smoothing_scales(input_range(st).to(dev), [lin.weight.data for lin in
-                                                            plan.balance.values()], alpha)
+            s = smoothing_scales(act_range.to(dev), [lin.weight.data for lin in
+                                                      plan.balance.values()], alpha)
             fold_scale(plan, s, col, row, {})
             out.history.append({"block": ctx.index, "prev": plan.group.prev,
                                 "balance": list(plan.balance), "mode": plan.mode,
