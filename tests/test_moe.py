@@ -293,7 +293,8 @@ def starved_awq_all_experts(starved_model, tmp_path_factory) -> Path:
 def test_awq_expert_chunks_give_the_same_artifact_with_bounded_inputs(
         moe_model, awq_artifact, starved_model, starved_awq_all_experts, tmp_path, caplog, experts):
     """AWQ's up -> down searches and clips over chunks of experts (the down_proj inputs
-    replayed, searched and freed chunk by chunk) write the same bytes as the one-pass capture
+    replayed, searched and freed chunk by chunk; routed, the gate/up inputs too, replayed for
+    their clips after the fold) write the same bytes as the one-pass capture
     (the fixtures, default expert_input_bytes), while the expert inputs held at once stay
     within `expert_input_bytes`. Tiny model, 512 calibration tokens, in the CPU's compute
     dtype (4 B float32, 2 B bf16 where torch has native bf16 GEMMs): each expert's down_proj
@@ -317,10 +318,12 @@ def test_awq_expert_chunks_give_the_same_artifact_with_bounded_inputs(
     held = [r.awq_capture for r in caplog.records if hasattr(r, "awq_capture")]
     assert len(held) == 2 and all(h["expert_chunks"] >= 3 for h in held), held
     assert all(0 < h["largest_chunk_bytes"] <= budget for h in held), held
-    # what stays in the one-pass capture: q/k/v's input, o_proj's and the experts' gate/up
-    # input (all experts: one shared tensor; routed: 2 x 512 gathered rows): no down_proj's
-    rows = 3 * 512 if experts == "all" else 4 * 512
+    # what stays in the one-pass capture: q/k/v's input, o_proj's and, with all experts, the
+    # experts' one shared gate/up input; no down_proj's. Routed, each expert's own gate/up
+    # rows (2 x 512 gathered rows in all) are replayed chunk by chunk for their clip instead
+    rows = 3 * 512 if experts == "all" else 2 * 512
     assert all(h["one_pass_bytes"] == rows * 256 * elem for h in held), held
+    assert all((h["gate_up_chunks"] >= 3) == (experts == "routed") for h in held), held
 
 
 def test_awq_starved_experts_scale_one_and_all_experts_calibration(starved_model, starved_awq_all_experts,
