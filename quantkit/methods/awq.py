@@ -146,8 +146,10 @@ def fake_quantize(w: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
 def weight_mean(weights: torch.Tensor, group: int) -> torch.Tensor:
     """w_mean[k]: mean over rows of |w| normalised by its group's max|w| ([N, K] -> [K])."""
     n, k = weights.shape
-    wg = weights.float().abs().reshape(n, k // group, group)
-    return (wg / (wg.amax(-1, keepdim=True) + 1e-6)).reshape(n, k).mean(0)
+    # one fp32 copy, divided in place (the MoE's shared group: 256 Linears, 1.5 GiB each copy)
+    wg = weights.float().reshape(n, k // group, group)
+    wg = (wg.clone() if wg.data_ptr() == weights.data_ptr() else wg).abs_()
+    return wg.div_(wg.amax(-1, keepdim=True) + 1e-6).reshape(n, k).mean(0)
 
 
 def candidate_scales(x_mean: torch.Tensor, w_mean: torch.Tensor | None, n_grid: int) -> torch.Tensor:
@@ -663,13 +665,17 @@ class AWQQuantizer:
             return torch.ones(k, device=dev), {
                 "block": ctx.index, "prev": plan.group.prev, "balance": names, "alpha": None,
                 "loss": None, "rtn_loss": None, "reason": "no calibration tokens"}
-        weights = [plan.balance[n].weight.data.float().clone() for n in names]
+        # the originals in their own dtype (restored after the search; .float() of them is
+        # exact): the MoE's shared group holds 256 expert Linears, 0.75 GiB in bf16, not 1.5
+        weights = [plan.balance[n].weight.data.clone() for n in names]
         stacked = torch.cat(weights)
         x_mean = (absmean.to(dev).float() / tokens).clamp(min=0)
         w_mean = weight_mean(stacked, ctx.scheme.effective_group(k)) if self.duo_scaling else None
         cands = candidate_scales(x_mean, w_mean, self.n_grid)
-        if not _is_single_linear(plan):
-            del stacked  # fp32 weights of all the group's Linears (the MoE's: 1.5 GiB) held once
+        if _is_single_linear(plan):
+            stacked = stacked.float()
+        else:
+            del stacked
         if _is_single_linear(plan):
             x = xs[names[0]]
             gram = _gram(x) if _gram_form(x, k) else None
@@ -686,7 +692,7 @@ class AWQQuantizer:
                     s = cands[i]
                     for n, w in zip(names, weights, strict=True):
                         lin = plan.balance[n]
-                        lin.weight.data.copy_((fake_quantize(w * s, ctx.scheme) / s).to(lin.weight.dtype))
+                        lin.weight.data.copy_((fake_quantize(w.float() * s, ctx.scheme) / s).to(lin.weight.dtype))
                     per_cand.append(_module_loss(mod, ref))
                 # one read-back per round (float64 -> float32 as the old per-item store)
                 return torch.stack(per_cand).cpu().float()
