@@ -146,8 +146,10 @@ def fake_quantize(w: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
 def weight_mean(weights: torch.Tensor, group: int) -> torch.Tensor:
     """w_mean[k]: mean over rows of |w| normalised by its group's max|w| ([N, K] -> [K])."""
     n, k = weights.shape
-    wg = weights.float().abs().reshape(n, k // group, group)
-    return (wg / (wg.amax(-1, keepdim=True) + 1e-6)).reshape(n, k).mean(0)
+    # one fp32 copy, divided in place (the MoE's shared group: 256 Linears, 1.5 GiB each copy)
+    wg = weights.float().reshape(n, k // group, group)
+    wg = (wg.clone() if wg.data_ptr() == weights.data_ptr() else wg).abs_()
+    return wg.div_(wg.amax(-1, keepdim=True) + 1e-6).reshape(n, k).mean(0)
 
 
 def candidate_scales(x_mean: torch.Tensor, w_mean: torch.Tensor | None, n_grid: int) -> torch.Tensor:
@@ -379,12 +381,17 @@ class AWQQuantizer:
         batches = self._search_batches(ctx, dev)
         chunks = self._expert_chunks(ctx, plans, batches)
         deferred = {n for chunk in chunks for n in chunk}
-        experts = ctx.block.get_submodule(spec.experts.module) if chunks else None
+        # routed experts' gate/up inputs: read only by their clip, found after the fold
+        clip_chunks = self._expert_clip_chunks(ctx, plans, batches, deferred)
+        late = {n for chunk in clip_chunks for n in chunk}
+        replay = bool(chunks or clip_chunks)
+        experts = ctx.block.get_submodule(spec.experts.module) if replay else None
         inspect = {p.group.inspect: submodule(ctx.block, p.group.inspect) for p in plans
                    if p.mode != "skip" and not _is_single_linear(p)}
-        linears = {n: lin for n, lin in ctx.linears.items() if n not in deferred}
+        linears = {n: lin for n, lin in ctx.linears.items() if n not in deferred and n not in late}
         seen = _capture(ctx, inspect, linears, batches,
-                        {spec.experts.module: experts} if chunks else {})
+                        {spec.experts.module: experts} if replay else {})
+        calls = seen.pop("in:" + spec.experts.module) if replay else None
         for key in list(seen):
             if key.startswith("mod:"):
                 seen[key] = _merge_batches(seen[key])
@@ -394,16 +401,15 @@ class AWQQuantizer:
         # 1-2: search every group on the unmodified block (the deferred experts' chunk by chunk)
         searched: dict[int, tuple[torch.Tensor, dict]] = {}
         clip_of: dict[str, torch.Tensor | None] = {}
+        largest = 0
         if chunks:
             plan_of = {next(iter(p.balance)): i for i, p in enumerate(plans)
                        if next(iter(p.balance)) in deferred}
-            largest = self._search_expert_chunks(ctx, chunks, plans, plan_of,
-                                                 seen.pop("in:" + spec.experts.module), experts,
+            largest = self._search_expert_chunks(ctx, chunks, plans, plan_of, calls, experts,
                                                  searched, clip_of, skip_clip, dev)
-        held = {"block": ctx.index, "one_pass_bytes": _held_bytes(xs), "expert_chunks": len(chunks),
-                "largest_chunk_bytes": largest if chunks else 0}
-        self.captures.append(held)
-        log.debug("AWQ block %d search inputs: %s", ctx.index, held, extra={"awq_capture": held})
+        one_pass = _held_bytes(xs)
+        if not clip_chunks:
+            calls = None  # the recorded expert calls: no later replay
         for i, plan in enumerate(plans):
             if plan.mode != "skip" and i not in searched:
                 searched[i] = self._search(ctx, plan, xs, seen, dev)
@@ -417,17 +423,28 @@ class AWQQuantizer:
         col = {n: torch.ones(lin.in_features, device=dev) for n, lin in ctx.linears.items()}
         row = {n: torch.ones(lin.out_features, device=dev) for n, lin in ctx.linears.items()}
         pqs: dict[str, torch.Tensor] = {}
+        in_scales: dict[str, list[torch.Tensor]] = {}  # the late Linears' input divisors
         with torch.no_grad():
             for plan, s in found:
                 fold_scale(plan, s, col, row, pqs)
                 scaled: dict[int, torch.Tensor] = {}  # balance Linears sharing x share x / s
                 for bname in plan.balance:
+                    if bname in late:  # clipped below on its chunk, its input divided then
+                        in_scales.setdefault(bname, []).append(s)
                     if bname not in xs:  # a deferred expert's: clipped on its chunk
                         continue
                     x = xs[bname]
                     if id(x) not in scaled:
                         scaled[id(x)] = _divide_tokens(x, s)
                     xs[bname] = scaled[id(x)]
+        if clip_chunks:
+            largest = max(largest, self._clip_expert_chunks(ctx, clip_chunks, calls, experts,
+                                                            in_scales, clip_of, skip_clip))
+        del calls
+        held = {"block": ctx.index, "one_pass_bytes": one_pass, "expert_chunks": len(chunks),
+                "gate_up_chunks": len(clip_chunks), "largest_chunk_bytes": largest}
+        self.captures.append(held)
+        log.debug("AWQ block %d search inputs: %s", ctx.index, held, extra={"awq_capture": held})
         # 4-5: clip, quantize
         # experts the router chose for no calibration token: no statistics, no clipping; they
         # still carry the scale of a group they share (the norm's fold divides their input)
@@ -528,6 +545,87 @@ class AWQQuantizer:
             held += need[n]
         return chunks
 
+    def _expert_clip_chunks(self, ctx: BlockContext, plans: list[ScalePlan], batches: int,
+                            deferred: set[str]) -> list[list[str]]:
+        """Routed experts' Linears whose search inputs only their clip reads (gate/up: the
+        norm's shared group reads the MoE block, not them), in chunks of whole experts of at
+        most `expert_input_bytes`; [] where those inputs together fit it, or where all experts
+        read the same tensor (--moe-calibrate-all-experts: one hidden-wide input, as q/k/v's).
+
+        Each expert holds its own routed rows (gate and up share them): Qwen3-30B-A3B shapes,
+        8 of 128 experts per token, 65536 search tokens: 8 x 65536 x 2048 x 2 B = 2 GiB. With
+        clip=False nothing reads them: every such Linear is left out of the capture."""
+        from quantkit.pipeline.experts import LinearExperts
+
+        spec = ctx.arch
+        if spec.experts is None or not ctx.inputs:
+            return []
+        try:
+            experts = ctx.block.get_submodule(spec.experts.module)
+        except AttributeError:
+            return []
+        if not isinstance(experts, LinearExperts) or experts.calibrate_all:
+            return []
+        inspected = {p.group.inspect for p in plans if p.mode != "skip" and _is_single_linear(p)}
+        prefix = spec.experts.module + "."
+        by_expert: dict[str, list[str]] = {}
+        for n in ctx.linears:
+            if spec.is_expert_linear(n) and n not in deferred and n not in inspected:
+                by_expert.setdefault(n[len(prefix):].partition(".")[0], []).append(n)
+        sizes = [h.shape[0] * h.shape[1] for h in ctx.inputs]
+        used, total = sum(sizes[:batches]), sum(sizes)
+        if not by_expert or not total:
+            return []
+        if not self.clip:
+            return [[n for names in by_expert.values() for n in names]]
+        need = {}
+        for e, names in by_expert.items():
+            lin = ctx.linears[names[0]]
+            tokens = int((ctx.stats.get(names[0]) or {}).get("tokens", 0))
+            need[e] = -(-tokens * used // total) * lin.in_features * lin.weight.element_size()
+        if sum(need.values()) <= self.expert_input_bytes:
+            return []
+        chunks: list[list[str]] = []
+        held = 0
+        for e, names in by_expert.items():
+            if not chunks or (held + need[e] > self.expert_input_bytes and chunks[-1]):
+                chunks.append([])
+                held = 0
+            chunks[-1] += names
+            held += need[e]
+        return chunks
+
+    def _clip_expert_chunks(self, ctx: BlockContext, chunks: list[list[str]], calls: _Seen,
+                            experts: torch.nn.Module, in_scales: dict[str, list[torch.Tensor]],
+                            clip_of: dict, skip_clip: set) -> int:
+        """After the fold: replay the experts module's recorded `calls` for one chunk of
+        experts at a time, divide each Linear's input by the scales folded into it (as the
+        one-pass capture's x / s) and find its clip on the folded weight; free the chunk.
+        Fills `clip_of`; returns the largest chunk's bytes (0 where nothing is clipped)."""
+        if not self.clip:
+            clip_of.update({n: None for chunk in chunks for n in chunk})
+            return 0
+        largest = 0
+        for chunk in chunks:
+            xs = _replay_inputs(experts, calls, {n: ctx.linears[n] for n in chunk})
+            largest = max(largest, _held_bytes(xs))
+            scaled: dict[int, torch.Tensor] = {}  # gate and up share one input, so x / s
+            for n in chunk:
+                x = xs.pop(n)
+                clip_of[n] = None
+                if n not in skip_clip and x.shape[0]:
+                    if id(x) not in scaled:
+                        y = x
+                        for s in in_scales.get(n, []):
+                            y = _divide_tokens(y, s)
+                        scaled[id(x)] = y
+                    w = ctx.linears[n].weight.data.float()
+                    clip_of[n] = search_clip(w, scaled[id(x)], ctx.scheme, self.clip_grid,
+                                             self.max_shrink)
+                del x
+            del xs, scaled
+        return largest
+
     def _search_expert_chunks(self, ctx: BlockContext, chunks: list[list[str]],
                               plans: list[ScalePlan], plan_of: dict[str, int], calls: _Seen,
                               experts: torch.nn.Module, searched: dict, clip_of: dict,
@@ -567,11 +665,17 @@ class AWQQuantizer:
             return torch.ones(k, device=dev), {
                 "block": ctx.index, "prev": plan.group.prev, "balance": names, "alpha": None,
                 "loss": None, "rtn_loss": None, "reason": "no calibration tokens"}
-        weights = [plan.balance[n].weight.data.float().clone() for n in names]
+        # the originals in their own dtype (restored after the search; .float() of them is
+        # exact): the MoE's shared group holds 256 expert Linears, 0.75 GiB in bf16, not 1.5
+        weights = [plan.balance[n].weight.data.clone() for n in names]
         stacked = torch.cat(weights)
         x_mean = (absmean.to(dev).float() / tokens).clamp(min=0)
         w_mean = weight_mean(stacked, ctx.scheme.effective_group(k)) if self.duo_scaling else None
         cands = candidate_scales(x_mean, w_mean, self.n_grid)
+        if _is_single_linear(plan):
+            stacked = stacked.float()
+        else:
+            del stacked
         if _is_single_linear(plan):
             x = xs[names[0]]
             gram = _gram(x) if _gram_form(x, k) else None
@@ -588,7 +692,7 @@ class AWQQuantizer:
                     s = cands[i]
                     for n, w in zip(names, weights, strict=True):
                         lin = plan.balance[n]
-                        lin.weight.data.copy_((fake_quantize(w * s, ctx.scheme) / s).to(lin.weight.dtype))
+                        lin.weight.data.copy_((fake_quantize(w.float() * s, ctx.scheme) / s).to(lin.weight.dtype))
                     per_cand.append(_module_loss(mod, ref))
                 # one read-back per round (float64 -> float32 as the old per-item store)
                 return torch.stack(per_cand).cpu().float()

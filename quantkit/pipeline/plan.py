@@ -129,14 +129,32 @@ def _staged_floats_per_token(hidden: int, inter: int, q_dim: int, kv_dim: int) -
 
 
 def _awq_expert_down_inputs(search: int, experts: int, top_k: int, width: int, act_bytes: int,
-                            all_experts: bool) -> int:
+                            all_experts: bool, budget: int = AWQ_EXPERT_INPUT_BYTES) -> int:
     """Bytes of the experts' down_proj search inputs AWQ holds at once (quantkit.methods.awq):
-    all of them where they fit AWQ_EXPERT_INPUT_BYTES, else one chunk of experts. An expert
-    reads every search token with all experts calibrated, top_k / experts of them routed."""
+    all of them where they fit `budget` (AWQQuantizer's expert_input_bytes), else one chunk
+    of experts. An expert reads every search token with all experts calibrated, top_k /
+    experts of them routed."""
     per_expert = search * (1 if all_experts else top_k / max(1, experts)) * width * act_bytes
-    if per_expert * experts <= AWQ_EXPERT_INPUT_BYTES:
+    if per_expert * experts <= budget:
         return int(per_expert * experts)
-    return int(max(1, AWQ_EXPERT_INPUT_BYTES // per_expert) * per_expert)
+    return int(max(1, budget // per_expert) * per_expert)
+
+
+def _awq_expert_gate_up_inputs(search: int, experts: int, top_k: int, hidden: int,
+                               act_bytes: int, all_experts: bool,
+                               budget: int = AWQ_EXPERT_INPUT_BYTES) -> tuple[int, bool]:
+    """(bytes, chunked) of the routed experts' gate/up search inputs AWQ holds at once: each
+    expert its own routed rows (top_k per search token in all), in the one-pass capture where
+    they fit `budget`, else replayed one chunk of experts at a time for their clip after the
+    fold (chunked). With all experts calibrated they read one shared hidden-wide tensor,
+    counted with the block's other inputs: 0."""
+    if all_experts:
+        return 0, False
+    total = search * top_k * hidden * act_bytes
+    if total <= budget:
+        return int(total), False
+    per_expert = total / max(1, experts)
+    return int(max(1, budget // per_expert) * per_expert), True
 
 
 def estimate(config, spec: ArchSpec, *, method: str, scheme: QuantScheme, calib_samples: int,
@@ -144,7 +162,8 @@ def estimate(config, spec: ArchSpec, *, method: str, scheme: QuantScheme, calib_
              store_dtype: torch.dtype = torch.bfloat16, streaming: bool = True,
              resume: bool = True, true_sequential: bool = True,
              hessians: bool | None = None, moe_all_experts: bool = False,
-             compute_dtype: torch.dtype | None = None) -> MemoryPlan:
+             compute_dtype: torch.dtype | None = None,
+             awq_expert_input_bytes: int | None = None) -> MemoryPlan:
     """Expected peaks for `quantize` with these settings (see the module docstring).
 
     `hessians`: the method gathers GPTQ Hessians and solves with them (default: method gptq;
@@ -152,7 +171,8 @@ def estimate(config, spec: ArchSpec, *, method: str, scheme: QuantScheme, calib_
 
     `moe_all_experts` (--moe-calibrate-all-experts): every expert reads every token; AWQ
     then searches the experts' up -> down groups on chunks of experts whose down_proj inputs
-    (over all search tokens) fill at most AWQ_EXPERT_INPUT_BYTES.
+    (over all search tokens) fill at most `awq_expert_input_bytes` (AWQQuantizer's
+    expert_input_bytes); routed, the experts' gate/up inputs too (each expert its own rows).
 
     `compute_dtype`: what the blocks run in (default bf16 on a GPU, float32 on the CPU;
     quantize's compute_dtype_for decides): the loaded blocks and the activations take its size.
@@ -162,6 +182,7 @@ def estimate(config, spec: ArchSpec, *, method: str, scheme: QuantScheme, calib_
     CPU the true-sequential groups share one forward, and without them it is 1 + 1.
     """
     per_block, linears, outside, largest = _param_counts(config, spec)
+    awq_expert_input_bytes = awq_expert_input_bytes or AWQ_EXPERT_INPUT_BYTES
     cuda = str(device).startswith("cuda")
     if compute_dtype is None:
         compute_dtype = torch.bfloat16 if cuda else torch.float32
@@ -236,6 +257,7 @@ def estimate(config, spec: ArchSpec, *, method: str, scheme: QuantScheme, calib_
         # the H100: 13.7 GiB for Llama-3.1-8B shapes, 9.1 GiB for 3.2-3B)
         search = min(tokens, AWQ_SEARCH_TOKENS["accel" if cuda else "cpu"])
         down = search * inter * act_bytes  # a dense block's down_proj input
+        group_weights = 2 * block_params * 4
         if moe:
             # the experts' down_proj inputs: at most one chunk of them at a time (all experts
             # calibrated, H100, Qwen3-30B-A3B shapes: 10 of 128 experts x 65536 x 768 x 2 B
@@ -247,8 +269,17 @@ def estimate(config, spec: ArchSpec, *, method: str, scheme: QuantScheme, calib_
                                 if spec.is_expert_linear(name) and k != hidden), default=inter)
             dense_blocks = any(not any(spec.is_expert_linear(n) for n in lin) for lin in linears)
             down = max(down if dense_blocks else 0, _awq_expert_down_inputs(
-                search, n_exp, top_k, expert_inter, act_bytes, moe_all_experts))
-        stats = search * 7 * hidden * act_bytes + down + 2 * block_params * 4
+                search, n_exp, top_k, expert_inter, act_bytes, moe_all_experts,
+                awq_expert_input_bytes))
+            # routed gate/up: in the capture beside the rest, or (chunked) one chunk after
+            # the fold, when the search's fp32 group weights are gone
+            gate_up, chunked = _awq_expert_gate_up_inputs(
+                search, n_exp, top_k, hidden, act_bytes, moe_all_experts, awq_expert_input_bytes)
+            if chunked:
+                group_weights = max(group_weights, gate_up)
+            else:
+                down += gate_up
+        stats = search * 7 * hidden * act_bytes + down + group_weights
     elif method == "gguf":
         stats = 2 * block_params * 4
     # uint8 codes + fp32 scale + int32 zero; with checkpoints (resume) finished blocks' results

@@ -243,6 +243,7 @@ def plan_request(req: QuantizeRequest, config, spec: ArchSpec, quantizer,
                     and not req.kv_cache,
                     true_sequential=getattr(quantizer, "true_sequential", False),
                     moe_all_experts=req.moe_calibrate_all_experts,
+                    awq_expert_input_bytes=getattr(quantizer, "expert_input_bytes", None),
                     hessians="hessian" in getattr(quantizer, "stats", ()))
 
 
