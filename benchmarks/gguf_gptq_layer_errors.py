@@ -3,8 +3,7 @@ error under llama.cpp's imatrix rounding vs under quantkit's GPTQ-on-the-grid, o
 calibration tokens (what GPTQ minimizes) and on held-out tokens (whether the gain generalizes).
 
   python benchmarks/gguf_gptq_layer_errors.py [--model smollm2-135m] [--gguf-type q4_k_m]
-        [--layers 0,15,29] [--calib-samples 16] [--heldout-windows 8] [--damp 0.01] [--refresh]
-        [--out FILE]
+        [--layers 0,15,29] [--calib-samples 16] [--heldout-windows 8] [--damp 0.01] [--out FILE]
 
 For each listed block and each of its Linears (the GGML type llama.cpp's mix plans for it,
 row-width fallbacks included): H = X^T X of the Linear's float32 inputs (the unquantized
@@ -73,8 +72,6 @@ def main() -> None:
     ap.add_argument("--calib-samples", type=int, default=16)
     ap.add_argument("--heldout-windows", type=int, default=8)
     ap.add_argument("--damp", type=float, default=0.01)
-    ap.add_argument("--refresh", action="store_true",
-                    help="also GPTQ with Q4_K/Q5_K sub-block scales re-chosen (gptq_ggml refresh=True)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path,
                     default=Path(__file__).parent / "results" / "gguf_gptq_layer_errors.json")
@@ -121,15 +118,9 @@ def main() -> None:
                "gptq_heldout": _relative_error(w, gptq, h_held[name])}
         row["ratio_calib"] = round(row["gptq_calib"] / row["rtn_calib"], 3)
         row["ratio_heldout"] = round(row["gptq_heldout"] / row["rtn_heldout"], 3)
-        extra = ""
-        if args.refresh and qtype.name in ("Q4_K", "Q5_K"):  # sub-block scales re-chosen
-            _, fresh = gptq_ggml(w, hinv, qtype, hdiag, refresh=True)
-            row["refresh_ratio_calib"] = round(_relative_error(w, fresh, h) / row["rtn_calib"], 3)
-            row["refresh_ratio_heldout"] = round(_relative_error(w, fresh, h_held[name]) / row["rtn_heldout"], 3)
-            extra = f" | refresh: calib {row['refresh_ratio_calib']:.3f}, held-out {row['refresh_ratio_heldout']:.3f}"
         rows.append(row)
         print(f"{name:28s} {qtype.name:5s} GPTQ / RTN output error: calib {row['ratio_calib']:.3f}, "
-              f"held-out {row['ratio_heldout']:.3f}{extra}", flush=True)
+              f"held-out {row['ratio_heldout']:.3f}", flush=True)
     res = {"benchmark": "gguf_gptq_layer_errors", "model": args.model, "gguf_type": args.gguf_type,
            "command": "python " + " ".join(sys.argv), "damp": args.damp,
            "calib_windows": [args.calib_samples, 512], "heldout_windows": [args.heldout_windows, 512],

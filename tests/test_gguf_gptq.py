@@ -22,7 +22,6 @@ from quantkit.pipeline.quantize import QuantizeRequest, quantize
 from quantkit.types import QuantScheme
 
 K_GRIDS = (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)
-REFRESH_GRIDS = (Q.Q4_K, Q.Q5_K)
 GRIDS = (*K_GRIDS, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0)
 CALIB = {"calib_samples": 16, "calib_seqlen": 128}
 
@@ -51,8 +50,6 @@ def test_identity_hessian_gives_llama_cpp_bytes(qtype):
         ref = encode_rows(w, qtype, imatrix)
         if qtype in K_GRIDS:
             assert torch.equal(data, ref)
-            if qtype in REFRESH_GRIDS:  # re-chosen sub-block scales: nothing moved, same bytes
-                assert torch.equal(gptq_ggml(w, torch.eye(w.shape[1]), qtype, imatrix, refresh=True)[0], ref)
         else:
             assert data.shape == ref.shape
             size = data.shape[1] * 32 // w.shape[1]
@@ -80,10 +77,6 @@ def test_grid_is_honoured_and_output_error_below_llama_cpp(qtype):
         return float((x @ (wq - w).T).norm() / (x @ w.T).norm())
 
     assert out_err(deq) < 0.85 * out_err(plain), (out_err(deq), out_err(plain))
-    if qtype in REFRESH_GRIDS:  # re-chosen sub-block scales: still exactly what the bytes decode to
-        data_r, deq_r = gptq_ggml(w, hinv, qtype, diag, refresh=True)
-        assert torch.equal(decode_rows(data_r, qtype), deq_r)
-        assert out_err(deq_r) < 0.85 * out_err(plain), (out_err(deq_r), out_err(plain))
 
 
 def test_bad_options_are_refused():

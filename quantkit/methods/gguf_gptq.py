@@ -51,21 +51,6 @@ def _q4k_grid(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return d[:, None] * sc.float(), dmin[:, None] * mn.float()
 
 
-def _set_q4k_subblock(blocks: torch.Tensor, j: int, sc: torch.Tensor, mn: torch.Tensor) -> None:
-    """Write sub-block j's 6-bit scale `sc` and min `mn` ([N] ints, 0..63) into Q4_K/Q5_K
-    scale bytes [N, 144|176] in place (the layout _q4k_grid reads)."""
-    s = blocks[:, 4:16].to(torch.int32)
-    if j < 4:
-        s[:, j] = (s[:, j] & 192) | sc
-        s[:, j + 4] = (s[:, j + 4] & 192) | mn
-    else:
-        i = j - 4
-        s[:, i] = (s[:, i] & 63) | ((sc >> 4) << 6)
-        s[:, i + 4] = (s[:, i + 4] & 63) | ((mn >> 4) << 6)
-        s[:, i + 8] = (sc & 15) | ((mn & 15) << 4)
-    blocks[:, 4:16] = s.to(torch.uint8)
-
-
 def _q2k_grid(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Q2_K bytes [N, 84] -> (step d*sc, offset dmin*m) per sub-block of 16, [N, 16] each."""
     s = blocks[:, 0:16].to(torch.int32)
@@ -232,7 +217,7 @@ class GGMLColumnGrid:
     """
 
     def __init__(self, qtype: Q, n: int, k: int, qw: torch.Tensor | None,
-                 rows: torch.Tensor | None = None, refresh: bool = False) -> None:
+                 rows: torch.Tensor | None = None) -> None:
         if qtype not in _GRIDS:
             raise ValueError(f"no GPTQ grid for GGML type {qtype.name}")
         self.qtype = qtype
@@ -241,7 +226,6 @@ class GGMLColumnGrid:
         self.rows = rows  # the original rows: the legacy types' imatrix weights read their sum(x^2) / K
         self.blocks = torch.empty(n, k // self.g.block, self.g.size, dtype=torch.uint8)
         self.dequantized = torch.empty(n, k)
-        self.refresh = refresh and qtype in (Q.Q4_K, Q.Q5_K)
         self._step = self._offset = None
 
     def round_column(self, col: int, block: torch.Tensor, i: int
@@ -254,10 +238,6 @@ class GGMLColumnGrid:
             qw = None if self.qw is None else self.qw[col:col + g.block]
             self.blocks[:, sb] = encode_slice(block[:, i:i + g.block], self.qtype, qw, self.rows)
             self._step, self._offset = g.grid_of(self.blocks[:, sb])
-            if self.refresh:
-                self._snapshot = block[:, i:i + g.block].clone()
-        elif self.refresh and j % g.sub == 0:
-            self._refresh_subblock(block, i - j, sb, j // g.sub)
         step = self._step[:, j // g.sub]
         offset = self._offset[:, j // g.sub]
         zero = step == 0
@@ -272,29 +252,6 @@ class GGMLColumnGrid:
         self.dequantized[:, col] = deq
         return q - g.lo, deq
 
-    def _refresh_subblock(self, block: torch.Tensor, start: int, sb: int, sub: int) -> None:
-        """Q4_K/Q5_K: re-choose sub-block `sub`'s 6-bit scale and min from its error-updated
-        columns (llama.cpp's weighted search on the current super-block, re-rounded against
-        the super-block's stored d / dmin, which the earlier sub-blocks already use; those earlier
-        sub-blocks enter the search as they were at the super-block start). The
-        grid chosen at the super-block start is stale by the time the loop reaches a later
-        sub-block: the errors fed into it move its values off that range. With H = I nothing
-        moved and the bytes are the same."""
-        g = self.g
-        col0 = sb * g.block
-        qw = None if self.qw is None else self.qw[col0:col0 + g.block]
-        cut = sub * g.sub  # earlier sub-blocks as they were when their grid was chosen
-        cols = torch.cat([self._snapshot[:, :cut], block[:, start + cut:start + g.block]], 1)
-        fresh = encode_slice(cols, self.qtype, qw, self.rows)
-        step, offset = g.grid_of(fresh)
-        blocks = self.blocks[:, sb]
-        d, dmin = _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4])
-        sc = torch.where(d > 0, torch.round(step[:, sub] / torch.where(d > 0, d, 1.0)), 0.0)
-        mn = torch.where(dmin > 0, torch.round(offset[:, sub] / torch.where(dmin > 0, dmin, 1.0)), 0.0)
-        _set_q4k_subblock(blocks, sub, sc.clamp(0, 63).to(torch.int32), mn.clamp(0, 63).to(torch.int32))
-        self.blocks[:, sb] = blocks
-        self._step, self._offset = g.grid_of(blocks)
-
     def finish(self, codes: torch.Tensor) -> torch.Tensor:
         """Pack the loop's codes [N, K] into the super-blocks: bytes [N, row_bytes]."""
         n, nsb, size = self.blocks.shape
@@ -304,8 +261,8 @@ class GGMLColumnGrid:
         return self.blocks.reshape(n, nsb * size)
 
 
-def gptq_ggml(weight: torch.Tensor, hinv: torch.Tensor, qtype: Q, qw: torch.Tensor | None,
-              refresh: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def gptq_ggml(weight: torch.Tensor, hinv: torch.Tensor, qtype: Q, qw: torch.Tensor | None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
     """GGML bytes [N, row_bytes] of `weight` [N, K] rounded by GPTQ onto the `qtype` grid, and
     the weight those bytes decode to (float32 [N, K]). `hinv` is the upper Cholesky factor
     of the damped H^-1 (gptq.inverse_hessian_factor); `qw` [K] weights the scale search."""
@@ -313,7 +270,7 @@ def gptq_ggml(weight: torch.Tensor, hinv: torch.Tensor, qtype: Q, qw: torch.Tens
     n, k = w.shape
     if qtype not in _GRIDS or k % _GRIDS[qtype].block:
         raise ValueError(f"no GPTQ grid for {qtype.name} rows of width {k}")
-    grid = GGMLColumnGrid(qtype, n, k, qw, weight.detach().float().cpu(), refresh)
+    grid = GGMLColumnGrid(qtype, n, k, qw, weight.detach().float().cpu())
     with one_cpu_thread(w.device):
         codes = gptq_column_loop(w, hinv.cpu(), grid, SUPER_BLOCK)
     return grid.finish(codes), grid.dequantized
