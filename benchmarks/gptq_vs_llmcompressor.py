@@ -202,7 +202,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--llmc-python", default=None, help="python of a venv with llmcompressor")
     p.add_argument("--llmc-batch-size", type=int, default=1, help="oneshot batch_size (its default 1)")
     p.add_argument("--llmc-dtypes", default="float32,bfloat16",
-                   help="dtypes llm-compressor loads the model in, one peer run each")
+                   help="dtypes llm-compressor loads the model in, one peer run each "
+                        "(\"\": none, quantkit's side alone)")
     p.add_argument("--llmc-dtype", default="float32", help=argparse.SUPPRESS)  # worker's own
     p.add_argument("--workdir", type=Path, default=Path("/tmp/quantkit-bench-gptq"))
     p.add_argument("--results", type=Path, default=RESULTS)
@@ -227,7 +228,8 @@ def main(argv: list[str] | None = None) -> None:
     save_file({"input_ids": calib.input_ids.contiguous()}, str(args.workdir / "calib_ids.safetensors"))
     llmc_python = ensure_llmc_python(args.llmc_python)
 
-    peers = {_peer_key(d): d for d in args.llmc_dtypes.split(",")}
+    # --llmc-dtypes "": quantkit's side alone (compare with an earlier run's peer numbers)
+    peers = {_peer_key(d): d for d in args.llmc_dtypes.split(",") if d}
     runs = {"quantkit_gptq": run_worker(Path(sys.executable), "quantkit", args,
                                         args.workdir / "quantkit_gptq", method="gptq")}
     for key, dtype in peers.items():
