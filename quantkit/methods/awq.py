@@ -506,16 +506,8 @@ class AWQQuantizer:
         other group (down_proj of up -> down). Its search tokens are estimated from its
         statistics: tokens x (search tokens / calibration tokens), exact when every expert
         reads every token (--moe-calibrate-all-experts)."""
-        from quantkit.pipeline.experts import LinearExperts
-
         spec = ctx.arch
-        if spec.experts is None or not ctx.inputs:
-            return []
-        try:
-            experts = ctx.block.get_submodule(spec.experts.module)
-        except AttributeError:
-            return []
-        if not isinstance(experts, LinearExperts):
+        if _linear_experts(ctx) is None:
             return []
         own = [p for p in plans if p.mode != "skip" and _is_single_linear(p)
                and spec.is_expert_linear(p.group.inspect)]
@@ -555,16 +547,9 @@ class AWQQuantizer:
         Each expert holds its own routed rows (gate and up share them): Qwen3-30B-A3B shapes,
         8 of 128 experts per token, 65536 search tokens: 8 x 65536 x 2048 x 2 B = 2 GiB. With
         clip=False nothing reads them: every such Linear is left out of the capture."""
-        from quantkit.pipeline.experts import LinearExperts
-
         spec = ctx.arch
-        if spec.experts is None or not ctx.inputs:
-            return []
-        try:
-            experts = ctx.block.get_submodule(spec.experts.module)
-        except AttributeError:
-            return []
-        if not isinstance(experts, LinearExperts) or experts.calibrate_all:
+        experts = _linear_experts(ctx)
+        if experts is None or experts.calibrate_all:
             return []
         inspected = {p.group.inspect for p in plans if p.mode != "skip" and _is_single_linear(p)}
         prefix = spec.experts.module + "."
@@ -781,6 +766,21 @@ def _grid_losses(losses_of, n_grid: int, coarse_to_fine: bool) -> torch.Tensor:
     if rest:
         losses[rest] = losses_of(rest)
     return losses
+
+
+def _linear_experts(ctx: BlockContext):
+    """The block's per-expert Linear container (pipeline.experts.LinearExperts) when it has
+    one and captured inputs to chunk, else None."""
+    from quantkit.pipeline.experts import LinearExperts
+
+    spec = ctx.arch
+    if spec.experts is None or not ctx.inputs:
+        return None
+    try:
+        experts = ctx.block.get_submodule(spec.experts.module)
+    except AttributeError:
+        return None
+    return experts if isinstance(experts, LinearExperts) else None
 
 
 def _is_single_linear(plan: ScalePlan) -> bool:
