@@ -176,6 +176,20 @@ def rtn_artifact(moe_model, tmp_path_factory) -> Path:
     return _quantize(moe_model, tmp_path_factory.mktemp("rtn") / "rtn", "rtn")
 
 
+def _first_block_linearized(model_dir: Path):
+    """The float32 model with per-expert Linears, its arch row, block 0 and that block's
+    context (what the fold tests act on)."""
+    from transformers import AutoModelForCausalLM
+
+    from quantkit.pipeline.experts import linearize_experts
+
+    spec = spec_for_config(json.loads((model_dir / "config.json").read_text()))
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    linearize_experts(model, spec)
+    block = model.model.layers[0]
+    return spec, model, block, _block_context(block, spec)
+
+
 def _block_context(block, spec):
     from quantkit.types import BlockContext
 
@@ -190,16 +204,9 @@ def test_awq_moe_groups_fold_without_changing_block_or_routing(moe_model):
     expert's up -> down on its own. Folding any scale leaves the MoE block's output and the
     router logits as they were (before rounding); without the router's compensation the
     logits move (what the compensation is for)."""
-    from transformers import AutoModelForCausalLM
-
     from quantkit.methods.scaling import fold_scale, scale_plans
-    from quantkit.pipeline.experts import linearize_experts
 
-    spec = spec_for_config(json.loads((moe_model / "config.json").read_text()))
-    model = AutoModelForCausalLM.from_pretrained(moe_model, dtype=torch.float32)
-    linearize_experts(model, spec)
-    block = model.model.layers[0]
-    ctx = _block_context(block, spec)
+    spec, model, block, ctx = _first_block_linearized(moe_model)
     plans = scale_plans(ctx)
     shared = [p for p in plans if p.group.prev == "post_attention_layernorm"]
     assert len(shared) == 1 and len(shared[0].balance) == 16 and shared[0].mode == "norm"
@@ -1352,16 +1359,9 @@ def test_int8_smoothquant_moe_fold_keeps_block_and_routing(small_moe):
     output and the router logits unchanged (before quantization). An expert that got no token
     keeps s = 1 on its up -> down (its down_proj untouched), and its gate/up still take the
     shared scale (they read the same norm)."""
-    from transformers import AutoModelForCausalLM
-
     from quantkit.methods.smoothquant import smooth_block, smoothing_scales
-    from quantkit.pipeline.experts import linearize_experts
 
-    spec = spec_for_config(json.loads((small_moe / "config.json").read_text()))
-    model = AutoModelForCausalLM.from_pretrained(small_moe, dtype=torch.float32)
-    linearize_experts(model, spec)
-    block = model.model.layers[0]
-    ctx = _block_context(block, spec)
+    spec, model, block, ctx = _first_block_linearized(small_moe)
     torch.manual_seed(0)
     starved = "mlp.experts.3."
     for n, lin in ctx.linears.items():  # outlier channels: ranges spread over 3 decades
