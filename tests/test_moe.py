@@ -190,6 +190,14 @@ def _first_block_linearized(model_dir: Path):
     return spec, model, block, _block_context(block, spec)
 
 
+def _moe_and_router_logits(block, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block `block`'s MoE output and router logits for hidden states `h` (through its
+    post-attention norm): what a scale fold must leave unchanged."""
+    with torch.no_grad():
+        x = block.post_attention_layernorm(h)
+        return block.mlp(x), torch.nn.functional.linear(x, block.mlp.gate.weight)
+
+
 def _block_context(block, spec):
     from quantkit.types import BlockContext
 
@@ -219,9 +227,7 @@ def test_awq_moe_groups_fold_without_changing_block_or_routing(moe_model):
     h = torch.randn(1, 64, 256)
 
     def moe_and_logits():
-        with torch.no_grad():
-            x = block.post_attention_layernorm(h)
-            return block.mlp(x), torch.nn.functional.linear(x, block.mlp.gate.weight)
+        return _moe_and_router_logits(block, h)
 
     out0, logits0 = moe_and_logits()
     ones = lambda lin: torch.ones(lin, dtype=torch.float32)  # noqa: E731
@@ -1376,9 +1382,7 @@ def test_int8_smoothquant_moe_fold_keeps_block_and_routing(small_moe):
     h = torch.randn(1, 16, 64)
 
     def moe_and_logits():
-        with torch.no_grad():
-            x = block.post_attention_layernorm(h)
-            return block.mlp(x), torch.nn.functional.linear(x, block.mlp.gate.weight)
+        return _moe_and_router_logits(block, h)
 
     out0, logits0 = moe_and_logits()
     norm0, router0 = block.post_attention_layernorm.weight.clone(), block.mlp.gate.weight.clone()
