@@ -32,7 +32,11 @@ def _pause_point(name: str) -> None:
     point, _, marker = os.environ.get(PAUSE_ENV, "").partition(":")
     if point == name and marker:
         Path(marker).write_text(str(os.getpid()))
-        time.sleep(3600)
+        # short sleeps: a signal the kernel hands to another thread (numba / OpenMP / the
+        # checkpoint writer) only sets Python's flag, which one long sleep would not look at
+        # for an hour (seen once in CI under load: SIGINT never became KeyboardInterrupt)
+        for _ in range(36000):
+            time.sleep(0.1)
 
 
 def _leftovers(out: Path, tag: str) -> list[Path]:
