@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import sys
 import tempfile
 from dataclasses import asdict
@@ -15,6 +17,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # lm-eval results are reused within one test session only: a rerun never passes on old results
 os.environ["QUANTKIT_LMEVAL_CACHE"] = tempfile.mkdtemp(prefix="quantkit-test-lmeval-")
+atexit.register(shutil.rmtree, os.environ["QUANTKIT_LMEVAL_CACHE"], True)
 
 from tiny_models import make_tiny_model  # noqa: E402
 
@@ -30,7 +33,7 @@ def _rtn(tmp_path_factory, bits: int) -> Path:
     from quantkit.pipeline.quantize import QuantizeRequest, quantize
     from quantkit.types import QuantScheme
 
-    out = tmp_path_factory.mktemp("rtn") / f"smollm2-rtn-w{bits}g64"
+    out = tmp_path_factory.mktemp("session-rtn") / f"smollm2-rtn-w{bits}g64"
     quantize(QuantizeRequest(model="smollm2-135m", method="rtn",
                              scheme=QuantScheme(bits=bits, group_size=64), out=out))
     return out
@@ -56,7 +59,7 @@ def smollm2_gptq_artifacts(tmp_path_factory) -> dict[str, Path]:
     from quantkit.pipeline.quantize import QuantizeRequest, quantize
     from quantkit.types import QuantScheme
 
-    root = tmp_path_factory.mktemp("smollm2-gptq")
+    root = tmp_path_factory.mktemp("session-smollm2-gptq")
     out = {}
     for fmt in ("gptq", "compressed-tensors"):
         out[fmt] = root / fmt
@@ -69,7 +72,7 @@ def smollm2_gptq_artifacts(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "llama", "llama")
+    return make_tiny_model(tmp_path_factory.mktemp("session-tiny") / "llama", "llama")
 
 
 @pytest.fixture
@@ -78,6 +81,31 @@ def tiny_model_factory(tmp_path):
         return make_tiny_model(tmp_path / (name or arch), arch, **kw)
     return make
 
+
+# ------------------------------------ disk: a module's temporary dirs end with the module ----
+# CI machines may have little free disk (a run died with ENOSPC at 75 %, its /tmp full of
+# model copies). Passing tests' tmp_path dirs go at once (pyproject.toml:
+# tmp_path_retention_policy = "failed"); the dirs a module's fixtures made with
+# tmp_path_factory go when the module ends, unless one of its tests failed. Session-wide
+# fixtures name theirs "session-*": they are kept until pytest removes the run's base dir.
+
+_MODULES_WITH_FAILURES: set[str] = set()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _module_temp_dirs_removed_at_module_end(request, tmp_path_factory):
+    base = tmp_path_factory.getbasetemp()
+    before = set(base.iterdir())
+    yield
+    if request.node.nodeid in _MODULES_WITH_FAILURES:
+        return  # kept for debugging, like a failed test's tmp_path
+    for path in set(base.iterdir()) - before:
+        if path.name.startswith("session-"):
+            continue
+        if path.is_symlink():  # pytest's "<name>current" link to the newest numbered dir
+            path.unlink(missing_ok=True)
+        else:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 # ------------------------------------------------- skips: only those on the allow-list ----
@@ -126,6 +154,8 @@ def pytest_runtest_makereport(item, call):
         _as_failure(report)
     elif call.when == "call" and item.get_closest_marker("engine") and report.passed:
         report.user_properties.append(("engine_test_passed", item.nodeid))
+    if report.failed:
+        _MODULES_WITH_FAILURES.add(item.nodeid.split("::")[0])
     if call.when == "teardown":
         # carried on the report, so a controller process (pytest-xdist) could print it too
         from vllm_checks import ENGINE_CHECKS

@@ -381,7 +381,7 @@ def _compare_modelopt(preset: str, ours: Path, ref: Path) -> None:
 @pytest.fixture(scope="session")
 def smollm_fp8(tmp_path_factory) -> dict[str, Path]:
     """FP8_DYNAMIC as compressed-tensors and FP8 static as vLLM-native fp8 (8 x 256 calib)."""
-    root = tmp_path_factory.mktemp("fp8")
+    root = tmp_path_factory.mktemp("session-fp8")
     out = {"dynamic": root / "smollm2-fp8-dynamic", "static": root / "smollm2-fp8-static"}
     _q("smollm2-135m", out["dynamic"], "dynamic", "compressed-tensors")
     _q("smollm2-135m", out["static"], "static", "fp8", samples=8, seqlen=256)

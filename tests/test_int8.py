@@ -584,7 +584,7 @@ def test_cli_flags_refused_where_unread_and_plan(tiny, tmp_path):
 @pytest.fixture(scope="session")
 def smollm_int8(tmp_path_factory) -> dict[str, Path]:
     """W8A8 dynamic without and with SmoothQuant 0.5 (8 x 256 calibration tokens of `mixed`)."""
-    root = tmp_path_factory.mktemp("int8-smol")
+    root = tmp_path_factory.mktemp("session-int8-smol")
     out = {"plain": root / "smollm2-w8a8", "sq": root / "smollm2-w8a8-sq0.5"}
     _q("smollm2-135m", out["plain"])
     _q("smollm2-135m", out["sq"], samples=8, seqlen=256, smoothquant=0.5)
