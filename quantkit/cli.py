@@ -167,6 +167,10 @@ def _method_options(f):
         click.option("--moe-calibrate-all-experts", is_flag=True,
                      help="Mixture of experts: send every calibration token through every "
                           "expert for statistics (the block output keeps the real routing)."),
+        click.option("--awq-expert-inputs", "awq_expert_inputs", default=None, metavar="SIZE",
+                     help="AWQ on mixture of experts: the most memory the experts' search "
+                          "inputs may take at once (default 1GiB); above it the experts are "
+                          "searched a chunk at a time (same artifact, less memory), e.g. 512MiB."),
         click.option("--moe-min-tokens", "expert_min_tokens", type=click.IntRange(min=0),
                      default=_EXPERT_MIN_TOKENS, show_default=True,
                      help="Mixture of experts: warn about experts calibrated on fewer routed "
@@ -188,7 +192,7 @@ FLAG_READERS: dict[str, tuple[str, ...]] = {
     "act_order": ("gptq",), "damp": ("gptq", "int8", "nvfp4", "mxfp4", "gguf"),
     "true_sequential": ("gptq",),
     "gguf_type": ("gguf",), "imatrix": ("gguf",), "target_bpw": ("gguf",), "target_size": ("gguf",), "fp8_scheme": ("fp8", "int8", "nvfp4", "awq"),
-    "smoothquant": ("int8",), "smoothquant_pairs": ("int8",),
+    "smoothquant": ("int8",), "smoothquant_pairs": ("int8",), "awq_expert_inputs": ("awq",),
     "rounding": ("int8", "nvfp4", "mxfp4", "gguf"),
     **dict.fromkeys(_CALIB_FLAGS, _CALIBRATED),
     # per-expert statistics of mixture-of-experts blocks: GPTQ's Hessians, AWQ's activation
@@ -288,7 +292,7 @@ def _request(model, method, bits, group_size, sym, act_order, damp, true_sequent
              gguf_type, imatrix, fp8_scheme, calib, calib_samples, calib_seqlen, chat, seed,
              device, allow_pickle, trust_remote_code, stream, smoothquant=None, rounding=None,
              target_bpw=None, target_size=None,
-             smoothquant_pairs=None,
+             smoothquant_pairs=None, awq_expert_inputs=None,
              moe_calibrate_all_experts=False,
              expert_min_tokens=_EXPERT_MIN_TOKENS, text_column=None, output=".", force=False,
              kv_cache=None, **extra):
@@ -326,11 +330,13 @@ def _request(model, method, bits, group_size, sym, act_order, damp, true_sequent
         if target_bpw is not None:
             options["target_bpw"] = target_bpw
         if target_size is not None:
-            options["target_size"] = parse_size(target_size)
+            options["target_size"] = parse_size(target_size, "--target-size")
         if gptq_rounding:
             options["rounding"] = "gptq"
     if method == "awq" and fmt == "modelopt":  # TensorRT-LLM reads pre_quant_scale (GQA o_proj)
         options["pre_quant_scale"] = True
+    if awq_expert_inputs is not None:
+        options["expert_input_bytes"] = parse_size(awq_expert_inputs, "--awq-expert-inputs")
     if method == "fp8":
         from quantkit.methods.fp8 import fp8_scheme as _fp8_scheme
 
@@ -376,16 +382,19 @@ _SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**1
                "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
-def parse_size(text: str) -> int:
-    """'80MB' -> 80_000_000, '1.5GiB' -> 1610612736, '123456' -> 123456 bytes."""
+def parse_size(text: str, flag: str = "--target-size") -> int:
+    """'80MB' -> 80_000_000, '1.5GiB' -> 1610612736, '123456' -> 123456 bytes (> 0)."""
     import re
 
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
     unit = m.group(2).lower() if m else None
     if m is None or unit not in _SIZE_UNITS:
-        raise QuantkitError(f"--target-size {text!r} is not a size.",
+        raise QuantkitError(f"{flag} {text!r} is not a size.",
                             "Write it as a number of bytes or with a unit: 80MB, 80MiB, 1.5GB.")
-    return int(float(m.group(1)) * _SIZE_UNITS[unit])
+    size = int(float(m.group(1)) * _SIZE_UNITS[unit])
+    if size < 1:
+        raise QuantkitError(f"{flag} {text!r} is not a positive size.", "e.g. 80MB or 1.5GiB.")
+    return size
 
 
 @main.command()

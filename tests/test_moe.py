@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from click.testing import CliRunner
 from gguf_reference import (
     assert_generates,
     assert_llama_cpp_logits_match,
@@ -27,6 +28,7 @@ from safetensors import safe_open
 from tiny_models import make_tiny_model
 
 from quantkit.arch import spec_for_config
+from quantkit.cli import main
 from quantkit.formats.compressed_tensors import read_compressed_tensors
 from quantkit.methods.fp4 import fp4_scheme
 from quantkit.pipeline.quantize import QuantizeRequest, linear_shapes, quantize
@@ -895,6 +897,26 @@ def test_plan_counts_awq_expert_chunks_under_all_experts_calibration():
     assert plan("awq", False, four).peak_gpu_bytes - routed.peak_gpu_bytes == 8 * 65536 * 2048 * 2
     assert plan("awq", True, four).peak_gpu_bytes - everything.peak_gpu_bytes == (42 - 10) * per_expert
     assert plan("gptq", True).peak_gpu_bytes == plan("gptq", False).peak_gpu_bytes
+
+
+def test_awq_expert_inputs_flag_moves_the_plan_and_is_checked(moe_model):
+    """--awq-expert-inputs reaches AWQ's chunking and its plan: a budget of one expert's
+    inputs plans less memory than the default (all experts' inputs at once on this tiny
+    model); a bad size or another method is refused before any work."""
+    def plan(*extra: str) -> dict:
+        res = CliRunner().invoke(main, ["plan", str(moe_model), "--method", "awq",
+                                        "--moe-calibrate-all-experts", "--calib-samples", "64",
+                                        "--calib-seqlen", "1024", "--json", *extra])
+        assert res.exit_code == 0, res.output
+        return json.loads(res.output)
+
+    default, small = plan(), plan("--awq-expert-inputs", "64KiB")
+    assert small["peak_ram_bytes"] < default["peak_ram_bytes"]
+    for extra, said in ((["--method", "awq", "--awq-expert-inputs", "lots"], "is not a size"),
+                        (["--method", "awq", "--awq-expert-inputs", "0"], "not a positive size"),
+                        (["--method", "gptq", "--awq-expert-inputs", "1GiB"], "--awq-expert-inputs")):
+        res = CliRunner().invoke(main, ["plan", str(moe_model), *extra])
+        assert res.exit_code != 0 and said in res.output, res.output
 
 
 # ---------------------------------------------------------------- GGUF: Mixtral (arch llama)
