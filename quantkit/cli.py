@@ -196,8 +196,9 @@ FLAG_READERS: dict[str, tuple[str, ...]] = {
     "rounding": ("int8", "nvfp4", "mxfp4", "gguf"),
     **dict.fromkeys(_CALIB_FLAGS, _CALIBRATED),
     # per-expert statistics of mixture-of-experts blocks: GPTQ's Hessians, AWQ's activation
-    # means, int8 / NVFP4 W4A4 input scales, SmoothQuant ranges, FP4 / int8 GPTQ rounding
-    **dict.fromkeys(_MOE_FLAGS, ("gptq", "awq", "int8", "nvfp4", "mxfp4")),
+    # means, FP8 static / int8 static / NVFP4 W4A4 input scales, SmoothQuant ranges, FP4 /
+    # int8 GPTQ rounding
+    **dict.fromkeys(_MOE_FLAGS, ("gptq", "awq", "fp8", "int8", "nvfp4", "mxfp4")),
 }
 
 

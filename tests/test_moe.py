@@ -128,24 +128,15 @@ def _gguf(model: Path, out: Path, gguf_type: str, **kw) -> Path:
 
 
 def test_moe_refuses_what_is_not_built_yet(moe_model, tmp_path):
-    from quantkit.errors import SchemeMismatch, UnsupportedArchitecture
-    from quantkit.methods.fp8 import fp8_scheme
+    from quantkit.errors import UnsupportedArchitecture
 
-    # FP8 static input scales have no per-expert path yet (int8 / FP4 calibrated schemes do)
-    with pytest.raises(SchemeMismatch, match="Method fp8 with calibration") as e:
-        _quantize(moe_model, tmp_path / "int8", "fp8", scheme=fp8_scheme("static"),
-                  method_options={"scheme": "static"})
-    assert "--method int8 (--scheme dynamic or static" in e.value.hint
-    # the CLI lets --moe-calibrate-all-experts reach the int8 / FP4 statistics it now feeds,
-    # and refuses it where nothing reads it (dynamic int8 rounded to nearest)
-    from click.testing import CliRunner
-
-    from quantkit.cli import main
-
-    res = CliRunner().invoke(main, ["quantize", str(moe_model), "--method", "int8",
-                                    "--moe-calibrate-all-experts", "-o", str(tmp_path / "cli")])
-    assert res.exit_code == 2 and "read by --method int8 only with --scheme static" in res.output, \
-        res.output
+    # the CLI lets --moe-calibrate-all-experts reach the FP8 / int8 / FP4 statistics it now
+    # feeds, and refuses it where nothing reads it (dynamic FP8 / int8 rounded to nearest)
+    for method in ("int8", "fp8"):
+        res = CliRunner().invoke(main, ["quantize", str(moe_model), "--method", method,
+                                        "--moe-calibrate-all-experts", "-o", str(tmp_path / "cli")])
+        assert res.exit_code == 2 and f"read by --method {method} only with --scheme static" \
+            in res.output, res.output
     # llama.cpp's qwen3moe makes every block MoE and always renormalises the top-k weights
     for change, why in (({"mlp_only_layers": [0]}, "has no llama.cpp layout"),
                         ({"norm_topk_prob": False}, "always renormalises")):
@@ -159,7 +150,7 @@ def test_moe_refuses_what_is_not_built_yet(moe_model, tmp_path):
         with pytest.raises(UnsupportedArchitecture, match=why) as e:
             _gguf(src, tmp_path / "x.gguf", "q4_k_m")
         assert "--format compressed-tensors" in e.value.hint
-    assert not (tmp_path / "int8").exists() and not (tmp_path / "x.gguf").exists()
+    assert not (tmp_path / "x.gguf").exists()
 
 
 # AWQ in the tests: a coarser grid than the default 20 x 20 (the MoE block's loss runs every

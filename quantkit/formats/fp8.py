@@ -96,7 +96,10 @@ def _write_full_precision(tensors: dict, layout: FP8Layout, dtype: torch.dtype) 
 
 def float_quantized_config(weights: str, activations: str, block: int, ignore: list[str]) -> dict:
     """quantization_config for FP8 / FP8_DYNAMIC / FP8_BLOCK (and the other valid combinations),
-    built from the compressed-tensors library's classes so vLLM's parser reads it as its own."""
+    built from the compressed-tensors library's classes so vLLM's parser reads it as its own.
+    Static inputs name their observer, static_minmax (llm-compressor's FP8 preset: the running
+    max|x| over every calibration token, quantkit's rule), and the group names its format, as
+    llm-compressor 0.14 writes them."""
     from compressed_tensors.quantization import (  # lazy: a slow import, absent on the GPU host
         QuantizationArgs,
         QuantizationConfig,
@@ -107,7 +110,7 @@ def float_quantized_config(weights: str, activations: str, block: int, ignore: l
                          block_structure=[block, block] if weights == "block" else None)
     if activations == "static":
         a = QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="tensor",
-                             dynamic=False)
+                             dynamic=False, observer="static_minmax")
     elif weights == "block":
         a = QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="group",
                              group_size=block, dynamic=True)
@@ -116,7 +119,8 @@ def float_quantized_config(weights: str, activations: str, block: int, ignore: l
                              strategy="token" if weights == "channel" else "tensor", dynamic=True)
     cfg = QuantizationConfig(
         config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=w,
-                                                     input_activations=a)},
+                                                     input_activations=a,
+                                                     format="float-quantized")},
         ignore=ignore, format="float-quantized", quantization_status="compressed")
     out = cfg.to_dict()
     out["quant_method"] = "compressed-tensors"

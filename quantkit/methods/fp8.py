@@ -27,6 +27,7 @@ import torch
 
 from quantkit.arch import EXPERT
 from quantkit.errors import CalibrationError, SchemeMismatch
+from quantkit.methods.intquant import borrow_input_scales, starved_experts
 from quantkit.types import BlockContext, QuantResult, QuantScheme
 
 __all__ = ["FP8Quantizer", "FP8Layout", "PRESETS", "fp8_scheme", "resolve_layout", "fused_groups",
@@ -203,6 +204,9 @@ class FP8Quantizer:
         self.needs_calibration = self.static
         self.stats: tuple[str, ...] = (
             ("absmax",) if observer == "max" else ("token_absmax",)) if self.static else ()
+        # MoE experts: static input scales per expert from its routed tokens; an expert the
+        # router fed nothing borrows the widest (loudly), as int8 static and NVFP4 W4A4 do
+        self.moe_calibrated = True
 
     @property
     def scheme(self) -> QuantScheme:
@@ -251,7 +255,7 @@ class FP8Quantizer:
         else:
             tok = st.get("token_absmax")
             amax = None if tok is None else torch.quantile(tok.float(), self.percentile / 100)
-        if amax is None:
+        if amax is None or not st.get("tokens"):
             raise CalibrationError(
                 f"FP8 static input scales need calibration data, but no activations reached "
                 f"block {ctx.index} ({name}).",
@@ -262,6 +266,7 @@ class FP8Quantizer:
     def quantize_block(self, ctx: BlockContext) -> dict[str, QuantResult]:
         results: dict[str, QuantResult] = {}
         lay = self.layout
+        starved: list[str] = []
         for group in fused_groups(ctx):
             weights = {n: ctx.linears[n].weight.data for n in group}
             if any(self.indivisible(tuple(w.shape)) for w in weights.values()):
@@ -273,7 +278,9 @@ class FP8Quantizer:
                 amax = torch.stack([w.detach().float().abs().amax() for w in weights.values()])
                 shared = _amax_to_scale(amax.max()).reshape(1)
             in_scale = None
-            if self.static:  # one input feeds the whole group: one scale (engines take the max)
+            if self.static and starved_experts(ctx, group):
+                starved += group  # filled in from the calibrated experts once all are done
+            elif self.static:  # one input feeds the whole group: one scale (engines take the max)
                 in_scale = torch.stack([self._input_scale(ctx, n) for n in group]).max().reshape(1)
             for n, w in weights.items():
                 t0 = time.perf_counter()
@@ -289,6 +296,9 @@ class FP8Quantizer:
                 res.loss = float((wf - deq).norm() / wf.norm().clamp_min(1e-12))
                 res.seconds = time.perf_counter() - t0
                 results[n] = res
+        if starved:
+            borrow_input_scales(ctx, results, starved, "input_scale", torch.maximum,
+                                "FP8 static", "largest input scale")
         return results
 
     def _full_precision(self, name: str, w: torch.Tensor, lin: torch.nn.Linear) -> QuantResult:

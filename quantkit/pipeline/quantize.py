@@ -560,8 +560,8 @@ MOE_FORMATS = ("compressed-tensors", "gguf")
 # methods whose uncalibrated schemes need no per-expert statistics (FP8 dynamic / block, NVFP4
 # W4A16 and MXFP4 rounded to nearest, int8 W8A8 with dynamic inputs): every expert is
 # quantized from its weights alone, whatever the router chose. Their calibrated schemes run
-# on experts where the quantizer says `moe_calibrated` (int8 static / SmoothQuant / GPTQ,
-# NVFP4 W4A4, FP4 GPTQ): per-expert statistics, and a fallback for a starved expert
+# on experts where the quantizer says `moe_calibrated` (FP8 static, int8 static / SmoothQuant
+# / GPTQ, NVFP4 W4A4, FP4 GPTQ): per-expert statistics, and a fallback for a starved expert
 MOE_UNCALIBRATED = ("fp8", "nvfp4", "mxfp4", "int8")
 
 
@@ -569,7 +569,7 @@ def check_moe_support(spec: ArchSpec, method: str, format_name: str, calibrated:
                       moe_calibrated: bool = False) -> None:
     """Refuse, before any work, what is not built for mixture-of-experts models yet.
     `moe_calibrated`: the quantizer's statistics are per expert and it handles an expert the
-    router fed no calibration token (NVFP4 W4A4's input scales)."""
+    router fed no calibration token (static input scales: borrowed from the widest expert)."""
     if spec.experts is None:
         return
     if format_name not in MOE_FORMATS or (format_name == "gguf"
@@ -582,17 +582,10 @@ def check_moe_support(spec: ArchSpec, method: str, format_name: str, calibrated:
     if method in ("rtn", "gptq", "awq") or (method in MOE_UNCALIBRATED
                                             and (not calibrated or moe_calibrated)):
         return
-    if method in MOE_UNCALIBRATED:  # FP8 static: no per-expert input scales yet
-        raise SchemeMismatch(
-            f"Method {method} with calibration (static input scales) does not handle the "
-            f"experts of {spec.name} (mixture of experts) yet.",
-            "Use --method fp8 --scheme dynamic (or block), --method int8 (--scheme dynamic or "
-            "static, --smoothquant, --rounding gptq), --method nvfp4 or mxfp4; or --method "
-            "gptq, awq or rtn.")
     raise SchemeMismatch(
         f"Method {method} does not handle the experts of {spec.name} (mixture of experts) yet.",
-        "Use --method gptq, awq or rtn, --method fp8 --scheme dynamic (or block), --method "
-        "nvfp4 --scheme w4a16, --method mxfp4 or --method int8 --scheme dynamic.")
+        "Use --method gptq, awq or rtn, --method fp8, int8, nvfp4 or mxfp4 (every scheme) to "
+        "--format compressed-tensors, or --method gguf to --format gguf.")
 
 
 def check_kv_cache(kv_cache: str, format_name: str, spec: ArchSpec, data_parallel: bool) -> None:
