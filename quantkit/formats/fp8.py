@@ -98,7 +98,8 @@ def float_quantized_config(weights: str, activations: str, block: int, ignore: l
     """quantization_config for FP8 / FP8_DYNAMIC / FP8_BLOCK (and the other valid combinations),
     built from the compressed-tensors library's classes so vLLM's parser reads it as its own.
     Static inputs name their observer, static_minmax (llm-compressor's FP8 preset: the running
-    max|x| over every calibration token, quantkit's rule), and the group names its format, as
+    max|x| over every calibration token, quantkit's default rule; compressed-tensors has no
+    name for the Python-only percentile observer), and the group names its format, as
     llm-compressor 0.14 writes them."""
     from compressed_tensors.quantization import (  # lazy: a slow import, absent on the GPU host
         QuantizationArgs,
