@@ -11,7 +11,7 @@ import warnings
 import pytest
 import torch
 from reference_gptq import naive_gptq
-from vllm_checks import agreement, heldout_ids, loader_greedy, vllm_runs
+from vllm_checks import agreement, agreement_floor, heldout_ids, loader_greedy, vllm_runs
 
 from quantkit.errors import BadWeights, CalibrationError, SchemeMismatch
 from quantkit.formats.gptq_v1 import (
@@ -544,4 +544,4 @@ def test_vllm_runs_smollm2_gptq(smollm2_gptq_artifacts, fmt):
     resp = run_vllm(art, generate=prompt, score=[ids])
     ours = loader_greedy(art, prompt[0]["prompt"], 8)
     assert resp["generate"][0].split()[:3] == ours.split()[:3], (resp["generate"][0], ours)
-    assert agreement(art, resp["score"][0]["top1"], ids) >= 0.95
+    assert agreement(art, resp["score"][0]["top1"], ids) >= agreement_floor(art, ids)

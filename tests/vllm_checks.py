@@ -59,6 +59,22 @@ def agreement(artifact_path, vllm_top1, ids) -> float:
     return sum(a == b for a, b in pairs) / len(pairs)
 
 
+def agreement_floor(artifact_path, ids, floor: float = 0.95, margin: float = 0.03) -> float:
+    """The top-1 agreement a correct engine must reach: `floor`, lowered to `margin` under how
+    well quantkit's loader agrees with itself in float32 vs bf16 on the same ids. A 4-bit 135M
+    model has many near-ties: a SmolLM2 GPTQ artifact calibrated in float32 (an AVX512 Xeon
+    without BF16) agreed 0.945 with itself across the two precisions and 0.933 with vLLM, where
+    the AMX Xeon's bf16-calibrated one passed 0.95. A packing or layout bug scores far lower."""
+    from quantkit.loader import load_artifact
+
+    lm = load_artifact(artifact_path)
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        f32 = lm.model.float()(x).logits[0].argmax(-1)
+        bf16 = lm.model.bfloat16()(x).logits[0].argmax(-1)
+    return min(floor, float((f32 == bf16).float().mean()) - margin)
+
+
 def loader_greedy(artifact_path, prompt: str, max_tokens: int) -> str:
     """quantkit's loader's greedy continuation of `prompt` (what vLLM should also write)."""
     from quantkit.loader import load_artifact
