@@ -289,7 +289,8 @@ def _pause_and_signal(args: tuple, point: str, sig: int, tmp_path: Path,
     marker = tmp_path / f"paused-{point}"
     marker.unlink(missing_ok=True)
     proc = subprocess.Popen([sys.executable, "-m", "quantkit.cli", *map(str, args)],
-                            env=_env(QUANTKIT_TEST_PAUSE_AT=f"{point}:{marker}"),
+                            env=_env(QUANTKIT_TEST_PAUSE_AT=f"{point}:{marker}",
+                                     PYTHONFAULTHANDLER="1"),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 300
     while not marker.exists() and proc.poll() is None and time.time() < deadline:
@@ -297,7 +298,15 @@ def _pause_and_signal(args: tuple, point: str, sig: int, tmp_path: Path,
     assert marker.exists(), proc.communicate()
     time.sleep(0.2)  # let it settle into the pause
     proc.send_signal(sig)
-    stdout, stderr = proc.communicate(timeout=120)
+    try:
+        stdout, stderr = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        # twice in full local runs under heavy load the child did not exit after SIGINT (never
+        # reproduced alone or beside two busy loops): SIGABRT makes faulthandler print every
+        # thread's Python stack, so the failure says where it waited
+        proc.send_signal(signal.SIGABRT)
+        stdout, stderr = proc.communicate(timeout=60)
+        pytest.fail(f"no exit 120 s after signal {sig} at '{point}'; its threads:\n{stderr[-8000:]}")
     return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
 
 
