@@ -1173,6 +1173,19 @@ def int8_moe(small_moe, tmp_path_factory) -> Path:
                      scheme=int8_scheme(), method_options={"scheme": "dynamic"})
 
 
+def _headers_match_reference(ours: Path, ref: Path, scale_suffix: str) -> dict:
+    """Our tensor names, dtypes and shapes are the reference writer's, except scales (names
+    ending in `scale_suffix`), which quantkit keeps in F32; returns our headers."""
+    from tiny_models import tensor_headers
+
+    h_ours, h_ref = tensor_headers(ours), tensor_headers(ref)
+    assert h_ours.keys() == h_ref.keys()
+    for name, (dtype, shape) in h_ref.items():
+        want = ("F32", shape) if name.endswith(scale_suffix) else (dtype, shape)
+        assert h_ours[name] == want, name
+    return h_ours
+
+
 def test_int8_experts_equal_llm_compressor_in_both_layouts(small_moe, int8_moe, llmc_moe, tmp_path,
                                                            capsys):
     """int8 W8A8 with dynamic per-token inputs (no calibration) on the small Qwen3-MoE: every
@@ -1183,7 +1196,6 @@ def test_int8_experts_equal_llm_compressor_in_both_layouts(small_moe, int8_moe, 
     nearest integer of w / s in float32, llm-compressor's to that of w / s computed in bf16
     (compressed-tensors divides in the weight's dtype), reproduced exactly; so they differ by
     at most one step (the share is printed), as for dense models (tests/test_int8.py)."""
-    from tiny_models import tensor_headers
 
     from quantkit.formats.common import load_tensors
     from quantkit.methods.int8 import int8_scheme
@@ -1192,11 +1204,7 @@ def test_int8_experts_equal_llm_compressor_in_both_layouts(small_moe, int8_moe, 
                       method_options={"scheme": "dynamic"}, stream=False)
     assert (int8_moe / "model.safetensors").read_bytes() == (fused / "model.safetensors").read_bytes()
     ref = llmc_moe["int8"]
-    h_ours, h_ref = tensor_headers(int8_moe), tensor_headers(ref)
-    assert h_ours.keys() == h_ref.keys()
-    for name, (dtype, shape) in h_ref.items():
-        want = ("F32", shape) if name.endswith(".weight_scale") else (dtype, shape)
-        assert h_ours[name] == want, name
+    h_ours = _headers_match_reference(int8_moe, ref, ".weight_scale")
     base = "model.layers.1.mlp.experts.3"
     assert h_ours[f"{base}.down_proj.weight"] == ("I8", [64, 64])
     assert h_ours[f"{base}.gate_proj.weight_scale"] == ("F32", [64, 1])
@@ -1417,7 +1425,6 @@ def test_fp8_static_experts_equal_llm_compressor_in_both_layouts(small_moe, fp8_
     llm-compressor's bf16 forward holds it; every later one within 0.5-2x (measured
     0.886-1.710), since llm-compressor calibrates with its FP8 fake quantization already on in
     the forward (as for NVFP4 W4A4 below) while quantkit observes the unquantized model."""
-    from tiny_models import tensor_headers
 
     from quantkit.formats.common import load_tensors
     from quantkit.methods.fp8 import FP8_MAX
@@ -1427,11 +1434,7 @@ def test_fp8_static_experts_equal_llm_compressor_in_both_layouts(small_moe, fp8_
     ours = fp8_static_moe
     assert (ours / "model.safetensors").read_bytes() == (fused / "model.safetensors").read_bytes()
     ref = llmc_moe["fp8"]
-    h_ours, h_ref = tensor_headers(ours), tensor_headers(ref)
-    assert h_ours.keys() == h_ref.keys()
-    for name, (dtype, shape) in h_ref.items():
-        want = ("F32", shape) if name.endswith("_scale") else (dtype, shape)
-        assert h_ours[name] == want, name
+    h_ours = _headers_match_reference(ours, ref, "_scale")
     base = "model.layers.1.mlp.experts.3"
     assert h_ours[f"{base}.down_proj.weight"] == ("F8_E4M3", [64, 64])
     assert h_ours[f"{base}.gate_proj.weight_scale"] == ("F32", [1])
