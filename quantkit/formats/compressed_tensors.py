@@ -23,12 +23,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
-from compressed_tensors.quantization import (
-    QuantizationArgs,
-    QuantizationConfig,
-    QuantizationScheme,
-)
 
 from quantkit.errors import ModelLoadError
 from quantkit.formats.activations import (
@@ -46,6 +40,12 @@ __all__ = ["CompressedTensorsWriter", "read_compressed_tensors", "quantization_c
 def quantization_config(scheme: QuantScheme, ignore: list[str], dynamic_g_idx: bool = True) -> dict:
     """`dynamic_g_idx` False: act-order with static groups (g_idx = k // G) -> actorder "static",
     the only act-order vLLM 0.32 loads (it refuses "group": compressed_tensors.py)."""
+    from compressed_tensors.quantization import (  # lazy: kept out of the calibration's peak RSS
+        QuantizationArgs,
+        QuantizationConfig,
+        QuantizationScheme,
+    )
+
     strategy = "channel" if scheme.group_size in (-1, 0) else "group"
     weights = QuantizationArgs(
         num_bits=scheme.bits, type="int", symmetric=scheme.symmetric, strategy=strategy,
@@ -69,6 +69,12 @@ def int_quantized_config(activations: str, ignore: list[str]) -> dict:
     inputs name their observer: static_minmax, llm-compressor's running min / max, which is
     quantkit's rule (max|x| over every calibration token; not llm-compressor's default for
     static inputs, the moving average it names minmax)."""
+    from compressed_tensors.quantization import (  # lazy: kept out of the calibration's peak RSS
+        QuantizationArgs,
+        QuantizationConfig,
+        QuantizationScheme,
+    )
+
     weights = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="channel",
                                dynamic=False)
     if activations == "static":
@@ -108,6 +114,8 @@ class CompressedTensorsWriter:
 
     def write(self, out_dir: Path, *, config: dict, dense: dict[str, torch.Tensor],
               results: dict[str, QuantResult], ignore: list[str], dtype: torch.dtype) -> None:
+        from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
         scheme = next(iter(results.values())).scheme
         if scheme.activations:
             self._write_w8a8(out_dir, config, dense, results, ignore, dtype)
@@ -156,6 +164,8 @@ class CompressedTensorsWriter:
 
 def read_compressed_tensors(path: Path, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """A dense state dict (dequantized weights) from a pack-quantized or int-quantized artifact."""
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+
     qcfg = read_config(path)["quantization_config"]
     if qcfg.get("format") == "int-quantized":
         return _read_int_quantized(path, dtype)

@@ -23,9 +23,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from compressed_tensors.compressors.nvfp4.helpers import pack_fp4_to_uint8, unpack_fp4_from_uint8
-from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme
-from compressed_tensors.quantization.quant_scheme import preset_name_to_scheme
 
 from quantkit.e2m1 import E2M1_VALUES, dequantize_fp4, fake_quant_nvfp4
 from quantkit.errors import ModelLoadError
@@ -51,6 +48,9 @@ def preset_for(scheme: QuantScheme) -> str:
 
 def fp4_quantization_config(scheme: QuantScheme, ignore: list[str]) -> dict:
     """quantization_config of an FP4 artifact: the library's preset under target Linear."""
+    from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme
+    from compressed_tensors.quantization.quant_scheme import preset_name_to_scheme
+
     preset = preset_name_to_scheme(preset_for(scheme), ["Linear"]).model_dump()
     preset["format"] = FP4_FORMATS[scheme.kind]  # llm-compressor 0.14 names it per group too
     cfg = QuantizationConfig(
@@ -64,6 +64,8 @@ def fp4_quantization_config(scheme: QuantScheme, ignore: list[str]) -> dict:
 def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
     """uint8 [N, K/2] from E2M1 codes [N, K], through compressed-tensors' own packer (a sign-bit
     zero is packed as -0.0, keeping its code)."""
+    from compressed_tensors.compressors.nvfp4.helpers import pack_fp4_to_uint8
+
     values = torch.where(codes >= 8, -E2M1_VALUES[(codes & 7).long()],
                          E2M1_VALUES[(codes & 7).long()])
     return torch.cat([pack_fp4_to_uint8(values[i:i + _PACK_ROWS])
@@ -110,6 +112,8 @@ class FP4CompressedTensorsWriter:
 def read_fp4_pack_quantized(path: Path, dtype: torch.dtype = torch.float32
                             ) -> dict[str, torch.Tensor]:
     """A dense state dict (dequantized weights) of an nvfp4/mxfp4-pack-quantized artifact."""
+    from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
+
     raw = load_tensors(path)
     out: dict[str, torch.Tensor] = {}
     skip = (".weight_scale", ".weight_global_scale", ".input_global_scale")
@@ -254,6 +258,8 @@ MODELOPT_FP4_ALGOS = (NVFP4_ALGO, NVFP4A16_ALGO, MXFP4_ALGO, "mxfp4")
 def read_modelopt_nvfp4(path: Path, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """A dense state dict of a ModelOpt FP4 checkpoint (uint8 `.weight` + scales): NVFP4 /
     W4A16_NVFP4 (E4M3 weight_scale, weight_scale_2) or MXFP4 (uint8 E8M0 weight_scale)."""
+    from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
+
     raw = load_tensors(path)
     out: dict[str, torch.Tensor] = {}
     for key, t in raw.items():
