@@ -137,9 +137,9 @@ def borrow_input_scales(ctx: BlockContext, results: dict[str, QuantResult], star
     down_proj), the static input scale `extra[key]` of the block's calibrated experts with the
     widest input range (`widest`: torch.minimum for NVFP4's global scale 448 * 6 / max|x|,
     torch.maximum for int8's max|x| / 127.5 and FP8's max|x| / 448): a scale the engine may
-    apply to them without clipping more than any calibrated expert clips. Loud: one warning per block, and the
-    Linear's `fallback` (quantkit_stats.json, quantkit.json). `what` names that scale in the
-    warning."""
+    apply to them without clipping more than any calibrated expert clips. Loud: one warning per
+    block, and the Linear's `fallback` (quantkit_stats.json, quantkit.json). `what` names that
+    scale in the warning."""
     donors: dict[str, torch.Tensor] = {}
     for n, res in results.items():
         s = res.extra.get(key)

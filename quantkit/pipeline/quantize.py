@@ -557,12 +557,11 @@ def _input_paths(req: QuantizeRequest, model_dir: Path) -> dict[str, Path]:
 MOE_FORMATS = ("compressed-tensors", "gguf")
 
 
-# methods whose uncalibrated schemes need no per-expert statistics (FP8 dynamic / block, NVFP4
-# W4A16 and MXFP4 rounded to nearest, int8 W8A8 with dynamic inputs): every expert is
-# quantized from its weights alone, whatever the router chose. Their calibrated schemes run
-# on experts where the quantizer says `moe_calibrated` (FP8 static, int8 static / SmoothQuant
-# / GPTQ, NVFP4 W4A4, FP4 GPTQ): per-expert statistics, and a fallback for a starved expert
-MOE_UNCALIBRATED = ("fp8", "nvfp4", "mxfp4", "int8")
+# Uncalibrated schemes (FP8 dynamic / block, NVFP4 W4A16 and MXFP4 rounded to nearest, int8
+# W8A8 with dynamic inputs) quantize every expert from its weights alone, whatever the router
+# chose. Calibrated ones run on experts where the quantizer says `moe_calibrated` (FP8 static,
+# int8 static / SmoothQuant / GPTQ, NVFP4 W4A4, FP4 GPTQ): per-expert statistics, and a
+# fallback for a starved expert; rtn / gptq / awq handle experts in the pipeline itself.
 
 
 def check_moe_support(spec: ArchSpec, method: str, format_name: str, calibrated: bool,
@@ -579,8 +578,7 @@ def check_moe_support(spec: ArchSpec, method: str, format_name: str, calibrated:
             f"Use --format {MOE_FORMATS[0]} (per-expert tensors vLLM's FusedMoE loader reads).")
     if format_name == "gguf" and method == "gguf":
         return  # K-quants need no statistics; an imatrix is gathered per expert (sq_mean)
-    if method in ("rtn", "gptq", "awq") or (method in MOE_UNCALIBRATED
-                                            and (not calibrated or moe_calibrated)):
+    if method in ("rtn", "gptq", "awq") or not calibrated or moe_calibrated:
         return
     raise SchemeMismatch(
         f"Method {method} does not handle the experts of {spec.name} (mixture of experts) yet.",
