@@ -30,6 +30,7 @@ import math
 import numpy as np
 from numba import njit
 
+from quantkit.methods.kquants_grid import iq3_tables
 from quantkit.methods.kquants_math import IQ4NL_VALUES as IQ4NL_LEVELS
 
 __all__ = ["ENCODERS", "fp16_bits"]
@@ -1108,7 +1109,252 @@ def _iq4_xs(x2, qw, out, err):
 
 
 
+@njit(**_JIT)
+def _iq3_neighbour(levels, neigh, at, xv, wv, scale, L, base):
+    """iq3_find_best_neighbour: the listed grid point of least weighted error at `scale`
+    (the first on ties); its levels go to L[base:base+4]; returns its grid index."""
+    best_d2 = F32(np.inf)
+    best = -1
+    for j in range(at + 1, at + 1 + neigh[at]):
+        g = neigh[j]
+        d2 = F32(0)
+        for i in range(4):
+            diff = scale * F32(2 * levels[g, i] + 1) - xv[base + i]
+            d2 += wv[base + i] * diff * diff
+        if d2 < best_d2:
+            best_d2 = d2
+            best = g
+    for i in range(4):
+        L[base + i] = levels[best, i]
+    return best
+
+
+@njit(**_JIT)
+def _iq3_code(xv, L, base, inv, buf):
+    """The 12-bit code of a group rounded to levels 0..7 at inverse scale inv (stored in L)."""
+    u = 0
+    for i in range(4):
+        v = int(_nint_c(F32(0.5) * (inv * xv[base + i] - F32(1)), buf))
+        L[base + i] = min(max(v, 0), 7)
+        u |= L[base + i] << (3 * i)
+    return u
+
+
+@njit(**_JIT)
+def _iq3(x2, qw, out, err, levels, kmap, neigh, values, xxs):
+    """IQ3_XXS (xxs, 98 B / 256: | d f16 | grid idx[64] | 8 x u32 signs(4x7) | scale<<28 |)
+    and IQ3_S (110 B / 256: | d f16 | idx lo[64] | idx bit 8 [8] | signs[32] | scales[4] |):
+    quantize_row_iq3_xxs_impl / quantize_row_iq3_s_impl. Per 32 values: weights x^2 or
+    qw * sqrt(sigma2 + x^2) (sigma2 = 2 * mean x^2 of the super-block), signs split off
+    (IQ3_XXS flips the least important value to make each 8's sign count even, so 7 bits
+    carry it), then the scale search over 31 (IQ3_XXS) / 19 (IQ3_S) trial inverse scales
+    that snaps every group of 4 to the grid through kmap and its neighbour lists, keeping
+    the best sumqx^2/sumq2; off-grid groups are re-snapped at the final scale. Sub-block
+    scales are 4-bit odd multiples of d = max_scale/31 (stored times 1.0125 / 1.033).
+    IQ3_S keeps the C's packing as is: a sub-block with max == 0 does not advance the
+    index and sign write positions. The error decodes the written bytes (dequantize_row_*).
+    """
+    rows, k = x2.shape
+    nbl = k // 256
+    size = 98 if xxs else 110
+    kmaxq = 8
+    buf = np.empty(1, np.float32)
+    weight = np.empty(32, np.float32)
+    waux = np.empty(32, np.float32)
+    xval = np.empty(32, np.float32)
+    L = np.zeros(32, np.int64)
+    Laux = np.zeros(32, np.int64)
+    on = np.zeros(8, np.bool_)
+    on_aux = np.zeros(8, np.bool_)
+    signs = np.zeros(4, np.int64)
+    scales = np.zeros(8, np.float32)
+    nis = 15 if xxs else 9
+    for r in range(rows):
+        e = 0.0
+        for ibl in range(nbl):
+            xbl = x2[r, 256 * ibl:256 * ibl + 256]
+            o = out[r, size * ibl:size * ibl + size]
+            for j in range(size):
+                o[j] = 0
+            sumx2 = F32(0)
+            for i in range(256):
+                sumx2 += xbl[i] * xbl[i]
+            sigma2 = F32(2) * sumx2 / F32(256)
+            max_scale = F32(0)
+            qs_at = 2  # IQ3_S: where the next sub-block's indices / signs go
+            sg_at = 74
+            for ib in range(8):
+                xb = xbl[32 * ib:32 * ib + 32]
+                for i in range(32):
+                    if qw.shape[0] > 0:
+                        weight[i] = qw[256 * ibl + 32 * ib + i] * np.sqrt(sigma2 + xb[i] * xb[i])
+                    else:
+                        weight[i] = xb[i] * xb[i]
+                for i in range(32):
+                    waux[i] = np.sqrt(weight[i])
+                for g in range(4):
+                    nflip = 0
+                    s = 0
+                    for i in range(8):
+                        if xb[8 * g + i] >= 0:
+                            xval[8 * g + i] = xb[8 * g + i]
+                        else:
+                            xval[8 * g + i] = -xb[8 * g + i]
+                            nflip += 1
+                            s |= 1 << i
+                    if xxs and nflip % 2:
+                        imin = 0
+                        mn = weight[8 * g] * xb[8 * g] * xb[8 * g]
+                        for i in range(1, 8):
+                            ax = weight[8 * g + i] * xb[8 * g + i] * xb[8 * g + i]
+                            if ax < mn:
+                                mn = ax
+                                imin = i
+                        xval[8 * g + imin] = -xval[8 * g + imin]
+                        s ^= 1 << imin
+                    signs[g] = s & 127 if xxs else s
+                mx = xval[0]
+                for i in range(1, 32):
+                    mx = mx if mx > xval[i] else xval[i]
+                for i in range(32):
+                    L[i] = 0
+                if (xxs and mx < F32(1e-8)) or (not xxs and mx == 0):
+                    scales[ib] = F32(0)
+                    continue
+                best = F32(0)
+                scale = mx / F32(2 * kmaxq - 1)
+                for g in range(8):
+                    on[g] = xxs
+                for it in range(-nis, nis + 1):
+                    inv = (F32(2 * kmaxq - 1) + F32(it) * F32(0.2)) / mx
+                    this_scale = F32(1) / inv
+                    for g in range(8):
+                        u = _iq3_code(xval, Laux, 4 * g, inv, buf)
+                        on_aux[g] = kmap[u] >= 0
+                        if kmap[u] < 0:
+                            _iq3_neighbour(levels, neigh, -kmap[u] - 1, xval, waux, this_scale, Laux, 4 * g)
+                    sumqx = F32(0)
+                    sumq2 = F32(0)
+                    for i in range(32):
+                        q = F32(2 * Laux[i] + 1)
+                        sumqx += weight[i] * xval[i] * q
+                        sumq2 += weight[i] * q * q
+                    if sumq2 > 0 and sumqx * sumqx > best * sumq2:
+                        scale = sumqx / sumq2
+                        best = scale * sumqx
+                        for i in range(32):
+                            L[i] = Laux[i]
+                        for g in range(8):
+                            on[g] = on_aux[g]
+                n_off = 0
+                for g in range(8):
+                    n_off += 0 if on[g] else 1
+                if n_off > 0 and scale > 0:
+                    inv = F32(1) / scale
+                    for g in range(8):
+                        if xxs and on[g]:
+                            continue
+                        u = _iq3_code(xval, L, 4 * g, inv, buf)
+                        gi = kmap[u]
+                        if gi < 0:
+                            gi = _iq3_neighbour(levels, neigh, -kmap[u] - 1, xval, waux, scale, L, 4 * g)
+                        for i in range(4):
+                            L[4 * g + i] = levels[gi, i]
+                    sumqx = F32(0)
+                    sumq2 = F32(0)
+                    for i in range(32):
+                        q = F32(2 * L[i] + 1)
+                        sumqx += weight[i] * xval[i] * q
+                        sumq2 += weight[i] * q * q
+                    if sumq2 > 0:
+                        scale = sumqx / sumq2
+                if scale < 0:
+                    scale = -scale
+                    for g in range(4):
+                        signs[g] = (~signs[g]) & (127 if xxs else 255)
+                for g in range(8):
+                    u = 0
+                    for i in range(4):
+                        u |= L[4 * g + i] << (3 * i)
+                    gi = kmap[u]  # always on the grid here
+                    if xxs:
+                        o[2 + 8 * ib + g] = gi
+                    else:
+                        o[qs_at + g] = gi & 255
+                        o[66 + ib] |= (gi >> 8) << g
+                if xxs:
+                    word = signs[0] | (signs[1] << 7) | (signs[2] << 14) | (signs[3] << 21)
+                    for j in range(4):
+                        o[66 + 4 * ib + j] = (word >> (8 * j)) & 255
+                else:
+                    qs_at += 8
+                    for g in range(4):
+                        o[sg_at + g] = signs[g]
+                    sg_at += 4
+                scales[ib] = scale
+                max_scale = max(max_scale, scale)
+            if max_scale == 0:
+                if xxs:
+                    for j in range(size):
+                        o[j] = 0
+                e += _iq3_block_err(o, xbl, F32(0), levels, values, xxs)
+                continue
+            d = max_scale / F32(31)
+            d16 = _put_f16(o, 0, d * (F32(1.0125) if xxs else F32(1.033)))
+            inv = F32(1) / d
+            for ib in range(8):
+                ls = min(max(int(_nint_c(F32(0.5) * (inv * scales[ib] - F32(1)), buf)), 0), 15)
+                if xxs:
+                    o[66 + 4 * ib + 3] |= ls << 4
+                else:
+                    o[106 + ib // 2] |= ls << (4 * (ib % 2))
+            e += _iq3_block_err(o, xbl, d16, levels, values, xxs)
+        err[r] += e
+    return out
+
+
+@njit(**_JIT)
+def _iq3_block_err(o, x, d, levels, values, xxs):
+    """Sum of (decoded - x)^2 over one written block, decoded as dequantize_row_iq3_xxs /
+    _iq3_s do: IQ3_XXS d * (0.5 + ls) * 0.5 * value, the 8th sign the parity of the 7 stored;
+    IQ3_S d * (1 + 2 ls) * value, all 8 signs stored (d: the stored half's value)."""
+    e = 0.0
+    for ib in range(8):
+        if xxs:
+            word = o[66 + 4 * ib] | (o[67 + 4 * ib] << 8) | (o[68 + 4 * ib] << 16) | (o[69 + 4 * ib] << 24)
+            db = d * (F32(0.5) + F32(word >> 28)) * F32(0.5)
+        else:
+            db = d * F32(1 + 2 * ((o[106 + ib // 2] >> (4 * (ib % 2))) & 15))
+        for g in range(8):
+            if xxs:
+                gi = o[2 + 8 * ib + g]
+                s7 = (word >> (7 * (g // 2))) & 127
+                parity = 0
+                for b in range(7):
+                    parity ^= (s7 >> b) & 1
+                s = s7 | (parity << 7)
+            else:
+                gi = o[2 + 8 * ib + g] | (((o[66 + ib] >> g) & 1) << 8)
+                s = o[74 + 4 * ib + g // 2]
+            for i in range(4):
+                j = 4 * (g % 2) + i
+                v = db * values[levels[gi, i]]
+                v = -v if (s >> j) & 1 else v
+                e += _sq_diff(v, x[32 * ib + 4 * g + i])
+    return e
+
+
+def _iq3_xxs(x2, qw, out, err):
+    levels, kmap, neigh, values = iq3_tables(18)
+    return _iq3(x2, qw, out, err, levels, kmap, neigh, values, True)
+
+
+def _iq3_s(x2, qw, out, err):
+    levels, kmap, neigh, values = iq3_tables(21)
+    return _iq3(x2, qw, out, err, levels, kmap, neigh, values, False)
+
+
 # GGML type id -> encoder(x [rows, K] float32 C-contiguous, qw [K] float32 or empty,
 # out [rows, row_bytes] uint8, err [rows] float64 += sum over the row of (decoded - x)^2)
 ENCODERS = {8: _q8_0, 2: _q4_0, 3: _q4_1, 6: _q5_0, 7: _q5_1, 10: _q2_k, 11: _q3_k, 12: _q4_k, 13: _q5_k, 14: _q6_k,
-            20: _iq4_nl, 23: _iq4_xs}
+            20: _iq4_nl, 23: _iq4_xs, 18: _iq3_xxs, 21: _iq3_s}

@@ -1,4 +1,5 @@
-"""GGML block encoders (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K-Q6_K, IQ4_NL, IQ4_XS), bit-exact with ggml-quants.c.
+"""GGML block encoders (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K-Q6_K, IQ4_NL, IQ4_XS, IQ3_XXS, IQ3_S),
+bit-exact with ggml-quants.c.
 
 `encode_rows(w, qtype, qw)` turns float32 rows [N, K] into the bytes llama.cpp writes,
 [N, K / block * block_bytes] uint8. `qw` is the imatrix row ([K], shared by every row);
@@ -34,6 +35,12 @@ Block layouts (little endian, byte offsets):
         K = kvalues_iq4nl (16 non-uniform levels, -127..113); qs as Q4_0's per 32 values;
         8 blocks of 32 with 6-bit ls: low nibble in scales_l[j/2] (j odd: high half),
         2 high bits at bit 2j of scales_h
+  IQ3_XXS 98 B / 256: | d f16 | grid index[64] | 8 x u32: 4 x 7 sign bits | ls << 28 |
+  IQ3_S  110 B / 256: | d f16 | index low[64] | index bit 8 [8] | signs[32] | scales[4] |
+        8 blocks of 32 in groups of 4 values, each a point of a 4-D grid (kquants_grid);
+        IQ3_XXS x = d*(0.5+ls)*0.5*grid*sign (the 8th sign of 8 is the parity of the 7 stored),
+        IQ3_S x = d*(1+2*ls)*grid*sign. These two have compiled (numba) encoders only: on a
+        GPU the rows are encoded on the CPU and the bytes moved back.
 """
 
 from __future__ import annotations
@@ -60,10 +67,13 @@ from quantkit.methods.kquants_math import (
     sqrt32,
 )
 
-__all__ = ["encode_rows", "encode_slice", "SUPPORTED", "row_bytes", "BACKENDS", "preload_compiled"]
+__all__ = ["encode_rows", "encode_slice", "SUPPORTED", "COMPILED_ONLY", "row_bytes", "BACKENDS", "preload_compiled"]
 
 Q = GGMLQuantizationType
-SUPPORTED = (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS)
+SUPPORTED = (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS,
+             Q.IQ3_XXS, Q.IQ3_S)
+# grid-search types with no torch port: every backend runs the numba encoder on CPU rows
+COMPILED_ONLY = (Q.IQ3_XXS, Q.IQ3_S)
 # values per encoder call on CPU: small enough that an encoder's temporaries stay in cache,
 # large enough to amortise the per-op cost of its long op chains. Measured on 2 cores
 # (benchmarks/kquant_encoder_speed.py): Q6_K's 19-candidate [16, 19, G] arrays want 64K,
@@ -432,7 +442,7 @@ def encode_rows(w: torch.Tensor, qtype: int, qw: torch.Tensor | None = None,
     """
     qtype = Q(qtype)
     enc = _ENCODERS.get(qtype)
-    if enc is None:
+    if enc is None and qtype not in COMPILED_ONLY:
         raise ValueError(f"no encoder for GGML type {qtype.name}")
     n, k = w.shape
     block = GGML_QUANT_SIZES[qtype][0]
@@ -443,6 +453,8 @@ def encode_rows(w: torch.Tensor, qtype: int, qw: torch.Tensor | None = None,
     if backend not in BACKENDS or (backend == "compiled" and not cpu):
         raise ValueError(f"encoder backend {backend!r} is not available for {w.device.type} "
                          f"tensors (choose from {BACKENDS}; 'compiled' runs on the CPU)")
+    if qtype in COMPILED_ONLY:
+        return _encode_on_cpu(w, qtype, qw, errors)
     w = w.to(torch.float32)
     if qw is not None:
         qw = qw.to(device=w.device, dtype=torch.float32).reshape(k)
@@ -458,6 +470,19 @@ def encode_rows(w: torch.Tensor, qtype: int, qw: torch.Tensor | None = None,
 
             sq_err = (decode_rows(out, qtype).double() - w.double()).square().sum(1)
     return (out, sq_err) if errors else out
+
+
+def _encode_on_cpu(w: torch.Tensor, qtype: Q, qw: torch.Tensor | None, errors: bool):
+    """The compiled-only types on any device: CPU float32 copies in, bytes back on w's device."""
+    if not compiled_available():
+        raise ValueError(f"{qtype.name} needs the compiled (numba) encoders, and numba cannot be "
+                         f"imported here; install numba or choose another GGUF type")
+    x = w.detach().to("cpu", torch.float32).contiguous()
+    q = None if qw is None else qw.detach().to("cpu", torch.float32).reshape(w.shape[1]).contiguous()
+    out = torch.empty(w.shape[0], row_bytes(qtype, w.shape[1]), dtype=torch.uint8)
+    sq_err = _encode_compiled(x, qtype, q, out)
+    out = out.to(w.device)
+    return (out, sq_err.to(w.device)) if errors else out
 
 
 def _encode_compiled(w: torch.Tensor, qtype: Q, qw: torch.Tensor | None,
@@ -495,7 +520,7 @@ def preload_compiled(qtypes) -> None:
     """
     import threading
 
-    ids = sorted({int(Q(t)) for t in qtypes if Q(t) in _ENCODERS})
+    ids = sorted({int(Q(t)) for t in qtypes if Q(t) in SUPPORTED})
 
     def load() -> None:
         from quantkit.methods.kquants_cpu import ENCODERS
