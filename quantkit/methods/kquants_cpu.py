@@ -30,7 +30,7 @@ import math
 import numpy as np
 from numba import njit
 
-from quantkit.methods.kquants_grid import iq3_tables
+from quantkit.methods.kquants_grid import grid_tables
 from quantkit.methods.kquants_math import IQ4NL_VALUES as IQ4NL_LEVELS
 
 __all__ = ["ENCODERS", "fp16_bits"]
@@ -1110,33 +1110,36 @@ def _iq4_xs(x2, qw, out, err):
 
 
 @njit(**_JIT)
-def _iq3_neighbour(levels, neigh, at, xv, wv, scale, L, base):
-    """iq3_find_best_neighbour: the listed grid point of least weighted error at `scale`
-    (the first on ties); its levels go to L[base:base+4]; returns its grid index."""
+def _grid_neighbour(levels, neigh, at, xv, wv, scale, L, base):
+    """iq3_find_best_neighbour / iq2_find_best_neighbour: the listed grid point of least
+    weighted error at `scale` (the first on ties); its levels go to L[base:base+n]; returns
+    its grid index."""
+    n = levels.shape[1]
     best_d2 = F32(np.inf)
     best = -1
     for j in range(at + 1, at + 1 + neigh[at]):
         g = neigh[j]
         d2 = F32(0)
-        for i in range(4):
+        for i in range(n):
             diff = scale * F32(2 * levels[g, i] + 1) - xv[base + i]
             d2 += wv[base + i] * diff * diff
         if d2 < best_d2:
             best_d2 = d2
             best = g
-    for i in range(4):
+    for i in range(n):
         L[base + i] = levels[best, i]
     return best
 
 
 @njit(**_JIT)
-def _iq3_code(xv, L, base, inv, buf):
-    """The 12-bit code of a group rounded to levels 0..7 at inverse scale inv (stored in L)."""
+def _grid_code(xv, L, base, n, bits, top, inv, buf):
+    """The code of a group of n values rounded to levels 0..top at inverse scale inv
+    (levels stored in L[base:base+n], `bits` per level in the code)."""
     u = 0
-    for i in range(4):
+    for i in range(n):
         v = int(_nint_c(F32(0.5) * (inv * xv[base + i] - F32(1)), buf))
-        L[base + i] = min(max(v, 0), 7)
-        u |= L[base + i] << (3 * i)
+        L[base + i] = min(max(v, 0), top)
+        u |= L[base + i] << (bits * i)
     return u
 
 
@@ -1229,10 +1232,10 @@ def _iq3(x2, qw, out, err, levels, kmap, neigh, values, xxs):
                     inv = (F32(2 * kmaxq - 1) + F32(it) * F32(0.2)) / mx
                     this_scale = F32(1) / inv
                     for g in range(8):
-                        u = _iq3_code(xval, Laux, 4 * g, inv, buf)
+                        u = _grid_code(xval, Laux, 4 * g, 4, 3, 7, inv, buf)
                         on_aux[g] = kmap[u] >= 0
                         if kmap[u] < 0:
-                            _iq3_neighbour(levels, neigh, -kmap[u] - 1, xval, waux, this_scale, Laux, 4 * g)
+                            _grid_neighbour(levels, neigh, -kmap[u] - 1, xval, waux, this_scale, Laux, 4 * g)
                     sumqx = F32(0)
                     sumq2 = F32(0)
                     for i in range(32):
@@ -1254,10 +1257,10 @@ def _iq3(x2, qw, out, err, levels, kmap, neigh, values, xxs):
                     for g in range(8):
                         if xxs and on[g]:
                             continue
-                        u = _iq3_code(xval, L, 4 * g, inv, buf)
+                        u = _grid_code(xval, L, 4 * g, 4, 3, 7, inv, buf)
                         gi = kmap[u]
                         if gi < 0:
-                            gi = _iq3_neighbour(levels, neigh, -kmap[u] - 1, xval, waux, scale, L, 4 * g)
+                            gi = _grid_neighbour(levels, neigh, -kmap[u] - 1, xval, waux, scale, L, 4 * g)
                         for i in range(4):
                             L[4 * g + i] = levels[gi, i]
                     sumqx = F32(0)
@@ -1343,18 +1346,156 @@ def _iq3_block_err(o, x, d, levels, values, xxs):
                 e += _sq_diff(v, x[32 * ib + 4 * g + i])
     return e
 
+@njit(**_JIT)
+def _iq2_s(x2, qw, out, err, levels, kmap, neigh, values):
+    """IQ2_S (82 B / 256: | d f16 | index low[32] | signs[32] | index bits 8-9 [8] |
+    scales[8] |): quantize_row_iq2_s_impl. Per 16 values: weights 0.25*sigma2 + x^2, or
+    qw * sqrt(sigma2 + x^2) with an imatrix; all 8 signs of each 8 stored; 19 trial inverse
+    scales (5 + 0.1 i)/max snap each 8 to the 1024-point grid of levels 0..2 (neighbour
+    lists: the nearest points only); 4-bit scales of d = max_scale/31 (stored times 0.9875).
+    Decoded x = d*(0.5+ls)*0.25*grid*sign."""
+    rows, k = x2.shape
+    nbl = k // 256
+    buf = np.empty(1, np.float32)
+    weight = np.empty(16, np.float32)
+    waux = np.empty(16, np.float32)
+    xval = np.empty(16, np.float32)
+    L = np.zeros(16, np.int64)
+    Laux = np.zeros(16, np.int64)
+    on = np.zeros(2, np.bool_)
+    on_aux = np.zeros(2, np.bool_)
+    signs = np.zeros(2, np.int64)
+    scales = np.zeros(16, np.float32)
+    for r in range(rows):
+        e = 0.0
+        for ibl in range(nbl):
+            xbl = x2[r, 256 * ibl:256 * ibl + 256]
+            o = out[r, 82 * ibl:82 * ibl + 82]
+            for j in range(82):
+                o[j] = 0
+            sumx2 = F32(0)
+            for i in range(256):
+                sumx2 += xbl[i] * xbl[i]
+            sigma2 = F32(2) * sumx2 / F32(256)
+            max_scale = F32(0)
+            for ib in range(16):
+                xb = xbl[16 * ib:16 * ib + 16]
+                for i in range(16):
+                    if qw.shape[0] > 0:
+                        weight[i] = qw[256 * ibl + 16 * ib + i] * np.sqrt(sigma2 + xb[i] * xb[i])
+                    else:
+                        weight[i] = F32(0.25) * sigma2 + xb[i] * xb[i]
+                for i in range(16):
+                    waux[i] = np.sqrt(weight[i])
+                for g in range(2):
+                    s = 0
+                    for i in range(8):
+                        if xb[8 * g + i] >= 0:
+                            xval[8 * g + i] = xb[8 * g + i]
+                        else:
+                            xval[8 * g + i] = -xb[8 * g + i]
+                            s |= 1 << i
+                    signs[g] = s
+                mx = xval[0]
+                for i in range(1, 16):
+                    mx = mx if mx > xval[i] else xval[i]
+                for i in range(16):
+                    L[i] = 0
+                if mx < F32(1e-8):
+                    scales[ib] = F32(0)
+                    continue
+                best = F32(0)
+                scale = mx / F32(5)
+                on[0] = True
+                on[1] = True
+                for it in range(-9, 10):
+                    inv = (F32(5) + F32(it) * F32(0.1)) / mx
+                    this_scale = F32(1) / inv
+                    for g in range(2):
+                        u = _grid_code(xval, Laux, 8 * g, 8, 2, 2, inv, buf)
+                        on_aux[g] = kmap[u] >= 0
+                        if kmap[u] < 0:
+                            _grid_neighbour(levels, neigh, -kmap[u] - 1, xval, waux, this_scale, Laux, 8 * g)
+                    sumqx = F32(0)
+                    sumq2 = F32(0)
+                    for i in range(16):
+                        q = F32(2 * Laux[i] + 1)
+                        sumqx += weight[i] * xval[i] * q
+                        sumq2 += weight[i] * q * q
+                    if sumq2 > 0 and sumqx * sumqx > best * sumq2:
+                        scale = sumqx / sumq2
+                        best = scale * sumqx
+                        for i in range(16):
+                            L[i] = Laux[i]
+                        on[0] = on_aux[0]
+                        on[1] = on_aux[1]
+                if (not on[0] or not on[1]) and scale > 0:
+                    inv = F32(1) / scale
+                    for g in range(2):
+                        if on[g]:
+                            continue
+                        u = _grid_code(xval, L, 8 * g, 8, 2, 2, inv, buf)
+                        if kmap[u] < 0:
+                            _grid_neighbour(levels, neigh, -kmap[u] - 1, xval, waux, scale, L, 8 * g)
+                    sumqx = F32(0)
+                    sumq2 = F32(0)
+                    for i in range(16):
+                        q = F32(2 * L[i] + 1)
+                        sumqx += weight[i] * xval[i] * q
+                        sumq2 += weight[i] * q * q
+                    if sumq2 > 0:
+                        scale = sumqx / sumq2
+                if scale < 0:
+                    scale = -scale
+                    signs[0] = (~signs[0]) & 255
+                    signs[1] = (~signs[1]) & 255
+                for g in range(2):
+                    u = 0
+                    for i in range(8):
+                        u |= L[8 * g + i] << (2 * i)
+                    gi = kmap[u]  # always on the grid here
+                    i8 = 2 * ib + g
+                    o[2 + i8] = gi & 255
+                    o[66 + i8 // 4] |= (gi >> 8) << (2 * (i8 % 4))
+                    o[34 + i8] = signs[g]
+                scales[ib] = scale
+                max_scale = max(max_scale, scale)
+            d16 = F32(0)
+            if max_scale != 0:
+                d = max_scale / F32(31)
+                d16 = _put_f16(o, 0, d * F32(0.9875))
+                inv = F32(1) / d
+                for ib in range(16):
+                    ls = min(max(int(_nint_c(F32(0.5) * (inv * scales[ib] - F32(1)), buf)), 0), 15)
+                    o[74 + ib // 2] |= ls << (4 * (ib % 2))
+            for ib in range(16):  # the error, from the written bytes (dequantize_row_iq2_s)
+                db = d16 * (F32(0.5) + F32((o[74 + ib // 2] >> (4 * (ib % 2))) & 15)) * F32(0.25)
+                for g in range(2):
+                    i8 = 2 * ib + g
+                    gi = o[2 + i8] | (((o[66 + i8 // 4] >> (2 * (i8 % 4))) & 3) << 8)
+                    for i in range(8):
+                        v = db * values[levels[gi, i]]
+                        v = -v if (o[34 + i8] >> i) & 1 else v
+                        e += _sq_diff(v, xbl[16 * ib + 8 * g + i])
+        err[r] += e
+    return out
+
 
 def _iq3_xxs(x2, qw, out, err):
-    levels, kmap, neigh, values = iq3_tables(18)
+    levels, kmap, neigh, values = grid_tables(18)
     return _iq3(x2, qw, out, err, levels, kmap, neigh, values, True)
 
 
 def _iq3_s(x2, qw, out, err):
-    levels, kmap, neigh, values = iq3_tables(21)
+    levels, kmap, neigh, values = grid_tables(21)
     return _iq3(x2, qw, out, err, levels, kmap, neigh, values, False)
+
+
+def _iq2_s_tables(x2, qw, out, err):
+    return _iq2_s(x2, qw, out, err, *grid_tables(22))
 
 
 # GGML type id -> encoder(x [rows, K] float32 C-contiguous, qw [K] float32 or empty,
 # out [rows, row_bytes] uint8, err [rows] float64 += sum over the row of (decoded - x)^2)
 ENCODERS = {8: _q8_0, 2: _q4_0, 3: _q4_1, 6: _q5_0, 7: _q5_1, 10: _q2_k, 11: _q3_k, 12: _q4_k, 13: _q5_k, 14: _q6_k,
-            20: _iq4_nl, 23: _iq4_xs, 18: _iq3_xxs, 21: _iq3_s}
+            20: _iq4_nl, 23: _iq4_xs, 18: _iq3_xxs, 21: _iq3_s, 22: _iq2_s_tables}

@@ -1,5 +1,5 @@
-"""GGML block encoders (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K-Q6_K, IQ4_NL, IQ4_XS, IQ3_XXS, IQ3_S),
-bit-exact with ggml-quants.c.
+"""GGML block encoders (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K-Q6_K, IQ4_NL, IQ4_XS, IQ3_XXS, IQ3_S,
+IQ2_S), bit-exact with ggml-quants.c.
 
 `encode_rows(w, qtype, qw)` turns float32 rows [N, K] into the bytes llama.cpp writes,
 [N, K / block * block_bytes] uint8. `qw` is the imatrix row ([K], shared by every row);
@@ -39,8 +39,11 @@ Block layouts (little endian, byte offsets):
   IQ3_S  110 B / 256: | d f16 | index low[64] | index bit 8 [8] | signs[32] | scales[4] |
         8 blocks of 32 in groups of 4 values, each a point of a 4-D grid (kquants_grid);
         IQ3_XXS x = d*(0.5+ls)*0.5*grid*sign (the 8th sign of 8 is the parity of the 7 stored),
-        IQ3_S x = d*(1+2*ls)*grid*sign. These two have compiled (numba) encoders only: on a
-        GPU the rows are encoded on the CPU and the bytes moved back.
+        IQ3_S x = d*(1+2*ls)*grid*sign.
+  IQ2_S   82 B / 256: | d f16 | index low[32] | signs[32] | index bits 8-9 [8] | scales[8] |
+        16 blocks of 16 in groups of 8 on a 1024-point grid; x = d*(0.5+ls)*0.25*grid*sign
+        The three grid types have compiled (numba) encoders only: on a GPU the rows are
+        encoded on the CPU and the bytes moved back.
 """
 
 from __future__ import annotations
@@ -71,9 +74,9 @@ __all__ = ["encode_rows", "encode_slice", "SUPPORTED", "COMPILED_ONLY", "row_byt
 
 Q = GGMLQuantizationType
 SUPPORTED = (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS,
-             Q.IQ3_XXS, Q.IQ3_S)
+             Q.IQ3_XXS, Q.IQ3_S, Q.IQ2_S)
 # grid-search types with no torch port: every backend runs the numba encoder on CPU rows
-COMPILED_ONLY = (Q.IQ3_XXS, Q.IQ3_S)
+COMPILED_ONLY = (Q.IQ3_XXS, Q.IQ3_S, Q.IQ2_S)
 # values per encoder call on CPU: small enough that an encoder's temporaries stay in cache,
 # large enough to amortise the per-op cost of its long op chains. Measured on 2 cores
 # (benchmarks/kquant_encoder_speed.py): Q6_K's 19-candidate [16, 19, G] arrays want 64K,
