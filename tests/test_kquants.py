@@ -198,6 +198,69 @@ def test_low_bit_mixes_with_gqa_4_equal_llama_cpp(tmp_path, preset):
     assert ours["blk.1.ffn_down.weight"] == {"q2_k": Q.Q3_K}.get(preset, Q.Q5_K)
 
 
+def _dry_run_types(src: Path, preset: str) -> dict[str, Q]:
+    """llama-quantize --dry-run without an imatrix: the type it would give every tensor, read
+    from its log ("... type = f16, size = ... (iq3_s)"), where a real run refuses."""
+    import contextlib
+    import io
+    import re
+
+    from llama_cpp import _logger
+
+    from quantkit.engines.llamacpp import FTYPES
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype, params.nthread, params.dry_run = FTYPES[preset], 1, True
+    level, buf = _logger.logger.level, io.StringIO()
+    _logger.logger.setLevel("DEBUG")
+    try:
+        with contextlib.redirect_stderr(buf):
+            assert llama_cpp.llama_model_quantize(str(src).encode(), str(src.with_suffix(".dry")).encode(),
+                                                  ctypes.byref(params)) == 0
+    finally:
+        _logger.logger.setLevel(level)
+    found = re.findall(r"\] (\S+)\s+- \[[^\]]*\], type =\s+(\w+), size = [^\n]*?(?:\((\w+)\))?\n", buf.getvalue())
+    return {n: Q[(new or old).upper()] for n, old, new in found}
+
+
+@pytest.mark.parametrize("n_layer,ffn,tied,n_kv,imat", [
+    (16, 512, False, 2, True), (16, 288, True, 2, True), (8, 512, False, 1, True), (80, 256, False, 1, True),
+    (16, 512, False, 2, False), (16, 288, True, 1, False)])
+def test_iq3_xxs_type_mix_equals_llama_cpp(tmp_path, n_layer, ffn, tied, n_kv, imat):
+    """IQ3_XXS: output Q5_K, untied token_embd IQ3_S, attn_q/attn_k IQ2_S, attn_output IQ3_S,
+    attn_v Q4_K with >= 4 query heads per KV head (Q5_K on an 80-layer "70B"), else IQ3_S
+    without an imatrix; without one ffn_down Q4_K / Q3_K; 288 columns fall back to IQ4_NL.
+    Without an imatrix llama.cpp refuses the file (compared with its --dry-run), so do we."""
+    from quantkit.arch import ARCHS
+    from quantkit.errors import EngineError
+
+    src = tmp_path / "f16.gguf"
+    shapes = _write_plain_gguf(src, "llama", n_layer, 256, ffn, vocab=256, tied=tied, n_kv=n_kv)
+    plans = plan_types("iq3_xxs", shapes, n_layer, has_imatrix=imat, n_gqa=4 // n_kv, is_70b=n_layer == 80)
+    ours = {n: (plans[n].qtype if n in plans else Q.F32) for n in shapes}
+    if imat:
+        llama_quantize(src, tmp_path / "q.gguf", "iq3_xxs",
+                       imatrix={n: np.ones(s[-1], np.float32) for n, s in shapes.items()
+                                if n.startswith("blk.") and len(s) == 2})
+        assert ours == _types(tmp_path / "q.gguf")
+    else:
+        assert ours == _dry_run_types(src, "iq3_xxs")
+        with pytest.raises(EngineError):
+            llama_quantize(src, tmp_path / "q.gguf", "iq3_xxs")
+        cfg = {"vocab_size": 256, "hidden_size": 256, "num_hidden_layers": 1, "tie_word_embeddings": tied}
+        with pytest.raises(SchemeMismatch, match="needs an importance matrix"):
+            GGUFQuantizer("iq3_xxs").prepare(cfg, ARCHS[0], {"model.layers.0.mlp.up_proj": (ffn, 256)})
+    v = ours["blk.3.attn_v.weight"]
+    assert v == (Q.Q5_K if n_layer == 80 else Q.Q4_K if n_kv == 1 else Q.IQ3_XXS if imat else Q.IQ3_S)
+    assert ours["blk.0.attn_q.weight"] == Q.IQ2_S and ours["blk.0.attn_output.weight"] == Q.IQ3_S
+    assert ours["token_embd.weight"] == (Q.Q5_K if tied else Q.IQ3_S)
+    down = [ours[f"blk.{i}.ffn_down.weight"] for i in range(n_layer)]
+    if ffn % 256 == 0:
+        assert down == ([Q.IQ3_XXS] * n_layer if imat else [Q.Q4_K] * (n_layer // 8) + [Q.Q3_K] * (n_layer - n_layer // 8))
+    else:
+        assert set(down) == ({Q.IQ4_NL} if imat else {Q.Q5_0, Q.Q4_0})
+
+
 def _write_moe_gguf(path: Path, n_layer: int, n_expert: int, hidden: int = 256,
                     ffn_exp: int = 256, vocab: int = 256) -> dict[str, tuple[int, ...]]:
     """A weightless (all-zero F16) qwen3moe model: 3-D experts and an F32 router per block."""

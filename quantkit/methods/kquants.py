@@ -12,9 +12,17 @@ The type mix of a preset (Q4_K_M, Q5_K_M, ...) is a data table, `PRESETS`, read 
                                                IQ4_NL/IQ4_XS: attn_v Q5_K with >= 4 query
                                                heads per KV head, without an imatrix the
                                                first eighth of ffn_down Q5_K
+  IQ3_XXS                                   -> output Q5_K, untied token_embd IQ3_S,
+                                               attn_q/attn_k IQ2_S, attn_output IQ3_S,
+                                               attn_v Q4_K with >= 4 query heads per KV
+                                               head, else IQ3_S without an imatrix;
+                                               without one ffn_down Q4_K (first eighth) /
+                                               Q3_K, and llama.cpp refuses the file (its
+                                               IQ3_XXS and IQ2_S tensors need an imatrix)
   everything else                           -> the preset's base type
   row width % block != 0                    -> Q2_K/Q3_K->Q4_0, Q4_K->Q5_0, Q5_K->Q5_1,
-                                               Q6_K->Q8_0, IQ4_XS->IQ4_NL, then F16
+                                               Q6_K->Q8_0, IQ4_XS/IQ3_XXS/IQ3_S/IQ2_S->IQ4_NL,
+                                               then F16
   mixture of experts                        -> ffn_down(_exps) by the layer in its name;
                                                exactly 8 experts: attn_v, attn_k Q8_0 and
                                                attn_output by attn_output_8_experts
@@ -57,28 +65,39 @@ def use_more_bits(i: int, n: int) -> bool:
     return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
 
 
-# Conditions of a rule see (i, n, n_gqa): i the tensor's counter, n its total, n_gqa the
-# model's query heads per KV head.
+# Conditions of a rule see (i, n, n_gqa, imatrix): i the tensor's counter, n its total,
+# n_gqa the model's query heads per KV head, imatrix whether llama.cpp was given one.
 _CONDITIONS = {
-    "always": lambda i, n, g: True,
-    "more_bits": lambda i, n, g: use_more_bits(i, n),
-    "first_2": lambda i, n, g: i < 2,
-    "first_4": lambda i, n, g: i < 4,
-    "first_eighth": lambda i, n, g: i < n // 8,
-    "first_16th": lambda i, n, g: i < n // 16,
-    "gqa_4": lambda i, n, g: g >= 4,
+    "always": lambda i, n, g, m: True,
+    "more_bits": lambda i, n, g, m: use_more_bits(i, n),
+    "first_2": lambda i, n, g, m: i < 2,
+    "first_4": lambda i, n, g, m: i < 4,
+    "first_eighth": lambda i, n, g, m: i < n // 8,
+    "first_16th": lambda i, n, g, m: i < n // 16,
+    "gqa_4": lambda i, n, g, m: g >= 4,
+    "no_imatrix": lambda i, n, g, m: not m,
 }
 
 
 @dataclass(frozen=True)
 class Rule:
-    """`then` where the condition holds, else `otherwise` (None: the preset's base type)."""
+    """`then` where the condition holds, else `otherwise` (None: the preset's base type; a
+    Rule: asked next, for llama.cpp's if / else-if chains)."""
     when: str
     then: Q
-    otherwise: Q | None = None
+    otherwise: Q | Rule | None = None
 
-    def pick(self, i: int, n: int, n_gqa: int) -> Q | None:
-        return self.then if _CONDITIONS[self.when](i, n, n_gqa) else self.otherwise
+    def pick(self, i: int, n: int, n_gqa: int, has_imatrix: bool = False) -> Q | None:
+        if _CONDITIONS[self.when](i, n, n_gqa, has_imatrix):
+            return self.then
+        if isinstance(self.otherwise, Rule):
+            return self.otherwise.pick(i, n, n_gqa, has_imatrix)
+        return self.otherwise
+
+    @property
+    def types(self) -> tuple[Q, ...]:
+        rest = self.otherwise.types if isinstance(self.otherwise, Rule) else (self.otherwise,)
+        return tuple(t for t in (self.then, *rest) if t is not None)
 
 
 @dataclass(frozen=True)
@@ -96,6 +115,13 @@ class Preset:
     # models with exactly 8 experts: attn_output's type replaces the attn_output rule (None:
     # the base type; llama.cpp bumps it to Q5_K for the low-bit K presets only)
     attn_output_8_experts: Q | None = None
+    attn_q: Rule | None = None
+    attn_k: Rule | None = None  # models with exactly 8 experts: Q8_0 whatever this says
+    output: Q = Q.Q6_K  # output.weight, and token_embd when tied (Q8_0 kept as Q8_0)
+    token_embd: Q | None = None  # untied token_embd (None: the base type)
+    # llama.cpp refuses to write these types without an imatrix (tensor_requires_imatrix;
+    # token_embd and output excepted)
+    needs_imatrix: tuple[Q, ...] = ()
 
     @property
     def quantized(self) -> bool:
@@ -104,7 +130,7 @@ class Preset:
     @property
     def rules(self) -> tuple[Rule, ...]:
         return tuple(r for r in (self.attn_v, self.ffn_down, self.attn_output, self.ffn_down_imatrix,
-                                 self.ffn_down_no_imatrix) if r)
+                                 self.ffn_down_no_imatrix, self.attn_q, self.attn_k) if r)
 
 
 _MORE_BITS_Q6 = Rule("more_bits", Q.Q6_K)
@@ -135,13 +161,17 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
            ffn_down_no_imatrix=Rule("first_eighth", Q.Q5_K), attn_output_8_experts=Q.Q5_K),
     Preset("iq4_xs", 30, Q.IQ4_XS, attn_v=Rule("gqa_4", Q.Q5_K),
            ffn_down_no_imatrix=Rule("first_eighth", Q.Q5_K), attn_output_8_experts=Q.Q5_K),
+    Preset("iq3_xxs", 23, Q.IQ3_XXS, attn_v=Rule("gqa_4", Q.Q4_K, Rule("no_imatrix", Q.IQ3_S)),
+           ffn_down_no_imatrix=Rule("first_eighth", Q.Q4_K, Q.Q3_K), attn_output=Rule("always", Q.IQ3_S),
+           attn_output_8_experts=Q.Q5_K, attn_q=Rule("always", Q.IQ2_S), attn_k=Rule("always", Q.IQ2_S),
+           output=Q.Q5_K, token_embd=Q.IQ3_S, needs_imatrix=(Q.IQ3_XXS, Q.IQ2_S)),
     Preset("f16", 1, Q.F16),
     Preset("bf16", 32, Q.BF16),
 )}
 AUTO_BASE = "q4_k_m"
 # a 256-wide type on rows whose width is not a multiple of 256 (then F16 if 32 fails too)
 FALLBACK = {Q.Q2_K: Q.Q4_0, Q.Q3_K: Q.Q4_0, Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0,
-            Q.IQ4_XS: Q.IQ4_NL}
+            Q.IQ4_XS: Q.IQ4_NL, Q.IQ3_XXS: Q.IQ4_NL, Q.IQ3_S: Q.IQ4_NL, Q.IQ2_S: Q.IQ4_NL}
 
 
 @dataclass(frozen=True)
@@ -191,7 +221,7 @@ def plan_types(preset: Preset | str, tensors: dict[str, tuple[int, ...]], n_laye
     plans = {}
 
     def apply(rule: Rule | None, t: Q, i: int, n: int) -> Q:
-        picked = rule.pick(i, n, n_gqa) if rule else None
+        picked = rule.pick(i, n, n_gqa, has_imatrix) if rule else None
         return picked if picked is not None else t
 
     for name in names:
@@ -202,9 +232,9 @@ def plan_types(preset: Preset | str, tensors: dict[str, tuple[int, ...]], n_laye
         if p.quantized:
             ncols = shape[-1]
             if name == "output.weight" or (tied and name == "token_embd.weight"):
-                t = Q.Q8_0 if ncols % _block(t) else (t if t == Q.Q8_0 else Q.Q6_K)
+                t = Q.Q8_0 if ncols % _block(t) else (t if t == Q.Q8_0 else p.output)
             elif name == "token_embd.weight":
-                pass
+                t = p.token_embd or t
             elif "attn_qkv.weight" in name or "attn_v.weight" in name:
                 t = apply(p.attn_v, t, i_attn_v, n_attn_v)
                 if is_70b and t in (Q.Q3_K, Q.Q4_K):
@@ -212,8 +242,10 @@ def plan_types(preset: Preset | str, tensors: dict[str, tuple[int, ...]], n_laye
                 if n_expert == 8:
                     t = Q.Q8_0
                 i_attn_v += 1
-            elif "attn_k.weight" in name and n_expert == 8:
-                t = Q.Q8_0
+            elif "attn_k.weight" in name:
+                t = Q.Q8_0 if n_expert == 8 else apply(p.attn_k, t, 0, 1)
+            elif "attn_q.weight" in name:
+                t = apply(p.attn_q, t, 0, 1)
             elif "ffn_down" in name:
                 i = _layer(name) if n_expert > 1 else i_ffn_down
                 t = apply(p.ffn_down, t, i, n_layer)
@@ -392,8 +424,8 @@ class GGUFQuantizer:
     def _possible_types(self) -> set[Q]:
         """Every type this preset can write: its rules, output/embeddings, row-width fallbacks."""
         p = self.preset
-        types = {p.base, Q.Q6_K, Q.Q8_0} | {t for r in p.rules for t in (r.then, r.otherwise) if t}
-        types |= {p.attn_output_8_experts} - {None}
+        types = {p.base, p.output, Q.Q8_0} | {t for r in p.rules for t in r.types}
+        types |= {p.attn_output_8_experts, p.token_embd} - {None}
         if self.auto:
             from quantkit.methods.gguf_auto import AUTO_CANDIDATES, NARROW_EXTRA
 
@@ -432,8 +464,23 @@ class GGUFQuantizer:
                 groups.setdefault(plan.note, []).append(name)
         for note, names in groups.items():  # per tensor: INFO here, quantkit.fallbacks in the file
             log.warning("%d tensors fall back %s, e.g. %s", len(names), note, names[0])
+        needy = sorted((n for n, pl in self.plans.items() if pl.qtype in self.preset.needs_imatrix
+                        and n not in ("token_embd.weight", "output.weight")), key=lambda n: (_layer(n), n))
+        if needy and not (self.collect or self.imatrix_path is not None):
+            raise SchemeMismatch(
+                f"--gguf-type {self.preset.name} needs an importance matrix: llama.cpp refuses to "
+                f"write {self.plans[needy[0]].qtype.name} tensors without one ({len(needy)} here, "
+                f"e.g. {needy[0]}).",
+                "Pass --imatrix FILE (llama-imatrix's output) or --calib SET to collect one, or "
+                "pick a type that works without, such as q3_k_m or iq4_xs.")
         if self.imatrix_path is not None:
             self.imatrix = self._checked_imatrix(load_imatrix(self.imatrix_path), tensors)
+            missing = [n for n in needy if n not in self.imatrix]
+            if missing:  # llama-quantize: "Missing importance matrix for tensor ..."
+                raise SchemeMismatch(
+                    f"imatrix {self.imatrix_path} has no entry for {missing[0]} ({len(missing)} "
+                    f"tensors), and its type {self.plans[missing[0]].qtype.name} needs one.",
+                    "Use an imatrix computed for this whole model (llama-imatrix or --calib).")
         if self.auto:
             self._prepare_auto(tensors)
 
