@@ -109,8 +109,10 @@ def test_encoder_rejects_bad_width_and_backend():
 # ---------------------------------------------------------------- the per-tensor type mix
 
 def _write_plain_gguf(path: Path, arch: str, n_layer: int, hidden: int, ffn: int, vocab: int,
-                      tied: bool, n_head: int = 4, n_kv: int = 2) -> dict[str, tuple[int, ...]]:
-    """A weightless (all-zero F16) dense model: enough for llama-quantize's type choice."""
+                      tied: bool, n_head: int = 4, n_kv: int = 2, seed: int | None = None) -> dict[str, tuple[int, ...]]:
+    """A weightless (all-zero F16) dense model: enough for llama-quantize's type choice; with
+    a seed, gaussian F16 weights (heavy-tailed rows included) for comparing bytes."""
+    rng = None if seed is None else np.random.default_rng(seed)
     w = GGUFWriter(str(path), arch)
     hd = hidden // n_head
     w.add_block_count(n_layer)
@@ -133,7 +135,12 @@ def _write_plain_gguf(path: Path, arch: str, n_layer: int, hidden: int, ffn: int
                        f"blk.{i}.ffn_gate.weight": (ffn, hidden), f"blk.{i}.ffn_up.weight": (ffn, hidden),
                        f"blk.{i}.ffn_down.weight": (hidden, ffn)})
     for name, shape in shapes.items():
-        w.add_tensor(name, np.zeros(shape, dtype=np.float32 if len(shape) == 1 else np.float16))
+        if len(shape) == 1:
+            w.add_tensor(name, np.ones(shape, dtype=np.float32))
+        elif rng is None:
+            w.add_tensor(name, np.zeros(shape, dtype=np.float16))
+        else:
+            w.add_tensor(name, (rng.standard_t(3, shape) * 0.02).astype(np.float16))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -413,7 +420,30 @@ def test_every_tensor_bit_exact_vs_llama_quantize(request, model, preset, imat, 
     assert _compare_file(request.getfixturevalue(model), preset, imat) == expect
 
 
-@pytest.mark.parametrize("preset", ["q4_k_m", "q4_0", "q3_k_m", "q2_k", "iq4_xs"])
+def test_iq3_xxs_every_tensor_bit_exact_vs_llama_quantize(tmp_path):
+    """IQ3_XXS, IQ3_S, IQ2_S and Q5_K tensors of llama-quantize's iq3_xxs file (4 layers,
+    untied 256-row vocab, random weights and imatrix) = quantkit's bytes. The tiny HF model's
+    whole file is compared in the pipeline test below."""
+    src = tmp_path / "f16.gguf"
+    shapes = _write_plain_gguf(src, "llama", 4, 256, 512, vocab=256, tied=False, seed=0)
+    rng = np.random.default_rng(1)
+    imatrix = {n: (rng.random(s[-1]) ** 3 * 40).astype(np.float32) for n, s in shapes.items()
+               if n.startswith("blk.") and len(s) == 2}
+    llama_quantize(src, tmp_path / "q.gguf", "iq3_xxs", imatrix=imatrix)
+    base = _gguf_tensors(src)
+    seen = set()
+    for name, (qtype, data) in _gguf_tensors(tmp_path / "q.gguf").items():
+        if qtype == Q.F32:
+            continue
+        rows = _float_rows(*base[name])
+        qw = imatrix.get(name)
+        ours = quantize_tensor(rows, qtype, None if qw is None else torch.from_numpy(qw)).numpy()
+        assert np.array_equal(ours, np.asarray(data).reshape(ours.shape)), f"{name} {qtype.name}"
+        seen.add(qtype)
+    assert seen == {Q.IQ3_XXS, Q.IQ3_S, Q.IQ2_S, Q.Q5_K}
+
+
+@pytest.mark.parametrize("preset", ["q4_k_m", "q4_0", "q3_k_m", "q2_k", "iq4_xs", "iq3_xxs"])
 def test_pipeline_with_imatrix_file_equals_llama_quantize(tiny_gguf, preset):
     """The whole path: HF model -> quantize(method=gguf, imatrix=FILE) -> one GGUF file, equal
     to llama-quantize's, which llama.cpp then runs: its logits follow the 16-bit file's."""
@@ -443,7 +473,9 @@ def test_pipeline_with_imatrix_file_equals_llama_quantize(tiny_gguf, preset):
         a, b = base_llm.logits(ids).astype(np.float64), q_llm.logits(ids).astype(np.float64)
         cos = (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
         print(f"{preset}: logits cosine vs the 16-bit file, min {cos.min():.3f} mean {cos.mean():.3f}")
-        assert cos.min() > {"q2_k": 0.8}.get(preset, 0.95), cos  # measured: q2_k 0.83, q3_k_m 0.96
+        # measured: q2_k 0.83, q3_k_m 0.96, iq3_xxs 0.757 (llama.cpp's own bytes, asserted above;
+        # its IQ2_S attn_q/attn_k follow the synthetic imatrix, not real activations)
+        assert cos.min() > {"q2_k": 0.8, "iq3_xxs": 0.7}.get(preset, 0.95), cos
         assert len(q_llm.tokenize(q_llm.greedy("The quick brown", max_tokens=4))) > 0
     finally:
         base_llm.close()

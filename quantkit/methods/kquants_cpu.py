@@ -1109,7 +1109,7 @@ def _iq4_xs(x2, qw, out, err):
 
 
 
-@njit(**_JIT)
+@njit(inline="always", **_JIT)
 def _grid_neighbour(levels, neigh, at, xv, wv, scale, L, base):
     """iq3_find_best_neighbour / iq2_find_best_neighbour: the listed grid point of least
     weighted error at `scale` (the first on ties); its levels go to L[base:base+n]; returns
@@ -1131,13 +1131,16 @@ def _grid_neighbour(levels, neigh, at, xv, wv, scale, L, base):
     return best
 
 
-@njit(**_JIT)
+@njit(inline="always", **_JIT)
 def _grid_code(xv, L, base, n, bits, top, inv, buf):
     """The code of a group of n values rounded to levels 0..top at inverse scale inv
-    (levels stored in L[base:base+n], `bits` per level in the code)."""
+    (levels stored in L[base:base+n], `bits` per level in the code). buf: None in the trial
+    loops, where |inv * x| <= 18 and the plain rounding is C's (no array view per value:
+    its reference counting made the search 4x slower); else C's bit trick for any value."""
     u = 0
     for i in range(n):
-        v = int(_nint_c(F32(0.5) * (inv * xv[base + i] - F32(1)), buf))
+        v = F32(0.5) * (inv * xv[base + i] - F32(1))
+        v = int(_nint(v) if buf is None else _nint_c(v, buf))
         L[base + i] = min(max(v, 0), top)
         u |= L[base + i] << (bits * i)
     return u
@@ -1232,7 +1235,7 @@ def _iq3(x2, qw, out, err, levels, kmap, neigh, values, xxs):
                     inv = (F32(2 * kmaxq - 1) + F32(it) * F32(0.2)) / mx
                     this_scale = F32(1) / inv
                     for g in range(8):
-                        u = _grid_code(xval, Laux, 4 * g, 4, 3, 7, inv, buf)
+                        u = _grid_code(xval, Laux, 4 * g, 4, 3, 7, inv, None)
                         on_aux[g] = kmap[u] >= 0
                         if kmap[u] < 0:
                             _grid_neighbour(levels, neigh, -kmap[u] - 1, xval, waux, this_scale, Laux, 4 * g)
@@ -1412,7 +1415,7 @@ def _iq2_s(x2, qw, out, err, levels, kmap, neigh, values):
                     inv = (F32(5) + F32(it) * F32(0.1)) / mx
                     this_scale = F32(1) / inv
                     for g in range(2):
-                        u = _grid_code(xval, Laux, 8 * g, 8, 2, 2, inv, buf)
+                        u = _grid_code(xval, Laux, 8 * g, 8, 2, 2, inv, None)
                         on_aux[g] = kmap[u] >= 0
                         if kmap[u] < 0:
                             _grid_neighbour(levels, neigh, -kmap[u] - 1, xval, waux, this_scale, Laux, 8 * g)
