@@ -302,16 +302,21 @@ def _write_moe_gguf(path: Path, n_layer: int, n_expert: int, hidden: int = 256,
     return shapes
 
 
-@pytest.mark.parametrize("preset,n_expert", [(p, 8) for p in ["q4_k_m", *_MIXES]] + [("q4_k_m", 4), ("q2_k", 4)])
+@pytest.mark.parametrize("preset,n_expert", [(p, 8) for p in ["q4_k_m", *_MIXES, "iq3_xxs"]]
+                         + [("q4_k_m", 4), ("q2_k", 4), ("iq3_xxs", 4)])
 def test_moe_type_mix_equals_llama_cpp(tmp_path, preset, n_expert):
     """qwen3moe, 8 layers: the 3-D expert tensors and the rest get llama-quantize's types
     (ffn_down_exps by its layer; with exactly 8 experts attn_v/attn_k Q8_0 and attn_output
-    Q5_K only for the low-bit K presets); the router stays F32."""
+    Q5_K only for the low-bit K presets); the router stays F32. IQ3_XXS: with an imatrix
+    (one vector per expert), which llama.cpp requires."""
     src = tmp_path / "f16.gguf"
     shapes = _write_moe_gguf(src, 8, n_expert)
-    llama_quantize(src, tmp_path / "q.gguf", preset)
+    imat = PRESETS[preset].needs_imatrix != ()
+    imatrix = {n: np.ones(s[-1] * (s[0] if len(s) == 3 else 1), np.float32) for n, s in shapes.items()
+               if n.startswith("blk.") and len(s) >= 2} if imat else None
+    llama_quantize(src, tmp_path / "q.gguf", preset, imatrix=imatrix)
     plans = plan_types(preset, {n: s for n, s in shapes.items() if "ffn_gate_inp" not in n}, 8,
-                       n_expert=n_expert)
+                       n_expert=n_expert, has_imatrix=imat)
     ours = {n: (plans[n].qtype if n in plans else Q.F32) for n in shapes}
     assert ours == _types(tmp_path / "q.gguf")
     if n_expert == 8 and preset == "q4_k_m":
