@@ -255,8 +255,14 @@ def test_iq3_xxs_type_mix_equals_llama_cpp(tmp_path, n_layer, ffn, tied, n_kv, i
         with pytest.raises(EngineError):
             llama_quantize(src, tmp_path / "q.gguf", "iq3_xxs")
         cfg = {"vocab_size": 256, "hidden_size": 256, "num_hidden_layers": 1, "tie_word_embeddings": tied}
+        linears = {"model.layers.0.mlp.up_proj": (ffn, 256), "model.layers.0.self_attn.q_proj": (256, 256)}
         with pytest.raises(SchemeMismatch, match="needs an importance matrix"):
-            GGUFQuantizer("iq3_xxs").prepare(cfg, ARCHS[0], {"model.layers.0.mlp.up_proj": (ffn, 256)})
+            GGUFQuantizer("iq3_xxs").prepare(cfg, ARCHS[0], linears)
+        # an imatrix without the IQ2_S attn_q: llama-quantize's "Missing importance matrix"
+        save_imatrix(tmp_path / "part.gguf", {"blk.0.ffn_up.weight": (torch.ones(256), 1)},
+                     datasets=["x"], chunk_count=1, chunk_size=1)
+        with pytest.raises(SchemeMismatch, match="no entry for blk.0.attn_q.weight"):
+            GGUFQuantizer("iq3_xxs", imatrix=tmp_path / "part.gguf").prepare(cfg, ARCHS[0], linears)
     v = ours["blk.3.attn_v.weight"]
     assert v == (Q.Q5_K if n_layer == 80 else Q.Q4_K if n_kv == 1 else Q.IQ3_XXS if imat else Q.IQ3_S)
     assert ours["blk.0.attn_q.weight"] == Q.IQ2_S and ours["blk.0.attn_output.weight"] == Q.IQ3_S

@@ -469,8 +469,8 @@ class GGUFQuantizer:
         if needy and not (self.collect or self.imatrix_path is not None):
             raise SchemeMismatch(
                 f"--gguf-type {self.preset.name} needs an importance matrix: llama.cpp refuses to "
-                f"write {self.plans[needy[0]].qtype.name} tensors without one ({len(needy)} here, "
-                f"e.g. {needy[0]}).",
+                f"write {'/'.join(sorted({self.plans[n].qtype.name for n in needy}))} tensors without "
+                f"one ({len(needy)} here, e.g. {needy[0]}).",
                 "Pass --imatrix FILE (llama-imatrix's output) or --calib SET to collect one, or "
                 "pick a type that works without, such as q3_k_m or iq4_xs.")
         if self.imatrix_path is not None:
