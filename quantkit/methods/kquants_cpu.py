@@ -1110,12 +1110,11 @@ def _iq4_xs(x2, qw, out, err):
 
 
 @njit(inline="always", **_JIT)
-def _grid_neighbour(levels, neigh, at, xv, wv, scale, L, base):
+def _grid_neighbour(levels, neigh, at, xv, wv, scale, L, base, n):
     """iq3_find_best_neighbour / iq2_find_best_neighbour: the listed grid point of least
     weighted error at `scale` (the first on ties); its levels go to L[base:base+n]; returns
-    its grid index."""
-    n = levels.shape[1]
-    best_d2 = F32(np.inf)
+    its grid index (n: the group width, a constant at each inlined call)."""
+    best_d2 = F32(3.4028234663852886e38)  # FLT_MAX, as the C starts
     best = -1
     for j in range(at + 1, at + 1 + neigh[at]):
         g = neigh[j]
@@ -1238,7 +1237,7 @@ def _iq3(x2, qw, out, err, levels, kmap, neigh, values, xxs):
                         u = _grid_code(xval, Laux, 4 * g, 4, 3, 7, inv, None)
                         on_aux[g] = kmap[u] >= 0
                         if kmap[u] < 0:
-                            _grid_neighbour(levels, neigh, -kmap[u] - 1, xval, waux, this_scale, Laux, 4 * g)
+                            _grid_neighbour(levels, neigh, -kmap[u] - 1, xval, waux, this_scale, Laux, 4 * g, 4)
                     sumqx = F32(0)
                     sumq2 = F32(0)
                     for i in range(32):
@@ -1263,7 +1262,7 @@ def _iq3(x2, qw, out, err, levels, kmap, neigh, values, xxs):
                         u = _grid_code(xval, L, 4 * g, 4, 3, 7, inv, buf)
                         gi = kmap[u]
                         if gi < 0:
-                            gi = _grid_neighbour(levels, neigh, -kmap[u] - 1, xval, waux, scale, L, 4 * g)
+                            gi = _grid_neighbour(levels, neigh, -kmap[u] - 1, xval, waux, scale, L, 4 * g, 4)
                         for i in range(4):
                             L[4 * g + i] = levels[gi, i]
                     sumqx = F32(0)
@@ -1418,7 +1417,7 @@ def _iq2_s(x2, qw, out, err, levels, kmap, neigh, values):
                         u = _grid_code(xval, Laux, 8 * g, 8, 2, 2, inv, None)
                         on_aux[g] = kmap[u] >= 0
                         if kmap[u] < 0:
-                            _grid_neighbour(levels, neigh, -kmap[u] - 1, xval, waux, this_scale, Laux, 8 * g)
+                            _grid_neighbour(levels, neigh, -kmap[u] - 1, xval, waux, this_scale, Laux, 8 * g, 8)
                     sumqx = F32(0)
                     sumq2 = F32(0)
                     for i in range(16):
@@ -1439,7 +1438,7 @@ def _iq2_s(x2, qw, out, err, levels, kmap, neigh, values):
                             continue
                         u = _grid_code(xval, L, 8 * g, 8, 2, 2, inv, buf)
                         if kmap[u] < 0:
-                            _grid_neighbour(levels, neigh, -kmap[u] - 1, xval, waux, scale, L, 8 * g)
+                            _grid_neighbour(levels, neigh, -kmap[u] - 1, xval, waux, scale, L, 8 * g, 8)
                     sumqx = F32(0)
                     sumq2 = F32(0)
                     for i in range(16):
