@@ -166,12 +166,12 @@ def test_q4_k_m_type_mix_equals_llama_cpp(tmp_path, n_layer, hidden, ffn, tied):
 
 
 _MIXES = ["q4_k_s", "q5_k_m", "q5_k_s", "q6_k", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0", "q3_k_l", "q3_k_m",
-          "q3_k_s", "q2_k", "iq4_nl", "iq4_xs"]
+          "q3_k_s", "q2_k", "iq4_nl", "iq4_xs", "iq3_s"]
 
 
 @pytest.mark.parametrize("preset,ffn,imat", [(p, 288, False) for p in _MIXES]
                          + [(p, 272, False) for p in _MIXES if p != "iq4_nl"]  # iq4_xs: -> IQ4_NL -> F16
-                         + [(p, 288, True) for p in ("q4_0", "q5_0", "q3_k_m", "q2_k", "iq4_nl", "iq4_xs")])
+                         + [(p, 288, True) for p in ("q4_0", "q5_0", "q3_k_m", "q2_k", "iq4_nl", "iq4_xs", "iq3_s")])
 def test_other_presets_type_mix_equals_llama_cpp(tmp_path, preset, ffn, imat):
     """Same types as llama-quantize, fallbacks included (ffn 272: not a multiple of 32); with
     an imatrix Q4_0/Q5_0 give the first eighth of ffn_down Q4_1/Q5_1 (llama.cpp's guard,
@@ -191,10 +191,10 @@ def test_other_presets_type_mix_equals_llama_cpp(tmp_path, preset, ffn, imat):
         assert [plans[f"blk.{i}.ffn_down.weight"].qtype for i in range(3)] == [early, early, Q.IQ4_NL]
 
 
-@pytest.mark.parametrize("preset", ["q3_k_m", "q2_k", "iq4_xs"])
+@pytest.mark.parametrize("preset", ["q3_k_m", "q2_k", "iq4_xs", "iq3_s"])
 def test_low_bit_mixes_with_gqa_4_equal_llama_cpp(tmp_path, preset):
-    """32 layers, 4 query heads per KV head: Q2_K's attn_v goes Q4_K, Q3_K_M's first two
-    attn_v and first 32/16 ffn_down Q5_K, IQ4_XS's attn_v Q5_K; untied output Q6_K."""
+    """32 layers, 4 query heads per KV head: Q2_K's and IQ3_S's attn_v go Q4_K, Q3_K_M's first
+    two attn_v and first 32/16 ffn_down Q5_K, IQ4_XS's attn_v Q5_K; untied output Q6_K."""
     src = tmp_path / "f16.gguf"
     shapes = _write_plain_gguf(src, "llama", 32, 256, 512, vocab=256, tied=False, n_kv=1)
     llama_quantize(src, tmp_path / "q.gguf", preset)
@@ -202,7 +202,7 @@ def test_low_bit_mixes_with_gqa_4_equal_llama_cpp(tmp_path, preset):
     ours = {n: (plans[n].qtype if n in plans else Q.F32) for n in shapes}
     assert ours == _types(tmp_path / "q.gguf")
     assert ours["blk.5.attn_v.weight"] == (Q.Q5_K if preset == "iq4_xs" else Q.Q4_K)
-    assert ours["blk.1.ffn_down.weight"] == {"q2_k": Q.Q3_K}.get(preset, Q.Q5_K)
+    assert ours["blk.1.ffn_down.weight"] == {"q2_k": Q.Q3_K, "iq3_s": Q.IQ3_S}.get(preset, Q.Q5_K)
 
 
 def _dry_run_types(src: Path, preset: str) -> dict[str, Q]:
@@ -426,7 +426,8 @@ def _compare_file(tiny, preset: str, with_imatrix: bool) -> set[Q]:
     ("tiny_gguf", "q2_k", False, {Q.Q2_K, Q.Q3_K, Q.Q6_K}), ("tiny_gguf", "q2_k", True, {Q.Q2_K, Q.Q3_K, Q.Q6_K}),
     ("tiny_gguf", "iq4_xs", False, {Q.IQ4_XS, Q.Q6_K}), ("tiny_gguf", "iq4_xs", True, {Q.IQ4_XS, Q.Q6_K}),
     ("tiny_qwen2_gguf", "iq4_nl", False, {Q.IQ4_NL, Q.Q6_K}),
-    ("tiny_gguf", "iq4_nl", True, {Q.IQ4_NL, Q.Q6_K})])  # qwen2's untied 49152-row token_embd: 6 s
+    ("tiny_gguf", "iq4_nl", True, {Q.IQ4_NL, Q.Q6_K}),
+    ("tiny_gguf", "iq3_s", False, {Q.IQ3_S, Q.Q6_K}), ("tiny_gguf", "iq3_s", True, {Q.IQ3_S, Q.Q6_K})])  # qwen2's untied 49152-row token_embd: 6 s
 def test_every_tensor_bit_exact_vs_llama_quantize(request, model, preset, imat, expect):
     assert _compare_file(request.getfixturevalue(model), preset, imat) == expect
 

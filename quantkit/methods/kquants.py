@@ -12,6 +12,7 @@ The type mix of a preset (Q4_K_M, Q5_K_M, ...) is a data table, `PRESETS`, read 
                                                IQ4_NL/IQ4_XS: attn_v Q5_K with >= 4 query
                                                heads per KV head, without an imatrix the
                                                first eighth of ffn_down Q5_K
+  IQ3_S                                     -> attn_v Q4_K with >= 4 query heads per KV head
   IQ3_XXS                                   -> output Q5_K, untied token_embd IQ3_S,
                                                attn_q/attn_k IQ2_S, attn_output IQ3_S,
                                                attn_v Q4_K with >= 4 query heads per KV
@@ -165,6 +166,7 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
            ffn_down_no_imatrix=Rule("first_eighth", Q.Q4_K, Q.Q3_K), attn_output=Rule("always", Q.IQ3_S),
            attn_output_8_experts=Q.Q5_K, attn_q=Rule("always", Q.IQ2_S), attn_k=Rule("always", Q.IQ2_S),
            output=Q.Q5_K, token_embd=Q.IQ3_S, needs_imatrix=(Q.IQ3_XXS, Q.IQ2_S)),
+    Preset("iq3_s", 26, Q.IQ3_S, attn_v=Rule("gqa_4", Q.Q4_K), attn_output_8_experts=Q.Q5_K),
     Preset("f16", 1, Q.F16),
     Preset("bf16", 32, Q.BF16),
 )}
