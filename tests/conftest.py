@@ -52,21 +52,21 @@ def rtn8_artifact(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def smollm2_gptq_artifacts(tmp_path_factory) -> dict[str, Path]:
     """SmolLM2 GPTQ int4 g64 sym with static act-order (groups stay k // 64: RTN's storage
-    scheme, the act-order vLLM 0.32 loads) in both exports (gptq v1, compressed-tensors), 8 x 256
-    calibration tokens of `mixed`: loaded by real vLLM (test_gptq) and scored against RTN at the
-    same scheme (test_accuracy_guards; without act-order these 2048 tokens gave KLD 0.364 vs
-    RTN 0.399, 0.91x)."""
+    scheme, the act-order vLLM 0.32 loads) as a GPTQ v1 checkpoint, 8 x 256 calibration tokens
+    of `mixed`: loaded by real vLLM (test_gptq) and scored against RTN at the same scheme
+    (test_accuracy_guards; without act-order these 2048 tokens gave KLD 0.364 vs RTN 0.399,
+    0.91x). The compressed-tensors export of the same codes is checked on tiny models
+    (test_gptq::test_quantize_end_to_end) and that format's int4 path in vLLM on SmolLM2 by
+    test_engines_vllm / test_awq: a second SmolLM2 GPTQ run cost the CI budget ~2 min."""
     from quantkit.pipeline.quantize import QuantizeRequest, quantize
     from quantkit.types import QuantScheme
 
     root = tmp_path_factory.mktemp("session-smollm2-gptq")
-    out = {}
-    for fmt in ("gptq", "compressed-tensors"):
-        out[fmt] = root / fmt
-        quantize(QuantizeRequest(model="smollm2-135m", method="gptq",
-                                 scheme=QuantScheme(bits=4, group_size=64, act_order=True),
-                                 out=out[fmt],
-                                 format=fmt, calib_samples=8, calib_seqlen=256))  # 2048 tokens > 1536
+    out = {"gptq": root / "gptq"}
+    quantize(QuantizeRequest(model="smollm2-135m", method="gptq",
+                             scheme=QuantScheme(bits=4, group_size=64, act_order=True),
+                             out=out["gptq"], format="gptq",
+                             calib_samples=8, calib_seqlen=256))  # 2048 tokens > 1536
     return out
 
 

@@ -28,12 +28,12 @@ G64 = QuantScheme(bits=4, group_size=64)
 
 @pytest.mark.slow
 def test_gptq_kld_at_most_0_9_of_rtn_on_smollm2(smollm2_gptq_artifacts, rtn4_artifact, capsys):
-    """Same scheme (W4 g64 sym), same held-out tokens: GPTQ (both exports, 8 x 256 calibration
-    tokens) must cut RTN's KLD by at least 10 % and lower its perplexity."""
+    """Same scheme (W4 g64 sym), same held-out tokens: GPTQ (8 x 256 calibration tokens) must
+    cut RTN's KLD by at least 10 % and lower its perplexity."""
     from quantkit.eval.harness import evaluate
     from quantkit.eval.logits import PPLConvention
 
-    keys = ["gptq", "compressed-tensors"]
+    keys = ["gptq"]
     arts = [str(smollm2_gptq_artifacts[k]) for k in keys] + [str(rtn4_artifact)]
     recs = evaluate(arts, "smollm2-135m", conv=PPLConvention(max_windows=4))
     m = dict(zip([*keys, "rtn"], (r["metrics"] for r in recs), strict=True))
@@ -45,8 +45,6 @@ def test_gptq_kld_at_most_0_9_of_rtn_on_smollm2(smollm2_gptq_artifacts, rtn4_art
         assert m[k]["kld"]["mean"] <= 0.9 * m["rtn"]["kld"]["mean"], (k, m[k]["kld"], m["rtn"]["kld"])
         assert m[k]["ppl"]["value"] < m["rtn"]["ppl"]["value"], k
         assert m[k]["top1_agreement"]["value"] > m["rtn"]["top1_agreement"]["value"], k
-    # one set of codes, two byte layouts (fp16 vs bf16 scales): the same model to within rounding
-    assert m["gptq"]["kld"]["mean"] == pytest.approx(m["compressed-tensors"]["kld"]["mean"], rel=0.05)
 
 
 # ---------------------------------------------------------------- independent decoders

@@ -374,21 +374,21 @@ def test_modelopt_export_matches_nvidia_modelopt(tiny_gqa, tmp_path):
 
 @pytest.fixture(scope="module")
 def smol_awq(tmp_path_factory) -> dict:
-    """AWQ sym -> AutoAWQ GEMM and AWQ asym -> compressed-tensors, plus RTN at both settings."""
+    """AWQ with zero points (AutoAWQ's default, zero_point=True) -> AutoAWQ GEMM, and RTN at the
+    same scheme -> compressed-tensors asym: the accuracy baseline and vLLM's other int4 path.
+    One AWQ run of SmolLM2 (the symmetric case is checked on the tiny model and bit for bit):
+    the suite's CI budget."""
     import time
 
     from quantkit.pipeline.quantize import QuantizeRequest, quantize
 
     root = tmp_path_factory.mktemp("smol_awq")
     out = {}
-    for key, method, fmt, sym in (("awq_sym", "awq", "awq", True),
-                                  ("awq_asym", "awq", "compressed-tensors", False),
-                                  ("rtn_sym", "rtn", "compressed-tensors", True),
-                                  ("rtn_asym", "rtn", "compressed-tensors", False)):
+    for key, method, fmt in (("awq_asym", "awq", "awq"), ("rtn_asym", "rtn", "compressed-tensors")):
         t0 = time.perf_counter()
         meta = quantize(QuantizeRequest(
             model="smollm2-135m", method=method, format=fmt, out=root / key,
-            scheme=QuantScheme(bits=4, group_size=64, symmetric=sym),
+            scheme=QuantScheme(bits=4, group_size=64, symmetric=False),
             # 512 search tokens: KLD 0.2416 vs 0.2356 with 1024 (RTN 0.3988), 20 s less per run
             method_options={"search_tokens": 512} if method == "awq" else {}, **SMOL_CALIB))
         out[key] = {"path": root / key, "meta": meta, "seconds": time.perf_counter() - t0}
@@ -419,26 +419,26 @@ def _kld(m) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("zp", ["sym", "asym"])
-def test_awq_kld_at_most_0_9_of_rtn_on_smollm2(smol_eval, zp):
-    awq, rtn = smol_eval[f"awq_{zp}"], smol_eval[f"rtn_{zp}"]
+def test_awq_kld_at_most_0_9_of_rtn_on_smollm2(smol_eval):
+    awq, rtn = smol_eval["awq_asym"], smol_eval["rtn_asym"]
     assert _kld(awq) <= 0.9 * _kld(rtn), (awq, rtn)
     assert awq["ppl"]["value"] < rtn["ppl"]["value"]
 
 
 @pytest.mark.slow
 def test_awq_artifacts_metadata(smol_awq):
-    awq_cfg = read_config(smol_awq["awq_sym"]["path"])["quantization_config"]
+    awq_cfg = read_config(smol_awq["awq_asym"]["path"])["quantization_config"]
     assert awq_cfg["quant_method"] == "awq" and awq_cfg["group_size"] == 64
-    ct = read_config(smol_awq["awq_asym"]["path"])["quantization_config"]
+    assert awq_cfg["zero_point"] is True
+    ct = read_config(smol_awq["rtn_asym"]["path"])["quantization_config"]
     assert ct["config_groups"]["group_0"]["weights"]["symmetric"] is False
-    meta = json.loads((smol_awq["awq_sym"]["path"] / "quantkit.json").read_text())
+    meta = json.loads((smol_awq["awq_asym"]["path"] / "quantkit.json").read_text())
     assert meta["method"] == "awq" and meta["calibration"]["n_samples"] == 16
     # the folded norms were written (they differ from the base model's)
     from quantkit.model_io import resolve_model
 
     base = load_tensors(resolve_model("smollm2-135m").path, {"model.layers.0.input_layernorm.weight"})
-    ours = load_tensors(smol_awq["awq_sym"]["path"], {"model.layers.0.input_layernorm.weight"})
+    ours = load_tensors(smol_awq["awq_asym"]["path"], {"model.layers.0.input_layernorm.weight"})
     assert not torch.equal(base["model.layers.0.input_layernorm.weight"],
                            ours["model.layers.0.input_layernorm.weight"])
 
@@ -448,8 +448,8 @@ def test_awq_artifacts_metadata(smol_awq):
 @pytest.mark.engine
 @pytest.mark.slow
 @pytest.mark.parametrize("key,kernel_line", [
-    ("awq_sym", "for AutoAWQMarlinLinearMethod"),
-    ("awq_asym", "for CompressedTensorsWNA16"),
+    ("awq_asym", "for AutoAWQMarlinLinearMethod"),
+    ("rtn_asym", "for CompressedTensorsWNA16"),
 ])
 def test_awq_artifacts_in_vllm(smol_awq, key, kernel_line):
     from quantkit.engines.vllm import run_vllm

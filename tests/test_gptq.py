@@ -518,26 +518,25 @@ def test_gptq_v1_packing_matches_vllm_unpacking(tmp_path):
 
 @pytest.mark.engine
 @pytest.mark.slow
-@pytest.mark.parametrize("fmt", ["gptq", "compressed-tensors"])
-def test_vllm_runs_smollm2_gptq(smollm2_gptq_artifacts, fmt):
-    """Both exports in real vLLM: the same greedy answer as quantkit's loader, and >= 95 %
-    next-token agreement with it. (At 4 bits the 135M model answers "the largest city in Europe"
-    here, through both.) Where the probe finds no CPU int4 kernel in vLLM (AVX2-only CPUs), the
-    artifact must be accepted up to the first kernel call (config, tensors, kernel choice)."""
+def test_vllm_runs_smollm2_gptq(smollm2_gptq_artifacts):
+    """The GPTQ v1 export (act-order g_idx) in real vLLM: the same greedy answer as quantkit's
+    loader, and >= 95 % next-token agreement with it (lowered by the loader's own float32/bf16
+    disagreement, vllm_checks.agreement_floor). Where the probe finds no CPU int4 kernel in
+    vLLM (AVX2-only CPUs), the artifact must be accepted up to the first kernel call (config,
+    tensors, kernel choice)."""
     from quantkit.engines.vllm import run_vllm
     from quantkit.errors import EngineError
     from quantkit.loader import load_artifact
 
     _vllm_python()
-    art = smollm2_gptq_artifacts[fmt]
+    art = smollm2_gptq_artifacts["gptq"]
     prompt = [{"prompt": "The capital of France is", "max_tokens": 8}]
     if not vllm_runs("int4"):
         with pytest.raises(EngineError) as e:
             run_vllm(art, generate=prompt)
         log = e.value.log
         assert "object has no attribute 'cpu_gemm_wna16'" in str(e.value)
-        method = "AutoGPTQLinearMethod" if fmt == "gptq" else "CompressedTensorsWNA16"
-        assert f"Using CPUWNA16LinearKernel for {method}" in log
+        assert "Using CPUWNA16LinearKernel for AutoGPTQLinearMethod" in log
         assert "Loading safetensors checkpoint shards: 100% Completed" in log
         return
     ids = heldout_ids(load_artifact(art).tokenizer)
