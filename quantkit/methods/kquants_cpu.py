@@ -1145,6 +1145,64 @@ def _grid_code(xv, L, base, n, bits, top, inv, buf):
     return u
 
 
+@njit(inline="always", **_JIT)
+def _grid_scale_search(xval, weight, waux, L, Laux, on, on_aux, kmap, levels, neigh, mx, n, gw, bits,
+                       top, first, step, nis, init_on, skip_on, buf):
+    """The scale search the grid quantizers share (quantize_row_iq3_xxs/iq3_s/iq2_s_impl) over n
+    values in groups of gw: trial inverse scales (first + it * step) / mx, it in -nis..nis, snap
+    every group to the grid (kmap, else its nearest listed neighbour) and keep the levels of the
+    best sumqx^2 / sumq2; groups left off the grid are re-snapped at the winning scale (only the
+    ones off it where skip_on) and the scale refitted. Levels end in L; returns the scale
+    (negative: the caller flips the signs). init_on: what `on` starts as (IQ3_S: False, so with
+    no winning trial every group is re-snapped, as the C does)."""
+    ng = n // gw
+    best = F32(0)
+    scale = mx / first
+    for g in range(ng):
+        on[g] = init_on
+    for it in range(-nis, nis + 1):
+        inv = (first + F32(it) * step) / mx
+        this_scale = F32(1) / inv
+        for g in range(ng):
+            u = _grid_code(xval, Laux, gw * g, gw, bits, top, inv, None)
+            on_aux[g] = kmap[u] >= 0
+            if kmap[u] < 0:
+                _grid_neighbour(levels, neigh, -kmap[u] - 1, xval, waux, this_scale, Laux, gw * g, gw)
+        sumqx = F32(0)
+        sumq2 = F32(0)
+        for i in range(n):
+            q = F32(2 * Laux[i] + 1)
+            sumqx += weight[i] * xval[i] * q
+            sumq2 += weight[i] * q * q
+        if sumq2 > 0 and sumqx * sumqx > best * sumq2:
+            scale = sumqx / sumq2
+            best = scale * sumqx
+            for i in range(n):
+                L[i] = Laux[i]
+            for g in range(ng):
+                on[g] = on_aux[g]
+    n_off = 0
+    for g in range(ng):
+        n_off += 0 if on[g] else 1
+    if n_off > 0 and scale > 0:
+        inv = F32(1) / scale
+        for g in range(ng):
+            if skip_on and on[g]:
+                continue
+            u = _grid_code(xval, L, gw * g, gw, bits, top, inv, buf)
+            if kmap[u] < 0:  # an on-grid code's levels are already in L
+                _grid_neighbour(levels, neigh, -kmap[u] - 1, xval, waux, scale, L, gw * g, gw)
+        sumqx = F32(0)
+        sumq2 = F32(0)
+        for i in range(n):
+            q = F32(2 * L[i] + 1)
+            sumqx += weight[i] * xval[i] * q
+            sumq2 += weight[i] * q * q
+        if sumq2 > 0:
+            scale = sumqx / sumq2
+    return scale
+
+
 @njit(**_JIT)
 def _iq3(x2, qw, out, err, levels, kmap, neigh, values, xxs):
     """IQ3_XXS (xxs, 98 B / 256: | d f16 | grid idx[64] | 8 x u32 signs(4x7) | scale<<28 |)
@@ -1226,53 +1284,8 @@ def _iq3(x2, qw, out, err, levels, kmap, neigh, values, xxs):
                 if (xxs and mx < F32(1e-8)) or (not xxs and mx == 0):
                     scales[ib] = F32(0)
                     continue
-                best = F32(0)
-                scale = mx / F32(2 * kmaxq - 1)
-                for g in range(8):
-                    on[g] = xxs
-                for it in range(-nis, nis + 1):
-                    inv = (F32(2 * kmaxq - 1) + F32(it) * F32(0.2)) / mx
-                    this_scale = F32(1) / inv
-                    for g in range(8):
-                        u = _grid_code(xval, Laux, 4 * g, 4, 3, 7, inv, None)
-                        on_aux[g] = kmap[u] >= 0
-                        if kmap[u] < 0:
-                            _grid_neighbour(levels, neigh, -kmap[u] - 1, xval, waux, this_scale, Laux, 4 * g, 4)
-                    sumqx = F32(0)
-                    sumq2 = F32(0)
-                    for i in range(32):
-                        q = F32(2 * Laux[i] + 1)
-                        sumqx += weight[i] * xval[i] * q
-                        sumq2 += weight[i] * q * q
-                    if sumq2 > 0 and sumqx * sumqx > best * sumq2:
-                        scale = sumqx / sumq2
-                        best = scale * sumqx
-                        for i in range(32):
-                            L[i] = Laux[i]
-                        for g in range(8):
-                            on[g] = on_aux[g]
-                n_off = 0
-                for g in range(8):
-                    n_off += 0 if on[g] else 1
-                if n_off > 0 and scale > 0:
-                    inv = F32(1) / scale
-                    for g in range(8):
-                        if xxs and on[g]:
-                            continue
-                        u = _grid_code(xval, L, 4 * g, 4, 3, 7, inv, buf)
-                        gi = kmap[u]
-                        if gi < 0:
-                            gi = _grid_neighbour(levels, neigh, -kmap[u] - 1, xval, waux, scale, L, 4 * g, 4)
-                        for i in range(4):
-                            L[4 * g + i] = levels[gi, i]
-                    sumqx = F32(0)
-                    sumq2 = F32(0)
-                    for i in range(32):
-                        q = F32(2 * L[i] + 1)
-                        sumqx += weight[i] * xval[i] * q
-                        sumq2 += weight[i] * q * q
-                    if sumq2 > 0:
-                        scale = sumqx / sumq2
+                scale = _grid_scale_search(xval, weight, waux, L, Laux, on, on_aux, kmap, levels, neigh, mx, 32, 4, 3, 7,
+                                           F32(2 * kmaxq - 1), F32(0.2), nis, xxs, xxs, buf)
                 if scale < 0:
                     scale = -scale
                     for g in range(4):
@@ -1406,47 +1419,8 @@ def _iq2_s(x2, qw, out, err, levels, kmap, neigh, values):
                 if mx < F32(1e-8):
                     scales[ib] = F32(0)
                     continue
-                best = F32(0)
-                scale = mx / F32(5)
-                on[0] = True
-                on[1] = True
-                for it in range(-9, 10):
-                    inv = (F32(5) + F32(it) * F32(0.1)) / mx
-                    this_scale = F32(1) / inv
-                    for g in range(2):
-                        u = _grid_code(xval, Laux, 8 * g, 8, 2, 2, inv, None)
-                        on_aux[g] = kmap[u] >= 0
-                        if kmap[u] < 0:
-                            _grid_neighbour(levels, neigh, -kmap[u] - 1, xval, waux, this_scale, Laux, 8 * g, 8)
-                    sumqx = F32(0)
-                    sumq2 = F32(0)
-                    for i in range(16):
-                        q = F32(2 * Laux[i] + 1)
-                        sumqx += weight[i] * xval[i] * q
-                        sumq2 += weight[i] * q * q
-                    if sumq2 > 0 and sumqx * sumqx > best * sumq2:
-                        scale = sumqx / sumq2
-                        best = scale * sumqx
-                        for i in range(16):
-                            L[i] = Laux[i]
-                        on[0] = on_aux[0]
-                        on[1] = on_aux[1]
-                if (not on[0] or not on[1]) and scale > 0:
-                    inv = F32(1) / scale
-                    for g in range(2):
-                        if on[g]:
-                            continue
-                        u = _grid_code(xval, L, 8 * g, 8, 2, 2, inv, buf)
-                        if kmap[u] < 0:
-                            _grid_neighbour(levels, neigh, -kmap[u] - 1, xval, waux, scale, L, 8 * g, 8)
-                    sumqx = F32(0)
-                    sumq2 = F32(0)
-                    for i in range(16):
-                        q = F32(2 * L[i] + 1)
-                        sumqx += weight[i] * xval[i] * q
-                        sumq2 += weight[i] * q * q
-                    if sumq2 > 0:
-                        scale = sumqx / sumq2
+                scale = _grid_scale_search(xval, weight, waux, L, Laux, on, on_aux, kmap, levels, neigh, mx, 16, 8, 2, 2,
+                                           F32(5), F32(0.1), 9, True, True, buf)
                 if scale < 0:
                     scale = -scale
                     signs[0] = (~signs[0]) & 255
