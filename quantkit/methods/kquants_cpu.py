@@ -1146,6 +1146,18 @@ def _grid_code(xv, L, base, n, bits, top, inv, buf):
 
 
 @njit(inline="always", **_JIT)
+def _grid_fit(xval, weight, L, n):
+    """sum w*x*q and sum w*q^2 for the odd levels q = 2L+1: the scale that fits is their ratio."""
+    sumqx = F32(0)
+    sumq2 = F32(0)
+    for i in range(n):
+        q = F32(2 * L[i] + 1)
+        sumqx += weight[i] * xval[i] * q
+        sumq2 += weight[i] * q * q
+    return sumqx, sumq2
+
+
+@njit(inline="always", **_JIT)
 def _grid_scale_search(xval, weight, waux, L, Laux, on, on_aux, kmap, levels, neigh, mx, n, gw, bits,
                        top, first, step, nis, init_on, skip_on, buf):
     """The scale search the grid quantizers share (quantize_row_iq3_xxs/iq3_s/iq2_s_impl) over n
@@ -1168,12 +1180,7 @@ def _grid_scale_search(xval, weight, waux, L, Laux, on, on_aux, kmap, levels, ne
             on_aux[g] = kmap[u] >= 0
             if kmap[u] < 0:
                 _grid_neighbour(levels, neigh, -kmap[u] - 1, xval, waux, this_scale, Laux, gw * g, gw)
-        sumqx = F32(0)
-        sumq2 = F32(0)
-        for i in range(n):
-            q = F32(2 * Laux[i] + 1)
-            sumqx += weight[i] * xval[i] * q
-            sumq2 += weight[i] * q * q
+        sumqx, sumq2 = _grid_fit(xval, weight, Laux, n)
         if sumq2 > 0 and sumqx * sumqx > best * sumq2:
             scale = sumqx / sumq2
             best = scale * sumqx
@@ -1192,12 +1199,7 @@ def _grid_scale_search(xval, weight, waux, L, Laux, on, on_aux, kmap, levels, ne
             u = _grid_code(xval, L, gw * g, gw, bits, top, inv, buf)
             if kmap[u] < 0:  # an on-grid code's levels are already in L
                 _grid_neighbour(levels, neigh, -kmap[u] - 1, xval, waux, scale, L, gw * g, gw)
-        sumqx = F32(0)
-        sumq2 = F32(0)
-        for i in range(n):
-            q = F32(2 * L[i] + 1)
-            sumqx += weight[i] * xval[i] * q
-            sumq2 += weight[i] * q * q
+        sumqx, sumq2 = _grid_fit(xval, weight, L, n)
         if sumq2 > 0:
             scale = sumqx / sumq2
     return scale
