@@ -5,7 +5,6 @@ and real vLLM (marked `engine`; the SmolLM2 one is also `slow`: -m "not slow" sk
 from __future__ import annotations
 
 import json
-import os
 import warnings
 
 import pytest
@@ -489,7 +488,6 @@ def _vllm_python():
 def test_gptq_v1_packing_matches_vllm_unpacking(tmp_path):
     """vLLM's own unpacker (quant_utils.unpack_quantized_values_into_int32, what its GPTQ
     kernels start from) reads our qweight/qzeros back to the same integers."""
-    import subprocess
 
     from safetensors.torch import save_file
 
@@ -510,10 +508,13 @@ def test_gptq_v1_packing_matches_vllm_unpacking(tmp_path):
         "assert torch.equal(z.T.contiguous() + 1, t['zero']), 'qzeros'\n"
         "assert scalar_types.uint4b8.bias == 8\n"
         "print('OK')\n")
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    proc = subprocess.run([str(_vllm_python()), "-c", script, str(tmp_path / "t.safetensors")],
-                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
-    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
+    from quantkit.engines.vllm import run_vllm_worker
+
+    _vllm_python()
+    (tmp_path / "unpack.py").write_text(script)
+    proc = run_vllm_worker(tmp_path / "unpack.py", [str(tmp_path / "t.safetensors")],
+                           cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0 and "OK" in proc.log, proc.log[-3000:]
 
 
 @pytest.mark.engine

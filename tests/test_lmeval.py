@@ -25,6 +25,9 @@ ROLLING_TOLERANCE = 0.02
 CLOZE_DOCS = 40  # of the task's 300 items: far from chance; 120 took 14 min more on an AVX2 CPU
 # (vLLM 835 s, llama.cpp 282 s), 60 ~1 min more here. Engines must agree item for item:
 # tolerances are in items.
+# vLLM scores the first 20 of them: in bf16 on a CPU without native bf16 its prefill ran at
+# ~160 tokens/s here (40 items, 160 requests: 100 s; hf in float32: 35 s)
+VLLM_CLOZE_DOCS = 20
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +42,14 @@ def hf_base():
 
 def _acc(res, task=CLOZE):
     return res["tasks"][task]["acc"]["value"]
+
+
+def _items_apart(res, samples: list[dict]) -> int:
+    """By how many correct items `res` and `samples` differ, on the items `res` scored."""
+    theirs = {r["doc_id"]: r["acc"] for r in samples}
+    mine = res["samples"][CLOZE]
+    assert len(mine) == VLLM_CLOZE_DOCS and all(r["doc_id"] in theirs for r in mine)
+    return abs(round(sum(r["acc"] for r in mine) - sum(theirs[r["doc_id"]] for r in mine)))
 
 
 def test_offline_cloze_task_is_meaningful(hf_base):
@@ -100,13 +111,13 @@ def test_rtn_flips_and_vllm(rtn4_artifact, hf_base, smollm_path, tmp_path):
     # lm-eval through vLLM agrees with hf within one item: on the int4 artifact where vLLM has
     # its CPU int4 kernel, else on the base model (one vLLM start either way)
     if vllm_runs("int4"):
-        vres = run_tasks(str(rtn4_artifact), [CLOZE], backend="vllm", limit=CLOZE_DOCS)
-        assert abs(_acc(vres) - record["metrics"]["tasks"][CLOZE]["acc"]["value"]) * CLOZE_DOCS <= 1 + 1e-9
+        vres = run_tasks(str(rtn4_artifact), [CLOZE], backend="vllm", limit=VLLM_CLOZE_DOCS)
+        assert _items_apart(vres, record["samples"][CLOZE]) <= 1
     else:  # vLLM's CPU int4 kernel is missing on this CPU (see test_engines_vllm.py)
         with pytest.raises(EngineError, match="cpu_gemm_wna16"):
             run_vllm(rtn4_artifact, generate=[{"prompt": "Hi", "max_tokens": 1}])
-        vres = run_tasks(str(smollm_path), [CLOZE], backend="vllm", limit=CLOZE_DOCS)
-        assert abs(_acc(vres) - _acc(hf_base)) * CLOZE_DOCS <= 1 + 1e-9
+        vres = run_tasks(str(smollm_path), [CLOZE], backend="vllm", limit=VLLM_CLOZE_DOCS)
+        assert _items_apart(vres, hf_base["samples"][CLOZE]) <= 1
 
 
 def test_unknown_task_and_offline_hub_task():

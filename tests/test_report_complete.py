@@ -19,7 +19,7 @@ import pytest
 from click.testing import CliRunner
 
 from quantkit.cli import main
-from quantkit.engines.vllm import vllm_env, vllm_python
+from quantkit.engines.vllm import run_vllm_worker
 from quantkit.eval.speed import speed_or_reason, unmeasured_reason
 
 SPEED = ["--speed", "--speed-prompt", "32", "--speed-gen", "4", "--speed-batch", "1",
@@ -27,14 +27,14 @@ SPEED = ["--speed", "--speed-prompt", "32", "--speed-gen", "4", "--speed-batch",
 INT4_REASON = "vLLM has no int4 CPU kernel on this CPU (cpu_gemm_wna16; needs AVX512)"
 
 
-def vllm_has_int4_kernel() -> bool:
+def vllm_has_int4_kernel(tmp_path) -> bool:
     """Asks vLLM itself: load its CPU kernels as it does at startup, look for the int4 GEMM."""
-    code = ("from vllm.platforms.cpu import CpuPlatform\nCpuPlatform.import_kernels()\nimport torch\n"
-            "print(hasattr(torch.ops._C, 'cpu_gemm_wna16'))")
-    proc = subprocess.run([str(vllm_python()), "-c", code], env=vllm_env(), capture_output=True,
-                          text=True, timeout=300, cwd="/")
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return proc.stdout.strip().splitlines()[-1] == "True"
+    script = tmp_path / "has_int4.py"
+    script.write_text("from vllm.platforms.cpu import CpuPlatform\nCpuPlatform.import_kernels()\n"
+                      "import torch\nprint('int4 kernel:', hasattr(torch.ops._C, 'cpu_gemm_wna16'))\n")
+    proc = run_vllm_worker(script, [], cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.log[-2000:]
+    return re.findall(r"^int4 kernel: (True|False)$", proc.log, re.M) == ["True"]
 
 
 def hand_bits(path) -> tuple[float, float]:
@@ -75,7 +75,7 @@ def summary(rtn4_artifact, q4km, tmp_path_factory) -> dict:
     return data
 
 
-def test_every_speed_cell_is_measured_or_names_why(summary, rtn4_artifact):
+def test_every_speed_cell_is_measured_or_names_why(summary, rtn4_artifact, tmp_path):
     from quantkit.report.table import NOT_MEASURED, cells
 
     rows = {r["role"] if r["role"] == "base" else r["format"]: r for r in summary["rows"]}
@@ -88,7 +88,7 @@ def test_every_speed_cell_is_measured_or_names_why(summary, rtn4_artifact):
         assert r["peak_memory_bytes"] > 50 * 2**20  # the engine process holds the model
     # int4 in vLLM: measured where the kernel exists; elsewhere vLLM's own refusal, in words
     int4 = rows["compressed-tensors"]
-    if vllm_has_int4_kernel():
+    if vllm_has_int4_kernel(tmp_path):
         assert int4["speed_unmeasured"] is None and int4["speed"]["decode_tps"]["value"] > 0
     else:
         assert int4["speed_unmeasured"] == INT4_REASON
