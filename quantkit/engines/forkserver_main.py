@@ -22,6 +22,7 @@ import selectors
 import signal
 import socket
 import sys
+import time
 import traceback
 
 # this folder holds quantkit/engines/vllm.py; keep it from shadowing the real vllm package
@@ -35,6 +36,9 @@ def main(sock_path: str, modules: str) -> None:
         module = importlib.import_module(name)
         if attr:  # vLLM imports its entry points lazily, on attribute access
             getattr(module, attr)
+    if not _forked_child_computes():
+        sys.exit("a child forked after these imports cannot run a parallel torch op: "
+                 "the client runs its workers as plain subprocesses")
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(sock_path)
     server.listen(16)
@@ -57,6 +61,26 @@ def main(sock_path: str, modules: str) -> None:
                 server.close()
                 _handle(conn)
             conn.close()
+
+
+def _forked_child_computes(timeout_s: float = 60) -> bool:
+    """Whether a forked child can run a multi-threaded torch matmul: OpenMP runtimes hang in a
+    child forked after the parent ran a parallel region, which an import could have done."""
+    if "torch" not in sys.modules:
+        return True
+    pid = os.fork()
+    if pid == 0:
+        torch = sys.modules["torch"]
+        a = torch.randn(512, 512)
+        os._exit(0 if float((a @ a).abs().sum()) > 0 else 1)
+    for _ in range(int(timeout_s / 0.05)):
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status) == 0
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    return False
 
 
 def _send(conn: socket.socket, message: dict) -> None:
