@@ -123,3 +123,35 @@ def test_shared_server_serves_a_child_process(script, tmp_path, monkeypatch):
         parents[name] = json.loads((cwd / "result.json").read_text())["server"]
     assert parents["same"] == server_pid, "the child did not use the shared server"
     assert parents["other"] != server_pid, "a different environment used the shared server"
+
+
+def test_a_client_that_dies_takes_its_worker_with_it(script, tmp_path, monkeypatch):
+    """A CLI killed mid-run (SIGKILL, Ctrl-C) must not leave its vLLM worker running on: the
+    server's handler sees the connection close and kills the worker's process group."""
+    monkeypatch.delenv(forkserver.SHARED_ENV, raising=False)
+    env = {k: v for k, v in os.environ.items() if k != forkserver.SHARED_ENV}
+    forkserver.share(Path(sys.executable), PRELOAD, env)
+    client = textwrap.dedent(f"""
+        import os, sys
+        from pathlib import Path
+        from quantkit.engines import forkserver
+        env = {{k: v for k, v in os.environ.items() if k != forkserver.SHARED_ENV}}
+        forkserver.run_script(Path(sys.executable), Path({str(script)!r}), ["sleep"], env=env,
+                              preload={PRELOAD!r}, cwd=Path(sys.argv[1]))
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", client, str(tmp_path)])
+    result = tmp_path / "result.json"
+    for _ in range(300):
+        if result.is_file() and result.stat().st_size:
+            break
+        time.sleep(0.1)
+    worker = json.loads(result.read_text())
+    assert worker["server"] == json.loads(Path(os.environ[forkserver.SHARED_ENV] + ".json")
+                                          .read_text())["pid"]
+    proc.kill()
+    proc.wait()
+    for _ in range(100):
+        if not Path(f"/proc/{worker['pid']}").exists():
+            break
+        time.sleep(0.1)
+    assert not Path(f"/proc/{worker['pid']}").exists(), "the dead client's worker still runs"

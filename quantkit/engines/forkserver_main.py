@@ -31,6 +31,9 @@ sys.path = [p for p in sys.path if os.path.abspath(p or ".") != _here]
 
 
 def main(sock_path: str, modules: str) -> None:
+    # Ctrl-C in the owner's terminal reaches this process group too: the owner's exit (EOF on
+    # stdin) ends the server, and a run's handler kills its worker when the client goes
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     for spec in filter(None, modules.split(",")):
         name, _, attr = spec.partition(":")
         module = importlib.import_module(name)
@@ -90,6 +93,7 @@ def _send(conn: socket.socket, message: dict) -> None:
 def _handle(conn: socket.socket) -> None:
     """One request: fork the worker, report its pid and its exit; kill it if the client goes."""
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    pid = 0
     try:
         request = json.loads(conn.makefile("r").readline())
         pid = os.fork()
@@ -108,6 +112,8 @@ def _handle(conn: socket.socket) -> None:
                 _kill_group(pid)
     except BaseException:
         traceback.print_exc()
+        if pid:
+            _kill_group(pid)
     finally:
         os._exit(0)
 
@@ -124,6 +130,7 @@ def _run(request: dict) -> None:
     code = 1
     try:
         os.setpgid(0, 0)  # its own group: a timeout kills it and anything it started
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(log, 1)
         os.dup2(log, 2)
