@@ -13,13 +13,13 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from cli_runner import run_cli
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -42,8 +42,7 @@ def snapshot(root: Path) -> dict[str, str]:
 def cli(*args) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
-    return subprocess.run([sys.executable, "-m", "quantkit.cli", *map(str, args)], cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=600)
+    return run_cli(args, env=env, cwd=REPO, timeout=600)
 
 
 def assert_input_error(res: subprocess.CompletedProcess, *needles: str) -> str:

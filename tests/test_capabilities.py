@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from cli_runner import run_cli
 from vllm_checks import vllm_runs
 
 from quantkit.engines.capabilities import (
@@ -31,8 +32,7 @@ REPO = Path(__file__).parents[1]
 
 def _cli(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200"}
-    return subprocess.run([sys.executable, "-m", "quantkit.cli", *args], capture_output=True,
-                          text=True, env=env, timeout=timeout, cwd=REPO)
+    return run_cli(args, env=env, timeout=timeout, cwd=REPO)
 
 
 def test_probe_reads_vllm_ops_and_is_cached():

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from cli_runner import run_cli
 from click.testing import CliRunner
 from tiny_models import make_tiny_model
 
@@ -32,8 +33,7 @@ def _env(**extra: str) -> dict:
 
 
 def cli(*args, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "quantkit.cli", *map(str, args)],
-                          env=env or _env(), capture_output=True, text=True, timeout=timeout)
+    return run_cli(args, env=env or _env(), timeout=timeout)
 
 
 def refused(res: subprocess.CompletedProcess, *needles: str) -> str:

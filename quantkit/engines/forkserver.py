@@ -32,40 +32,54 @@ __all__ = ["run_script", "share", "WorkerResult", "SHARED_ENV"]
 
 SHARED_ENV = "QUANTKIT_FORKSERVER"  # "off", or the socket of a server this process may use
 _SERVER = Path(__file__).with_name("forkserver_main.py")
-# environment keys no foreign module reads at import: they may differ between a server and a run
-_VOLATILE = ("PYTEST_", "QUANTKIT_", "COLUMNS", "LINES", "PWD", "OLDPWD", "SHLVL", "_")
+# environment keys no foreign module reads at import: they may differ between a server and a
+# run. KMP_BLOCKTIME: llama.cpp's CPU library setenv()s it when it loads, below os.environ, so a
+# process that used llama.cpp passes it to its children; GNU OpenMP (torch's, vLLM's) ignores it.
+_VOLATILE = ("PYTEST_", "QUANTKIT_", "COLUMNS", "LINES", "PWD", "OLDPWD", "SHLVL", "_",
+             "KMP_BLOCKTIME")
 _START_TIMEOUT_S = 600
+_MAX_OWN = 2  # private servers a process keeps (each holds its imports in memory)
 _lock = threading.Lock()
-_own: dict[str, _Server] = {}  # this process's private server (one at a time)
+_own: dict[str, _Server] = {}  # this process's private servers, least recently used first
 _shared: dict[str, _Server] = {}  # the server this process started for its children
 
 
 @dataclass
 class WorkerResult:
     returncode: int
-    log: str  # the worker's stdout and stderr, interleaved
+    log: str  # the worker's stdout, and its stderr interleaved unless kept apart
+    err: str = ""  # its stderr, when run with separate_stderr
 
 
-def run_script(python: Path, script: Path, args: list[str], *, env: dict[str, str],
-               preload: str, cwd: Path, timeout: float | None = None) -> WorkerResult:
-    """`python script *args` in `cwd` with `env`, through a server that has imported `preload`
-    ("module[:attr],..."). Raises subprocess.TimeoutExpired after `timeout` s (the worker is
-    killed)."""
+def run_script(python: Path, script: Path | None, args: list[str], *, env: dict[str, str],
+               preload: str, cwd: Path, timeout: float | None = None, module: str | None = None,
+               separate_stderr: bool = False,
+               volatile: tuple[str, ...] | None = None) -> WorkerResult:
+    """`python script *args` (or `python -m module *args`) in `cwd` with `env`, through a server
+    that has imported `preload` ("module[:attr],..."). `volatile`: environment key prefixes no
+    preloaded module reads at import (default: quantkit's own keys and the terminal's), which
+    may differ between the server and a run. Raises subprocess.TimeoutExpired after `timeout` s
+    (the worker is killed)."""
+    volatile = _VOLATILE if volatile is None else volatile
     server = None
     if os.environ.get(SHARED_ENV, "").lower() not in ("off", "0", "no"):
-        server = _server_for(python, preload, env)
+        server = _server_for(python, preload, env, volatile)
+    target = {"module": module} if module else {"script": str(script)}
     if server is not None:
-        result = server.run(script, args, env=env, cwd=cwd, timeout=timeout)
+        result = server.run(target, args, env=env, cwd=cwd, timeout=timeout,
+                            separate_stderr=separate_stderr)
         if result is not None:
             return result
-    proc = subprocess.run([str(python), str(script), *args], env=env, cwd=cwd, timeout=timeout,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    return WorkerResult(proc.returncode, proc.stdout or "")
+    argv = ["-m", module] if module else [str(script)]
+    proc = subprocess.run([str(python), *argv, *args], env=env, cwd=cwd, timeout=timeout,
+                          stdout=subprocess.PIPE, text=True,
+                          stderr=subprocess.PIPE if separate_stderr else subprocess.STDOUT)
+    return WorkerResult(proc.returncode, proc.stdout or "", proc.stderr or "")
 
 
 def share(python: Path, preload: str, env: dict[str, str]) -> None:
     """Start (in the background) a server for `env` and let child processes use it."""
-    key = _key(python, preload, env)
+    key = _key(python, preload, env, _VOLATILE)
     if _parent_server(key) is not None:
         return  # a parent's server already serves this environment
     with _lock:
@@ -77,8 +91,8 @@ def share(python: Path, preload: str, env: dict[str, str]) -> None:
         os.environ[SHARED_ENV] = str(_shared[key].socket_path)
 
 
-def _key(python: Path, preload: str, env: dict[str, str]) -> str:
-    stable = sorted((k, v) for k, v in env.items() if not k.startswith(_VOLATILE))
+def _key(python: Path, preload: str, env: dict[str, str], volatile: tuple[str, ...]) -> str:
+    stable = sorted((k, v) for k, v in env.items() if not k.startswith(volatile))
     return hashlib.sha256(json.dumps([str(python), preload, stable]).encode()).hexdigest()[:16]
 
 
@@ -97,24 +111,25 @@ def _parent_server(key: str) -> tuple[Path, int] | None:
     return None
 
 
-def _server_for(python: Path, preload: str, env: dict[str, str]) -> _Server | None:
+def _server_for(python: Path, preload: str, env: dict[str, str],
+                volatile: tuple[str, ...]) -> _Server | None:
     """The server this process shares, a parent's, else this process's own."""
-    key = _key(python, preload, env)
+    key = _key(python, preload, env, volatile)
     if key in _shared and _shared[key].alive():
         return _shared[key]
     parent = _parent_server(key)
     if parent is not None:
         return _Server.attach(*parent)
     with _lock:
-        server = _own.get(key)
+        server = _own.pop(key, None)
         if server is None or not server.alive():
-            for old in _own.values():  # one private server per process at a time
-                old.close()
-            _own.clear()
+            while len(_own) >= _MAX_OWN:  # the least recently used goes
+                _own.pop(next(iter(_own))).close()
             try:
-                server = _own[key] = _Server.start(python, preload, env, key)
+                server = _Server.start(python, preload, env, key)
             except OSError:
                 return None
+        _own[key] = server  # most recently used last
         return server
 
 
@@ -173,36 +188,42 @@ class _Server:
         if self.workdir is not None:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
-    def run(self, script: Path, args: list[str], *, env: dict[str, str], cwd: Path,
-            timeout: float | None) -> WorkerResult | None:
+    def run(self, target: dict, args: list[str], *, env: dict[str, str], cwd: Path,
+            timeout: float | None, separate_stderr: bool) -> WorkerResult | None:
         """The worker's result, or None when the server is not usable (the caller runs the
         worker as a subprocess instead: same result, without the saved import)."""
         if not self._ready.wait(_START_TIMEOUT_S) or self._failed:
             return None
-        handle, name = tempfile.mkstemp(prefix="worker-", suffix=".log", dir=cwd)
-        os.close(handle)
-        log = Path(name)
+        logs = []
+        for suffix in (".log", ".err") if separate_stderr else (".log",):
+            handle, name = tempfile.mkstemp(prefix="worker-", suffix=suffix)
+            os.close(handle)
+            logs.append(Path(name))
         try:
             conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             conn.connect(str(self.socket_path))
         except OSError:
+            _texts(logs)
             return None
         with conn:
-            conn.sendall(json.dumps({"script": str(script), "args": [str(a) for a in args],
-                                     "cwd": str(cwd), "log": str(log), "env": env}).encode()
-                         + b"\n")
+            conn.sendall(json.dumps({**target, "args": [str(a) for a in args], "cwd": str(cwd),
+                                     "log": str(logs[0]), "err": str(logs[-1]) if
+                                     separate_stderr else None, "env": env}).encode() + b"\n")
             replies = _Replies(conn, None if timeout is None else time.monotonic() + timeout)
             started = replies.next()
             if "pid" not in started:  # the server could not fork: run it without the server
-                log.unlink(missing_ok=True)
+                _texts(logs)
                 return None
             done = replies.next()
             if "timeout" in done:
                 _kill_group(started["pid"])
-                raise subprocess.TimeoutExpired([str(script), *args], timeout, _text(log))
+                raise subprocess.TimeoutExpired([*target.values(), *args], timeout,
+                                                *_texts(logs))
             if "returncode" not in done:
-                return WorkerResult(-1, _text(log) + "\nthe fork server lost this worker\n")
-            return WorkerResult(int(done["returncode"]), _text(log))
+                out = _texts(logs)
+                out[-1] += "\nthe fork server lost this worker\n"
+                return WorkerResult(-1, *out)
+            return WorkerResult(int(done["returncode"]), *_texts(logs))
 
 
 class _Replies:
@@ -234,8 +255,13 @@ def _kill_group(pid: int) -> None:
         pass
 
 
-def _text(path: Path) -> str:
-    try:
-        return path.read_text(errors="replace")
-    finally:
+def _texts(paths: list[Path]) -> list[str]:
+    """The files' texts; the files are removed."""
+    out = []
+    for path in paths:
+        try:
+            out.append(path.read_text(errors="replace"))
+        except OSError:
+            out.append("")
         path.unlink(missing_ok=True)
+    return out

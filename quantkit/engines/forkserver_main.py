@@ -7,10 +7,12 @@ a child forked from a process that has already imported vLLM starts with it load
 Usage: python forkserver_main.py SOCKET MODULE[:ATTR][,MODULE[:ATTR]...]
 The server exits when its standard input closes (the process that started it is gone).
 Protocol, one Unix-socket connection per run, JSON lines: the client sends
-{"script", "args", "cwd", "log", "env"}; the server answers {"pid": N} once the child runs and
+{"script" or "module", "args", "cwd", "log", "err" (optional: stderr apart), "env"}; the
+server answers {"pid": N} once the child runs and
 {"returncode": N} when it ended (negative: killed by that signal, as subprocess reports it).
-The child runs the script as `python SCRIPT ARGS...` would (run_name "__main__", sys.argv,
-the environment and working directory of the request), stdout and stderr into `log`. A client
+The child runs the script as `python SCRIPT ARGS...` (or `python -m MODULE ARGS...`) would
+(run_name "__main__", sys.argv, the environment and working directory of the request), stdout
+into `log` and stderr into `err` (or `log`). A client
 that disconnects before the end gets its child killed.
 """
 
@@ -131,15 +133,20 @@ def _run(request: dict) -> None:
     try:
         os.setpgid(0, 0)  # its own group: a timeout kills it and anything it started
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+        log = os.open(request["log"], flags, 0o644)
         os.dup2(log, 1)
-        os.dup2(log, 2)
+        os.dup2(os.open(request["err"], flags, 0o644) if request.get("err") else log, 2)
         os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
         os.environ.clear()
         os.environ.update(request["env"])
         os.chdir(request["cwd"])
-        sys.argv = [request["script"], *request["args"]]
-        runpy.run_path(request["script"], run_name="__main__")
+        if request.get("module"):  # as `python -m MODULE ARGS...`
+            sys.argv = [request["module"], *request["args"]]
+            runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = [request["script"], *request["args"]]
+            runpy.run_path(request["script"], run_name="__main__")
         code = 0
     except SystemExit as exc:
         if exc.code is None or isinstance(exc.code, int):
