@@ -1,4 +1,5 @@
-"""quantkit's compiled IQ3_XXS / IQ3_S / IQ2_S encoders (and Q4_K for scale) vs llama.cpp's.
+"""quantkit's compiled IQ3_XXS / IQ3_S / IQ2_S / IQ2_XS / IQ2_XXS encoders (and Q4_K for scale)
+vs llama.cpp's.
 
   PYTHONPATH=. .venv/bin/python benchmarks/iq_encoder_vs_ggml.py [--rows 49152]
 
@@ -36,12 +37,14 @@ def ggml_quantize(w: np.ndarray, qtype: Q, qw: np.ndarray) -> np.ndarray:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, default=49152)
+    ap.add_argument("--types", default="IQ3_XXS,IQ3_S,IQ2_S,IQ2_XS,IQ2_XXS,Q4_K",
+                    help="comma-separated GGML type names")
     args = ap.parse_args()
     torch.manual_seed(0)
     w = torch.randn(args.rows, 256) * 0.02
     qw = torch.rand(256) ** 3 * 40
     x, q = w.numpy(), qw.numpy()
-    for qt in (Q.IQ3_XXS, Q.IQ3_S, Q.IQ2_S, Q.Q4_K):
+    for qt in (Q[t.strip().upper()] for t in args.types.split(",")):
         encode_rows(w[:64], qt, qw)  # load the compiled code and ggml's grid tables first
         ggml_quantize(x[:64], qt, q)
         t = time.perf_counter()

@@ -28,13 +28,13 @@ from quantkit.methods.kquants import (
     quantize_tensor,
     use_more_bits,
 )
-from quantkit.methods.kquants_encode import BACKENDS, encode_rows, row_bytes
+from quantkit.methods.kquants_encode import BACKENDS, REQUIRES_QW, encode_rows, row_bytes
 
 llama_cpp = pytest.importorskip("llama_cpp")
 from quantkit.engines.llamacpp import llama_quantize  # noqa: E402
 
 TYPES = [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q2_K, Q.Q3_K, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS,
-         Q.IQ3_XXS, Q.IQ3_S, Q.IQ2_S]
+         Q.IQ3_XXS, Q.IQ3_S, Q.IQ2_S, Q.IQ2_XS, Q.IQ2_XXS]
 
 
 def _ggml():
@@ -77,11 +77,16 @@ def _hard_weights(n: int, k: int, seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_encoder_bytes_equal_ggml(qtype, backend):
-    """Both encoders (compiled CPU loops; torch, which is also the GPU path) = llama.cpp."""
+    """Both encoders (compiled CPU loops; torch, which is also the GPU path) = llama.cpp.
+    IQ2_XXS / IQ2_XS exist only with an imatrix (ggml asserts one): refused without."""
     w = _hard_weights(48, 768, seed=int(qtype))
     imatrices = [None, torch.rand(768) ** 4 + 1e-3,
                  torch.where(torch.rand(768) < 0.3, torch.zeros(768), torch.rand(768) * 50)]
     for qw in imatrices:
+        if qw is None and qtype in REQUIRES_QW:
+            with pytest.raises(ValueError, match=f"{qtype.name} needs an importance matrix"):
+                encode_rows(w, qtype, backend=backend)
+            continue
         ours = encode_rows(w, qtype, qw, backend=backend).numpy()
         ref = ggml_quantize(w.numpy(), qtype, None if qw is None else qw.numpy())
         bad = np.nonzero((ours != ref).any(1))[0]
@@ -93,10 +98,12 @@ def test_encoder_bytes_equal_ggml(qtype, backend):
     # our torch decoder = gguf's reference dequantizer, value for value
     assert np.array_equal(dequantize_tensor(torch.from_numpy(ours), qtype).numpy(),
                           gguf_dequantize(ours, qtype))
-    plain = torch.from_numpy(encode_rows(w, qtype, backend=backend).numpy()[9:])  # the ordinary gaussian rows
+    qw = torch.ones(768) if qtype in REQUIRES_QW else None  # a flat imatrix: plain weighting
+    plain = torch.from_numpy(encode_rows(w, qtype, qw, backend=backend).numpy()[9:])  # the ordinary gaussian rows
     rel = float((dequantize_tensor(plain, qtype) - w[9:]).norm() / w[9:].norm())
     assert rel < {Q.Q8_0: 0.01, Q.Q6_K: 0.03, Q.Q5_K: 0.05, Q.Q5_0: 0.06, Q.Q5_1: 0.06, Q.Q3_K: 0.2,
-                  Q.Q2_K: 0.35, Q.IQ3_S: 0.2, Q.IQ3_XXS: 0.25, Q.IQ2_S: 0.3}.get(qtype, 0.12)  # measured 0.167 0.213 0.264
+                  Q.Q2_K: 0.35, Q.IQ3_S: 0.2, Q.IQ3_XXS: 0.25, Q.IQ2_S: 0.3,  # measured 0.167 0.213 0.264
+                  Q.IQ2_XS: 0.33, Q.IQ2_XXS: 0.38}.get(qtype, 0.12)  # flat imatrix: measured 0.298 0.345
 
 
 def test_encoder_rejects_bad_width_and_backend():
@@ -274,6 +281,46 @@ def test_iq3_xxs_type_mix_equals_llama_cpp(tmp_path, n_layer, ffn, tied, n_kv, i
         assert set(down) == ({Q.IQ4_NL} if imat else {Q.Q5_0, Q.Q4_0})
 
 
+_IQ_MIXES = ["iq2_xxs", "iq2_xs", "iq2_s", "iq2_m", "iq3_xs", "iq3_m"]
+
+
+@pytest.mark.parametrize("preset,n_layer,ffn,tied,n_kv", [(p, 16, 288, True, 1) for p in _IQ_MIXES]
+                         + [(p, 8, 512, False, 2) for p in _IQ_MIXES]
+                         + [("iq2_xxs", 80, 256, False, 1), ("iq3_m", 80, 256, False, 1)])
+def test_iq_mixes_equal_llama_cpp(tmp_path, preset, n_layer, ffn, tied, n_kv):
+    """IQ2_XXS / IQ2_XS / IQ2_S / IQ2_M (llama.cpp's own IQ2 branch: output Q5_K, attn_v Q4_K
+    with >= 4 query heads per KV head, else Q2_K / IQ3_S, no "70B" bump) and IQ3_XS / IQ3_M:
+    llama-quantize's types, fallbacks included (288 columns), with an imatrix where llama.cpp
+    requires one. Without it: its --dry-run types, and both it and quantkit refuse."""
+    from quantkit.arch import ARCHS
+    from quantkit.errors import EngineError
+
+    src = tmp_path / "f16.gguf"
+    shapes = _write_plain_gguf(src, "llama", n_layer, 256, ffn, vocab=256, tied=tied, n_kv=n_kv)
+    imat = PRESETS[preset].imatrix_required
+    plans = plan_types(preset, shapes, n_layer, has_imatrix=imat, n_gqa=4 // n_kv, is_70b=n_layer == 80)
+    ours = {n: (plans[n].qtype if n in plans else Q.F32) for n in shapes}
+    imatrix = {n: np.ones(s[-1], np.float32) for n, s in shapes.items() if n.startswith("blk.") and len(s) == 2}
+    llama_quantize(src, tmp_path / "q.gguf", preset, imatrix=imatrix if imat else None)
+    assert ours == _types(tmp_path / "q.gguf")
+    assert imat == (preset != "iq3_m")
+    if imat and n_layer == 8:
+        assert plan_types(preset, shapes, n_layer, n_gqa=2) == plans
+        assert ours == _dry_run_types(src, preset)
+        with pytest.raises(EngineError):
+            llama_quantize(src, tmp_path / "q.gguf", preset)
+        cfg = {"vocab_size": 256, "hidden_size": 256, "num_hidden_layers": 1, "tie_word_embeddings": tied}
+        with pytest.raises(SchemeMismatch, match=f"--gguf-type {preset} needs an importance matrix"):
+            GGUFQuantizer(preset).prepare(cfg, ARCHS[0], {"model.layers.0.self_attn.q_proj": (256, 256),
+                                                          "model.layers.0.mlp.up_proj": (512, 256)})
+    v = ours["blk.3.attn_v.weight"]
+    if n_layer == 80:  # the IQ2 branch has no 70B bump
+        assert v == (Q.Q5_K if preset == "iq3_m" else Q.Q4_K)
+    elif preset.startswith("iq2"):
+        assert v == (Q.Q4_K if n_kv == 1 else Q.Q2_K if preset in ("iq2_xxs", "iq2_xs") else Q.IQ3_S)
+    assert PRESETS[preset].base in set(ours.values())
+
+
 def _write_moe_gguf(path: Path, n_layer: int, n_expert: int, hidden: int = 256,
                     ffn_exp: int = 256, vocab: int = 256) -> dict[str, tuple[int, ...]]:
     """A weightless (all-zero F16) qwen3moe model: 3-D experts and an F32 router per block."""
@@ -308,16 +355,18 @@ def _write_moe_gguf(path: Path, n_layer: int, n_expert: int, hidden: int = 256,
     return shapes
 
 
-@pytest.mark.parametrize("preset,n_expert", [(p, 8) for p in ["q4_k_m", *_MIXES, "iq3_xxs"]]
-                         + [("q4_k_m", 4), ("q2_k", 4), ("iq3_xxs", 4)])
+@pytest.mark.parametrize("preset,n_expert", [(p, 8) for p in ["q4_k_m", *_MIXES, "iq3_xxs", "iq2_xxs", "iq2_s",
+                                                                "iq3_xs", "iq3_m"]]
+                         + [("q4_k_m", 4), ("q2_k", 4), ("iq3_xxs", 4), ("iq2_xxs", 4)])
 def test_moe_type_mix_equals_llama_cpp(tmp_path, preset, n_expert):
     """qwen3moe, 8 layers: the 3-D expert tensors and the rest get llama-quantize's types
     (ffn_down_exps by its layer; with exactly 8 experts attn_v/attn_k Q8_0 and attn_output
-    Q5_K only for the low-bit K presets); the router stays F32. IQ3_XXS: with an imatrix
-    (one vector per expert), which llama.cpp requires."""
+    Q5_K only for the low-bit K presets); the router stays F32. IQ3_XXS, IQ3_XS, IQ2_*: with
+    an imatrix (one vector per expert), which llama.cpp requires. The IQ2 branch: attn_v Q4_K
+    from 4 experts on, with 8 attn_k Q4_K (not Q8_0) and attn_output Q5_K."""
     src = tmp_path / "f16.gguf"
     shapes = _write_moe_gguf(src, 8, n_expert)
-    imat = PRESETS[preset].needs_imatrix != ()
+    imat = PRESETS[preset].imatrix_required
     imatrix = {n: np.ones(s[-1] * (s[0] if len(s) == 3 else 1), np.float32) for n, s in shapes.items()
                if n.startswith("blk.") and len(s) >= 2} if imat else None
     llama_quantize(src, tmp_path / "q.gguf", preset, imatrix=imatrix)
@@ -329,6 +378,9 @@ def test_moe_type_mix_equals_llama_cpp(tmp_path, preset, n_expert):
         assert {ours[f"blk.3.{t}.weight"] for t in ("attn_v", "attn_k")} == {Q.Q8_0}
         assert [ours[f"blk.{i}.ffn_down_exps.weight"] for i in range(8)] == \
             [Q.Q6_K if use_more_bits(i, 8) else Q.Q4_K for i in range(8)]
+    if preset == "iq2_xxs":
+        assert ours["blk.3.attn_v.weight"] == Q.Q4_K
+        assert ours["blk.3.attn_k.weight"] == (Q.Q4_K if n_expert == 8 else Q.IQ2_XXS)
 
 
 def test_use_more_bits_worked_example():
@@ -432,16 +484,19 @@ def test_every_tensor_bit_exact_vs_llama_quantize(request, model, preset, imat, 
     assert _compare_file(request.getfixturevalue(model), preset, imat) == expect
 
 
-def test_iq3_xxs_every_tensor_bit_exact_vs_llama_quantize(tmp_path):
-    """IQ3_XXS, IQ3_S, IQ2_S and Q5_K tensors of llama-quantize's iq3_xxs file (4 layers,
-    untied 256-row vocab, random weights and imatrix) = quantkit's bytes. The tiny HF model's
-    whole file is compared in the pipeline test below."""
+@pytest.mark.parametrize("preset,expect", [("iq3_xxs", {Q.IQ3_XXS, Q.IQ3_S, Q.IQ2_S, Q.Q5_K}),
+                                           ("iq2_xxs", {Q.IQ2_XXS, Q.Q2_K, Q.Q5_K}),
+                                           ("iq2_xs", {Q.IQ2_XS, Q.Q2_K, Q.Q5_K})])
+def test_iq_every_tensor_bit_exact_vs_llama_quantize(tmp_path, preset, expect):
+    """Every tensor of llama-quantize's iq3_xxs / iq2_xxs / iq2_xs file (4 layers, untied
+    256-row vocab, random weights and imatrix; token_embd without one) = quantkit's bytes.
+    The tiny HF model's whole file is compared in the pipeline test below."""
     src = tmp_path / "f16.gguf"
     shapes = _write_plain_gguf(src, "llama", 4, 256, 512, vocab=256, tied=False, seed=0)
     rng = np.random.default_rng(1)
     imatrix = {n: (rng.random(s[-1]) ** 3 * 40).astype(np.float32) for n, s in shapes.items()
                if n.startswith("blk.") and len(s) == 2}
-    llama_quantize(src, tmp_path / "q.gguf", "iq3_xxs", imatrix=imatrix)
+    llama_quantize(src, tmp_path / "q.gguf", preset, imatrix=imatrix)
     base = _gguf_tensors(src)
     seen = set()
     for name, (qtype, data) in _gguf_tensors(tmp_path / "q.gguf").items():
@@ -452,10 +507,10 @@ def test_iq3_xxs_every_tensor_bit_exact_vs_llama_quantize(tmp_path):
         ours = quantize_tensor(rows, qtype, None if qw is None else torch.from_numpy(qw)).numpy()
         assert np.array_equal(ours, np.asarray(data).reshape(ours.shape)), f"{name} {qtype.name}"
         seen.add(qtype)
-    assert seen == {Q.IQ3_XXS, Q.IQ3_S, Q.IQ2_S, Q.Q5_K}
+    assert seen == expect
 
 
-@pytest.mark.parametrize("preset", ["q4_k_m", "q4_0", "q3_k_m", "q2_k", "iq4_xs", "iq3_xxs"])
+@pytest.mark.parametrize("preset", ["q4_k_m", "q4_0", "q3_k_m", "q2_k", "iq4_xs", "iq3_xxs", *_IQ_MIXES])
 def test_pipeline_with_imatrix_file_equals_llama_quantize(tiny_gguf, preset):
     """The whole path: HF model -> quantize(method=gguf, imatrix=FILE) -> one GGUF file, equal
     to llama-quantize's, which llama.cpp then runs: its logits follow the 16-bit file's."""
@@ -485,9 +540,11 @@ def test_pipeline_with_imatrix_file_equals_llama_quantize(tiny_gguf, preset):
         a, b = base_llm.logits(ids).astype(np.float64), q_llm.logits(ids).astype(np.float64)
         cos = (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
         print(f"{preset}: logits cosine vs the 16-bit file, min {cos.min():.3f} mean {cos.mean():.3f}")
-        # measured: q2_k 0.83, q3_k_m 0.96, iq3_xxs 0.757 (llama.cpp's own bytes, asserted above;
-        # its IQ2_S attn_q/attn_k follow the synthetic imatrix, not real activations)
-        assert cos.min() > {"q2_k": 0.8, "iq3_xxs": 0.7}.get(preset, 0.95), cos
+        # measured: q2_k 0.83, q3_k_m 0.96, iq3_xxs 0.757, iq3_m 0.926, iq3_xs 0.870, iq2_m 0.825,
+        # iq2_s 0.727, iq2_xs 0.564, iq2_xxs 0.357 (llama.cpp's own bytes, asserted above; the
+        # grid types follow the synthetic imatrix, not real activations, on random weights)
+        assert cos.min() > {"q2_k": 0.8, "iq3_xxs": 0.7, "iq3_m": 0.88, "iq3_xs": 0.8, "iq2_m": 0.75,
+                            "iq2_s": 0.65, "iq2_xs": 0.5, "iq2_xxs": 0.3}.get(preset, 0.95), cos
         assert len(q_llm.tokenize(q_llm.greedy("The quick brown", max_tokens=4))) > 0
     finally:
         base_llm.close()

@@ -21,7 +21,8 @@ __all__ = ["LlamaCppModel", "load_llama", "llama_quantize", "llama_cpp_version",
 FTYPES = {"f16": 1, "bf16": 32, "q8_0": 7, "q6_k": 18, "q5_k_m": 17, "q5_k_s": 16,
           "q4_k_m": 15, "q4_k_s": 14, "q5_1": 9, "q5_0": 8, "q4_1": 3, "q4_0": 2,
           "q3_k_l": 13, "q3_k_m": 12, "q3_k_s": 11, "q2_k": 10, "iq4_nl": 25, "iq4_xs": 30,
-          "iq3_xxs": 23, "iq3_s": 26}
+          "iq3_xxs": 23, "iq3_s": 26, "iq3_xs": 22, "iq3_m": 27, "iq2_xxs": 19, "iq2_xs": 20,
+          "iq2_s": 28, "iq2_m": 29}
 
 
 def _llama_cpp():

@@ -59,7 +59,8 @@ FILE_TYPES = {"f16": (1, Q.F16), "bf16": (32, Q.BF16), "q8_0": (7, Q.F16), "q6_k
               "q4_k_s": (14, Q.F16), "q5_1": (9, Q.F16), "q5_0": (8, Q.F16), "q4_1": (3, Q.F16),
               "q4_0": (2, Q.F16), "q3_k_l": (13, Q.F16), "q3_k_m": (12, Q.F16), "q3_k_s": (11, Q.F16),
               "q2_k": (10, Q.F16), "iq4_nl": (25, Q.F16), "iq4_xs": (30, Q.F16),
-              "iq3_xxs": (23, Q.F16), "iq3_s": (26, Q.F16),
+              "iq3_xxs": (23, Q.F16), "iq3_s": (26, Q.F16), "iq3_xs": (22, Q.F16), "iq3_m": (27, Q.F16),
+              "iq2_xxs": (19, Q.F16), "iq2_xs": (20, Q.F16), "iq2_s": (28, Q.F16), "iq2_m": (29, Q.F16),
               # per-tensor types chosen by quantkit (--gguf-type auto): no llama_ftype names the
               # mix, so general.file_type is left out and llama.cpp guesses it from the most
               # common tensor type (llama_model_loader: LLAMA_FTYPE_GUESSED)

@@ -20,9 +20,24 @@ The type mix of a preset (Q4_K_M, Q5_K_M, ...) is a data table, `PRESETS`, read 
                                                without one ffn_down Q4_K (first eighth) /
                                                Q3_K, and llama.cpp refuses the file (its
                                                IQ3_XXS and IQ2_S tensors need an imatrix)
+  IQ3_XS (base IQ3_S)                       -> attn_v Q4_K with >= 4 query heads per KV head,
+                                               attn_q/attn_k and the middle 3/4 of the
+                                               ffn_gate/ffn_up layers IQ3_XXS (so it needs an
+                                               imatrix)
+  IQ3_M (base IQ3_S)                        -> attn_v Q4_K, attn_output Q4_K, the first
+                                               eighth of ffn_down Q4_K (8 experts: and
+                                               use_more_bits layers)
+  IQ2_XXS / IQ2_XS (base IQ2_XXS / IQ2_XS)  -> output Q5_K, untied token_embd Q2_K, attn_v
+  IQ2_S / IQ2_M (base IQ2_XS / IQ2_S)          Q4_K with >= 4 query heads per KV head or >= 4
+                                               experts, else Q2_K (IQ2_S/M: IQ3_S); the first
+                                               eighth of ffn_down (counted in tensor order)
+                                               Q2_K (IQ2_S/M: IQ3_S); IQ2_S/M: untied
+                                               token_embd and attn_output IQ3_S; 8 experts:
+                                               attn_k Q4_K, attn_output Q5_K, no Q8_0 attn_v;
+                                               all four need an imatrix
   everything else                           -> the preset's base type
   row width % block != 0                    -> Q2_K/Q3_K->Q4_0, Q4_K->Q5_0, Q5_K->Q5_1,
-                                               Q6_K->Q8_0, IQ4_XS/IQ3_XXS/IQ3_S/IQ2_S->IQ4_NL,
+                                               Q6_K->Q8_0, IQ4_XS/IQ3_XXS/IQ3_S/IQ2_*->IQ4_NL,
                                                then F16
   mixture of experts                        -> ffn_down(_exps) by the layer in its name;
                                                exactly 8 experts: attn_v, attn_k Q8_0 and
@@ -66,17 +81,21 @@ def use_more_bits(i: int, n: int) -> bool:
     return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
 
 
-# Conditions of a rule see (i, n, n_gqa, imatrix): i the tensor's counter, n its total,
-# n_gqa the model's query heads per KV head, imatrix whether llama.cpp was given one.
+# Conditions of a rule see (i, n, n_gqa, imatrix, n_expert): i the tensor's counter, n its
+# total, n_gqa the model's query heads per KV head, imatrix whether llama.cpp was given one,
+# n_expert the routed experts (0 for a dense model).
 _CONDITIONS = {
-    "always": lambda i, n, g, m: True,
-    "more_bits": lambda i, n, g, m: use_more_bits(i, n),
-    "first_2": lambda i, n, g, m: i < 2,
-    "first_4": lambda i, n, g, m: i < 4,
-    "first_eighth": lambda i, n, g, m: i < n // 8,
-    "first_16th": lambda i, n, g, m: i < n // 16,
-    "gqa_4": lambda i, n, g, m: g >= 4,
-    "no_imatrix": lambda i, n, g, m: not m,
+    "always": lambda i, n, g, m, e: True,
+    "more_bits": lambda i, n, g, m, e: use_more_bits(i, n),
+    "first_2": lambda i, n, g, m, e: i < 2,
+    "first_4": lambda i, n, g, m, e: i < 4,
+    "first_eighth": lambda i, n, g, m, e: i < n // 8,
+    "first_16th": lambda i, n, g, m, e: i < n // 16,
+    "gqa_4": lambda i, n, g, m, e: g >= 4,
+    "no_imatrix": lambda i, n, g, m, e: not m,
+    "gqa_4_or_experts_4": lambda i, n, g, m, e: g >= 4 or e >= 4,
+    "first_eighth_or_8_experts_more_bits": lambda i, n, g, m, e: i < n // 8 or (e == 8 and use_more_bits(i, n)),
+    "middle": lambda i, n, g, m, e: n // 8 <= i < 7 * n // 8,
 }
 
 
@@ -88,11 +107,11 @@ class Rule:
     then: Q
     otherwise: Q | Rule | None = None
 
-    def pick(self, i: int, n: int, n_gqa: int, has_imatrix: bool = False) -> Q | None:
-        if _CONDITIONS[self.when](i, n, n_gqa, has_imatrix):
+    def pick(self, i: int, n: int, n_gqa: int, has_imatrix: bool = False, n_expert: int = 0) -> Q | None:
+        if _CONDITIONS[self.when](i, n, n_gqa, has_imatrix, n_expert):
             return self.then
         if isinstance(self.otherwise, Rule):
-            return self.otherwise.pick(i, n, n_gqa, has_imatrix)
+            return self.otherwise.pick(i, n, n_gqa, has_imatrix, n_expert)
         return self.otherwise
 
     @property
@@ -118,20 +137,32 @@ class Preset:
     attn_output_8_experts: Q | None = None
     attn_q: Rule | None = None
     attn_k: Rule | None = None  # models with exactly 8 experts: Q8_0 whatever this says
+    ffn_gate: Rule | None = None  # by layer (read from the name with experts), as ffn_down
+    ffn_up: Rule | None = None
     output: Q = Q.Q6_K  # output.weight, and token_embd when tied (Q8_0 kept as Q8_0)
     token_embd: Q | None = None  # untied token_embd (None: the base type)
+    # llama.cpp's own branch for IQ2_XXS/IQ2_XS/IQ2_S/IQ2_M (and IQ1_*): attn_v takes only its
+    # rule (no 70B bump, no Q8_0 with 8 experts), attn_k is Q4_K with 8 experts, ffn_down is
+    # counted in tensor order even with experts, ffn_gate/ffn_up keep the base type
+    iq2_branch: bool = False
     # llama.cpp refuses to write these types without an imatrix (tensor_requires_imatrix;
-    # token_embd and output excepted)
-    needs_imatrix: tuple[Q, ...] = ()
+    # token_embd and output excepted; the same list for every ftype)
+    needs_imatrix: tuple[Q, ...] = (Q.IQ3_XXS, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S)
 
     @property
     def quantized(self) -> bool:
         return self.base not in (Q.F16, Q.BF16, Q.F32)
 
     @property
+    def imatrix_required(self) -> bool:
+        """Whether llama.cpp's mix for this ftype can hold a type it refuses without an imatrix."""
+        return bool({self.base, *(t for r in self.rules for t in r.types)} & set(self.needs_imatrix))
+
+    @property
     def rules(self) -> tuple[Rule, ...]:
         return tuple(r for r in (self.attn_v, self.ffn_down, self.attn_output, self.ffn_down_imatrix,
-                                 self.ffn_down_no_imatrix, self.attn_q, self.attn_k) if r)
+                                 self.ffn_down_no_imatrix, self.attn_q, self.attn_k, self.ffn_gate,
+                                 self.ffn_up) if r)
 
 
 _MORE_BITS_Q6 = Rule("more_bits", Q.Q6_K)
@@ -165,15 +196,30 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
     Preset("iq3_xxs", 23, Q.IQ3_XXS, attn_v=Rule("gqa_4", Q.Q4_K, Rule("no_imatrix", Q.IQ3_S)),
            ffn_down_no_imatrix=Rule("first_eighth", Q.Q4_K, Q.Q3_K), attn_output=Rule("always", Q.IQ3_S),
            attn_output_8_experts=Q.Q5_K, attn_q=Rule("always", Q.IQ2_S), attn_k=Rule("always", Q.IQ2_S),
-           output=Q.Q5_K, token_embd=Q.IQ3_S, needs_imatrix=(Q.IQ3_XXS, Q.IQ2_S)),
+           output=Q.Q5_K, token_embd=Q.IQ3_S),
     Preset("iq3_s", 26, Q.IQ3_S, attn_v=Rule("gqa_4", Q.Q4_K), attn_output_8_experts=Q.Q5_K),
+    Preset("iq3_xs", 22, Q.IQ3_S, attn_v=Rule("gqa_4", Q.Q4_K), attn_q=Rule("always", Q.IQ3_XXS),
+           attn_k=Rule("always", Q.IQ3_XXS), ffn_gate=Rule("middle", Q.IQ3_XXS), ffn_up=Rule("middle", Q.IQ3_XXS),
+           attn_output_8_experts=Q.Q5_K),
+    Preset("iq3_m", 27, Q.IQ3_S, attn_v=Rule("always", Q.Q4_K),
+           ffn_down=Rule("first_eighth_or_8_experts_more_bits", Q.Q4_K), attn_output=Rule("always", Q.Q4_K),
+           attn_output_8_experts=Q.Q5_K),
+    *(Preset(name, ftype, base, attn_v=Rule("gqa_4_or_experts_4", Q.Q4_K, Q.Q2_K),
+             ffn_down=Rule("first_eighth", Q.Q2_K), attn_output_8_experts=Q.Q5_K, output=Q.Q5_K,
+             token_embd=Q.Q2_K, iq2_branch=True)
+      for name, ftype, base in (("iq2_xxs", 19, Q.IQ2_XXS), ("iq2_xs", 20, Q.IQ2_XS))),
+    *(Preset(name, ftype, base, attn_v=Rule("gqa_4_or_experts_4", Q.Q4_K, Q.IQ3_S),
+             ffn_down=Rule("first_eighth", Q.IQ3_S), attn_output=Rule("always", Q.IQ3_S),
+             attn_output_8_experts=Q.Q5_K, output=Q.Q5_K, token_embd=Q.IQ3_S, iq2_branch=True)
+      for name, ftype, base in (("iq2_s", 28, Q.IQ2_XS), ("iq2_m", 29, Q.IQ2_S))),
     Preset("f16", 1, Q.F16),
     Preset("bf16", 32, Q.BF16),
 )}
 AUTO_BASE = "q4_k_m"
 # a 256-wide type on rows whose width is not a multiple of 256 (then F16 if 32 fails too)
 FALLBACK = {Q.Q2_K: Q.Q4_0, Q.Q3_K: Q.Q4_0, Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0,
-            Q.IQ4_XS: Q.IQ4_NL, Q.IQ3_XXS: Q.IQ4_NL, Q.IQ3_S: Q.IQ4_NL, Q.IQ2_S: Q.IQ4_NL}
+            Q.IQ4_XS: Q.IQ4_NL, Q.IQ3_XXS: Q.IQ4_NL, Q.IQ3_S: Q.IQ4_NL, Q.IQ2_XXS: Q.IQ4_NL,
+            Q.IQ2_XS: Q.IQ4_NL, Q.IQ2_S: Q.IQ4_NL}
 
 
 @dataclass(frozen=True)
@@ -212,18 +258,19 @@ def plan_types(preset: Preset | str, tensors: dict[str, tuple[int, ...]], n_laye
     has_imatrix: llama.cpp was given an imatrix at all (Q4_0/Q5_0 then guard early ffn_down;
     IQ4_NL/IQ4_XS bump it to Q5_K only without one).
     n_expert: routed experts (llama.cpp's expert_count): with more than one, ffn_down's
-    layer is read from its name ("blk.N."); with exactly 8, attn_v and attn_k become Q8_0
-    and attn_output takes the preset's attn_output_8_experts (llama-quant.cpp).
+    (ffn_gate's, ffn_up's) layer is read from its name ("blk.N."); with exactly 8, attn_v and
+    attn_k become Q8_0 and attn_output takes the preset's attn_output_8_experts
+    (llama-quant.cpp). The IQ2 presets (iq2_branch) differ: see Preset.
     """
     p = PRESETS[preset] if isinstance(preset, str) else preset
     names = sorted(tensors, key=lambda s: (_layer(s), s))
     tied = "output.weight" not in tensors
     n_attn_v = sum(1 for s in names if "attn_v.weight" in s or "attn_qkv.weight" in s)
-    i_attn_v = i_ffn_down = 0
+    i_attn_v = i_ffn_down = i_ffn_gate = i_ffn_up = 0
     plans = {}
 
     def apply(rule: Rule | None, t: Q, i: int, n: int) -> Q:
-        picked = rule.pick(i, n, n_gqa, has_imatrix) if rule else None
+        picked = rule.pick(i, n, n_gqa, has_imatrix, n_expert) if rule else None
         return picked if picked is not None else t
 
     for name in names:
@@ -239,17 +286,26 @@ def plan_types(preset: Preset | str, tensors: dict[str, tuple[int, ...]], n_laye
                 t = p.token_embd or t
             elif "attn_qkv.weight" in name or "attn_v.weight" in name:
                 t = apply(p.attn_v, t, i_attn_v, n_attn_v)
-                if is_70b and t in (Q.Q3_K, Q.Q4_K):
+                if is_70b and t in (Q.Q3_K, Q.Q4_K) and not p.iq2_branch:
                     t = Q.Q5_K
-                if n_expert == 8:
+                if n_expert == 8 and not p.iq2_branch:
                     t = Q.Q8_0
                 i_attn_v += 1
             elif "attn_k.weight" in name:
-                t = Q.Q8_0 if n_expert == 8 else apply(p.attn_k, t, 0, 1)
+                if n_expert == 8:
+                    t = Q.Q4_K if p.iq2_branch else Q.Q8_0
+                else:
+                    t = apply(p.attn_k, t, 0, 1)
             elif "attn_q.weight" in name:
                 t = apply(p.attn_q, t, 0, 1)
+            elif "ffn_up" in name:
+                t = apply(p.ffn_up, t, _layer(name) if n_expert > 1 else i_ffn_up, n_layer)
+                i_ffn_up += 1
+            elif "ffn_gate" in name:
+                t = apply(p.ffn_gate, t, _layer(name) if n_expert > 1 else i_ffn_gate, n_layer)
+                i_ffn_gate += 1
             elif "ffn_down" in name:
-                i = _layer(name) if n_expert > 1 else i_ffn_down
+                i = _layer(name) if n_expert > 1 and not p.iq2_branch else i_ffn_down
                 t = apply(p.ffn_down, t, i, n_layer)
                 t = apply(p.ffn_down_imatrix if has_imatrix else p.ffn_down_no_imatrix, t, i, n_layer)
                 i_ffn_down += 1

@@ -701,6 +701,23 @@ def _q6_k(x2, qw, out, err):
     return out
 
 
+@njit(inline="always", **_JIT)
+def _nint_wide(v):
+    """C's nearest_int for any float32 without a scratch array (_nint_c's bits, computed):
+    round half to even below 2^22; above, the mantissa field of y = v + 1.5 * 2^23 minus 2^22
+    (-2^22 for y = 0 or +-inf, 0 for NaN). A predictable branch in the scalar grid loops,
+    where IQ2_XXS's trial scales (from make_qp_quants) put no bound on |v|."""
+    if abs(v) <= F32(4194303):
+        return np.rint(v)
+    y = v + F32(12582912)
+    if y != y:
+        return F32(0)
+    if y == 0 or abs(y) == np.inf:
+        return F32(-4194304)
+    f, _ = math.frexp(abs(float(y)))
+    return F32(int(f * 16777216.0) - 8388608 - 4194304)
+
+
 @njit(**_JIT)
 def _nint_c(v, buf):
     """C's nearest_int for any float32, huge and non-finite values included: the bits of
@@ -1134,12 +1151,12 @@ def _grid_neighbour(levels, neigh, at, xv, wv, scale, L, base, n):
 def _grid_code(xv, L, base, n, bits, top, inv, buf):
     """The code of a group of n values rounded to levels 0..top at inverse scale inv
     (levels stored in L[base:base+n], `bits` per level in the code). buf: None in the trial
-    loops, where |inv * x| <= 18 and the plain rounding is C's (no array view per value:
-    its reference counting made the search 4x slower); else C's bit trick for any value."""
+    loops, which round with _nint_wide (no array view per value: its reference counting made
+    the search 4x slower); else C's bit trick for any value (_nint_c)."""
     u = 0
     for i in range(n):
         v = F32(0.5) * (inv * xv[base + i] - F32(1))
-        v = int(_nint(v) if buf is None else _nint_c(v, buf))
+        v = int(_nint_wide(v) if buf is None else _nint_c(v, buf))
         L[base + i] = min(max(v, 0), top)
         u |= L[base + i] << (bits * i)
     return u
@@ -1159,17 +1176,19 @@ def _grid_fit(xval, weight, L, n):
 
 @njit(inline="always", **_JIT)
 def _grid_scale_search(xval, weight, waux, L, Laux, on, on_aux, kmap, levels, neigh, mx, n, gw, bits,
-                       top, first, step, nis, init_on, skip_on, buf):
-    """The scale search the grid quantizers share (quantize_row_iq3_xxs/iq3_s/iq2_s_impl) over n
+                       top, first, step, nis, init_on, skip_on, buf, scale0, always):
+    """The scale search the grid quantizers share (quantize_row_iq3_xxs/iq3_s/iq2_*_impl) over n
     values in groups of gw: trial inverse scales (first + it * step) / mx, it in -nis..nis, snap
     every group to the grid (kmap, else its nearest listed neighbour) and keep the levels of the
     best sumqx^2 / sumq2; groups left off the grid are re-snapped at the winning scale (only the
     ones off it where skip_on) and the scale refitted. Levels end in L; returns the scale
-    (negative: the caller flips the signs). init_on: what `on` starts as (IQ3_S: False, so with
-    no winning trial every group is re-snapped, as the C does)."""
+    (negative: the caller flips the signs). scale0: the scale kept when no trial wins (mx /
+    first, IQ2_XXS make_qp_quants'). init_on: what `on` starts as (IQ3_S: False, so with no
+    winning trial every group is re-snapped, as the C does). always: re-snap every group and
+    refit whenever the scale is positive, on the grid or not (IQ2_XXS)."""
     ng = n // gw
     best = F32(0)
-    scale = mx / first
+    scale = scale0
     for g in range(ng):
         on[g] = init_on
     for it in range(-nis, nis + 1):
@@ -1191,7 +1210,7 @@ def _grid_scale_search(xval, weight, waux, L, Laux, on, on_aux, kmap, levels, ne
     n_off = 0
     for g in range(ng):
         n_off += 0 if on[g] else 1
-    if n_off > 0 and scale > 0:
+    if (always or n_off > 0) and scale > 0:
         inv = F32(1) / scale
         for g in range(ng):
             if skip_on and on[g]:
@@ -1203,6 +1222,42 @@ def _grid_scale_search(xval, weight, waux, L, Laux, on, on_aux, kmap, levels, ne
         if sumq2 > 0:
             scale = sumqx / sumq2
     return scale
+
+
+@njit(inline="always", **_JIT)
+def _split_signs(xb, weight, xval, base, even):
+    """|x| of 8 values into xval[base:base+8]; returns their sign bits (bit i: x_i < 0). even:
+    an odd count of negatives flips the value of least weight*x^2 (its |x| goes negative), so
+    the 8th sign is the parity of the 7 stored (IQ3_XXS, IQ2_XXS, IQ2_XS: ksigns_iq2xs)."""
+    nflip = 0
+    s = 0
+    for i in range(8):
+        if xb[base + i] >= 0:
+            xval[base + i] = xb[base + i]
+        else:
+            xval[base + i] = -xb[base + i]
+            nflip += 1
+            s |= 1 << i
+    if even and nflip % 2:
+        imin = 0
+        mn = weight[base] * xb[base] * xb[base]
+        for i in range(1, 8):
+            ax = weight[base + i] * xb[base + i] * xb[base + i]
+            if ax < mn:
+                mn = ax
+                imin = i
+        xval[base + imin] = -xval[base + imin]
+        s ^= 1 << imin
+    return s
+
+
+@njit(inline="always", **_JIT)
+def _parity_signs(s7):
+    """The 8 sign bits of a stored 7 (ksigns_iq2xs): bit 7 is their parity."""
+    parity = 0
+    for b in range(7):
+        parity ^= (s7 >> b) & 1
+    return s7 | (parity << 7)
 
 
 @njit(**_JIT)
@@ -1258,25 +1313,7 @@ def _iq3(x2, qw, out, err, levels, kmap, neigh, values, xxs):
                 for i in range(32):
                     waux[i] = np.sqrt(weight[i])
                 for g in range(4):
-                    nflip = 0
-                    s = 0
-                    for i in range(8):
-                        if xb[8 * g + i] >= 0:
-                            xval[8 * g + i] = xb[8 * g + i]
-                        else:
-                            xval[8 * g + i] = -xb[8 * g + i]
-                            nflip += 1
-                            s |= 1 << i
-                    if xxs and nflip % 2:
-                        imin = 0
-                        mn = weight[8 * g] * xb[8 * g] * xb[8 * g]
-                        for i in range(1, 8):
-                            ax = weight[8 * g + i] * xb[8 * g + i] * xb[8 * g + i]
-                            if ax < mn:
-                                mn = ax
-                                imin = i
-                        xval[8 * g + imin] = -xval[8 * g + imin]
-                        s ^= 1 << imin
+                    s = _split_signs(xb, weight, xval, 8 * g, xxs)
                     signs[g] = s & 127 if xxs else s
                 mx = xval[0]
                 for i in range(1, 32):
@@ -1286,8 +1323,9 @@ def _iq3(x2, qw, out, err, levels, kmap, neigh, values, xxs):
                 if (xxs and mx < F32(1e-8)) or (not xxs and mx == 0):
                     scales[ib] = F32(0)
                     continue
+                first = F32(2 * kmaxq - 1)
                 scale = _grid_scale_search(xval, weight, waux, L, Laux, on, on_aux, kmap, levels, neigh, mx, 32, 4, 3, 7,
-                                           F32(2 * kmaxq - 1), F32(0.2), nis, xxs, xxs, buf)
+                                           first, F32(0.2), nis, xxs, xxs, buf, mx / first, False)
                 if scale < 0:
                     scale = -scale
                     for g in range(4):
@@ -1348,11 +1386,7 @@ def _iq3_block_err(o, x, d, levels, values, xxs):
         for g in range(8):
             if xxs:
                 gi = o[2 + 8 * ib + g]
-                s7 = (word >> (7 * (g // 2))) & 127
-                parity = 0
-                for b in range(7):
-                    parity ^= (s7 >> b) & 1
-                s = s7 | (parity << 7)
+                s = _parity_signs((word >> (7 * (g // 2))) & 127)
             else:
                 gi = o[2 + 8 * ib + g] | (((o[66 + ib] >> g) & 1) << 8)
                 s = o[74 + 4 * ib + g // 2]
@@ -1364,15 +1398,20 @@ def _iq3_block_err(o, x, d, levels, values, xxs):
     return e
 
 @njit(**_JIT)
-def _iq2_s(x2, qw, out, err, levels, kmap, neigh, values):
+def _iq2_16(x2, qw, out, err, levels, kmap, neigh, values, xs):
     """IQ2_S (82 B / 256: | d f16 | index low[32] | signs[32] | index bits 8-9 [8] |
-    scales[8] |): quantize_row_iq2_s_impl. Per 16 values: weights 0.25*sigma2 + x^2, or
-    qw * sqrt(sigma2 + x^2) with an imatrix; all 8 signs of each 8 stored; 19 trial inverse
-    scales (5 + 0.1 i)/max snap each 8 to the 1024-point grid of levels 0..2 (neighbour
-    lists: the nearest points only); 4-bit scales of d = max_scale/31 (stored times 0.9875).
-    Decoded x = d*(0.5+ls)*0.25*grid*sign."""
+    scales[8] |, quantize_row_iq2_s_impl) and IQ2_XS (xs, 74 B / 256: | d f16 | 32 x u16
+    index(9 bits) | 7 sign bits << 9 | scales[8] |, quantize_row_iq2_xs_impl). Per 16
+    values: weights qw * sqrt(sigma2 + x^2) (sigma2: IQ2_S 2 *, IQ2_XS 1 * mean x^2 of the
+    super-block; IQ2_S without an imatrix 0.25*sigma2 + x^2, IQ2_XS needs one); IQ2_S stores
+    all 8 signs of each 8, IQ2_XS 7 (the least important value flipped to make the count
+    even); 19 trial inverse scales (5 + 0.1 i)/max snap each 8 to the 1024- / 512-point grid
+    of levels 0..2 (neighbour lists: the nearest 1 / 2 distances); 4-bit scales of d =
+    max_scale/31 (IQ2_S stored times 0.9875). Decoded x = d*(0.5+ls)*0.25*grid*sign."""
     rows, k = x2.shape
     nbl = k // 256
+    size = 74 if xs else 82
+    sc_at = 66 if xs else 74
     buf = np.empty(1, np.float32)
     weight = np.empty(16, np.float32)
     waux = np.empty(16, np.float32)
@@ -1383,17 +1422,18 @@ def _iq2_s(x2, qw, out, err, levels, kmap, neigh, values):
     on_aux = np.zeros(2, np.bool_)
     signs = np.zeros(2, np.int64)
     scales = np.zeros(16, np.float32)
+    smask = 127 if xs else 255
     for r in range(rows):
         e = 0.0
         for ibl in range(nbl):
             xbl = x2[r, 256 * ibl:256 * ibl + 256]
-            o = out[r, 82 * ibl:82 * ibl + 82]
-            for j in range(82):
+            o = out[r, size * ibl:size * ibl + size]
+            for j in range(size):
                 o[j] = 0
             sumx2 = F32(0)
             for i in range(256):
                 sumx2 += xbl[i] * xbl[i]
-            sigma2 = F32(2) * sumx2 / F32(256)
+            sigma2 = sumx2 / F32(256) if xs else F32(2) * sumx2 / F32(256)
             max_scale = F32(0)
             for ib in range(16):
                 xb = xbl[16 * ib:16 * ib + 16]
@@ -1405,56 +1445,157 @@ def _iq2_s(x2, qw, out, err, levels, kmap, neigh, values):
                 for i in range(16):
                     waux[i] = np.sqrt(weight[i])
                 for g in range(2):
-                    s = 0
-                    for i in range(8):
-                        if xb[8 * g + i] >= 0:
-                            xval[8 * g + i] = xb[8 * g + i]
-                        else:
-                            xval[8 * g + i] = -xb[8 * g + i]
-                            s |= 1 << i
-                    signs[g] = s
+                    signs[g] = _split_signs(xb, weight, xval, 8 * g, xs) & smask
                 mx = xval[0]
                 for i in range(1, 16):
                     mx = mx if mx > xval[i] else xval[i]
                 for i in range(16):
                     L[i] = 0
-                if mx < F32(1e-8):
+                if mx < (EPS if xs else F32(1e-8)):  # GROUP_MAX_EPS / GROUP_MAX_EPS_IQ2_S
                     scales[ib] = F32(0)
                     continue
                 scale = _grid_scale_search(xval, weight, waux, L, Laux, on, on_aux, kmap, levels, neigh, mx, 16, 8, 2, 2,
-                                           F32(5), F32(0.1), 9, True, True, buf)
+                                           F32(5), F32(0.1), 9, True, True, buf, mx / F32(5), False)
                 if scale < 0:
                     scale = -scale
-                    signs[0] = (~signs[0]) & 255
-                    signs[1] = (~signs[1]) & 255
+                    signs[0] = (~signs[0]) & smask
+                    signs[1] = (~signs[1]) & smask
                 for g in range(2):
                     u = 0
                     for i in range(8):
                         u |= L[8 * g + i] << (2 * i)
                     gi = kmap[u]  # always on the grid here
                     i8 = 2 * ib + g
-                    o[2 + i8] = gi & 255
-                    o[66 + i8 // 4] |= (gi >> 8) << (2 * (i8 % 4))
-                    o[34 + i8] = signs[g]
+                    if xs:
+                        v16 = gi | (signs[g] << 9)
+                        o[2 + 2 * i8] = v16 & 255
+                        o[3 + 2 * i8] = v16 >> 8
+                    else:
+                        o[2 + i8] = gi & 255
+                        o[66 + i8 // 4] |= (gi >> 8) << (2 * (i8 % 4))
+                        o[34 + i8] = signs[g]
                 scales[ib] = scale
                 max_scale = max(max_scale, scale)
             d16 = F32(0)
             if max_scale != 0:
                 d = max_scale / F32(31)
-                d16 = _put_f16(o, 0, d * F32(0.9875))
+                d16 = _put_f16(o, 0, d if xs else d * F32(0.9875))
                 inv = F32(1) / d
                 for ib in range(16):
                     ls = min(max(int(_nint_c(F32(0.5) * (inv * scales[ib] - F32(1)), buf)), 0), 15)
-                    o[74 + ib // 2] |= ls << (4 * (ib % 2))
-            for ib in range(16):  # the error, from the written bytes (dequantize_row_iq2_s)
-                db = d16 * (F32(0.5) + F32((o[74 + ib // 2] >> (4 * (ib % 2))) & 15)) * F32(0.25)
+                    o[sc_at + ib // 2] |= ls << (4 * (ib % 2))
+            elif xs:  # the C writes no indices or signs for an all-zero-scale block
+                for j in range(size):
+                    o[j] = 0
+            for ib in range(16):  # the error, from the written bytes (dequantize_row_iq2_s / _xs)
+                db = d16 * (F32(0.5) + F32((o[sc_at + ib // 2] >> (4 * (ib % 2))) & 15)) * F32(0.25)
                 for g in range(2):
                     i8 = 2 * ib + g
-                    gi = o[2 + i8] | (((o[66 + i8 // 4] >> (2 * (i8 % 4))) & 3) << 8)
+                    if xs:
+                        v16 = o[2 + 2 * i8] | (o[3 + 2 * i8] << 8)
+                        gi = v16 & 511
+                        sg = _parity_signs(v16 >> 9)
+                    else:
+                        gi = o[2 + i8] | (((o[66 + i8 // 4] >> (2 * (i8 % 4))) & 3) << 8)
+                        sg = o[34 + i8]
                     for i in range(8):
                         v = db * values[levels[gi, i]]
-                        v = -v if (o[34 + i8] >> i) & 1 else v
+                        v = -v if (sg >> i) & 1 else v
                         e += _sq_diff(v, xbl[16 * ib + 8 * g + i])
+        err[r] += e
+    return out
+
+
+@njit(**_JIT)
+def _iq2_xxs(x2, qw, out, err, levels, kmap, neigh, values):
+    """IQ2_XXS (66 B / 256: | d f16 | 8 x (4 grid index bytes | u32: 4 x 7 sign bits |
+    ls << 28) |): quantize_row_iq2_xxs_impl, imatrix required. Per 32 values: weights
+    qw * sqrt(sigma2 + x^2) (sigma2 = mean x^2 of the super-block), 7 signs per 8 (the
+    least important value flipped to make the count even); the scale search starts from
+    make_qp_quants(nmax 4)'s scale s: 13 trial inverse scales (5 + 0.1 i)/(3 s) snap each 8
+    to the 256-point grid of levels 0..2 (neighbour lists: the nearest 2 distances), then
+    every group is re-snapped at the winning scale and the scale refitted. 4-bit scales of
+    d = max_scale/31. Decoded x = d*(0.5+ls)*0.25*grid*sign."""
+    rows, k = x2.shape
+    nbl = k // 256
+    buf = np.empty(1, np.float32)
+    weight = np.empty(32, np.float32)
+    waux = np.empty(32, np.float32)
+    xval = np.empty(32, np.float32)
+    L = np.zeros(32, np.int64)
+    Laux = np.zeros(32, np.int64)
+    Lqp = np.zeros(32, np.int64)  # make_qp_quants' levels: only its scale is used
+    on = np.zeros(4, np.bool_)
+    on_aux = np.zeros(4, np.bool_)
+    signs = np.zeros(4, np.int64)
+    scales = np.zeros(8, np.float32)
+    for r in range(rows):
+        e = 0.0
+        for ibl in range(nbl):
+            xbl = x2[r, 256 * ibl:256 * ibl + 256]
+            o = out[r, 66 * ibl:66 * ibl + 66]
+            for j in range(66):
+                o[j] = 0
+            sumx2 = F32(0)
+            for i in range(256):
+                sumx2 += xbl[i] * xbl[i]
+            sigma2 = sumx2 / F32(256)
+            max_scale = F32(0)
+            for ib in range(8):
+                xb = xbl[32 * ib:32 * ib + 32]
+                for i in range(32):
+                    weight[i] = qw[256 * ibl + 32 * ib + i] * np.sqrt(sigma2 + xb[i] * xb[i])
+                for i in range(32):
+                    waux[i] = np.sqrt(weight[i])
+                for g in range(4):
+                    signs[g] = _split_signs(xb, weight, xval, 8 * g, True) & 127
+                mx = xval[0]
+                for i in range(1, 32):
+                    mx = mx if mx > xval[i] else xval[i]
+                scales[ib] = F32(0)
+                if mx < EPS:  # GROUP_MAX_EPS
+                    continue
+                scale = _make_qp(xval, weight, 4, Lqp)
+                eff_max = scale * F32(3)
+                if eff_max <= 0:
+                    continue
+                scale = _grid_scale_search(xval, weight, waux, L, Laux, on, on_aux, kmap, levels, neigh, eff_max, 32, 8,
+                                           2, 2, F32(5), F32(0.1), 6, True, False, buf, scale, True)
+                if scale < 0:
+                    scale = -scale
+                    for g in range(4):
+                        signs[g] = (~signs[g]) & 127
+                for g in range(4):
+                    u = 0
+                    for i in range(8):
+                        u |= L[8 * g + i] << (2 * i)
+                    o[2 + 8 * ib + g] = kmap[u]  # always on the grid here
+                word = signs[0] | (signs[1] << 7) | (signs[2] << 14) | (signs[3] << 21)
+                for j in range(4):
+                    o[6 + 8 * ib + j] = (word >> (8 * j)) & 255
+                scales[ib] = scale
+                max_scale = max(max_scale, scale)
+            if max_scale == 0:  # the C zeroes the block
+                for j in range(66):
+                    o[j] = 0
+                d16 = F32(0)
+            else:
+                d = max_scale / F32(31)
+                d16 = _put_f16(o, 0, d)
+                inv = F32(1) / d
+                for ib in range(8):
+                    ls = min(max(int(_nint_c(F32(0.5) * (inv * scales[ib] - F32(1)), buf)), 0), 15)
+                    o[9 + 8 * ib] |= ls << 4
+            for ib in range(8):  # the error, from the written bytes (dequantize_row_iq2_xxs)
+                word = o[6 + 8 * ib] | (o[7 + 8 * ib] << 8) | (o[8 + 8 * ib] << 16) | (o[9 + 8 * ib] << 24)
+                db = d16 * (F32(0.5) + F32(word >> 28)) * F32(0.25)
+                for g in range(4):
+                    gi = o[2 + 8 * ib + g]
+                    sg = _parity_signs((word >> (7 * g)) & 127)
+                    for i in range(8):
+                        v = db * values[levels[gi, i]]
+                        v = -v if (sg >> i) & 1 else v
+                        e += _sq_diff(v, xbl[32 * ib + 8 * g + i])
         err[r] += e
     return out
 
@@ -1470,10 +1611,27 @@ def _iq3_s(x2, qw, out, err):
 
 
 def _iq2_s_tables(x2, qw, out, err):
-    return _iq2_s(x2, qw, out, err, *grid_tables(22))
+    return _iq2_16(x2, qw, out, err, *grid_tables(22), False)
+
+
+def _needs_qw(name: str, qw: np.ndarray) -> None:
+    """ggml_quantize_chunk asserts an imatrix for these types (ggml_quantize_requires_imatrix)."""
+    if qw.shape[0] == 0:
+        raise ValueError(f"{name} needs an importance matrix (llama.cpp's quantizer asserts one)")
+
+
+def _iq2_xs_tables(x2, qw, out, err):
+    _needs_qw("IQ2_XS", qw)
+    return _iq2_16(x2, qw, out, err, *grid_tables(17), True)
+
+
+def _iq2_xxs_tables(x2, qw, out, err):
+    _needs_qw("IQ2_XXS", qw)
+    return _iq2_xxs(x2, qw, out, err, *grid_tables(16))
 
 
 # GGML type id -> encoder(x [rows, K] float32 C-contiguous, qw [K] float32 or empty,
 # out [rows, row_bytes] uint8, err [rows] float64 += sum over the row of (decoded - x)^2)
 ENCODERS = {8: _q8_0, 2: _q4_0, 3: _q4_1, 6: _q5_0, 7: _q5_1, 10: _q2_k, 11: _q3_k, 12: _q4_k, 13: _q5_k, 14: _q6_k,
-            20: _iq4_nl, 23: _iq4_xs, 18: _iq3_xxs, 21: _iq3_s, 22: _iq2_s_tables}
+            20: _iq4_nl, 23: _iq4_xs, 18: _iq3_xxs, 21: _iq3_s, 22: _iq2_s_tables, 16: _iq2_xxs_tables,
+            17: _iq2_xs_tables}

@@ -1,9 +1,10 @@
 """GGML block encoders (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K-Q6_K, IQ4_NL, IQ4_XS, IQ3_XXS, IQ3_S,
-IQ2_S), bit-exact with ggml-quants.c.
+IQ2_XXS, IQ2_XS, IQ2_S), bit-exact with ggml-quants.c.
 
 `encode_rows(w, qtype, qw)` turns float32 rows [N, K] into the bytes llama.cpp writes,
 [N, K / block * block_bytes] uint8. `qw` is the imatrix row ([K], shared by every row);
-without it the `_ref` algorithms run, with it the `_impl` ones (Q8_0 ignores it).
+without it the `_ref` algorithms run, with it the `_impl` ones (Q8_0 ignores it); IQ2_XXS and
+IQ2_XS have no algorithm without it (ggml_quantize_requires_imatrix), so qw is required.
 Block layouts (little endian, byte offsets):
 
   Q8_0  34 B / 32:  | d f16 | qs[32] int8 |                         x = d*q
@@ -42,8 +43,12 @@ Block layouts (little endian, byte offsets):
         IQ3_S x = d*(1+2*ls)*grid*sign.
   IQ2_S   82 B / 256: | d f16 | index low[32] | signs[32] | index bits 8-9 [8] | scales[8] |
         16 blocks of 16 in groups of 8 on a 1024-point grid; x = d*(0.5+ls)*0.25*grid*sign
-        The three grid types have compiled (numba) encoders only: on a GPU the rows are
-        encoded on the CPU and the bytes moved back.
+  IQ2_XS  74 B / 256: | d f16 | 32 x u16: grid index (9 bits) | 7 sign bits << 9 | scales[8] |
+        as IQ2_S on a 512-point grid, the 8th sign of 8 the parity of the 7 stored
+  IQ2_XXS 66 B / 256: | d f16 | 8 x (grid index[4] | u32: 4 x 7 sign bits | ls << 28) |
+        8 blocks of 32 in groups of 8 on a 256-point grid; x = d*(0.5+ls)*0.25*grid*sign
+        The grid types have compiled (numba) encoders only: on a GPU the rows are encoded
+        on the CPU and the bytes moved back.
 """
 
 from __future__ import annotations
@@ -70,13 +75,16 @@ from quantkit.methods.kquants_math import (
     sqrt32,
 )
 
-__all__ = ["encode_rows", "encode_slice", "SUPPORTED", "COMPILED_ONLY", "row_bytes", "BACKENDS", "preload_compiled"]
+__all__ = ["encode_rows", "encode_slice", "SUPPORTED", "COMPILED_ONLY", "REQUIRES_QW", "row_bytes", "BACKENDS",
+           "preload_compiled"]
 
 Q = GGMLQuantizationType
 SUPPORTED = (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS,
-             Q.IQ3_XXS, Q.IQ3_S, Q.IQ2_S)
+             Q.IQ3_XXS, Q.IQ3_S, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S)
 # grid-search types with no torch port: every backend runs the numba encoder on CPU rows
-COMPILED_ONLY = (Q.IQ3_XXS, Q.IQ3_S, Q.IQ2_S)
+COMPILED_ONLY = (Q.IQ3_XXS, Q.IQ3_S, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S)
+# ggml_quantize_requires_imatrix: ggml's quantizer asserts an imatrix for these
+REQUIRES_QW = (Q.IQ2_XXS, Q.IQ2_XS)
 # values per encoder call on CPU: small enough that an encoder's temporaries stay in cache,
 # large enough to amortise the per-op cost of its long op chains. Measured on 2 cores
 # (benchmarks/kquant_encoder_speed.py): Q6_K's 19-candidate [16, 19, G] arrays want 64K,
@@ -447,6 +455,9 @@ def encode_rows(w: torch.Tensor, qtype: int, qw: torch.Tensor | None = None,
     enc = _ENCODERS.get(qtype)
     if enc is None and qtype not in COMPILED_ONLY:
         raise ValueError(f"no encoder for GGML type {qtype.name}")
+    if qw is None and qtype in REQUIRES_QW:
+        raise ValueError(f"{qtype.name} needs an importance matrix (qw): llama.cpp's quantizer has no "
+                         f"{qtype.name} without one (ggml_quantize_requires_imatrix)")
     n, k = w.shape
     block = GGML_QUANT_SIZES[qtype][0]
     if k % block:
@@ -528,9 +539,9 @@ def preload_compiled(qtypes) -> None:
     def load() -> None:
         from quantkit.methods.kquants_cpu import ENCODERS
 
-        for t in ids:
+        for t in ids:  # an imatrix row: same compiled code, and IQ2_XXS / IQ2_XS require one
             x = np.zeros((1, 256), np.float32)
-            ENCODERS[t](x, np.empty(0, np.float32), np.zeros((1, row_bytes(t, 256)), np.uint8),
+            ENCODERS[t](x, np.ones(256, np.float32), np.zeros((1, row_bytes(t, 256)), np.uint8),
                         np.zeros(1))
 
     if ids and compiled_available():

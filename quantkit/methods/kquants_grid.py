@@ -1,12 +1,13 @@
 """The lattice tables llama.cpp's grid quantizers search (iq3xs_init_impl, iq2xs_init_impl).
 
-A group of values (4 for IQ3_XXS / IQ3_S, 8 for IQ2_S) stores one index into a grid of
-vectors whose coordinates are odd levels 2l+1 (l in 0..7 for IQ3, 0..2 for IQ2_S; grids of
+A group of values (4 for IQ3_XXS / IQ3_S, 8 for the IQ2 types) stores one index into a grid
+of vectors whose coordinates are odd levels 2l+1 (l in 0..7 for IQ3, 0..2 for IQ2; grids of
 256, 512 and 1024 points). The quantizer rounds a group to levels, looks the code
 sum(l_i << bits*i) up in `kmap` and, when the code is not a grid point, searches its
 precomputed neighbours: every grid point at one of the nwant smallest squared distances
-(2 for IQ3_XXS, 3 for IQ3_S, 1 for IQ2_S), ordered by (distance, index) as the C qsort
-orders them. Only codes the quantizer can form get a list (IQ2_S's levels stop at 2).
+(2 for IQ3_XXS, IQ2_XXS and IQ2_XS, 3 for IQ3_S, 1 for IQ2_S), ordered by (distance,
+index) as the C qsort orders them. Only codes the quantizer can form get a list (the IQ2
+quantizers clamp levels to 0..2, though the C lists every 2-bit code).
 
 The grid itself is gguf-py's dequantization grid (same points, same order); its values map
 back to the level l through the type's value table.
@@ -26,7 +27,8 @@ __all__ = ["grid_tables"]
 Q = GGMLQuantizationType
 
 # type -> (gguf class name, bits per level, levels the quantizer forms, nwant)
-_SPECS = {Q.IQ3_XXS: ("IQ3_XXS", 3, 8, 2), Q.IQ3_S: ("IQ3_S", 3, 8, 3), Q.IQ2_S: ("IQ2_S", 2, 3, 1)}
+_SPECS = {Q.IQ3_XXS: ("IQ3_XXS", 3, 8, 2), Q.IQ3_S: ("IQ3_S", 3, 8, 3), Q.IQ2_S: ("IQ2_S", 2, 3, 1),
+          Q.IQ2_XXS: ("IQ2_XXS", 2, 3, 2), Q.IQ2_XS: ("IQ2_XS", 2, 3, 2)}
 
 
 @functools.cache

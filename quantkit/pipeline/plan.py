@@ -55,7 +55,8 @@ _BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
 GGUF_NOMINAL_BPW = {"f16": 16, "bf16": 16, "q8_0": 8.5, "q6_k": 6.5625, "q5_k_m": 5.7, "q4_k_m": 4.9,
                     "q4_k_s": 4.6, "q5_k_s": 5.5, "q5_1": 6.0, "q5_0": 5.5, "q4_1": 5.0, "q4_0": 4.5,
                     "q3_k_l": 4.3, "q3_k_m": 3.9, "q3_k_s": 3.5, "q2_k": 3.0, "iq4_nl": 4.5,
-                    "iq4_xs": 4.25, "iq3_xxs": 3.06, "iq3_s": 3.44}
+                    "iq4_xs": 4.25, "iq3_xxs": 3.06, "iq3_s": 3.44, "iq3_xs": 3.3, "iq3_m": 3.66,
+                    "iq2_xxs": 2.06, "iq2_xs": 2.31, "iq2_s": 2.5, "iq2_m": 2.7}
 
 
 @dataclass
