@@ -21,6 +21,7 @@ import json
 import os
 import runpy
 import selectors
+import shutil
 import signal
 import socket
 import sys
@@ -56,9 +57,9 @@ def main(sock_path: str, modules: str) -> None:
     while True:
         for key, _ in events.select():
             if key.fileobj is sys.stdin:
-                if not os.read(0, 4096):  # the owner is gone
+                if not os.read(0, 4096):  # the owner is gone (maybe killed: tidy its files)
                     server.close()
-                    os.unlink(sock_path)
+                    _remove_workdir(sock_path)
                     return
                 continue
             conn, _ = server.accept()
@@ -86,6 +87,15 @@ def _forked_child_computes(timeout_s: float = 60) -> bool:
     os.kill(pid, signal.SIGKILL)
     os.waitpid(pid, 0)
     return False
+
+
+def _remove_workdir(sock_path: str) -> None:
+    """The socket, and the directory the client made for this server (its log, its key)."""
+    workdir = os.path.dirname(os.path.abspath(sock_path))
+    if os.path.basename(workdir).startswith("quantkit-forkserver-"):
+        shutil.rmtree(workdir, ignore_errors=True)
+    else:
+        os.unlink(sock_path)
 
 
 def _send(conn: socket.socket, message: dict) -> None:
