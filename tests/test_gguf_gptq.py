@@ -79,6 +79,34 @@ def test_grid_is_honoured_and_output_error_below_llama_cpp(qtype):
     assert out_err(deq) < 0.85 * out_err(plain), (out_err(deq), out_err(plain))
 
 
+@pytest.mark.parametrize("qtype", (Q.Q4_K, Q.Q6_K, Q.Q3_K, Q.Q5_0, Q.Q4_1))
+def test_compiled_loop_equals_torch_loop(qtype):
+    """The numba loop (the CPU default: compiled encoders, gptq_cpu.grid_columns, rows split
+    over threads) does the torch reference loop's arithmetic: the same bytes but for rare
+    float32 near-ties (which then move that row's later codes: the output error stays the
+    same), the bytes decode to the weights it reports, and the row split changes nothing."""
+    w, x = _weights_and_inputs(n=160)
+    hinv, diag = hessian_factor(x.T @ x, 0.01)
+    for imatrix in (None, diag):
+        ref, ref_deq = gptq_ggml(w, hinv, qtype, imatrix, loop="torch")
+        before = torch.get_num_threads()
+        try:
+            torch.set_num_threads(2)  # two row ranges (160 rows)
+            data, deq = gptq_ggml(w, hinv, qtype, imatrix, loop="compiled")
+            torch.set_num_threads(1)
+            one, _ = gptq_ggml(w, hinv, qtype, imatrix, loop="compiled")
+        finally:
+            torch.set_num_threads(before)
+        assert torch.equal(data, one)
+        assert torch.equal(decode_rows(data, qtype), deq)
+        rows_same = (data == ref).all(1).double().mean().item()
+        assert rows_same > 0.95, rows_same
+        out_err = [float((x @ (d - w).T).norm()) for d in (deq, ref_deq)]
+        assert abs(out_err[0] / out_err[1] - 1) < 0.02, out_err  # the same solution in effect
+    with pytest.raises(ValueError, match="unknown GPTQ loop"):
+        gptq_ggml(w, hinv, qtype, None, loop="cuda")
+
+
 def test_bad_options_are_refused():
     with pytest.raises(SchemeMismatch, match="rounding"):
         GGUFQuantizer("q4_k_m", rounding="nearest")

@@ -261,19 +261,101 @@ class GGMLColumnGrid:
         return self.blocks.reshape(n, nsb * size)
 
 
-def gptq_ggml(weight: torch.Tensor, hinv: torch.Tensor, qtype: Q, qw: torch.Tensor | None
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+def gptq_ggml(weight: torch.Tensor, hinv: torch.Tensor, qtype: Q, qw: torch.Tensor | None,
+              loop: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """GGML bytes [N, row_bytes] of `weight` [N, K] rounded by GPTQ onto the `qtype` grid, and
     the weight those bytes decode to (float32 [N, K]). `hinv` is the upper Cholesky factor
-    of the damped H^-1 (gptq.inverse_hessian_factor); `qw` [K] weights the scale search."""
+    of the damped H^-1 (gptq.inverse_hessian_factor); `qw` [K] weights the scale search.
+    `loop`: "compiled" (numba encoders + column kernel, rows split over threads; the default
+    where numba imports) or "torch" (GGMLColumnGrid in gptq_column_loop, the reference)."""
     w = weight.detach().to(torch.float32, copy=True).cpu()
     n, k = w.shape
     if qtype not in _GRIDS or k % _GRIDS[qtype].block:
         raise ValueError(f"no GPTQ grid for {qtype.name} rows of width {k}")
-    grid = GGMLColumnGrid(qtype, n, k, qw, weight.detach().float().cpu())
+    rows = weight.detach().float().cpu()
+    hinv = hinv.detach().float().cpu()
+    if loop is None:
+        from quantkit.methods.jit import compiled_available
+
+        loop = "compiled" if compiled_available() else "torch"
+    if loop == "compiled":
+        return _gptq_ggml_compiled(w, hinv, qtype, qw, rows)
+    if loop != "torch":
+        raise ValueError(f"unknown GPTQ loop {loop!r} (compiled or torch)")
+    grid = GGMLColumnGrid(qtype, n, k, qw, rows)
     with one_cpu_thread(w.device):
-        codes = gptq_column_loop(w, hinv.cpu(), grid, SUPER_BLOCK)
+        codes = gptq_column_loop(w, hinv, grid, SUPER_BLOCK)
     return grid.finish(codes), grid.dequantized
+
+
+def _gptq_ggml_compiled(w: torch.Tensor, hinv: torch.Tensor, qtype: Q, qw: torch.Tensor | None,
+                        rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """gptq_ggml's loop with numba: each GGML block's grid from the compiled encoder, its
+    columns through gptq_cpu.grid_columns, the lazy update by one matmul per 256 columns.
+    Rows never interact (H^-1 is shared, read only), so row ranges run in parallel threads,
+    each with one torch thread; the bytes do not depend on the split (one range in
+    --reproducible mode, as the int GPTQ kernel)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import numpy as np
+
+    from quantkit import reproducible
+    from quantkit.methods.gptq_cpu import grid_columns
+    from quantkit.methods.kquants_cpu import ENCODERS, SLICE_ENCODERS, row_sigma2
+
+    g = _GRIDS[qtype]
+    n, k = w.shape
+    q = np.empty(0, np.float32) if qw is None else qw.detach().float().cpu().reshape(k).contiguous().numpy()
+    slice_enc = SLICE_ENCODERS.get(int(qtype)) if q.shape[0] else None
+    enc = ENCODERS[int(qtype)]
+    sigma2 = np.empty(n, np.float32)
+    if slice_enc is not None:  # the legacy imatrix weights read the ORIGINAL whole rows
+        row_sigma2(rows.contiguous().numpy(), sigma2)
+    blocks = torch.empty(n, k // g.block, g.size, dtype=torch.uint8)
+    codes_t = np.empty((k, n), np.float32)
+    deq_t = np.empty((k, n), np.float32)
+    h = hinv.numpy()
+
+    def run(r0: int, r1: int) -> None:
+        m = r1 - r0
+        wr = w[r0:r1]
+        errsum = np.zeros(m, np.float64)
+        for i1 in range(0, k, SUPER_BLOCK):
+            i2 = min(i1 + SUPER_BLOCK, k)
+            wt = np.ascontiguousarray(wr[:, i1:i2].numpy().T)  # [b, m]: columns of these rows
+            err_t = np.empty((i2 - i1, m), np.float32)
+            cod, deq = np.empty((i2 - i1, m), np.float32), np.empty((i2 - i1, m), np.float32)
+            hinv1 = np.ascontiguousarray(h[i1:i2, i1:i2])
+            for j0 in range(0, i2 - i1, g.block):
+                x = np.ascontiguousarray(wt[j0:j0 + g.block].T)  # [m, block], error-updated
+                out = np.empty((m, g.size), np.uint8)
+                qs = q[i1 + j0:i1 + j0 + g.block] if q.shape[0] else q
+                if slice_enc is not None:
+                    slice_enc(x, qs, sigma2[r0:r1], out, errsum)
+                else:
+                    enc(x, qs, out, errsum)
+                blocks[r0:r1, (i1 + j0) // g.block] = torch.from_numpy(out)
+                step, offset = g.grid_of(torch.from_numpy(out))
+                grid_columns(wt, hinv1, j0, j0 + g.block, step.T.contiguous().numpy(),
+                             offset.T.contiguous().numpy(), g.sub, g.lo, g.hi, g.with_min,
+                             cod, err_t, deq)
+            codes_t[i1:i2, r0:r1] = cod
+            deq_t[i1:i2, r0:r1] = deq
+            if i2 < k:  # the block's errors into the later columns (lazy batch update)
+                wr[:, i2:].addmm_(torch.from_numpy(err_t).T, hinv[i1:i2, i2:], alpha=-1.0)
+
+    threads = 1 if reproducible.active() else min(torch.get_num_threads(), max(1, n // 64))
+    step = -(-n // threads)
+    with one_cpu_thread(w.device):
+        if threads == 1:
+            run(0, n)
+        else:
+            with ThreadPoolExecutor(threads, thread_name_prefix="quantkit-gguf-gptq") as pool:
+                list(pool.map(lambda r0: run(r0, min(n, r0 + step)), range(0, n, step)))
+    codes = torch.from_numpy(codes_t).T
+    for sb in range(k // g.block):
+        g.pack(blocks[:, sb], codes[:, sb * g.block:(sb + 1) * g.block])
+    return blocks.reshape(n, -1), torch.from_numpy(deq_t).T.contiguous()
 
 
 def hessian_factor(hessian: torch.Tensor, damp: float, name: str = "") -> tuple[torch.Tensor, torch.Tensor]:

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from numba import njit
 
-__all__ = ["gptq_block"]
+__all__ = ["grid_columns", "gptq_block"]
 
 F32 = np.float32
 
@@ -70,6 +70,35 @@ def _block(wt, hinv, scale, zero, col_group, qmax, fixed, sym, g, codes_t, err_t
             q = min(max(np.rint(wt[i, r] / s[r]) + z[r], F32(0)), fq)
             codes_t[i, r] = q
             err_t[i, r] = (wt[i, r] - (q * s[r] - zs[r])) / d
+        for j in range(i + 1, b):
+            h = hinv[i, j]
+            for r in range(n):
+                wt[j, r] -= err_t[i, r] * h
+
+
+@njit(cache=True, nogil=True, error_model="numpy", boundscheck=False)
+def grid_columns(wt, hinv, c0, c1, step_t, off_t, sub, lo, hi, with_min, codes_t, err_t, deq_t):
+    """Columns c0..c1 of wt [b, n] (transposed block, updated in place) onto a fixed grid:
+    the GGML round-to-grid step of gguf_gptq.GGMLColumnGrid, op for op. Sub-block s of the
+    columns (width `sub`) has step_t[s] / off_t[s] [n]; a zero step gives value -offset."""
+    b, n = wt.shape
+    flo, fhi = F32(lo), F32(hi)
+    for i in range(c0, c1):
+        s = (i - c0) // sub
+        d = hinv[i, i]
+        for r in range(n):
+            st = step_t[s, r]
+            of = off_t[s, r] if with_min else F32(0)
+            if st == 0:
+                q = F32(0)
+            elif with_min:
+                q = min(max(np.rint((wt[i, r] + of) / st), flo), fhi)
+            else:
+                q = min(max(np.rint(wt[i, r] / st), flo), fhi)
+            deq = st * q - of
+            codes_t[i, r] = q - flo
+            deq_t[i, r] = deq
+            err_t[i, r] = (wt[i, r] - deq) / d
         for j in range(i + 1, b):
             h = hinv[i, j]
             for r in range(n):

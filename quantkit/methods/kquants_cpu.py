@@ -33,7 +33,7 @@ from numba import njit
 from quantkit.methods.kquants_grid import grid_tables
 from quantkit.methods.kquants_math import IQ4NL_VALUES as IQ4NL_LEVELS
 
-__all__ = ["ENCODERS", "fp16_bits"]
+__all__ = ["ENCODERS", "SLICE_ENCODERS", "fp16_bits", "row_sigma2"]
 
 F32 = np.float32
 EPS = F32(1e-15)  # GROUP_MAX_EPS
@@ -389,8 +389,9 @@ def _q8_0(x2, qw, out, err):
 
 
 @njit(**_JIT)
-def _legacy_sym(x2, qw, out, err, nmax, size):
-    """Q4_0 (nmax 8, 18 B) / Q5_0 (nmax 16, 22 B): d = max / -nmax, codes in [0, 2*nmax)."""
+def _legacy_sym(x2, qw, out, err, nmax, size, sigma2):
+    """Q4_0 (nmax 8, 18 B) / Q5_0 (nmax 16, 22 B): d = max / -nmax, codes in [0, 2*nmax).
+    `sigma2` [rows] (or empty: each row's own) is the imatrix weighting's sum(x^2)/K."""
     rows, k = x2.shape
     nb = k // 32
     use_w = qw.shape[0] > 0
@@ -406,7 +407,7 @@ def _legacy_sym(x2, qw, out, err, nmax, size):
         xr = x2[r]
         if use_w:  # quantize_row_q*_0_impl: make_qx_quants per block, weighted
             _lanes(xr, 32, xt)
-            _imatrix_lanes(xt, qw, _row_sigma2(xr), wt)
+            _imatrix_lanes(xt, qw, sigma2[r] if sigma2.shape[0] else _row_sigma2(xr), wt)
             _make_qx(xt, wt, True, nmax, ds, Lt)
         for b in range(nb):
             x = xr[32 * b:32 * b + 32]
@@ -440,17 +441,28 @@ def _legacy_sym(x2, qw, out, err, nmax, size):
 
 @njit(**_JIT)
 def _q4_0(x2, qw, out, err):
-    return _legacy_sym(x2, qw, out, err, 8, 18)
+    return _legacy_sym(x2, qw, out, err, 8, 18, np.empty(0, np.float32))
+
+
+@njit(**_JIT)
+def _q4_0_slice(x2, qw, sigma2, out, err):
+    return _legacy_sym(x2, qw, out, err, 8, 18, sigma2)
 
 
 @njit(**_JIT)
 def _q5_0(x2, qw, out, err):
-    return _legacy_sym(x2, qw, out, err, 16, 22)
+    return _legacy_sym(x2, qw, out, err, 16, 22, np.empty(0, np.float32))
 
 
 @njit(**_JIT)
-def _legacy_asym(x2, qw, out, err, nmax, size):
-    """Q4_1 (nmax 15, 20 B) / Q5_1 (nmax 31, 24 B): x = d*q + m, codes in [0, nmax]."""
+def _q5_0_slice(x2, qw, sigma2, out, err):
+    return _legacy_sym(x2, qw, out, err, 16, 22, sigma2)
+
+
+@njit(**_JIT)
+def _legacy_asym(x2, qw, out, err, nmax, size, sigma2):
+    """Q4_1 (nmax 15, 20 B) / Q5_1 (nmax 31, 24 B): x = d*q + m, codes in [0, nmax].
+    `sigma2` as in _legacy_sym."""
     rows, k = x2.shape
     nb = k // 32
     use_w = qw.shape[0] > 0
@@ -465,7 +477,7 @@ def _legacy_asym(x2, qw, out, err, nmax, size):
         xr = x2[r]
         if use_w:  # quantize_row_q*_1_impl: make_qkx3_quants(-0.9, 0.05, 36) per block
             _lanes(xr, 32, xt)
-            _imatrix_lanes(xt, qw, _row_sigma2(xr), wt)
+            _imatrix_lanes(xt, qw, sigma2[r] if sigma2.shape[0] else _row_sigma2(xr), wt)
             _make_qkx(xt, wt, nmax, F32(-0.9), F32(0.05), 36, ds, mins, Lt)
         for b in range(nb):
             x = xr[32 * b:32 * b + 32]
@@ -503,12 +515,22 @@ def _legacy_asym(x2, qw, out, err, nmax, size):
 
 @njit(**_JIT)
 def _q4_1(x2, qw, out, err):
-    return _legacy_asym(x2, qw, out, err, 15, 20)
+    return _legacy_asym(x2, qw, out, err, 15, 20, np.empty(0, np.float32))
+
+
+@njit(**_JIT)
+def _q4_1_slice(x2, qw, sigma2, out, err):
+    return _legacy_asym(x2, qw, out, err, 15, 20, sigma2)
 
 
 @njit(**_JIT)
 def _q5_1(x2, qw, out, err):
-    return _legacy_asym(x2, qw, out, err, 31, 24)
+    return _legacy_asym(x2, qw, out, err, 31, 24, np.empty(0, np.float32))
+
+
+@njit(**_JIT)
+def _q5_1_slice(x2, qw, sigma2, out, err):
+    return _legacy_asym(x2, qw, out, err, 31, 24, sigma2)
 
 
 # ----------------------------------------------------------------- 256-wide K-quants
@@ -1635,3 +1657,13 @@ def _iq2_xxs_tables(x2, qw, out, err):
 ENCODERS = {8: _q8_0, 2: _q4_0, 3: _q4_1, 6: _q5_0, 7: _q5_1, 10: _q2_k, 11: _q3_k, 12: _q4_k, 13: _q5_k, 14: _q6_k,
             20: _iq4_nl, 23: _iq4_xs, 18: _iq3_xxs, 21: _iq3_s, 22: _iq2_s_tables, 16: _iq2_xxs_tables,
             17: _iq2_xs_tables}
+# the legacy types on a column slice of longer rows (GPTQ's column blocks): their imatrix
+# weights read the WHOLE rows' sum(x^2)/K, given as sigma2 [rows] float32
+SLICE_ENCODERS = {2: _q4_0_slice, 3: _q4_1_slice, 6: _q5_0_slice, 7: _q5_1_slice}
+
+
+@njit(**_JIT)
+def row_sigma2(x2, out):
+    """out[r] = sum(x2[r]^2) / K, in column order (what the legacy encoders compute per row)."""
+    for r in range(x2.shape[0]):
+        out[r] = _row_sigma2(x2[r])
