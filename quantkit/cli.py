@@ -113,9 +113,9 @@ def _method_options(f):
                      help="Artifact format: compressed-tensors, gptq, awq, fp8, modelopt, gguf."),
         click.option("--gguf-type", default=None,
                      help="GGUF: f16, bf16, q8_0, q6_k, q5_k_m, q5_k_s, q5_1, q5_0, q4_k_m, "
-                          "q4_k_s, q4_1, q4_0, iq4_nl, iq4_xs, q3_k_l, q3_k_m, q3_k_s, q2_k, iq3_m, iq3_s, "
-                          "iq3_xs, iq3_xxs, iq2_m, iq2_s, iq2_xs, iq2_xxs (iq3_xs and below need "
-                          "--imatrix or --calib) (llama.cpp's names "
+                          "q4_k_s, q4_1, q4_0, iq4_nl, iq4_xs, q3_k_l, q3_k_m, q3_k_s, q2_k, q2_k_s, iq3_m, "
+                          "iq3_s, iq3_xs, iq3_xxs, iq2_m, iq2_s, iq2_xs, iq2_xxs, iq1_m, iq1_s "
+                          "(q2_k_s, iq3_xs and below need --imatrix or --calib) (llama.cpp's names "
                           "and per-tensor rules), or auto: each tensor's type chosen by its "
                           "measured sensitivity to fit --target-bpw / --target-size."),
         click.option("--target-bpw", "target_bpw", type=float, default=None,

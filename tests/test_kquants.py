@@ -34,11 +34,13 @@ llama_cpp = pytest.importorskip("llama_cpp")
 from quantkit.engines.llamacpp import llama_quantize  # noqa: E402
 
 TYPES = [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q2_K, Q.Q3_K, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS,
-         Q.IQ3_XXS, Q.IQ3_S, Q.IQ2_S, Q.IQ2_XS, Q.IQ2_XXS]
+         Q.IQ3_XXS, Q.IQ3_S, Q.IQ2_S, Q.IQ2_XS, Q.IQ2_XXS, Q.IQ1_S, Q.IQ1_M]
 
 
 def _ggml():
-    lib = ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libggml-base.so"))
+    # the soname libllama links: one ggml instance, so its grid tables (ggml_quantize_init;
+    # ~12 s for IQ1_S/IQ1_M on 2 cores) are built once for this and llama_model_quantize
+    lib = ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libggml-base.so.0"))
     lib.ggml_quantize_chunk.restype = ctypes.c_size_t
     lib.ggml_quantize_chunk.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                                         ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
@@ -78,7 +80,7 @@ def _hard_weights(n: int, k: int, seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_encoder_bytes_equal_ggml(qtype, backend):
     """Both encoders (compiled CPU loops; torch, which is also the GPU path) = llama.cpp.
-    IQ2_XXS / IQ2_XS exist only with an imatrix (ggml asserts one): refused without."""
+    IQ2_XXS / IQ2_XS / IQ1_S exist only with an imatrix (ggml asserts one): refused without."""
     w = _hard_weights(48, 768, seed=int(qtype))
     imatrices = [None, torch.rand(768) ** 4 + 1e-3,
                  torch.where(torch.rand(768) < 0.3, torch.zeros(768), torch.rand(768) * 50)]
@@ -103,7 +105,8 @@ def test_encoder_bytes_equal_ggml(qtype, backend):
     rel = float((dequantize_tensor(plain, qtype) - w[9:]).norm() / w[9:].norm())
     assert rel < {Q.Q8_0: 0.01, Q.Q6_K: 0.03, Q.Q5_K: 0.05, Q.Q5_0: 0.06, Q.Q5_1: 0.06, Q.Q3_K: 0.2,
                   Q.Q2_K: 0.35, Q.IQ3_S: 0.2, Q.IQ3_XXS: 0.25, Q.IQ2_S: 0.3,  # measured 0.167 0.213 0.264
-                  Q.IQ2_XS: 0.33, Q.IQ2_XXS: 0.38}.get(qtype, 0.12)  # flat imatrix: measured 0.298 0.345
+                  Q.IQ2_XS: 0.33, Q.IQ2_XXS: 0.38,  # flat imatrix: measured 0.298 0.345
+                  Q.IQ1_S: 0.52, Q.IQ1_M: 0.62}.get(qtype, 0.12)  # measured 0.482, no imatrix 0.578
 
 
 def test_encoder_rejects_bad_width_and_backend():
@@ -281,17 +284,19 @@ def test_iq3_xxs_type_mix_equals_llama_cpp(tmp_path, n_layer, ffn, tied, n_kv, i
         assert set(down) == ({Q.IQ4_NL} if imat else {Q.Q5_0, Q.Q4_0})
 
 
-_IQ_MIXES = ["iq2_xxs", "iq2_xs", "iq2_s", "iq2_m", "iq3_xs", "iq3_m"]
+_IQ_MIXES = ["iq2_xxs", "iq2_xs", "iq2_s", "iq2_m", "iq3_xs", "iq3_m", "iq1_s", "iq1_m", "q2_k_s"]
 
 
 @pytest.mark.parametrize("preset,n_layer,ffn,tied,n_kv", [(p, 16, 288, True, 1) for p in _IQ_MIXES]
                          + [(p, 8, 512, False, 2) for p in _IQ_MIXES]
-                         + [("iq2_xxs", 80, 256, False, 1), ("iq3_m", 80, 256, False, 1)])
+                         + [(p, 80, 256, False, 1) for p in ("iq2_xxs", "iq3_m", "q2_k_s")])
 def test_iq_mixes_equal_llama_cpp(tmp_path, preset, n_layer, ffn, tied, n_kv):
-    """IQ2_XXS / IQ2_XS / IQ2_S / IQ2_M (llama.cpp's own IQ2 branch: output Q5_K, attn_v Q4_K
-    with >= 4 query heads per KV head, else Q2_K / IQ3_S, no "70B" bump) and IQ3_XS / IQ3_M:
-    llama-quantize's types, fallbacks included (288 columns), with an imatrix where llama.cpp
-    requires one. Without it: its --dry-run types, and both it and quantkit refuse."""
+    """IQ2_XXS / IQ2_XS / IQ2_S / IQ2_M / IQ1_S / IQ1_M (llama.cpp's own IQ2 branch: output
+    Q5_K, attn_v Q4_K with >= 4 query heads per KV head, else Q2_K / IQ3_S, no "70B" bump;
+    IQ1_*: attn_output IQ2_XXS), IQ3_XS / IQ3_M and Q2_K_S (attn_v Q4_K with >= 4 query heads
+    per KV head, early ffn_down Q4_K; its Q2_K tensors need an imatrix): llama-quantize's
+    types, fallbacks included (288 columns), with an imatrix where llama.cpp requires one.
+    Without it: its --dry-run types, and both it and quantkit refuse."""
     from quantkit.arch import ARCHS
     from quantkit.errors import EngineError
 
@@ -315,9 +320,14 @@ def test_iq_mixes_equal_llama_cpp(tmp_path, preset, n_layer, ffn, tied, n_kv):
                                                           "model.layers.0.mlp.up_proj": (512, 256)})
     v = ours["blk.3.attn_v.weight"]
     if n_layer == 80:  # the IQ2 branch has no 70B bump
-        assert v == (Q.Q5_K if preset == "iq3_m" else Q.Q4_K)
-    elif preset.startswith("iq2"):
-        assert v == (Q.Q4_K if n_kv == 1 else Q.Q2_K if preset in ("iq2_xxs", "iq2_xs") else Q.IQ3_S)
+        assert v == (Q.Q4_K if preset == "iq2_xxs" else Q.Q5_K)
+    elif preset.startswith(("iq2", "iq1")):
+        assert v == (Q.Q4_K if n_kv == 1 else Q.IQ3_S if preset in ("iq2_s", "iq2_m") else Q.Q2_K)
+    if preset.startswith("iq1"):
+        assert ours["blk.0.attn_output.weight"] == Q.IQ2_XXS and ours["blk.0.ffn_down.weight"] == \
+            (Q.Q2_K if ffn % 256 == 0 else Q.Q4_0)
+    if preset == "q2_k_s":
+        assert ours["blk.0.ffn_down.weight"] == (Q.Q4_K if ffn % 256 == 0 else Q.Q5_0)
     assert PRESETS[preset].base in set(ours.values())
 
 
@@ -357,7 +367,8 @@ def _write_moe_gguf(path: Path, n_layer: int, n_expert: int, hidden: int = 256,
 
 @pytest.mark.parametrize("preset,n_expert", [(p, 8) for p in ["q4_k_m", *_MIXES, "iq3_xxs", "iq2_xxs", "iq2_s",
                                                                 "iq3_xs", "iq3_m"]]
-                         + [("q4_k_m", 4), ("q2_k", 4), ("iq3_xxs", 4), ("iq2_xxs", 4)])
+                         + [("q4_k_m", 4), ("q2_k", 4), ("iq3_xxs", 4), ("iq2_xxs", 4), ("iq1_s", 4),
+                            ("iq1_m", 8), ("q2_k_s", 8), ("q2_k_s", 4)])
 def test_moe_type_mix_equals_llama_cpp(tmp_path, preset, n_expert):
     """qwen3moe, 8 layers: the 3-D expert tensors and the rest get llama-quantize's types
     (ffn_down_exps by its layer; with exactly 8 experts attn_v/attn_k Q8_0 and attn_output
@@ -378,9 +389,11 @@ def test_moe_type_mix_equals_llama_cpp(tmp_path, preset, n_expert):
         assert {ours[f"blk.3.{t}.weight"] for t in ("attn_v", "attn_k")} == {Q.Q8_0}
         assert [ours[f"blk.{i}.ffn_down_exps.weight"] for i in range(8)] == \
             [Q.Q6_K if use_more_bits(i, 8) else Q.Q4_K for i in range(8)]
-    if preset == "iq2_xxs":
+    if preset in ("iq2_xxs", "iq1_s", "iq1_m"):
         assert ours["blk.3.attn_v.weight"] == Q.Q4_K
-        assert ours["blk.3.attn_k.weight"] == (Q.Q4_K if n_expert == 8 else Q.IQ2_XXS)
+        assert ours["blk.3.attn_k.weight"] == (Q.Q4_K if n_expert == 8 else PRESETS[preset].base)
+    if preset.startswith("iq1"):
+        assert ours["blk.3.attn_output.weight"] == (Q.Q5_K if n_expert == 8 else Q.IQ2_XXS)
 
 
 def test_use_more_bits_worked_example():
@@ -486,9 +499,11 @@ def test_every_tensor_bit_exact_vs_llama_quantize(request, model, preset, imat, 
 
 @pytest.mark.parametrize("preset,expect", [("iq3_xxs", {Q.IQ3_XXS, Q.IQ3_S, Q.IQ2_S, Q.Q5_K}),
                                            ("iq2_xxs", {Q.IQ2_XXS, Q.Q2_K, Q.Q5_K}),
-                                           ("iq2_xs", {Q.IQ2_XS, Q.Q2_K, Q.Q5_K})])
+                                           ("iq2_xs", {Q.IQ2_XS, Q.Q2_K, Q.Q5_K}),
+                                           ("iq1_s", {Q.IQ1_S, Q.IQ2_XXS, Q.Q2_K, Q.Q5_K}),
+                                           ("iq1_m", {Q.IQ1_M, Q.IQ2_XXS, Q.Q2_K, Q.Q5_K})])
 def test_iq_every_tensor_bit_exact_vs_llama_quantize(tmp_path, preset, expect):
-    """Every tensor of llama-quantize's iq3_xxs / iq2_xxs / iq2_xs file (4 layers, untied
+    """Every tensor of llama-quantize's iq3_xxs / iq2_xxs / iq2_xs / iq1_s / iq1_m file (4 layers, untied
     256-row vocab, random weights and imatrix; token_embd without one) = quantkit's bytes.
     The tiny HF model's whole file is compared in the pipeline test below."""
     src = tmp_path / "f16.gguf"

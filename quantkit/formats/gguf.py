@@ -61,6 +61,7 @@ FILE_TYPES = {"f16": (1, Q.F16), "bf16": (32, Q.BF16), "q8_0": (7, Q.F16), "q6_k
               "q2_k": (10, Q.F16), "iq4_nl": (25, Q.F16), "iq4_xs": (30, Q.F16),
               "iq3_xxs": (23, Q.F16), "iq3_s": (26, Q.F16), "iq3_xs": (22, Q.F16), "iq3_m": (27, Q.F16),
               "iq2_xxs": (19, Q.F16), "iq2_xs": (20, Q.F16), "iq2_s": (28, Q.F16), "iq2_m": (29, Q.F16),
+              "iq1_s": (24, Q.F16), "iq1_m": (31, Q.F16), "q2_k_s": (21, Q.F16),
               # per-tensor types chosen by quantkit (--gguf-type auto): no llama_ftype names the
               # mix, so general.file_type is left out and llama.cpp guesses it from the most
               # common tensor type (llama_model_loader: LLAMA_FTYPE_GUESSED)

@@ -35,9 +35,14 @@ The type mix of a preset (Q4_K_M, Q5_K_M, ...) is a data table, `PRESETS`, read 
                                                token_embd and attn_output IQ3_S; 8 experts:
                                                attn_k Q4_K, attn_output Q5_K, no Q8_0 attn_v;
                                                all four need an imatrix
+  IQ1_S / IQ1_M (base IQ1_S / IQ1_M)        -> as IQ2_XXS, and attn_output IQ2_XXS; need an
+                                               imatrix
+  Q2_K_S (base Q2_K)                        -> attn_v Q4_K with >= 4 query heads per KV head,
+                                               the first eighth of ffn_down Q4_K; its Q2_K
+                                               tensors need an imatrix
   everything else                           -> the preset's base type
   row width % block != 0                    -> Q2_K/Q3_K->Q4_0, Q4_K->Q5_0, Q5_K->Q5_1,
-                                               Q6_K->Q8_0, IQ4_XS/IQ3_XXS/IQ3_S/IQ2_*->IQ4_NL,
+                                               Q6_K->Q8_0, IQ4_XS/IQ3_*/IQ2_*/IQ1_*->IQ4_NL,
                                                then F16
   mixture of experts                        -> ffn_down(_exps) by the layer in its name;
                                                exactly 8 experts: attn_v, attn_k Q8_0 and
@@ -146,8 +151,8 @@ class Preset:
     # counted in tensor order even with experts, ffn_gate/ffn_up keep the base type
     iq2_branch: bool = False
     # llama.cpp refuses to write these types without an imatrix (tensor_requires_imatrix;
-    # token_embd and output excepted; the same list for every ftype)
-    needs_imatrix: tuple[Q, ...] = (Q.IQ3_XXS, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S)
+    # token_embd and output excepted; Q2_K only in a Q2_K_S file)
+    needs_imatrix: tuple[Q, ...] = (Q.IQ3_XXS, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ1_S, Q.IQ1_M)
 
     @property
     def quantized(self) -> bool:
@@ -189,6 +194,9 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
     Preset("q3_k_s", 11, Q.Q3_K, attn_output_8_experts=Q.Q5_K),
     Preset("q2_k", 10, Q.Q2_K, attn_v=Rule("gqa_4", Q.Q4_K, Q.Q3_K), ffn_down=Rule("always", Q.Q3_K),
            attn_output=Rule("always", Q.Q3_K), attn_output_8_experts=Q.Q5_K),
+    # Q2_K_S: its Q2_K tensors need an imatrix (tensor_requires_imatrix's one ftype-dependent case)
+    Preset("q2_k_s", 21, Q.Q2_K, attn_v=Rule("gqa_4", Q.Q4_K), ffn_down=Rule("first_eighth", Q.Q4_K),
+           needs_imatrix=(Q.IQ3_XXS, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ1_S, Q.IQ1_M, Q.Q2_K)),
     Preset("iq4_nl", 25, Q.IQ4_NL, attn_v=Rule("gqa_4", Q.Q5_K),
            ffn_down_no_imatrix=Rule("first_eighth", Q.Q5_K), attn_output_8_experts=Q.Q5_K),
     Preset("iq4_xs", 30, Q.IQ4_XS, attn_v=Rule("gqa_4", Q.Q5_K),
@@ -208,6 +216,11 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
              ffn_down=Rule("first_eighth", Q.Q2_K), attn_output_8_experts=Q.Q5_K, output=Q.Q5_K,
              token_embd=Q.Q2_K, iq2_branch=True)
       for name, ftype, base in (("iq2_xxs", 19, Q.IQ2_XXS), ("iq2_xs", 20, Q.IQ2_XS))),
+    # IQ1_S / IQ1_M: the IQ2 branch of IQ2_XXS, plus attn_output IQ2_XXS (Q5_K with 8 experts)
+    *(Preset(name, ftype, base, attn_v=Rule("gqa_4_or_experts_4", Q.Q4_K, Q.Q2_K),
+             ffn_down=Rule("first_eighth", Q.Q2_K), attn_output=Rule("always", Q.IQ2_XXS),
+             attn_output_8_experts=Q.Q5_K, output=Q.Q5_K, token_embd=Q.Q2_K, iq2_branch=True)
+      for name, ftype, base in (("iq1_s", 24, Q.IQ1_S), ("iq1_m", 31, Q.IQ1_M))),
     *(Preset(name, ftype, base, attn_v=Rule("gqa_4_or_experts_4", Q.Q4_K, Q.IQ3_S),
              ffn_down=Rule("first_eighth", Q.IQ3_S), attn_output=Rule("always", Q.IQ3_S),
              attn_output_8_experts=Q.Q5_K, output=Q.Q5_K, token_embd=Q.IQ3_S, iq2_branch=True)
@@ -219,7 +232,7 @@ AUTO_BASE = "q4_k_m"
 # a 256-wide type on rows whose width is not a multiple of 256 (then F16 if 32 fails too)
 FALLBACK = {Q.Q2_K: Q.Q4_0, Q.Q3_K: Q.Q4_0, Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0,
             Q.IQ4_XS: Q.IQ4_NL, Q.IQ3_XXS: Q.IQ4_NL, Q.IQ3_S: Q.IQ4_NL, Q.IQ2_XXS: Q.IQ4_NL,
-            Q.IQ2_XS: Q.IQ4_NL, Q.IQ2_S: Q.IQ4_NL}
+            Q.IQ2_XS: Q.IQ4_NL, Q.IQ2_S: Q.IQ4_NL, Q.IQ1_S: Q.IQ4_NL, Q.IQ1_M: Q.IQ4_NL}
 
 
 @dataclass(frozen=True)

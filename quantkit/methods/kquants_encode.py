@@ -1,10 +1,11 @@
 """GGML block encoders (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K-Q6_K, IQ4_NL, IQ4_XS, IQ3_XXS, IQ3_S,
-IQ2_XXS, IQ2_XS, IQ2_S), bit-exact with ggml-quants.c.
+IQ2_XXS, IQ2_XS, IQ2_S, IQ1_S, IQ1_M), bit-exact with ggml-quants.c.
 
 `encode_rows(w, qtype, qw)` turns float32 rows [N, K] into the bytes llama.cpp writes,
 [N, K / block * block_bytes] uint8. `qw` is the imatrix row ([K], shared by every row);
-without it the `_ref` algorithms run, with it the `_impl` ones (Q8_0 ignores it); IQ2_XXS and
-IQ2_XS have no algorithm without it (ggml_quantize_requires_imatrix), so qw is required.
+without it the `_ref` algorithms run, with it the `_impl` ones (Q8_0 ignores it); IQ2_XXS,
+IQ2_XS and IQ1_S have no algorithm without it (ggml_quantize_requires_imatrix), so qw is
+required (IQ1_M weights by x^2 without one, as ggml does).
 Block layouts (little endian, byte offsets):
 
   Q8_0  34 B / 32:  | d f16 | qs[32] int8 |                         x = d*q
@@ -47,6 +48,12 @@ Block layouts (little endian, byte offsets):
         as IQ2_S on a 512-point grid, the 8th sign of 8 the parity of the 7 stored
   IQ2_XXS 66 B / 256: | d f16 | 8 x (grid index[4] | u32: 4 x 7 sign bits | ls << 28) |
         8 blocks of 32 in groups of 8 on a 256-point grid; x = d*(0.5+ls)*0.25*grid*sign
+  IQ1_S   50 B / 256: | d f16 | index low[32] | 8 x u16: 4 x 3 index bits | ls << 12 | sign << 15 |
+  IQ1_M   56 B / 256: | index low[32] | qh[16]: 2 x (3 index bits | sign << 3) | 4 x u16 scales |
+        groups of 8 on the 2048-point grid of {-1, 0, 1} (iq1s_grid), x = d*(2ls+1)*(grid+delta),
+        delta = -1/8 where the sign bit is set, else 1/8. IQ1_S: 8 blocks of 32, one delta
+        each; IQ1_M: 16 blocks of 16 (3-bit ls, 4 per u16), a delta per 8, and the fp16 d in
+        the top nibbles of the 4 scale words (bits 0-3 of d in word 0, ..., 12-15 in word 3).
         The grid types have compiled (numba) encoders only: on a GPU the rows are encoded
         on the CPU and the bytes moved back.
 """
@@ -80,11 +87,11 @@ __all__ = ["encode_rows", "encode_slice", "SUPPORTED", "COMPILED_ONLY", "REQUIRE
 
 Q = GGMLQuantizationType
 SUPPORTED = (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS,
-             Q.IQ3_XXS, Q.IQ3_S, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S)
+             Q.IQ3_XXS, Q.IQ3_S, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ1_S, Q.IQ1_M)
 # grid-search types with no torch port: every backend runs the numba encoder on CPU rows
-COMPILED_ONLY = (Q.IQ3_XXS, Q.IQ3_S, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S)
+COMPILED_ONLY = (Q.IQ3_XXS, Q.IQ3_S, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ1_S, Q.IQ1_M)
 # ggml_quantize_requires_imatrix: ggml's quantizer asserts an imatrix for these
-REQUIRES_QW = (Q.IQ2_XXS, Q.IQ2_XS)
+REQUIRES_QW = (Q.IQ2_XXS, Q.IQ2_XS, Q.IQ1_S)
 # values per encoder call on CPU: small enough that an encoder's temporaries stay in cache,
 # large enough to amortise the per-op cost of its long op chains. Measured on 2 cores
 # (benchmarks/kquant_encoder_speed.py): Q6_K's 19-candidate [16, 19, G] arrays want 64K,
@@ -539,7 +546,7 @@ def preload_compiled(qtypes) -> None:
     def load() -> None:
         from quantkit.methods.kquants_cpu import ENCODERS
 
-        for t in ids:  # an imatrix row: same compiled code, and IQ2_XXS / IQ2_XS require one
+        for t in ids:  # an imatrix row: same compiled code, and IQ2_XXS / IQ2_XS / IQ1_S require one
             x = np.zeros((1, 256), np.float32)
             ENCODERS[t](x, np.ones(256, np.float32), np.zeros((1, row_bytes(t, 256)), np.uint8),
                         np.zeros(1))

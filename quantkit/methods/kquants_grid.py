@@ -5,9 +5,11 @@ of vectors whose coordinates are odd levels 2l+1 (l in 0..7 for IQ3, 0..2 for IQ
 256, 512 and 1024 points). The quantizer rounds a group to levels, looks the code
 sum(l_i << bits*i) up in `kmap` and, when the code is not a grid point, searches its
 precomputed neighbours: every grid point at one of the nwant smallest squared distances
-(2 for IQ3_XXS, IQ2_XXS and IQ2_XS, 3 for IQ3_S, 1 for IQ2_S), ordered by (distance,
-index) as the C qsort orders them. Only codes the quantizer can form get a list (the IQ2
-quantizers clamp levels to 0..2, though the C lists every 2-bit code).
+(2 for IQ3_XXS, IQ2_XXS and IQ2_XS, 3 for IQ3_S and IQ1_S / IQ1_M, 1 for IQ2_S), ordered
+by (distance, index) as the C qsort orders them. Only codes the quantizer can form get a list
+(the IQ2 quantizers clamp levels to 0..2 and the IQ1 ones split values into 3 groups, though
+the C lists every 2-bit code). IQ1_S and IQ1_M share one 2048-point grid of 8 values in
+{-1, 0, 1} (iq1s_grid; levels 0..2 at positions 2l+1 for the distances, as for IQ2).
 
 The grid itself is gguf-py's dequantization grid (same points, same order); its values map
 back to the level l through the type's value table.
@@ -28,7 +30,7 @@ Q = GGMLQuantizationType
 
 # type -> (gguf class name, bits per level, levels the quantizer forms, nwant)
 _SPECS = {Q.IQ3_XXS: ("IQ3_XXS", 3, 8, 2), Q.IQ3_S: ("IQ3_S", 3, 8, 3), Q.IQ2_S: ("IQ2_S", 2, 3, 1),
-          Q.IQ2_XXS: ("IQ2_XXS", 2, 3, 2), Q.IQ2_XS: ("IQ2_XS", 2, 3, 2)}
+          Q.IQ2_XXS: ("IQ2_XXS", 2, 3, 2), Q.IQ2_XS: ("IQ2_XS", 2, 3, 2), Q.IQ1_S: ("IQ1_S", 2, 3, 3)}
 
 
 @functools.cache
@@ -40,6 +42,8 @@ def grid_tables(qtype: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndar
     the grid indices. values[l] is what the dequantizer multiplies for level l (IQ3_XXS's
     top level is 62, not 60, so it is read from gguf rather than derived).
     """
+    if Q(qtype) == Q.IQ1_M:  # the same grid and lists as IQ1_S (iq2_data: one table each, equal)
+        return grid_tables(Q.IQ1_S)
     name, bits, nlev, nwant = _SPECS[Q(qtype)]
     cls = getattr(gguf_quants, name)
     cls.init_grid()
