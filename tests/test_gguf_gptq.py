@@ -22,7 +22,7 @@ from quantkit.pipeline.quantize import QuantizeRequest, quantize
 from quantkit.types import QuantScheme
 
 K_GRIDS = (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)
-GRIDS = (*K_GRIDS, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0)
+GRIDS = (*K_GRIDS, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.IQ4_NL, Q.IQ4_XS)
 CALIB = {"calib_samples": 16, "calib_seqlen": 128}
 
 
@@ -40,9 +40,9 @@ def _weights_and_inputs(n: int = 96, k: int = 512, tokens: int = 2048):
 def test_identity_hessian_gives_llama_cpp_bytes(qtype):
     """H = I feeds nothing back: the grid choice, the rounding and the packing are then
     llama.cpp's own, byte for byte (with and without an imatrix) for every K-quant. The
-    32-wide types: llama.cpp rounds with its float32 scale (and min), the grid here with the
-    stored fp16 ones, so codes may differ in rare near-ties; the scale (and min) bytes are
-    its own and the rounding is never worse."""
+    32-wide types and IQ4_XS: llama.cpp rounds with its float32 scale (and min), the grid here
+    with the stored fp16 ones, so codes may differ in rare near-ties; the scale (and min) bytes
+    are its own and the rounding is never worse."""
     w, _ = _weights_and_inputs()
     qw = torch.rand(w.shape[1], generator=torch.Generator().manual_seed(1)) + 0.1
     for imatrix in (None, qw):
@@ -52,10 +52,11 @@ def test_identity_hessian_gives_llama_cpp_bytes(qtype):
             assert torch.equal(data, ref)
         else:
             assert data.shape == ref.shape
-            size = data.shape[1] * 32 // w.shape[1]
+            width = 256 if qtype == Q.IQ4_XS else 32
+            size = data.shape[1] * width // w.shape[1]
             blocks, ref_blocks = data.view(-1, size), ref.view(-1, size)
-            header = 4 if qtype in (Q.Q4_1, Q.Q5_1) else 2
-            assert torch.equal(blocks[:, :header], ref_blocks[:, :header])  # the same fp16 d (m)
+            header = {Q.Q4_1: 4, Q.Q5_1: 4, Q.IQ4_XS: 8}.get(qtype, 2)
+            assert torch.equal(blocks[:, :header], ref_blocks[:, :header])  # the same d (m, scales)
             plain = decode_rows(ref, qtype)
             assert (deq != plain).float().mean() < 0.01
             assert (deq - w).norm() <= (plain - w).norm()
@@ -79,7 +80,7 @@ def test_grid_is_honoured_and_output_error_below_llama_cpp(qtype):
     assert out_err(deq) < 0.85 * out_err(plain), (out_err(deq), out_err(plain))
 
 
-@pytest.mark.parametrize("qtype", (Q.Q4_K, Q.Q6_K, Q.Q3_K, Q.Q5_0, Q.Q4_1))
+@pytest.mark.parametrize("qtype", (Q.Q4_K, Q.Q6_K, Q.Q3_K, Q.Q5_0, Q.Q4_1, Q.IQ4_XS))
 def test_compiled_loop_equals_torch_loop(qtype):
     """The numba loop (the CPU default: compiled encoders, gptq_cpu.grid_columns, rows split
     over threads) does the torch reference loop's arithmetic: the same bytes but for rare
@@ -194,12 +195,24 @@ def test_q2_k_mix_is_error_fed_on_every_linear(tiny_llama, tmp_path):
     assert types == {"Q2_K", "Q3_K"}, types  # attn_v, ffn_down Q3_K; the rest Q2_K
 
 
-def test_types_without_a_grid_fall_back_loudly(tiny_llama, tmp_path):
-    """IQ4_XS has no GPTQ grid yet: every Linear keeps llama.cpp's encoder and the metadata
-    names each one and why."""
+def test_iq4_is_error_fed_and_lattice_types_fall_back_loudly(tiny_llama, tmp_path):
+    """IQ4_XS's mix goes through the GPTQ loop on every block Linear (kvalues levels times the
+    sub-block scale); IQ3_M's IQ3_S tensors (lattice points of 4 values, no column-wise grid)
+    keep llama.cpp's encoder, and the metadata names each one and why, while its other types
+    are error-fed."""
+    from quantkit.formats.gguf import read_gguf
+
     meta = _gguf(tiny_llama, tmp_path / "iq4xs.gguf", "iq4_xs", rounding="gptq")
-    assert len(meta["fallbacks"]) == 2 * 7
-    assert all("no GPTQ grid for IQ4_XS" in why for why in meta["fallbacks"].values())
+    assert "fallbacks" not in meta
+    tensors = read_gguf(tmp_path / "iq4xs.gguf")[1]
+    assert "IQ4_XS" in {t.qtype.name for n, t in tensors.items() if n.startswith("blk.")}
+    meta = _gguf(tiny_llama, tmp_path / "iq3m.gguf", "iq3_m", rounding="gptq")
+    tensors = read_gguf(tmp_path / "iq3m.gguf")[1]
+    lattice = {n for n, t in tensors.items() if n.startswith("blk.") and t.qtype.name == "IQ3_S"}
+    fed = {n for n, t in tensors.items() if n.startswith("blk.") and t.qtype.name not in ("IQ3_S", "F32")}
+    assert lattice and fed, {n: t.qtype.name for n, t in tensors.items()}
+    assert all("no GPTQ grid for IQ3_S" in why for why in meta["fallbacks"].values())
+    assert len(meta["fallbacks"]) == len(lattice)
 
 
 def test_cli_method_gptq_format_gguf_is_gguf_with_gptq_rounding(tiny_llama, tmp_path):

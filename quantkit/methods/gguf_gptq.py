@@ -16,8 +16,11 @@ block grid itself, so the file is an ordinary GGUF of that type:
 With H = I nothing is fed back and the bytes are `encode_rows`'s, bit for bit (the tests
 check it for the K-quants). Supported grids: GPTQ_GRIDS (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K and
 the 32-wide Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: every type of the Q2_K ... Q8_0 mixes, also the
-row-width fallbacks of widths that are not multiples of 256); the IQ4 types are encoded by the
-plain llama.cpp encoder and the result says so (QuantResult.fallback, in the file's quantkit.metadata stats).
+row-width fallbacks of widths that are not multiples of 256; IQ4_NL and IQ4_XS, whose 16 levels
+are llama.cpp's non-uniform kvalues times the block scale). The IQ3/IQ2/IQ1 types round groups
+of 4 or 8 values to lattice points together, not one column at a time, so they are encoded by
+the plain llama.cpp encoder and the result says so (QuantResult.fallback, in the file's
+quantkit.metadata stats).
 """
 
 from __future__ import annotations
@@ -30,12 +33,14 @@ from gguf import GGMLQuantizationType
 
 from quantkit.methods.gptq import gptq_column_loop, inverse_hessian_factor, one_cpu_thread
 from quantkit.methods.kquants_encode import encode_slice
+from quantkit.methods.kquants_math import IQ4NL_VALUES
 
 __all__ = ["GPTQ_GRIDS", "GGMLColumnGrid", "gptq_ggml", "grid_block", "hessian_factor"]
 
 Q = GGMLQuantizationType
 SUPER_BLOCK = 256  # the column-loop block: whole K-quant super-blocks, whole 32-blocks
-GPTQ_GRIDS = (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0)
+GPTQ_GRIDS = (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0,
+              Q.IQ4_NL, Q.IQ4_XS)
 
 
 def _f16(b: torch.Tensor) -> torch.Tensor:
@@ -129,6 +134,18 @@ def _dm_grid(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return _f16(blocks[:, 0:2])[:, None], -_f16(blocks[:, 2:4])[:, None]
 
 
+def _iq4xs_grid(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """IQ4_XS bytes [N, 136] -> (step d*(ls-32) per sub-block of 32 [N, 8], no offset); the
+    values are step * kvalues[code]."""
+    d = _f16(blocks[:, 0:2])
+    sh = blocks[:, 2:4].to(torch.int32)
+    high = ((sh[:, 0] | (sh[:, 1] << 8))[:, None] >> (2 * torch.arange(8))) & 3
+    sl = blocks[:, 4:8].to(torch.int32)
+    low = torch.stack([sl & 15, sl >> 4], 2).reshape(-1, 8)
+    step = d[:, None] * ((low | (high << 4)) - 32).float()
+    return step, torch.zeros_like(step)
+
+
 def _nibbles32(q: torch.Tensor) -> torch.Tensor:
     """Codes [N, 32] -> the 32-wide types' qs [N, 16]: q[j] & 15 | (q[j+16] & 15) << 4."""
     return ((q[:, :16] & 15) | ((q[:, 16:] & 15) << 4)).to(torch.uint8)
@@ -164,6 +181,17 @@ def _pack_q5_1(blocks: torch.Tensor, q: torch.Tensor) -> None:
     blocks[:, 8:24] = _nibbles32(q)
 
 
+def _pack_iq4nl(blocks: torch.Tensor, q: torch.Tensor) -> None:
+    """Level indices [N, 32] (0..15) into the qs bytes of IQ4_NL blocks [N, 18], in place."""
+    blocks[:, 2:18] = _nibbles32(q.to(torch.int64))
+
+
+def _pack_iq4xs(blocks: torch.Tensor, q: torch.Tensor) -> None:
+    """Level indices [N, 256] (0..15) into the qs bytes of IQ4_XS blocks [N, 136], in place."""
+    q = q.to(torch.int64).reshape(-1, 8, 32)
+    blocks[:, 8:136] = ((q[:, :, :16] & 15) | ((q[:, :, 16:] & 15) << 4)).reshape(-1, 128).to(torch.uint8)
+
+
 def _pack_q8_0(blocks: torch.Tensor, q: torch.Tensor) -> None:
     """Codes [N, 32] (0..255 = value + 128) into the int8 qs of Q8_0 blocks [N, 34], in place."""
     blocks[:, 2:34] = (q.to(torch.int32) - 128).to(torch.int8).view(torch.uint8)
@@ -181,6 +209,7 @@ class _Grid:
     lo: int
     hi: int
     with_min: bool = False
+    levels: tuple[int, ...] = ()  # non-uniform: value = step * levels[code] (IQ4)
 
 
 _GRIDS = {Q.Q2_K: _Grid(256, 16, 84, _q2k_grid, _pack_q2k, 0, 3, with_min=True),
@@ -192,7 +221,9 @@ _GRIDS = {Q.Q2_K: _Grid(256, 16, 84, _q2k_grid, _pack_q2k, 0, 3, with_min=True),
           Q.Q4_1: _Grid(32, 32, 20, _dm_grid, _pack_q4_1, 0, 15, with_min=True),
           Q.Q5_0: _Grid(32, 32, 22, _d_grid, _pack_q5_0, -16, 15),
           Q.Q5_1: _Grid(32, 32, 24, _dm_grid, _pack_q5_1, 0, 31, with_min=True),
-          Q.Q8_0: _Grid(32, 32, 34, _d_grid, _pack_q8_0, -128, 127)}
+          Q.Q8_0: _Grid(32, 32, 34, _d_grid, _pack_q8_0, -128, 127),
+          Q.IQ4_NL: _Grid(32, 32, 18, _d_grid, _pack_iq4nl, 0, 15, levels=IQ4NL_VALUES),
+          Q.IQ4_XS: _Grid(256, 32, 136, _iq4xs_grid, _pack_iq4xs, 0, 15, levels=IQ4NL_VALUES)}
 
 
 class GGMLColumnGrid:
@@ -211,6 +242,8 @@ class GGMLColumnGrid:
       Q5_0  q = clamp(nearest(x / d), -16, 15),                 x' = d*q
       Q5_1  q = clamp(nearest((x - m) / d), 0, 31),             x' = d*q + m
       Q8_0  q = clamp(nearest(x / d), -128, 127),               x' = d*q
+      IQ4_NL / IQ4_XS  q = the level of kvalues nearest x / step (the upper one on a tie, as
+            best_index_iq4nl),                                  x' = step*kvalues[q]
     (32-wide types: llama.cpp rounds with its float32 scale before storing it in fp16, so with
     H = I a code can differ from its in rare ties; the grid is the stored one either way.
     A zero step gives value 0 - offset whatever the code.)
@@ -243,6 +276,15 @@ class GGMLColumnGrid:
         zero = step == 0
         safe = torch.where(zero, torch.ones_like(step), step)
         x = block[:, i]
+        if g.levels:
+            levels = torch.tensor(g.levels, dtype=torch.float32)
+            t = torch.where(zero, 0.0, x / safe)
+            dist = (t[:, None] - levels[None, :]).abs()
+            q = (levels.numel() - 1 - dist.flip(1).argmin(1)).float()  # ties: the upper level
+            q = torch.where(zero, 0.0, q)
+            deq = torch.where(zero, 0.0, step * levels[q.long()])
+            self.dequantized[:, col] = deq
+            return q - g.lo, deq
         if g.with_min:
             q = torch.where(zero, 0.0, torch.round((x + offset) / safe).clamp_(g.lo, g.hi))
             deq = step * q - offset
@@ -315,6 +357,7 @@ def _gptq_ggml_compiled(w: torch.Tensor, hinv: torch.Tensor, qtype: Q, qw: torch
     codes_t = np.empty((k, n), np.float32)
     deq_t = np.empty((k, n), np.float32)
     h = hinv.numpy()
+    levels = np.asarray(g.levels, np.float32)
 
     def run(r0: int, r1: int) -> None:
         m = r1 - r0
@@ -338,7 +381,7 @@ def _gptq_ggml_compiled(w: torch.Tensor, hinv: torch.Tensor, qtype: Q, qw: torch
                 step, offset = g.grid_of(torch.from_numpy(out))
                 grid_columns(wt, hinv1, j0, j0 + g.block, step.T.contiguous().numpy(),
                              offset.T.contiguous().numpy(), g.sub, g.lo, g.hi, g.with_min,
-                             cod, err_t, deq)
+                             levels, cod, err_t, deq)
             codes_t[i1:i2, r0:r1] = cod
             deq_t[i1:i2, r0:r1] = deq
             if i2 < k:  # the block's errors into the later columns (lazy batch update)

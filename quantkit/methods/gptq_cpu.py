@@ -77,25 +77,44 @@ def _block(wt, hinv, scale, zero, col_group, qmax, fixed, sym, g, codes_t, err_t
 
 
 @njit(cache=True, nogil=True, error_model="numpy", boundscheck=False)
-def grid_columns(wt, hinv, c0, c1, step_t, off_t, sub, lo, hi, with_min, codes_t, err_t, deq_t):
+def grid_columns(wt, hinv, c0, c1, step_t, off_t, sub, lo, hi, with_min, levels, codes_t, err_t,
+                 deq_t):
     """Columns c0..c1 of wt [b, n] (transposed block, updated in place) onto a fixed grid:
     the GGML round-to-grid step of gguf_gptq.GGMLColumnGrid, op for op. Sub-block s of the
-    columns (width `sub`) has step_t[s] / off_t[s] [n]; a zero step gives value -offset."""
+    columns (width `sub`) has step_t[s] / off_t[s] [n]; a zero step gives value -offset.
+    Non-empty `levels` (ascending): value = step * levels[code], the nearest level (the upper
+    one on a tie)."""
     b, n = wt.shape
     flo, fhi = F32(lo), F32(hi)
+    nl = levels.shape[0]
     for i in range(c0, c1):
         s = (i - c0) // sub
         d = hinv[i, i]
         for r in range(n):
             st = step_t[s, r]
             of = off_t[s, r] if with_min else F32(0)
-            if st == 0:
+            if nl:
                 q = F32(0)
-            elif with_min:
-                q = min(max(np.rint((wt[i, r] + of) / st), flo), fhi)
+                deq = F32(0)
+                if st != 0:
+                    t = wt[i, r] / st
+                    best = abs(t - levels[0])
+                    k = 0
+                    for m in range(1, nl):
+                        dm = abs(t - levels[m])
+                        if dm <= best:
+                            best = dm
+                            k = m
+                    q = F32(k)
+                    deq = st * levels[k]
             else:
-                q = min(max(np.rint(wt[i, r] / st), flo), fhi)
-            deq = st * q - of
+                if st == 0:
+                    q = F32(0)
+                elif with_min:
+                    q = min(max(np.rint((wt[i, r] + of) / st), flo), fhi)
+                else:
+                    q = min(max(np.rint(wt[i, r] / st), flo), fhi)
+                deq = st * q - of
             codes_t[i, r] = q - flo
             deq_t[i, r] = deq
             err_t[i, r] = (wt[i, r] - deq) / d
