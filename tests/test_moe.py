@@ -1741,7 +1741,7 @@ def test_awq_gemm_moe_layouts_give_identical_artifacts(arch, awq_gemm_moe, mixtr
     from quantkit.loader import load_artifact
 
     if arch == "qwen3_moe":
-        model, method, options, moe, blocks = awq_gemm_moe, "awq", AWQ_FAST, "mlp", (1,)
+        model, method, options, moe, blocks = awq_gemm_moe, "awq", AWQ_FASTER, "mlp", (1,)
         projs, experts, widths = ("gate_proj", "up_proj", "down_proj"), 4, (128, 128)
     else:
         model, method, options, moe, blocks = mixtral_model, "gptq", {}, "block_sparse_moe", (0, 1)
