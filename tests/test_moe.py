@@ -40,7 +40,8 @@ STARVED = (6, 7)  # experts the starved model's router never picks
 
 def _quantize(model: Path, out: Path, method: str, **kw) -> Path:
     req = QuantizeRequest(model=str(model), method=method, scheme=kw.pop("scheme", SCHEME),
-                          out=out, calib_samples=8, calib_seqlen=64, resume=False, **kw)
+                          out=out, calib_samples=kw.pop("calib_samples", 8), calib_seqlen=64,
+                          resume=False, **kw)
     quantize(req)
     return out
 
@@ -1746,9 +1747,9 @@ def test_awq_gemm_moe_layouts_give_identical_artifacts(arch, awq_gemm_moe, mixtr
     else:
         model, method, options, moe, blocks = mixtral_model, "gptq", {}, "block_sparse_moe", (0, 1)
         projs, experts, widths = ("w1", "w3", "w2"), 4, (128, 128)
-    streamed = _quantize(model, tmp_path / "streamed", method, format="awq", method_options=options)
-    fused = _quantize(model, tmp_path / "fused", method, format="awq", method_options=options,
-                      stream=False)
+    kw = {"format": "awq", "method_options": options, "calib_samples": 4}  # 256 tokens
+    streamed = _quantize(model, tmp_path / "streamed", method, **kw)
+    fused = _quantize(model, tmp_path / "fused", method, stream=False, **kw)
     assert (streamed / "model.safetensors").read_bytes() == (fused / "model.safetensors").read_bytes()
     t = _tensors(streamed)
     hidden, inter = widths
