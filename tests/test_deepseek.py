@@ -203,6 +203,28 @@ def test_methods_both_layouts(deepseek_model, tmp_path, method):
         assert torch.isfinite(loaded(torch.arange(1, 33)[None]).logits).all()
 
 
+def test_awq_gemm_names_the_router_not_the_dense_gate(deepseek_model, tmp_path):
+    """--format awq (AutoAWQ GEMM): every MLA, dense, routed and shared Linear packed
+    (qweight / qzeros / scales), the router and its score-correction bias kept as they are;
+    modules_to_not_convert, which vLLM matches as substrings, names the MoE block's router by
+    its full name: a short `mlp.gate` would also skip dense block 0's `mlp.gate_proj`.
+    quantkit's loader runs it."""
+    from quantkit.loader import load_artifact
+
+    out = _quantize(deepseek_model, tmp_path / "awq", "rtn", format="awq")
+    t, src = _tensors(out), _tensors(deepseek_model)
+    quantized = {k.removesuffix(".qweight") for k in t if k.endswith(".qweight")}
+    assert len(quantized) == 2 * 5 + 3 + 4 * 3 + 3
+    assert "model.layers.0.mlp.gate_proj" in quantized
+    assert "model.layers.1.mlp.shared_experts.gate_proj" in quantized
+    assert t[f"{ROUTER}.weight"].dtype == torch.bfloat16 and ROUTER not in quantized
+    assert torch.equal(t[f"{ROUTER}.e_score_correction_bias"], src[f"{ROUTER}.e_score_correction_bias"])
+    qcfg = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qcfg["modules_to_not_convert"] == ["lm_head", ROUTER]
+    with torch.no_grad():
+        assert torch.isfinite(load_artifact(out).model(torch.arange(1, 33)[None]).logits).all()
+
+
 @pytest.fixture(scope="module")
 def reference_bf16(deepseek_model, tmp_path_factory) -> Path:
     """llama.cpp's own convert_hf_to_gguf.py --outtype bf16 of the tiny model."""

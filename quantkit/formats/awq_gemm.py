@@ -17,6 +17,21 @@ Per quantized Linear (N out, K in, NG = K / G groups), AutoAWQ's WQLinear_GEMM.f
 
 Dequantized: W[n, k] = (q[k, n] - z[k // G, n]) * scales[k // G, n].
 
+Mixture-of-experts models: every expert's Linears under the checkpoint names vLLM's FusedMoE
+loader maps to w13_* / w2_* (`mlp.experts.{e}.gate_proj.qweight`, Mixtral's
+`block_sparse_moe.experts.{e}.w1.qweight`, ...), each packed as above; the router stays
+unquantized.
+
+`modules_to_not_convert` is read by vLLM 0.32 (auto_awq.py, quant_utils.is_layer_skipped with
+match_mode="substring") as SUBSTRINGS of module prefixes: a Linear or an experts module is left
+unquantized when any entry occurs anywhere in its name (for vLLM's fused q/k/v and gate/up
+Linears, in the names of their parts). A compressed-tensors `re:` pattern matches nothing
+there, so the router would be built as a quantized Linear its bf16 weight does not fit; a short
+entry such as `mlp.gate` would also skip a dense block's `mlp.gate_proj` (Qwen3-MoE's
+mlp_only_layers, DeepSeek-V3's first blocks), built unquantized for packed tensors. So each
+kept module is listed by its full name (`model.layers.3.mlp.gate`), and an entry that occurs
+in the name of any quantized Linear is refused (not_convert_entries).
+
 Why `zero_point` is always true: vLLM (auto_awq.py) builds a uint4 kernel WITHOUT zero points
 when it is false (w = q * s, no offset), while the layout always stores qzeros. A symmetric
 scheme is therefore written as zero point 8 everywhere, which both vLLM paths and AutoAWQ read
@@ -25,6 +40,8 @@ correctly; the scheme's symmetry stays recorded in quantkit.json.
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -39,7 +56,7 @@ from quantkit.formats.common import (
 from quantkit.types import QuantResult, QuantScheme
 
 __all__ = ["AWQGemmWriter", "AWQ_ORDER", "pack_awq", "unpack_awq", "pack_awq_gemm",
-           "read_awq_gemm", "quantization_config"]
+           "read_awq_gemm", "quantization_config", "not_convert_entries", "VLLM_FUSED"]
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of a word holds column ORDER[i] of its 8
 _SUFFIXES = (".qweight", ".qzeros", ".scales")
@@ -82,6 +99,51 @@ def pack_awq_gemm(r: QuantResult) -> dict[str, torch.Tensor]:
     }
 
 
+# vLLM's fused Linears (packed_modules_mapping): a part's name with this suffix is also
+# looked up under the fused name (when the model's mapping lacks it, the fused name alone)
+VLLM_FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
+              "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
+
+
+def _engine_names(quantized: Iterable[str]) -> set[str]:
+    """The quantized Linears' names plus the fused names vLLM builds from them."""
+    out = set()
+    for name in quantized:
+        out.add(name)
+        head, _, last = name.rpartition(".")
+        if last in VLLM_FUSED:
+            out.add(f"{head}.{VLLM_FUSED[last]}")
+    return out
+
+
+def not_convert_entries(ignore: list[str], kept: Iterable[str], quantized: Iterable[str]
+                        ) -> tuple[list[str], list[str]]:
+    """(modules_to_not_convert, problems) for an artifact that keeps `ignore` unquantized.
+
+    `ignore` holds module names and compressed-tensors-style `re:` patterns; `kept` names the
+    modules the artifact leaves unquantized (checkpoint names; a pattern becomes every one of
+    them it matches, so it is decided by the model's own blocks, dense or MoE), `quantized`
+    the quantized Linears. A problem is an entry that vLLM's substring match would also find
+    in a quantized Linear's name (or in its fused name): no list can then keep the one and
+    quantize the other."""
+    entries: list[str] = []
+    kept = sorted(set(kept))
+    for item in ignore:
+        if item.startswith("re:"):
+            pattern = re.compile(item[3:])
+            entries += [m for m in kept if pattern.match(m) and m not in entries]
+        elif item not in entries:
+            entries.append(item)
+    engine = sorted(_engine_names(quantized))
+    problems = []
+    for entry in entries:
+        hit = next((q for q in engine if entry in q), None)
+        if hit is not None:
+            problems.append(f"modules_to_not_convert entry {entry!r} is a substring of the "
+                            f"quantized {hit!r}, which vLLM would then load unquantized")
+    return entries, problems
+
+
 def quantization_config(scheme: QuantScheme, ignore: list[str]) -> dict:
     return {"quant_method": "awq", "version": "gemm", "bits": scheme.bits,
             "group_size": -1 if scheme.group_size in (-1, 0) else scheme.group_size,
@@ -107,12 +169,22 @@ class AWQGemmWriter:
                 break
         return problems
 
+    def check_modules(self, ignore: list[str], kept: Iterable[str], quantized: Iterable[str]
+                      ) -> list[str]:
+        """Whether a modules_to_not_convert list keeps exactly the unquantized modules; runs
+        before calibration (names from the config alone)."""
+        return not_convert_entries(ignore, kept, quantized)[1]
+
     def write(self, out_dir: Path, *, config: dict, dense: dict[str, torch.Tensor],
               results: dict[str, QuantResult], ignore: list[str], dtype: torch.dtype) -> None:
         scheme = next(iter(results.values())).scheme
+        entries, problems = not_convert_entries(
+            ignore, {k.rpartition(".")[0] for k in dense}, results)
+        if problems:  # quantize refuses these before any work (check_modules)
+            raise ValueError("; ".join(problems))
         tensors = linear_tensors(dense, results, pack_awq_gemm, torch.float16)
         save_tensors(out_dir, tensors)
-        write_config(out_dir, {**config, "quantization_config": quantization_config(scheme, ignore)})
+        write_config(out_dir, {**config, "quantization_config": quantization_config(scheme, entries)})
 
 
 def read_awq_gemm(path: Path, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:

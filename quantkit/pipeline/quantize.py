@@ -347,6 +347,8 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
         raise SchemeMismatch(f"Format {writer.name} cannot store this: " + "; ".join(problems) + ".",
                              "Choose another --format (compressed-tensors, gptq, awq, fp8, "
                              "modelopt, gguf) or the scheme flags the message names.")
+    if hasattr(writer, "check_modules"):  # an ignore list matched by substring (AutoAWQ's)
+        check_kept_modules(writer, config, spec, shapes)
     if hasattr(writer, "check_source"):  # writers that embed tokenizer/config (GGUF) check them now
         writer.check_source(source.path, config)
     if hasattr(quantizer, "file_overhead_bytes") and hasattr(writer, "overhead_bytes"):
@@ -553,8 +555,9 @@ def _input_paths(req: QuantizeRequest, model_dir: Path) -> dict[str, Path]:
 
 
 # writers whose MoE tensor names are verified: per-expert tensors vLLM's FusedMoE loader
-# reads, and llama.cpp's 3-D ffn_*_exps (for the archs with GGUF expert names)
-MOE_FORMATS = ("compressed-tensors", "gguf")
+# reads (compressed-tensors, AutoAWQ GEMM), and llama.cpp's 3-D ffn_*_exps (for the archs with
+# GGUF expert names)
+MOE_FORMATS = ("compressed-tensors", "awq", "gguf")
 
 
 # Uncalibrated schemes (FP8 dynamic / block, NVFP4 W4A16 and MXFP4 rounded to nearest, int8
@@ -584,6 +587,24 @@ def check_moe_support(spec: ArchSpec, method: str, format_name: str, calibrated:
         f"Method {method} does not handle the experts of {spec.name} (mixture of experts) yet.",
         "Use --method gptq, awq or rtn, --method fp8, int8, nvfp4 or mxfp4 (every scheme) to "
         "--format compressed-tensors, or --method gguf to --format gguf.")
+
+
+def check_kept_modules(writer, config, spec: ArchSpec, shapes: dict[str, tuple[int, int]]) -> None:
+    """Refuse, before any work, an artifact whose unquantized modules (the MoE routers, lm_head)
+    the format's ignore list cannot name without also naming a quantized Linear: AutoAWQ's
+    modules_to_not_convert is matched by substring. Names come from the config alone (a
+    meta-device model: which blocks are MoE is the model's own choice), as the artifact will
+    spell them."""
+    model = linearize_experts(meta_model(config), spec)
+    quantized = {spec.checkpoint_name(n) for n in shapes}
+    kept = {spec.checkpoint_name(n.rpartition(".")[0]) for n in model.state_dict()} - quantized
+    problems = writer.check_modules(_ignored(spec), kept, quantized)
+    if problems:
+        raise SchemeMismatch(
+            f"Format {writer.name} cannot keep the unquantized modules of {spec.name} apart from "
+            f"the quantized ones: {problems[0]}" + (f" (and {len(problems) - 1} more)"
+                                                    if len(problems) > 1 else "") + ".",
+            "Use --format compressed-tensors (its ignore list takes exact patterns).")
 
 
 def check_kv_cache(kv_cache: str, format_name: str, spec: ArchSpec, data_parallel: bool) -> None:
