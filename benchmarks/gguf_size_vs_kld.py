@@ -17,8 +17,8 @@ run). Files per type T (all written in one run, in a temp dir):
                     file (its scale search) and the same calibration windows (the Hessians)
   auto-T            quantkit --gguf-type auto --target-bpw B, B = llamacpp-T's bits per weight
                     over its weight matrices (block Linears + token_embd/output), same imatrix
-                    file; refused budgets (outside what auto's candidates can make, e.g. below
-                    its fixed Q4_K token_embd) are recorded as such
+                    file (auto chooses token_embd / output too); refused budgets (outside
+                    what auto's candidates can make) are recorded as such
 The imatrix is collected once by quantkit's calibration loop (bit-exact with llama-imatrix's
 sums, see gguf_vs_llamacpp.py). Scores: gguf_vs_llamacpp._score (PPL and mean KL(base || file)
 over the second half of 512-token windows of the `mixed` held-out split). With --report the
