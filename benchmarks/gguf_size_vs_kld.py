@@ -121,6 +121,8 @@ class _Curve:
                 model, auto, "auto", options={"imatrix": str(imatrix), "target_bpw": target},
                 **self.calib))
             point["auto_type_counts"] = meta_a["gguf_auto"]["type_counts"]
+            point["auto_outside_types"] = {n: v["type"] for n, v in meta_a["gguf_auto"]["tensors"].items()
+                                           if not n.startswith("blk.")}
             files[f"auto-{t}"] = auto
         except Exception as exc:  # noqa: BLE001 - a refused budget is a result of the curve
             point["auto_refused"] = str(exc).splitlines()[0]
