@@ -429,7 +429,8 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
         # the final norm too for a method that reads the head's input (GGUF auto)
         wanted = (spec.embed, spec.lm_head) + ((spec.final_norm,) if getattr(
             quantizer, "reads_final_norm", False) else ())
-        outside = [m for m in wanted if streaming]
+        present = dict(model.named_modules())
+        outside = [m for m in wanted if streaming and m in present]
         for name in outside:
             materialise(model.get_submodule(name), name + ".", reader, load_dtype, root=model)
         results.update(quantizer.quantize_rest(model, spec))
