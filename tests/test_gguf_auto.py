@@ -166,7 +166,9 @@ def test_auto_loads_in_llama_cpp_and_beats_uniform_q4_k_m_kld(auto_vs_q4km):
         finally:
             llm.close()
     print("KLD through llama.cpp:", kld)
-    assert kld["auto"] < 0.8 * kld["q4km"], kld  # measured 0.0070 vs 0.0112 (0.63x)
+    # the goal; measured 0.0031 vs 0.0113 (0.28x) with token_embd/output chosen too
+    # (0.0070 vs 0.0112, 0.63x, when they kept Q4_K_M's types)
+    assert kld["auto"] < 0.7 * kld["q4km"], kld
 
 
 def test_target_size_is_the_whole_file(auto_vs_q4km, tmp_path):
