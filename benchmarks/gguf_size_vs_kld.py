@@ -17,8 +17,8 @@ run). Files per type T (all written in one run, in a temp dir):
                     file (its scale search) and the same calibration windows (the Hessians)
   auto-T            quantkit --gguf-type auto --target-bpw B, B = llamacpp-T's bits per weight
                     over its weight matrices (block Linears + token_embd/output), same imatrix
-                    file; refused budgets (outside what auto's candidates can make, e.g. below
-                    its fixed Q4_K token_embd) are recorded as such
+                    file (auto chooses token_embd / output too); refused budgets (outside
+                    what auto's candidates can make) are recorded as such
 The imatrix is collected once by quantkit's calibration loop (bit-exact with llama-imatrix's
 sums, see gguf_vs_llamacpp.py). Scores: gguf_vs_llamacpp._score (PPL and mean KL(base || file)
 over the second half of 512-token windows of the `mixed` held-out split). With --report the
@@ -121,6 +121,8 @@ class _Curve:
                 model, auto, "auto", options={"imatrix": str(imatrix), "target_bpw": target},
                 **self.calib))
             point["auto_type_counts"] = meta_a["gguf_auto"]["type_counts"]
+            point["auto_outside_types"] = {n: v["type"] for n, v in meta_a["gguf_auto"]["tensors"].items()
+                                           if not n.startswith("blk.")}
             files[f"auto-{t}"] = auto
         except Exception as exc:  # noqa: BLE001 - a refused budget is a result of the curve
             point["auto_refused"] = str(exc).splitlines()[0]

@@ -149,7 +149,7 @@ class BlockContext:
     quantization order. `stats[linear_name][stat]` holds the statistics the quantizer asked
     for, gathered from this block's calibration inputs. `rerun()` runs the block again on its
     cached inputs and returns the outputs (AWQ's search needs it; `rerun(n)`: the first n
-    batches only).
+    batches only; `rerun(n, hidden=[...])`: on other hidden states, e.g. perturbed inputs).
     """
 
     index: int
@@ -169,8 +169,10 @@ class Quantizer(Protocol):
 
     Optional hooks the pipeline calls when a method has them: check(scheme) before any work,
     prepare(config=, spec=, shapes=) once the config is read, warm_up(scheme, device) before
-    the calibration inputs are captured (e.g. start compiling a GPU kernel), and
-    quantize_rest(model, spec) after the blocks.
+    the calibration inputs are captured (e.g. start compiling a GPU kernel),
+    observe_embedding(module, batches) once block 0's inputs are captured (the embedding
+    table is real then; batches are the calibration token ids), and quantize_rest(model,
+    spec) after the blocks (with `reads_final_norm`, the final norm is loaded for it too).
     """
 
     name: str

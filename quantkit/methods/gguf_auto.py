@@ -11,6 +11,13 @@ quantized at t, the same quantity llama.cpp's imatrix-weighted encoders minimise
 tensor. The encoder runs with that imatrix, so the bytes measured are the bytes written.
 The choice is made by the format-neutral solver in quantkit.methods.bit_allocation.
 
+token_embd and output are chosen in the same solve (GGUFQuantizer._measure_outside):
+output's cost is the same imatrix-weighted error with the imatrix of its input (the final
+norm's output), scaled to block-output units by its measured KLD gain; token_embd is a lookup,
+so its cost is the squared error of the rows calibration looks up (by frequency, plus a
+uniform share), scaled by block 0's measured response to it. Both from a row sample
+(ROW_SAMPLE); the solver tries every combination of their options (OUTSIDE).
+
 Candidate types: AUTO_CANDIDATES, each mapped through llama.cpp's row-width fallback
 (Q4_K on 576-wide rows is written as Q5_0, ...), so sizes are the exact bytes of what the
 writer stores for that shape; rows that are not a multiple of 256 wide also try Q4_1.
@@ -24,10 +31,12 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from quantkit.errors import SchemeMismatch
-from quantkit.methods.bit_allocation import Option, allocate, budget_range, hull
+from quantkit.methods.bit_allocation import Option, allocate, budget_range, hull, pareto
 
 __all__ = ["AUTO_CANDIDATES", "written_type", "tensor_bytes", "candidate_types", "measure_options",
-           "Budget", "allocate", "Option"]
+           "Budget", "allocate", "Option", "nearest_type", "sample_rows", "row_errors",
+           "lookup_weights", "mean_klds", "pareto", "hull", "ROW_SAMPLE", "SEEN_SHARE", "KLD_TOKENS",
+           "OUTSIDE"]
 
 Q = GGMLQuantizationType
 AUTO_CANDIDATES = (Q.Q2_K, Q.Q3_K, Q.IQ4_XS, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0)
@@ -83,10 +92,81 @@ def measure_options(w: torch.Tensor, types: list[Q], imatrix: torch.Tensor | Non
     return kept, {k: v for k, v in data.items() if k in labels}, {k: rel[k] for k in labels}
 
 
+# token_embd / output (vocab rows): the costs of every candidate come from a sample of rows
+# (vocab 49k-256k rows x 7 types is tens of seconds of encoding; a row's encoding does not
+# depend on the other rows, and the summed error of 4096 evenly spread rows estimates the
+# whole tensor's to a few %, while the candidates' costs differ by factors of 2-4); only the
+# chosen type (and the ~4.5-bit reference of the output's gain) is encoded whole
+ROW_SAMPLE = 2048
+# token_embd's row weights: this share by calibration token frequency, the rest uniform (rows
+# the calibration text never looked up are still looked up by other text)
+SEEN_SHARE = 0.9
+# tokens whose logits measure the output head's KLD gain (3 passes over the vocabulary)
+KLD_TOKENS = 512
+# the tensors outside the blocks: few and (on small models) most of the bytes, so the solver
+# tries every combination of their options (bit_allocation.allocate's `whole`)
+OUTSIDE = ("token_embd.weight", "output.weight")
+
+
+def nearest_type(types: list[Q], shape: tuple[int, ...], bits: float = 4.5) -> Q:
+    """The type whose bits per weight on this shape are nearest `bits` (the gains' reference)."""
+    n = math.prod(shape)
+    return min(types, key=lambda t: abs(8 * tensor_bytes(t, shape) / n - bits))
+
+
+def sample_rows(n_rows: int, k: int = ROW_SAMPLE) -> torch.Tensor:
+    """Every ceil(n/k)-th row: spread evenly over the vocabulary, whose ids are ordered
+    (byte tokens, then BPE merges by rank), so a stride sees every kind of token."""
+    return torch.arange(0, n_rows, max(1, -(-n_rows // k)))
+
+
+def row_errors(rows: torch.Tensor, types: list[Q], imatrix: torch.Tensor | None, encode, decode
+               ) -> dict[Q, tuple[torch.Tensor, torch.Tensor]]:
+    """Per type: (squared error per row, imatrix-weighted squared error per row), float64 [R].
+    The encoder gets the imatrix (what would be written); without one both are the plain error."""
+    w32 = rows.detach().float()
+    out = {}
+    for t in types:
+        sq = (decode(encode(w32, t, imatrix), t).to(w32.device) - w32).double().square()
+        plain = sq.sum(1)
+        weighted = plain if imatrix is None else \
+            (sq * imatrix.to(sq.device, torch.float64).reshape(1, -1)).sum(1)
+        out[t] = (plain.cpu(), weighted.cpu())
+    return out
+
+
+def lookup_weights(rows: torch.Tensor, uniform: torch.Tensor, counts: torch.Tensor | None
+                   ) -> torch.Tensor:
+    """Weight of each of `rows` (sorted ids) in token_embd's cost E_token ||E_q[id] - E[id]||^2:
+    SEEN_SHARE by calibration frequency (counts [V]) plus the rest spread over the `uniform`
+    sample (standing for every row); without counts, the uniform sample alone."""
+    in_uniform = torch.isin(rows, uniform).double()
+    if counts is None or float(counts.sum()) <= 0:
+        return in_uniform / len(uniform)
+    freq = counts.double()[rows] / float(counts.sum())
+    return SEEN_SHARE * freq + (1 - SEEN_SHARE) * in_uniform / len(uniform)
+
+
+def mean_klds(x: torch.Tensor, w: torch.Tensor, perturbed: list[tuple[torch.Tensor, torch.Tensor]],
+              chunk: int = 128) -> list[float]:
+    """Mean over tokens of KL(softmax(x w^T) || softmax(x' w'^T)) for each (x', w') in
+    `perturbed`: the head's logits with a perturbed input or weight. float64 softmax (the
+    KLDs of a 6-bit head are ~1e-5), the reference's once per chunk."""
+    totals = [0.0] * len(perturbed)
+    for i in range(0, x.shape[0], chunk):
+        p = torch.log_softmax((x[i:i + chunk] @ w.T).double(), -1)
+        pe = p.exp()
+        for k, (xq, wq) in enumerate(perturbed):
+            q = torch.log_softmax((xq[i:i + chunk] @ wq.T).double(), -1)
+            totals[k] += float((pe * (p - q)).sum())
+    return [t / max(1, x.shape[0]) for t in totals]
+
+
 class Budget:
     """The byte budget of the tensors auto chooses, from --target-bpw or --target-size.
 
-    target_bpw counts every weight matrix of the file (block Linears, token_embd, output):
+    target_bpw counts every weight matrix of the file (block Linears, token_embd, output; all
+    of them chosen by auto):
     8 * their bytes / their weights, what `quantkit info` shows as "Linears +
     embeddings/output". target_size counts the whole file: the fixed tensors, the 1-D
     tensors and the metadata (`overhead_bytes`, estimated by the writer) come off it first.

@@ -481,6 +481,15 @@ class GGUFQuantizer:
         # the imatrix cost alone); the gains found, by GGUF name
         self.gain_batches = int(gain_batches)
         self.gains: dict[str, float] = {}
+        # auto also chooses token_embd / output: the head's input is the final norm's output
+        self.reads_final_norm = self.auto
+        self.n_layer = 0
+        self._embd_counts: torch.Tensor | None = None  # calibration token counts [vocab]
+        self._embd_delta: list[torch.Tensor] | None = None  # token_embd's error on the gain batches
+        self._final_hidden: torch.Tensor | None = None  # last block's float outputs [tokens, H]
+        self._final_delta: torch.Tensor | None = None  # their error, last block at its references
+        self._outside: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}  # weight, imatrix
+        self._outside_gains: dict[str, dict[str, float | str]] = {}
 
     # ------------------------------------------------------------------ before any data
     def check(self, scheme: QuantScheme) -> None:
@@ -521,6 +530,7 @@ class GGUFQuantizer:
                 raise SchemeMismatch(f"{full} has no GGUF name for architecture {spec.name}.")
             tensors[gname] = tuple(shape)
         n_head = get("num_attention_heads") or 1
+        self.n_layer = int(get("num_hidden_layers"))
         n_expert = spec.experts.count(config) if spec.experts is not None else 0
         self.n_expert = n_expert  # an imatrix entry of a 3-D expert tensor has n_expert vectors
         self.plans = plan_types(self.preset, tensors, int(get("num_hidden_layers")),
@@ -556,14 +566,15 @@ class GGUFQuantizer:
             self._prepare_auto(tensors)
 
     def _prepare_auto(self, tensors: dict[str, tuple[int, ...]]) -> None:
-        """Which tensors auto chooses (every block Linear) and the budget they share, checked
-        against what the candidates can make before any data is read."""
+        """Which tensors auto chooses (every weight matrix: block Linears, token_embd, output)
+        and the budget they share, checked against what the candidates can make before any
+        data is read."""
         from quantkit.methods.gguf_auto import candidate_types, tensor_bytes
 
         if self.n_expert:
             raise SchemeMismatch("--gguf-type auto is not built for mixture-of-experts models yet.",
                                  "Pick a fixed --gguf-type (e.g. q4_k_m) for this model.")
-        self.auto_shapes = {n: s for n, s in tensors.items() if n.startswith("blk.") and n in self.plans}
+        self.auto_shapes = {n: s for n, s in tensors.items() if n in self.plans}
         self.fixed_shapes = {n: tensors[n] for n in self.plans if n not in self.auto_shapes}
         self.matrix_params = sum(math.prod(s) for n, s in tensors.items() if n in self.plans)
         self.fixed_bytes = sum(tensor_bytes(self.plans[n].qtype, s) for n, s in self.fixed_shapes.items())
@@ -657,6 +668,9 @@ class GGUFQuantizer:
             results = self._gptq_block(ctx, spec)
         if self.auto and self.gain_batches and ctx.inputs:
             self._block_gains(ctx, spec)
+        elif self.auto and ctx.inputs and ctx.index == self.n_layer - 1:  # the head's input
+            self._final_hidden = torch.cat([o.reshape(-1, o.shape[-1]).float().cpu()
+                                            for o in ctx.rerun(1)])
         for gname, parts in experts.items():  # one imatrix entry per 3-D tensor, expert-major
             order = sorted(parts)
             self.collected[gname] = (torch.stack([parts[e][0] for e in order]),
@@ -807,11 +821,13 @@ class GGUFQuantizer:
         units whatever the imatrix's scale, so tensors without an imatrix entry compare too."""
         reference = ctx.rerun(self.gain_batches)
         tokens = sum(o.shape[0] * o.shape[1] if o.dim() == 3 else o.shape[0] for o in reference)
+        refs: dict[str, str] = {}
         for name, linear in ctx.linears.items():
             gname = gguf_linear_name(spec, f"{spec.block_path}.{ctx.index}.{name}")
             hf_name, opts, data, bias = self.measured[gname]
             k = linear.weight.shape[1]
             ref = min(opts, key=lambda o: abs(8 * o.nbytes / (linear.weight.numel()) - 4.5))
+            refs[name] = ref.label
             saved = linear.weight.data.clone()
             deq = dequantize_tensor(data[ref.label], Q[ref.label]).reshape(-1, k)
             linear.weight.data.copy_(deq.to(linear.weight.device, linear.weight.dtype))
@@ -822,33 +838,208 @@ class GGUFQuantizer:
             self.gains[gname] = gain
             self.measured[gname] = (hf_name, [Option(o.label, o.nbytes, o.cost * gain) for o in opts],
                                     data, bias)
+        if ctx.index == 0 and self._embd_delta:
+            self._lookup_gain(ctx, reference)
+        if ctx.index == self.n_layer - 1:
+            self._head_inputs(ctx, spec, reference, refs)
+
+    def _lookup_gain(self, ctx: BlockContext, reference: list[torch.Tensor]) -> None:
+        """token_embd's gain: block 0 on its inputs plus token_embd's error at the ~4.5-bit
+        reference (observe_embedding): squared block-output error per unit of squared input
+        error. Its cost (squared input error per token) is then in the block tensors' units."""
+        n = min(len(self._embd_delta), len(reference))
+        hidden, in_err = [], 0.0
+        for h, d in zip(ctx.inputs[:n], self._embd_delta[:n], strict=True):
+            p = h + d.to(h.device, h.dtype)
+            in_err += float((p.double() - h.double()).square().sum())
+            hidden.append(p)
+        out = ctx.rerun(n, hidden=hidden)
+        err = sum(float((o.double() - r.double()).square().sum())
+                  for o, r in zip(out, reference[:n], strict=True))
+        if in_err > 0:
+            self._outside_gains.setdefault("token_embd.weight", {})["lookup_gain"] = err / in_err
+        self._embd_delta = None
+
+    def _head_inputs(self, ctx: BlockContext, spec, reference: list[torch.Tensor],
+                     refs: dict[str, str]) -> None:
+        """The last block's outputs (the final norm's input, so the output head's) and their
+        error with every tensor of the block at its reference option at once: a residual
+        perturbation of known size, whose KLD through the head converts the head's own KLD
+        into block-output units (quantize_rest)."""
+        saved = {}
+        for name, linear in ctx.linears.items():
+            gname = gguf_linear_name(spec, f"{spec.block_path}.{ctx.index}.{name}")
+            data = self.measured[gname][2]
+            saved[name] = linear.weight.data.clone()
+            deq = dequantize_tensor(data[refs[name]], Q[refs[name]]).reshape(linear.weight.shape)
+            linear.weight.data.copy_(deq.to(linear.weight.device, linear.weight.dtype))
+        try:
+            out = ctx.rerun(self.gain_batches)
+        finally:
+            for name, linear in ctx.linears.items():
+                linear.weight.data.copy_(saved[name])
+        from quantkit.methods.gguf_auto import KLD_TOKENS
+
+        flat = lambda ts: torch.cat([t.reshape(-1, t.shape[-1]).float().cpu() for t in ts])  # noqa: E731
+        self._final_hidden = flat(reference)
+        self._final_delta = (flat(out) - self._final_hidden)[:KLD_TOKENS]
+
+    def observe_embedding(self, module: torch.nn.Module, batches: list[torch.Tensor]) -> None:
+        """auto: how often calibration looks up each token_embd row (its row weights), and on
+        the gain batches the error token_embd at its ~4.5-bit reference adds to block 0's
+        inputs (measured against block 0's output in _block_gains). Called by the pipeline
+        while the embedding table is loaded."""
+        if not self.auto or "token_embd.weight" not in self.auto_shapes or not batches:
+            return
+        from quantkit.methods.gguf_auto import candidate_types, nearest_type
+
+        w = module.weight.detach()
+        ids = torch.cat([b.reshape(-1).cpu() for b in batches])
+        self._embd_counts = torch.bincount(ids, minlength=w.shape[0]).double()
+        if self.gain_batches <= 0:
+            return
+        shape = tuple(w.shape)
+        ref = nearest_type(candidate_types(shape, FALLBACK), shape)
+        heads = [b.cpu() for b in batches[:self.gain_batches]]
+        used = torch.unique(torch.cat([b.reshape(-1) for b in heads]))
+        rows = w[used.to(w.device)].float()
+        err = dequantize_tensor(quantize_tensor(rows, ref), ref).to(rows.device) - rows
+        # the embedding module's own output scale (Gemma: sqrt(hidden)), else 1
+        scale = float(getattr(module, "embed_scale", 1.0))
+        self._embd_delta = [(err[torch.searchsorted(used, b)] * scale).cpu() for b in heads]
+        self._outside_gains.setdefault("token_embd.weight", {})["lookup_reference"] = ref.name
+
+    def _measure_outside(self, model, spec, device) -> None:
+        """auto: token_embd and output at every candidate type, costs in the block tensors' units.
+
+        output (or token_embd when tied, which then serves both): cost = sum_j imatrix_j *
+        sum_v (W_vj - W_t,vj)^2, the squared logit error per token, imatrix of the head's input
+        (the final norm's output on the gain batches, or the imatrix file's entry); scaled by
+        its KLD gain: (KLD of the logits with the head at its ~4.5-bit reference, per unit of
+        the KLD that a measured squared residual error at the last block gives) / that cost.
+        token_embd (a lookup, not a matmul): cost = E_token ||E_t[id] - E[id]||^2, rows weighted
+        by calibration frequency (lookup_weights), scaled by block 0's measured gain.
+        Costs from a row sample (sample_rows, plus every row calibration looked up)."""
+        from quantkit.methods.gguf_auto import (
+            candidate_types,
+            lookup_weights,
+            pareto,
+            row_errors,
+            sample_rows,
+            tensor_bytes,
+        )
+
+        mods = dict(model.named_modules())
+        head = "output.weight" if "output.weight" in self.auto_shapes else "token_embd.weight"
+        norm = mods.get(spec.final_norm)
+        x = None
+        if self._final_hidden is not None and norm is not None:
+            with torch.no_grad():
+                x = norm(self._final_hidden.to(device, norm.weight.dtype)).float()
+        imat = self.imatrix.get(head)
+        if imat is None and x is not None:
+            imat = x.double().square().mean(0).float()
+        for gname, full in (("token_embd.weight", spec.embed), ("output.weight", spec.lm_head)):
+            if gname not in self.auto_shapes:
+                continue
+            t0 = time.perf_counter()
+            w = mods[full].weight.data.to(device)
+            shape = tuple(w.shape)
+            types = candidate_types(shape, FALLBACK)
+            lookup, is_head = gname == "token_embd.weight", gname == head
+            qw = imat.to(device) if is_head and imat is not None else None
+            gains = self._outside_gains.setdefault(gname, {})
+            data: dict[str, torch.Tensor] = {}
+            if is_head and qw is not None and x is not None and self._final_delta is not None:
+                ref, ref_bytes = self._head_gain(w, x, norm, qw, types, shape, gains)
+                data[ref.name] = ref_bytes
+            uniform = sample_rows(shape[0])
+            rows = uniform
+            if lookup and self._embd_counts is not None:
+                rows = torch.unique(torch.cat([uniform, self._embd_counts.nonzero().flatten()]))
+            errs = row_errors(w[rows.to(w.device)], types, qw,
+                              lambda a, t, imp: quantize_tensor(a, t, imp), dequantize_tensor)
+            in_uniform = torch.isin(rows, uniform)
+            weights = lookup_weights(rows, uniform, self._embd_counts) if lookup else None
+            options, rel = [], {}
+            norm_u = math.sqrt(float(w[uniform.to(w.device)].double().square().sum())) or 1e-30
+            for t, (plain, weighted) in errs.items():
+                cost = 0.0
+                if lookup:
+                    cost += float(gains.get("lookup_gain", 1.0)) * float((weights * plain).sum())
+                if is_head:
+                    cost += float(gains.get("head_gain", 1.0)) * shape[0] * float(weighted[in_uniform].mean())
+                options.append(Option(t.name, tensor_bytes(t, shape), cost))
+                rel[t.name] = math.sqrt(float(plain[in_uniform].sum())) / norm_u
+            kept = pareto(options)  # the solver tries each (OUTSIDE), so not only the hull
+            labels = {o.label for o in kept}
+            self.measured[gname] = (full, kept, {k: v.cpu() for k, v in data.items() if k in labels}, None)
+            self._outside[gname] = (w, qw)
+            self._rel_error[gname] = {k: v for k, v in rel.items() if k in labels}
+            self._seconds[gname] = time.perf_counter() - t0
+            gains["cost_rows"] = len(rows)
+
+    def _head_gain(self, w: torch.Tensor, x: torch.Tensor, norm, qw: torch.Tensor, types: list[Q],
+                   shape: tuple[int, ...], gains: dict) -> tuple[Q, torch.Tensor]:
+        """The output head's factor from squared logit error to block-output units, measured:
+        (KLD with the head at its ~6.5-bit reference / KLD per unit of squared residual error
+        at the last block) / the head's cost at that reference. The reference is encoded whole
+        (its bytes are kept: written as they are if chosen); ~6.5 bits (Q6_K) rather than the
+        block tensors' 4.5 because the gain assumes small perturbations anyway and Q6_K's
+        encoder is ~10x faster than Q4_K's with an imatrix (vocab-sized tensors)."""
+        from quantkit.methods.gguf_auto import KLD_TOKENS, mean_klds, nearest_type
+
+        ref = nearest_type(types, shape, 6.5)
+        w32 = w.float()
+        data = quantize_tensor(w32, ref, qw)
+        wq = dequantize_tensor(data, ref).to(w32.device)
+        cost = float(((wq - w32).double().square().sum(0) * qw.double().reshape(-1)).sum())
+        n = self._final_delta.shape[0]
+        xs = x[:n]
+        with torch.no_grad():
+            xd = norm((self._final_hidden[:n] + self._final_delta).to(x.device, norm.weight.dtype)).float()
+        kld_residual, kld_head = mean_klds(xs, w32, [(xd, w32), (xs, wq)])
+        residual_sq = float(self._final_delta.double().square().sum(1).mean())
+        if kld_residual > 0 and residual_sq > 0 and cost > 0:
+            gains["head_gain"] = kld_head / (kld_residual / residual_sq) / cost
+        gains.update(head_reference=ref.name, head_kld=kld_head, residual_kld=kld_residual,
+                     residual_sq_error=residual_sq, kld_tokens=int(min(n, KLD_TOKENS)))
+        return ref, data
 
     def _solve_auto(self, spec) -> dict[str, QuantResult]:
-        """Every block tensor's type from the measured options under the budget; the results
-        that replace the stand-ins, keyed by full module name."""
-        from quantkit.methods.gguf_auto import allocate
+        """Every weight matrix's type from the measured options under the budget; the results
+        (block tensors: replacing the stand-ins; token_embd / output: encoded whole now at the
+        chosen type), keyed by full module name."""
+        from quantkit.methods.gguf_auto import OUTSIDE, allocate
 
         missing = sorted(set(self.auto_shapes) - set(self.measured))
         if missing:
             raise SchemeMismatch(f"auto measured no options for {missing[:3]}.")
         candidates = {g: opts for g, (_, opts, _, _) in self.measured.items()}
-        chosen = allocate(candidates, self.auto_budget)
+        chosen = allocate(candidates, self.auto_budget, whole=OUTSIDE)
         results, tensors = {}, {}
         for gname, option in chosen.items():
             name, opts, data, bias = self.measured[gname]
             qtype = Q[option.label]
             block = int(_layer(gname))
-            full = f"{spec.block_path}.{block}.{name}"
+            full = f"{spec.block_path}.{block}.{name}" if block >= 0 else name
             n = self.auto_shapes[gname]
-            res = self._result(name, qtype, qtype, data[option.label], bias,
+            if option.label not in data:  # token_embd / output: only rows were measured
+                w, qw = self._outside[gname]
+                data = {option.label: quantize_tensor(w.float(), qtype, qw).cpu()}
+            res = self._result(name if block >= 0 else full, qtype, qtype, data[option.label], bias,
                                self._rel_error[gname][option.label])
             res.seconds = self._seconds.get(gname)
             results[full] = res
             tensors[gname] = {"type": qtype.name, "bytes": option.nbytes, "shape": list(n),
                               "cost": option.cost,
                               **({"block_gain": self.gains[gname]} if gname in self.gains else {}),
+                              **({"gains": self._outside_gains[gname]}
+                                 if self._outside_gains.get(gname) else {}),
                               "options": {o.label: [o.nbytes, o.cost] for o in opts}}
         self.measured.clear()
+        self._outside.clear()
+        self._final_hidden = self._final_delta = None
         used = sum(t["bytes"] for t in tensors.values())
         matrix_bytes = used + self.fixed_bytes
         counts: dict[str, int] = {}
@@ -860,7 +1051,14 @@ class GGUFQuantizer:
                            "output error per calibration token, diagonal input covariance)"
                            + (f" x block_gain (squared block-output error / that cost, the tensor "
                               f"alone at its option nearest 4.5 bpw, first {self.gain_batches} "
-                              f"calibration batches)" if self.gains else ""),
+                              f"calibration batches)" if self.gains else "")
+                           + "; token_embd: E_token ||E_t[id] - E[id]||^2 (rows weighted "
+                             "0.9 by calibration frequency + 0.1 uniform) x lookup_gain (block "
+                             "0's squared output error per unit of that input error); output "
+                             "(token_embd when tied): sum_j imatrix_j * sum_v (W - W_t)^2 (the "
+                             "head input's imatrix) x head_gain (its KLD at the ~4.5-bit "
+                             "reference in units of the KLD per squared residual error at the "
+                             "last block, / its cost there); both from a row sample",
             "solver": "greedy on each tensor's lower convex hull of (bytes, cost), then leftover fill",
             "budget_bytes": self.auto_budget, "chosen_bytes": used,
             "fixed": {n: self.plans[n].qtype.name for n in self.fixed_shapes},
@@ -876,8 +1074,11 @@ class GGUFQuantizer:
     # ------------------------------------------------------------------ after the blocks
     def quantize_rest(self, model, spec) -> dict[str, QuantResult]:
         """token_embd (and output when untied), which live outside the decoder blocks."""
-        results: dict[str, QuantResult] = self._solve_auto(spec) if self.auto else {}
-        if self.preset.quantized:
+        results: dict[str, QuantResult] = {}
+        if self.auto:
+            self._measure_outside(model, spec, "cuda" if torch.cuda.is_available() else "cpu")
+            results = self._solve_auto(spec)
+        elif self.preset.quantized:
             mods = dict(model.named_modules())
             device = "cuda" if torch.cuda.is_available() else "cpu"
             for full in (spec.embed, spec.lm_head):

@@ -158,6 +158,9 @@ def quantize_blocks(
         with source.embedding():
             inputs = capture_block_inputs(model, blocks, batches, compute_dtype).to(
                 device, offload=offload_activations and torch.device(device).type == "cuda")
+            observe = getattr(quantizer, "observe_embedding", None)
+            if observe is not None and dp is None:  # while the embedding table is real
+                observe(model.get_submodule(spec.embed), batches)
     total = len(blocks)
     start = 0
     resumed = checkpoint.resume(total, needs_hidden=inputs is not None) \
@@ -240,10 +243,14 @@ def _run_blocks(blocks, start: int, total: int, spec: ArchSpec, quantizer: Quant
                 if experts and stats and (dp is None or dp.is_main):
                     _warn_few_tokens(prefix, spec, stats, expert_min_tokens)
 
-                def rerun(max_batches=None, block=block, inputs=inputs):
+                def rerun(max_batches=None, hidden=None, block=block, inputs=inputs):
                     if inputs is None:
                         return []
-                    return run_block(block, inputs if max_batches is None else inputs.head(max_batches))
+                    chosen = inputs if max_batches is None else inputs.head(max_batches)
+                    if hidden is not None:  # other hidden states, same kwargs and placement
+                        chosen = BlockInputs(list(hidden), chosen.kwargs[:len(hidden)], chosen.device,
+                                             chosen.block_kwargs, chosen.block)
+                    return run_block(block, chosen)
 
                 ctx = BlockContext(
                     index=i, block=block, linears=linears, stats=stats, scheme=scheme,

@@ -428,7 +428,11 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
     if dp is not None and not dp.is_main:  # rank 0 alone writes the artifact
         return {"rank": dp.rank, "world_size": dp.world}
     if hasattr(quantizer, "quantize_rest"):  # tensors outside the blocks (GGUF embeddings)
-        outside = [m for m in (spec.embed, spec.lm_head) if streaming]
+        # the final norm too for a method that reads the head's input (GGUF auto)
+        wanted = (spec.embed, spec.lm_head) + ((spec.final_norm,) if getattr(
+            quantizer, "reads_final_norm", False) else ())
+        present = dict(model.named_modules())
+        outside = [m for m in wanted if streaming and m in present]
         for name in outside:
             materialise(model.get_submodule(name), name + ".", reader, load_dtype, root=model)
         results.update(quantizer.quantize_rest(model, spec))
