@@ -79,6 +79,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="gguf-gptq-time-"))
     cli = [sys.executable, "-m", "quantkit.cli", "quantize", args.model, "--method", "gptq",
            "--calib-samples", str(args.samples), "--calib-seqlen", str(args.seqlen), "--force"]
+    commit = _commit()  # before the runs: what they run
     jobs = {"gguf_gptq": cli + ["--format", "gguf", "--gguf-type", args.gguf_type,
                                 "--output", str(work / "out.gguf")],
             "gptq_int4": cli + ["--output", str(work / "out_int4")]}
@@ -99,7 +100,7 @@ def main() -> None:
     wall = med["gguf_gptq"]["wall_s"] / med["gptq_int4"]["wall_s"]
     cpu = ((med["gguf_gptq"]["user_s"] + med["gguf_gptq"]["sys_s"])
            / (med["gptq_int4"]["user_s"] + med["gptq_int4"]["sys_s"]))
-    res = {"benchmark": "gguf_gptq_time_vs_gptq", "commit": _commit(),
+    res = {"benchmark": "gguf_gptq_time_vs_gptq", "commit": commit,
            "command": "python " + " ".join([str(Path(sys.argv[0]).relative_to(ROOT)
                                                 if Path(sys.argv[0]).is_absolute() else sys.argv[0])]
                                            + sys.argv[1:]),
