@@ -1,0 +1,151 @@
+"""`--gptq-v-hessian attention`: GPTQ gives v_proj the attention-weighted Hessian
+sum_h (A_h X)^T (A_h X) (quantkit.pipeline.attention_v) and changes nothing else; the option
+reaches every GPTQ-family path, is recorded, and is refused where it is not built."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from cli_runner import run_cli
+
+from quantkit.arch import spec_for_config
+from quantkit.methods.gptq import GPTQQuantizer
+from quantkit.model_io import load_model
+from quantkit.pipeline.attention_v import query_rows
+from quantkit.pipeline.blocks import quantize_blocks
+from quantkit.types import QuantScheme
+
+V = "self_attn.v_proj"
+
+
+class _Recorder(GPTQQuantizer):
+    """GPTQ's statistics, recorded and left unused: no weight changes, so every block of
+    both runs sees the float model and any difference is the option's alone."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.seen: dict[str, torch.Tensor] = {}
+
+    def quantize_block(self, ctx):
+        for name, st in ctx.stats.items():
+            self.seen[f"{ctx.index}.{name}"] = st["hessian"].clone()
+            self.seen[f"{ctx.index}.{name}.tokens"] = st["tokens"]
+        return {}
+
+
+def _hessians(model_dir, batches, staged: bool, **kw) -> dict:
+    model = load_model(model_dir)
+    rec = _Recorder(**kw)
+    quantize_blocks(model, spec_for_config(model.config), rec, QuantScheme(bits=4, group_size=64),
+                    batches, staged=staged)
+    return rec.seen
+
+
+def _batches(seqlen: int = 48) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randint(0, 49152, (2, seqlen), generator=gen) for _ in range(2)]
+
+
+@pytest.mark.parametrize("staged", [True, False])
+def test_only_v_proj_hessian_changes_and_it_is_the_attention_weighted_one(tiny_llama, staged):
+    """Known answer: v_proj's H is sum over batches, sequences, query heads h (GQA: 4 query
+    heads on 2 KV heads, all counted) and queries s of xbar xbar^T, xbar = A_h[s] X, from an
+    eager forward of the float model; every other Linear's H and every token count is
+    bitwise the default run's. Both pipeline paths (one staged forward, block replay)."""
+    batches = _batches()
+    base = _hessians(tiny_llama, batches, staged)
+    att = _hessians(tiny_llama, batches, staged, v_hessian="attention")
+    assert base.keys() == att.keys() and len(base) == 2 * 2 * 7
+    for key in base:
+        if key.endswith(V):
+            assert not torch.allclose(base[key], att[key], rtol=0.05), key
+        else:
+            assert torch.equal(torch.as_tensor(base[key]), torch.as_tensor(att[key])), key
+
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32,
+                                              attn_implementation="eager").eval()
+    for i, layer in enumerate(hf.model.layers):
+        xs = []
+        hook = layer.self_attn.v_proj.register_forward_pre_hook(lambda _m, a, xs=xs: xs.append(a[0]))
+        want = torch.zeros(256, 256, dtype=torch.float64)
+        with torch.no_grad():
+            for ids in batches:
+                out = hf(input_ids=ids, output_attentions=True)
+                a, x = out.attentions[i].double(), xs[-1].double()  # [B, 4, S, S], [B, S, K]
+                assert a.shape[1] == 4
+                xbar = torch.einsum("bhst,btk->bhsk", a, x).reshape(-1, 256)
+                want += xbar.T @ xbar
+        hook.remove()
+        got = att[f"{i}.{V}"].double()
+        assert torch.allclose(got, want, rtol=1e-4, atol=1e-5 * float(want.abs().max())), i
+        assert att[f"{i}.{V}.tokens"] == 2 * 2 * 48  # the token count stays X's
+
+
+def test_query_rows_are_bounded_and_evenly_spread():
+    assert torch.equal(query_rows(100), torch.arange(100))
+    rows = query_rows(2048)
+    assert len(rows) == 256 and rows[0] == 0 and rows[-1] == 2047
+    assert (rows.diff() >= 7).all() and (rows.diff() <= 9).all()
+
+
+def test_cli_gptq_int4_and_gguf_record_the_option_and_load(tiny_llama, tmp_path):
+    """--method gptq (compressed-tensors) and --method gptq --format gguf with the option:
+    exit 0, method_options record it, v_proj's codes differ from the default run's, the
+    artifact loads (quantkit's loader; llama.cpp for the GGUF) and gives finite logits."""
+    from quantkit.loader import load_artifact
+
+    common = ["--calib-samples", "4", "--calib-seqlen", "64"]
+    outs = {}
+    for name, extra in (("int4", []), ("int4_att", ["--gptq-v-hessian", "attention"])):
+        outs[name] = tmp_path / name
+        r = run_cli(["quantize", tiny_llama, "--method", "gptq", "--bits", "4", "--group-size",
+                     "64", *common, *extra, "-o", outs[name]])
+        assert r.returncode == 0, r.stderr
+    meta = json.loads((outs["int4_att"] / "quantkit.json").read_text())
+    assert meta["method_options"]["v_hessian"] == "attention"
+    assert "--gptq-v-hessian attention" in meta["command"]
+    assert "v_hessian" not in json.loads((outs["int4"] / "quantkit.json").read_text())["method_options"]
+    from safetensors.torch import load_file
+
+    ref, new = load_file(outs["int4"] / "model.safetensors"), load_file(outs["int4_att"] / "model.safetensors")
+    packed = [k for k in ref if k.endswith("v_proj.weight_packed")]
+    assert packed and all(not torch.equal(ref[k], new[k]) for k in packed)
+    assert torch.equal(ref[packed[0].replace("v_proj", "q_proj")], new[packed[0].replace("v_proj", "q_proj")])
+    loaded = load_artifact(outs["int4_att"])
+    with torch.no_grad():
+        assert torch.isfinite(loaded.model(input_ids=torch.randint(0, 49152, (1, 16))).logits).all()
+
+    gguf = tmp_path / "att.gguf"
+    r = run_cli(["quantize", tiny_llama, "--method", "gptq", "--format", "gguf", "--gguf-type",
+                 "q4_k_m", *common, "--gptq-v-hessian", "attention", "-o", gguf])
+    assert r.returncode == 0, r.stderr
+    from quantkit.engines.llamacpp import LlamaCppModel
+    from quantkit.formats.gguf import read_gguf
+
+    kv = read_gguf(gguf)[0]
+    assert json.loads(kv["quantkit.metadata"])["method_options"]["v_hessian"] == "attention"
+    llm = LlamaCppModel(gguf, n_ctx=128, logits_all=True)
+    try:
+        assert torch.isfinite(torch.from_numpy(llm.logits([1, 2, 3, 4]))).all()
+    finally:
+        llm.close()
+
+
+def test_unsupported_architecture_and_rtn_rounding_are_refused(tiny_model_factory, tiny_llama, tmp_path):
+    """phi3 (fused qkv_proj): exit 2, one clear error, no traceback, nothing written; the
+    flag without --rounding gptq on a rounding method: exit 2."""
+    phi3 = tiny_model_factory("phi3")
+    out = tmp_path / "out"
+    r = run_cli(["quantize", phi3, "--method", "gptq", "--gptq-v-hessian", "attention",
+                 "--calib-samples", "2", "--calib-seqlen", "32", "-o", out])
+    assert r.returncode == 2, r.stderr
+    assert "not built for phi3" in r.stderr and "Traceback" not in r.stderr + r.stdout
+    assert not out.exists() and not any(tmp_path.glob(".out*"))
+    r = run_cli(["quantize", tiny_llama, "--method", "gguf", "--gguf-type", "q4_k_m",
+                 "--gptq-v-hessian", "attention", "-o", out])
+    assert r.returncode == 2 and "--rounding gptq" in r.stderr, r.stderr
+    assert not out.exists()
