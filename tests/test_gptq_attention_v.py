@@ -92,47 +92,78 @@ def test_query_rows_are_bounded_and_evenly_spread():
     assert (rows.diff() >= 7).all() and (rows.diff() <= 9).all()
 
 
-def test_cli_gptq_int4_and_gguf_record_the_option_and_load(tiny_llama, tmp_path):
-    """--method gptq (compressed-tensors) and --method gptq --format gguf with the option:
-    exit 0, method_options record it, v_proj's codes differ from the default run's, the
-    artifact loads (quantkit's loader; llama.cpp for the GGUF) and gives finite logits."""
+def test_gptq_int4_records_the_option_and_loads(tiny_llama, tmp_path):
+    """--method gptq with the option (the API's request): quantkit.json records it, the
+    equivalent command carries the flag, quantkit's loader loads the artifact and it gives
+    finite logits."""
     from quantkit.loader import load_artifact
+    from quantkit.pipeline.quantize import QuantizeRequest, quantize
 
-    common = ["--calib-samples", "4", "--calib-seqlen", "64"]
-    outs = {}
-    for name, extra in (("int4", []), ("int4_att", ["--gptq-v-hessian", "attention"])):
-        outs[name] = tmp_path / name
-        r = run_cli(["quantize", tiny_llama, "--method", "gptq", "--bits", "4", "--group-size",
-                     "64", *common, *extra, "-o", outs[name]])
-        assert r.returncode == 0, r.stderr
-    meta = json.loads((outs["int4_att"] / "quantkit.json").read_text())
+    out = tmp_path / "int4"
+    req = QuantizeRequest(model=str(tiny_llama), method="gptq", out=out,
+                          scheme=QuantScheme(bits=4, group_size=64), calib_samples=2,
+                          calib_seqlen=64, method_options={"v_hessian": "attention"})
+    quantize(req)
+    meta = json.loads((out / "quantkit.json").read_text())
     assert meta["method_options"]["v_hessian"] == "attention"
-    assert "--gptq-v-hessian attention" in meta["command"]
-    assert "v_hessian" not in json.loads((outs["int4"] / "quantkit.json").read_text())["method_options"]
-    from safetensors.torch import load_file
-
-    ref, new = load_file(outs["int4"] / "model.safetensors"), load_file(outs["int4_att"] / "model.safetensors")
-    packed = [k for k in ref if k.endswith("v_proj.weight_packed")]
-    assert packed and all(not torch.equal(ref[k], new[k]) for k in packed)
-    assert torch.equal(ref[packed[0].replace("v_proj", "q_proj")], new[packed[0].replace("v_proj", "q_proj")])
-    loaded = load_artifact(outs["int4_att"])
+    assert "--gptq-v-hessian attention" in req.cli_equivalent()
+    loaded = load_artifact(out)
     with torch.no_grad():
         assert torch.isfinite(loaded.model(input_ids=torch.randint(0, 49152, (1, 16))).logits).all()
 
-    gguf = tmp_path / "att.gguf"
-    r = run_cli(["quantize", tiny_llama, "--method", "gptq", "--format", "gguf", "--gguf-type",
-                 "q4_k_m", *common, "--gptq-v-hessian", "attention", "-o", gguf])
-    assert r.returncode == 0, r.stderr
+
+def test_cli_gptq_gguf_records_the_option_and_llama_cpp_loads_it(tiny_llama, tmp_path):
+    """`quantkit quantize --method gptq --format gguf --gptq-v-hessian attention`: exit 0,
+    quantkit.metadata records the option and the command, llama-cpp-python loads the file
+    and gives finite logits."""
+    pytest.importorskip("llama_cpp")
+    from click.testing import CliRunner
+
+    from quantkit.cli import main
     from quantkit.engines.llamacpp import LlamaCppModel
     from quantkit.formats.gguf import read_gguf
 
-    kv = read_gguf(gguf)[0]
-    assert json.loads(kv["quantkit.metadata"])["method_options"]["v_hessian"] == "attention"
+    gguf = tmp_path / "att.gguf"
+    r = CliRunner().invoke(main, ["quantize", str(tiny_llama), "--method", "gptq", "--format",
+                                  "gguf", "--gguf-type", "q4_k_m", "--calib-samples", "2",
+                                  "--calib-seqlen", "64", "--gptq-v-hessian", "attention",
+                                  "-o", str(gguf)])
+    assert r.exit_code == 0, r.output
+    meta = json.loads(read_gguf(gguf)[0]["quantkit.metadata"])
+    assert meta["method_options"]["v_hessian"] == "attention"
+    assert meta["method_options"]["rounding"] == "gptq"
     llm = LlamaCppModel(gguf, n_ctx=128, logits_all=True)
     try:
         assert torch.isfinite(torch.from_numpy(llm.logits([1, 2, 3, 4]))).all()
     finally:
         llm.close()
+
+
+@pytest.mark.parametrize("method,options", [
+    ("gptq", {}), ("gguf", {"rounding": "gptq", "gguf_type": "q4_k_m"}),
+    ("int8", {"rounding": "gptq"}), ("nvfp4", {"rounding": "gptq"})])
+def test_every_gptq_path_reads_the_option(tiny_llama, method, options):
+    """Every quantizer that reads "hessian" takes v_hessian: block 0's v_proj comes out
+    different, its q_proj (same input, same Hessian) identical."""
+    from quantkit.methods import get_quantizer
+    from quantkit.pipeline.quantize import linear_shapes
+
+    schemes = {"gptq": QuantScheme(bits=4, group_size=64),
+               "gguf": QuantScheme(kind="kquant", gguf_type="q4_k_m")}
+    got = {}
+    for v in ("tokens", "attention"):
+        model = load_model(tiny_llama)
+        spec = spec_for_config(model.config)
+        quantizer = get_quantizer(method, **options, v_hessian=v)
+        scheme = schemes.get(method) or quantizer.scheme
+        quantizer.check(scheme)
+        if hasattr(quantizer, "prepare"):
+            quantizer.prepare(config=model.config, spec=spec, shapes=linear_shapes(model.config, spec))
+        quantize_blocks(model, spec, quantizer, scheme, _batches(32)[:1])
+        layer = model.model.layers[0].self_attn
+        got[v] = (layer.q_proj.weight.detach().clone(), layer.v_proj.weight.detach().clone())
+    assert torch.equal(got["tokens"][0], got["attention"][0])
+    assert not torch.equal(got["tokens"][1], got["attention"][1])
 
 
 def test_unsupported_architecture_and_rtn_rounding_are_refused(tiny_model_factory, tiny_llama, tmp_path):
