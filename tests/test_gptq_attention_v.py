@@ -64,25 +64,59 @@ def test_only_v_proj_hessian_changes_and_it_is_the_attention_weighted_one(tiny_l
         else:
             assert torch.equal(torch.as_tensor(base[key]), torch.as_tensor(att[key])), key
 
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32,
-                                              attn_implementation="eager").eval()
-    for i, layer in enumerate(hf.model.layers):
-        xs = []
-        hook = layer.self_attn.v_proj.register_forward_pre_hook(lambda _m, a, xs=xs: xs.append(a[0]))
-        want = torch.zeros(256, 256, dtype=torch.float64)
-        with torch.no_grad():
-            for ids in batches:
-                out = hf(input_ids=ids, output_attentions=True)
-                a, x = out.attentions[i].double(), xs[-1].double()  # [B, 4, S, S], [B, S, K]
-                assert a.shape[1] == 4
-                xbar = torch.einsum("bhst,btk->bhsk", a, x).reshape(-1, 256)
-                want += xbar.T @ xbar
-        hook.remove()
+    for i, want in enumerate(_eager_attention_hessians(tiny_llama, batches)):
         got = att[f"{i}.{V}"].double()
         assert torch.allclose(got, want, rtol=1e-4, atol=1e-5 * float(want.abs().max())), i
         assert att[f"{i}.{V}.tokens"] == 2 * 2 * 48  # the token count stays X's
+
+
+def _eager_attention_hessians(model_dir, batches) -> list[torch.Tensor]:
+    """Per layer, sum_h (A_h X)^T (A_h X) from transformers' own eager forward (float64 sums)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                              attn_implementation="eager").eval()
+    k = hf.config.hidden_size
+    wants = []
+    for i, layer in enumerate(hf.model.layers):
+        xs = []
+        hook = layer.self_attn.v_proj.register_forward_pre_hook(lambda _m, a, xs=xs: xs.append(a[0]))
+        want = torch.zeros(k, k, dtype=torch.float64)
+        with torch.no_grad():
+            for ids in batches:
+                out = hf(input_ids=ids, output_attentions=True)
+                a, x = out.attentions[i].double(), xs[-1].double()  # [B, heads, S, S], [B, S, K]
+                assert a.shape[1] == hf.config.num_attention_heads
+                xbar = torch.einsum("bhst,btk->bhsk", a, x).reshape(-1, k)
+                want += xbar.T @ xbar
+        hook.remove()
+        wants.append(want)
+    return wants
+
+
+def test_sliding_window_mask_is_the_blocks_own(tmp_path):
+    """Mistral with a 16-token window on 40-token sequences: SDPA's boolean mask (what the
+    block's kwargs hold) made additive gives eager's sliding-window attention exactly."""
+    import transformers
+
+    cfg = transformers.MistralConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=1,
+                                     num_attention_heads=4, num_key_value_heads=2,
+                                     vocab_size=49152, sliding_window=16,
+                                     max_position_embeddings=1024)
+    cfg.architectures = ["MistralForCausalLM"]
+    torch.manual_seed(0)
+    model = transformers.MistralForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 2:
+                p.normal_(0, 0.04)
+    model.save_pretrained(tmp_path / "mistral")
+    batches = _batches(40)[:1]
+    got = _hessians(tmp_path / "mistral", batches, False, v_hessian="attention")[f"0.{V}"].double()
+    want = _eager_attention_hessians(tmp_path / "mistral", batches)[0]
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-5 * float(want.abs().max()))
+    causal = _hessians(tmp_path / "mistral", batches, False)[f"0.{V}"].double()  # X^T X
+    assert not torch.allclose(got / got.trace(), causal / causal.trace(), rtol=0.05)
 
 
 def test_query_rows_are_bounded_and_evenly_spread():
