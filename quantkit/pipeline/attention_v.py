@@ -20,6 +20,7 @@ import torch
 
 from quantkit.arch import ArchSpec
 from quantkit.errors import UnsupportedArchitecture
+from quantkit.pipeline.stats import gram
 
 __all__ = ["ATTENTION_V_ARCHS", "MAX_QUERY_ROWS", "attention_v_name", "check_attention_v",
            "attention_v_hessian", "wants_attention_v"]
@@ -95,7 +96,7 @@ def attention_v_hessian(block: torch.nn.Module, attention: str, xs: list[torch.T
     device = next(module.parameters()).device
     before = config._attn_implementation
     config._attn_implementation = "eager"
-    h = None
+    h, upper_only, scratch = None, False, {}
     try:
         for x, kw in zip(xs, kwargs, strict=True):
             kw = {k: v for k, v in kw.items() if k not in ("hidden_states", "use_cache")}
@@ -108,8 +109,9 @@ def attention_v_hessian(block: torch.nn.Module, attention: str, xs: list[torch.T
             rows = query_rows(x.shape[-2], max_rows).to(x.device)
             a = weights[:, :, rows, :].float()  # [B, heads, R, S]: every query head counts
             xbar = (a @ x.float()[:, None]).reshape(-1, x.shape[-1])  # [B * heads * R, K]
-            upd = xbar.T @ xbar
-            h = upd if h is None else h.add_(upd)
+            # the statistics' own Gram (CPU: one triangle by BLAS syrk, half the flops)
+            upd, upper_only = gram(xbar, xbar, scratch)
+            h = upd.clone() if h is None else h.add_(upd)
     finally:
         config._attn_implementation = before
-    return h
+    return h.add_(h.triu(1).T) if upper_only else h
