@@ -75,6 +75,16 @@ def _eager_mask(mask, x: torch.Tensor, module: torch.nn.Module) -> torch.Tensor 
     return mask
 
 
+def _sequence(v, b: int, batch: int):
+    """Sequence b of a batched kwarg (tensors of 2+ dims whose first dim is the batch);
+    shared ones ([1, ...] rotary tables, 1-D positions) as they are."""
+    if isinstance(v, tuple):
+        return tuple(_sequence(t, b, batch) for t in v)
+    if torch.is_tensor(v) and v.ndim >= 2 and v.shape[0] == batch and batch > 1:
+        return v[b:b + 1]
+    return v
+
+
 def query_rows(s: int, max_rows: int = MAX_QUERY_ROWS) -> torch.Tensor:
     """At most `max_rows` evenly spaced query positions of a length-s sequence."""
     if s <= max_rows:
@@ -89,8 +99,10 @@ def attention_v_hessian(block: torch.nn.Module, attention: str, xs: list[torch.T
     xbar = sum_t a_hst x_t: float32 [K, K] on the inputs' device.
 
     `xs` are v_proj's inputs [B, S, K] per batch, `kwargs` the block's kwargs of each batch.
-    The attention module runs once more per batch under eager attention; its config is put
-    back afterwards (the caller's forwards are paused or finished while this runs)."""
+    The attention module runs once more per sequence under eager attention (one sequence's
+    weights at a time: [heads, S, S] float32 is 0.5 GiB for 32 heads x 2048 tokens, a batch's
+    would be 8x that); its config is put back afterwards (the caller's forwards are paused or
+    finished while this runs)."""
     module = block.get_submodule(attention)
     config = module.config
     device = next(module.parameters()).device
@@ -98,20 +110,25 @@ def attention_v_hessian(block: torch.nn.Module, attention: str, xs: list[torch.T
     config._attn_implementation = "eager"
     h, upper_only, scratch = None, False, {}
     try:
-        for x, kw in zip(xs, kwargs, strict=True):
-            kw = {k: v for k, v in kw.items() if k not in ("hidden_states", "use_cache")}
-            x = x.to(device)  # host copies of offloaded batches come back here
-            kw["attention_mask"] = _eager_mask(kw.get("attention_mask"), x, module)
-            _, weights = module(hidden_states=x, **kw)[:2]
-            if weights is None:
-                raise RuntimeError(f"{type(module).__name__} returned no attention weights "
-                                   "under eager attention")
-            rows = query_rows(x.shape[-2], max_rows).to(x.device)
-            a = weights[:, :, rows, :].float()  # [B, heads, R, S]: every query head counts
-            xbar = (a @ x.float()[:, None]).reshape(-1, x.shape[-1])  # [B * heads * R, K]
-            # the statistics' own Gram (CPU: one triangle by BLAS syrk, half the flops)
-            upd, upper_only = gram(xbar, xbar, scratch)
-            h = upd.clone() if h is None else h.add_(upd)
+        for x_all, kw_all in zip(xs, kwargs, strict=True):
+            kw_all = {k: v for k, v in kw_all.items() if k not in ("hidden_states", "use_cache")}
+            x_all = x_all.to(device)  # host copies of offloaded batches come back here
+            batch = x_all.shape[0]
+            for b in range(batch):
+                x = x_all[b:b + 1]
+                kw = {k: _sequence(v, b, batch) for k, v in kw_all.items()}
+                kw["attention_mask"] = _eager_mask(kw.get("attention_mask"), x, module)
+                _, weights = module(hidden_states=x, **kw)[:2]
+                if weights is None:
+                    raise RuntimeError(f"{type(module).__name__} returned no attention "
+                                       "weights under eager attention")
+                rows = query_rows(x.shape[-2], max_rows).to(x.device)
+                a = weights[0][:, rows, :].float()  # [heads, R, S]: every query head counts
+                xbar = (a @ x[0].float()).reshape(-1, x.shape[-1])  # [heads * R, K]
+                del weights, a
+                # the statistics' own Gram (CPU: one triangle by BLAS syrk, half the flops)
+                upd, upper_only = gram(xbar, xbar, scratch)
+                h = upd.clone() if h is None else h.add_(upd)
     finally:
         config._attn_implementation = before
     return h.add_(h.triu(1).T) if upper_only else h
