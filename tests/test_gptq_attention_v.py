@@ -119,6 +119,29 @@ def test_sliding_window_mask_is_the_blocks_own(tmp_path):
     assert not torch.allclose(got / got.trace(), causal / causal.trace(), rtol=0.05)
 
 
+def test_one_sequence_at_a_time_and_query_rows_sampled(tiny_llama):
+    """A budget that fits one sequence's weights slices the batch (and its batched kwargs)
+    without changing the sum; max_rows below the length samples the query rows."""
+    from quantkit.pipeline.attention_v import attention_v_hessian
+    from quantkit.pipeline.blocks import get_blocks
+    from quantkit.pipeline.capture import capture_block_inputs
+
+    model = load_model(tiny_llama)
+    spec = spec_for_config(model.config)
+    blocks = get_blocks(model, spec)
+    ids = torch.randint(0, 49152, (3, 96), generator=torch.Generator().manual_seed(1))
+    inputs = capture_block_inputs(model, blocks, [ids], torch.float32)
+    block = blocks[0].float()
+    with torch.no_grad():
+        xs = [block.input_layernorm(inputs.hidden[0])]
+    whole = attention_v_hessian(block, spec.attention, xs, inputs.kwargs)
+    single = attention_v_hessian(block, spec.attention, xs, inputs.kwargs, budget=1)
+    assert torch.allclose(single, whole, rtol=1e-4, atol=1e-6 * float(whole.abs().max()))
+    fewer = attention_v_hessian(block, spec.attention, xs, inputs.kwargs, max_rows=64)
+    assert not torch.allclose(fewer * whole.trace() / fewer.trace(), whole, rtol=1e-3)
+    assert model.config._attn_implementation == "sdpa"  # put back
+
+
 def test_query_rows_are_bounded_and_evenly_spread():
     assert torch.equal(query_rows(100), torch.arange(100))
     rows = query_rows(2048)
