@@ -109,6 +109,12 @@ def _method_options(f):
                      help="GPTQ: calibrate q/k/v -> o -> gate/up -> down each on the previous "
                           "ones' quantized outputs (default), or all on the unquantized block "
                           "(fewer forwards on a GPU, slightly less accurate)."),
+        click.option("--gptq-v-hessian", "gptq_v_hessian", type=click.Choice(["tokens", "attention"]),
+                     default=None,
+                     help="GPTQ (--method gptq, or --rounding gptq): the Hessian of v_proj: "
+                          "tokens (X^T X, every token alike; default) or attention (weighted "
+                          "by the block's attention probabilities, the error v_proj's output "
+                          "really makes; llama, mistral, qwen2, qwen3, qwen3_moe, mixtral)."),
         click.option("--format", "fmt", default="compressed-tensors", show_default=True,
                      help="Artifact format: compressed-tensors, gptq, awq, fp8, modelopt, gguf."),
         click.option("--gguf-type", default=None,
@@ -193,6 +199,7 @@ FLAG_READERS: dict[str, tuple[str, ...]] = {
     "bits": _INT_METHODS, "group_size": _INT_METHODS, "sym": _INT_METHODS,
     "act_order": ("gptq",), "damp": ("gptq", "int8", "nvfp4", "mxfp4", "gguf"),
     "true_sequential": ("gptq",),
+    "gptq_v_hessian": ("gptq", "int8", "nvfp4", "mxfp4", "gguf"),
     "gguf_type": ("gguf",), "imatrix": ("gguf",), "target_bpw": ("gguf",), "target_size": ("gguf",), "fp8_scheme": ("fp8", "int8", "nvfp4", "awq"),
     "smoothquant": ("int8",), "smoothquant_pairs": ("int8",), "awq_expert_inputs": ("awq",),
     "rounding": ("int8", "nvfp4", "mxfp4", "gguf"),
@@ -229,9 +236,10 @@ def check_flags_apply(ctx: click.Context, method: str, fp8_scheme: str | None,
                 "not use it.", f"Drop {flag}, or use --method {readers[0]}.")
     calib = [given[n] for n in (*_CALIB_FLAGS, *_MOE_FLAGS) if n in given]
     rounding = ctx.params.get("rounding") or "rtn"
-    if method in ("int8", "nvfp4", "mxfp4", "gguf") and "damp" in given and rounding != "gptq":
-        raise QuantkitError(f"--damp is read by --method {method} only with --rounding gptq.",
-                            "Drop --damp, or pass --rounding gptq.")
+    for flag in ("damp", "gptq_v_hessian"):
+        if method in ("int8", "nvfp4", "mxfp4", "gguf") and flag in given and rounding != "gptq":
+            raise QuantkitError(f"{given[flag]} is read by --method {method} only with "
+                                "--rounding gptq.", f"Drop {given[flag]}, or pass --rounding gptq.")
     if method == "int8":
         if "smoothquant_pairs" in given and ctx.params.get("smoothquant") is None:
             raise QuantkitError("--smoothquant-pairs is read by --method int8 only with "
@@ -298,7 +306,7 @@ def _request(model, method, bits, group_size, sym, act_order, damp, true_sequent
              smoothquant_pairs=None, awq_expert_inputs=None,
              moe_calibrate_all_experts=False,
              expert_min_tokens=_EXPERT_MIN_TOKENS, text_column=None, output=".", force=False,
-             kv_cache=None, **extra):
+             kv_cache=None, gptq_v_hessian=None, **extra):
     ctx = click.get_current_context()
     if method == "gptq" and fmt == "gguf":  # GPTQ onto GGML grids: the gguf method's gptq rounding
         method, rounding = "gguf", "gptq"
@@ -314,6 +322,8 @@ def _request(model, method, bits, group_size, sym, act_order, damp, true_sequent
         options["damp"] = damp
     if true_sequential is False:
         options["true_sequential"] = False
+    if gptq_v_hessian not in (None, "tokens"):  # the default is left out: same request as before
+        options["v_hessian"] = gptq_v_hessian
     if method == "gguf":
         kind = "kquant"
         if ctx.get_parameter_source("fmt") != click.core.ParameterSource.DEFAULT \

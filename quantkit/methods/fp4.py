@@ -56,6 +56,7 @@ from quantkit.methods.fp8 import fused_groups
 from quantkit.methods.gptq import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_DAMP,
+    check_v_hessian,
     gptq_column_loop,
     inverse_hessian_factor,
     one_cpu_thread,
@@ -127,16 +128,21 @@ class FP4Quantizer:
     method    nvfp4 | mxfp4
     scheme    w4a16 | w4a4 (NVFP4 only: global input scales calibrated on the shared data)
     rounding  rtn (nearest, no calibration for W4A16) | gptq (Hessian-aware, same scales)
-    damp, block_size   GPTQ's, when rounding="gptq"
+    damp, block_size, v_hessian   GPTQ's, when rounding="gptq"
     """
 
     def __init__(self, method: str = "nvfp4", scheme: str = "w4a16", rounding: str = "rtn",
-                 damp: float = DEFAULT_DAMP, block_size: int = DEFAULT_BLOCK_SIZE) -> None:
+                 damp: float = DEFAULT_DAMP, block_size: int = DEFAULT_BLOCK_SIZE,
+                 v_hessian: str = "tokens") -> None:
         self.name = method
+        self.v_hessian = check_v_hessian(v_hessian)
         self._scheme = fp4_scheme(method, scheme)
         if rounding not in ROUNDINGS:
             raise SchemeMismatch(f"Unknown {method} rounding {rounding!r}.",
                                  f"Choose one of: {', '.join(ROUNDINGS)} (default rtn).")
+        if v_hessian != "tokens" and rounding != "gptq":
+            raise SchemeMismatch(f"v_hessian={v_hessian!r} is read only by GPTQ rounding.",
+                                 "Pass --rounding gptq, or drop --gptq-v-hessian.")
         if damp < 0:
             raise SchemeMismatch(f"GPTQ damp must be >= 0, got {damp}.", "The usual value is 0.01.")
         if block_size < 1:

@@ -39,8 +39,12 @@ from quantkit.types import BlockContext, QuantResult, QuantScheme, int_qrange
 
 __all__ = ["GPTQQuantizer", "GPTQOutput", "gptq_quantize", "inverse_hessian_factor",
            "ColumnGrid", "IntColumnGrid", "gptq_column_loop", "prepare_hessian",
-           "shared_input_sets", "one_cpu_thread", "DEFAULT_DAMP", "DEFAULT_BLOCK_SIZE"]
+           "shared_input_sets", "one_cpu_thread", "DEFAULT_DAMP", "DEFAULT_BLOCK_SIZE",
+           "V_HESSIANS", "check_v_hessian"]
 
+# v_proj's Hessian: "tokens" (X^T X, every token alike) or "attention" (the error its output
+# makes after the attention weights; quantkit.pipeline.attention_v computes it)
+V_HESSIANS = ("tokens", "attention")
 DEFAULT_DAMP = 0.01  # fraction of mean(diag(H)) added to the diagonal
 DEFAULT_BLOCK_SIZE = 128  # columns per lazy batched update
 _MAX_DAMP_TRIES = 7  # damp x10 per retry: 0.01 -> 1e4 before giving up
@@ -59,6 +63,14 @@ class GPTQOutput:
     zero: torch.Tensor
     g_idx: torch.Tensor | None
     damp: float
+
+
+def check_v_hessian(value: str) -> str:
+    """The v_hessian option's value, or a clear error (every GPTQ-family quantizer takes it)."""
+    if value not in V_HESSIANS:
+        raise SchemeMismatch(f"Unknown v_proj Hessian {value!r}.",
+                             f"Choose one of: {', '.join(V_HESSIANS)} (default tokens).")
+    return value
 
 
 def check_gptq_scheme(scheme: QuantScheme) -> None:
@@ -336,7 +348,9 @@ class GPTQQuantizer:
     static_groups (with act-order: groups fixed from the original weights, default True),
     true_sequential (default True; False: every Linear of a block calibrates on the
     unquantized block, as llm-compressor does: fewer block forwards on a GPU, a little less
-    accurate; on the CPU the true-sequential order runs in one forward and is faster anyway).
+    accurate; on the CPU the true-sequential order runs in one forward and is faster anyway),
+    v_hessian ("tokens", default: X^T X for every Linear; "attention": v_proj's Hessian
+    weighted by the block's attention probabilities, quantkit.pipeline.attention_v).
     """
 
     name = "gptq"
@@ -352,7 +366,9 @@ class GPTQQuantizer:
     data_parallel = True
 
     def __init__(self, damp: float = DEFAULT_DAMP, block_size: int = DEFAULT_BLOCK_SIZE,
-                 static_groups: bool = True, true_sequential: bool = True):
+                 static_groups: bool = True, true_sequential: bool = True,
+                 v_hessian: str = "tokens"):
+        self.v_hessian = check_v_hessian(v_hessian)
         if damp < 0:
             raise SchemeMismatch(f"GPTQ damp must be >= 0, got {damp}.", "The usual value is 0.01.")
         if block_size < 1:

@@ -29,7 +29,7 @@ import torch
 
 from quantkit.errors import CalibrationError, SchemeMismatch
 from quantkit.methods.fp8 import fused_groups
-from quantkit.methods.gptq import DEFAULT_BLOCK_SIZE, DEFAULT_DAMP, GPTQQuantizer
+from quantkit.methods.gptq import DEFAULT_BLOCK_SIZE, DEFAULT_DAMP, GPTQQuantizer, check_v_hessian
 from quantkit.methods.intquant import (
     borrow_input_scales,
     relative_error,
@@ -71,7 +71,7 @@ class Int8Quantizer:
     smoothquant_pairs  all (every group of the scaling table) | norms (norm -> Linear groups
                  only: llm-compressor's default SmoothQuant mappings)
     rounding     rtn | gptq (Hessian-aware rounding; the next block sees quantized outputs)
-    damp, block_size   GPTQ's, when rounding="gptq"
+    damp, block_size, v_hessian   GPTQ's, when rounding="gptq"
     """
 
     name = "int8"
@@ -80,11 +80,15 @@ class Int8Quantizer:
     def __init__(self, scheme: str = "dynamic", smoothquant: float | None = None,
                  rounding: str = "rtn", damp: float = DEFAULT_DAMP,
                  smoothquant_pairs: str = "all",
-                 block_size: int = DEFAULT_BLOCK_SIZE) -> None:
+                 block_size: int = DEFAULT_BLOCK_SIZE, v_hessian: str = "tokens") -> None:
         self._scheme = int8_scheme(scheme)
+        self.v_hessian = check_v_hessian(v_hessian)
         if rounding not in ROUNDINGS:
             raise SchemeMismatch(f"Unknown int8 rounding {rounding!r}.",
                                  f"Choose one of: {', '.join(ROUNDINGS)} (default rtn).")
+        if v_hessian != "tokens" and rounding != "gptq":
+            raise SchemeMismatch(f"v_hessian={v_hessian!r} is read only by GPTQ rounding.",
+                                 "Pass --rounding gptq, or drop --gptq-v-hessian.")
         self.alpha = None if smoothquant is None else check_alpha(smoothquant)
         if smoothquant_pairs not in SMOOTHQUANT_PAIRS:
             raise SchemeMismatch(f"Unknown SmoothQuant pairs {smoothquant_pairs!r}.",

@@ -398,7 +398,8 @@ class GGUFQuantizer:
 
     rounding="gptq" (`--method gptq --format gguf`): GPTQ's column loop onto each planned
     type's grid (quantkit.methods.gguf_gptq), Hessians from the calibration pipeline, damp as
-    GPTQ's; those results also carry extra["dequantized"] (the exact decoded weight, which
+    GPTQ's (v_hessian as GPTQ's); those results also carry extra["dequantized"] (the exact
+    decoded weight, which
     later blocks calibrate on) and QuantResult.fallback where llama.cpp's encoder ran instead.
     """
 
@@ -409,8 +410,12 @@ class GGUFQuantizer:
     def __init__(self, gguf_type: str = "q4_k_m", imatrix: str | Path | bool | None = None,
                  imatrix_out: str | Path | None = None, imatrix_dataset: str | None = None,
                  rounding: str = "rtn", damp: float = 0.01, target_bpw: float | None = None,
-                 target_size: int | None = None, gain_batches: int = 2, **_):
+                 target_size: int | None = None, gain_batches: int = 2,
+                 v_hessian: str = "tokens", **_):
+        from quantkit.methods.gptq import check_v_hessian
+
         key = str(gguf_type).lower()
+        self.v_hessian = check_v_hessian(v_hessian)
         self.auto = key == "auto"
         if key not in PRESETS and not self.auto:
             raise SchemeMismatch(f"Unknown GGUF type {gguf_type!r}.",
@@ -451,6 +456,9 @@ class GGUFQuantizer:
         if rounding == "gptq" and not self.preset.quantized:
             raise SchemeMismatch(f"{key} is an unquantized export; GPTQ rounding has no use there.",
                                  "Pick a quantized --gguf-type such as q4_k_m.")
+        if v_hessian != "tokens" and rounding != "gptq":
+            raise SchemeMismatch(f"v_hessian={v_hessian!r} is read only by GPTQ rounding.",
+                                 "Pass --rounding gptq, or drop --gptq-v-hessian.")
         if damp < 0:
             raise SchemeMismatch(f"GPTQ damp must be >= 0, got {damp}.", "The usual value is 0.01.")
         self.gptq, self.damp = rounding == "gptq", float(damp)

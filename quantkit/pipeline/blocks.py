@@ -17,6 +17,7 @@ import torch
 
 from quantkit.arch import ArchSpec
 from quantkit.model_io import check_finite
+from quantkit.pipeline.attention_v import attention_v_hessian, attention_v_name, check_attention_v
 from quantkit.pipeline.capture import BlockInputs, capture_block_inputs, run_block
 from quantkit.pipeline.experts import num_experts
 from quantkit.pipeline.heap import reuse_freed_memory
@@ -145,6 +146,7 @@ def quantize_blocks(
         dp.check_method(quantizer)
         if checkpoint is not None:
             raise ValueError("per-block checkpoints are not supported in data-parallel runs")
+    check_attention_v(spec, quantizer)
     source = source or BlockSource()
     blocks = get_blocks(model, spec)
     results: dict[str, QuantResult] = {}
@@ -224,8 +226,9 @@ def _run_blocks(blocks, start: int, total: int, spec: ArchSpec, quantizer: Quant
             if inputs is not None and not one_pass:
                 scope.enter_context(reuse_freed_memory())
             outputs_fp, first_stats = None, None
+            attn_v = [attention_v_name(quantizer, spec, g) for g in block_groups]
             if inputs is not None and not quantizer.propagate_quantized:
-                if len(block_groups) == 1 and quantizer.stats:  # one forward for both
+                if len(block_groups) == 1 and quantizer.stats and not attn_v[0]:  # one forward for both
                     outputs_fp, first_stats = _outputs_and_stats(
                         block, _linears(block, block_groups[0]), quantizer.stats, inputs)
                 else:
@@ -237,7 +240,8 @@ def _run_blocks(blocks, start: int, total: int, spec: ArchSpec, quantizer: Quant
                     stats = first_stats
                 else:
                     stats = _group_stats(block, linears, quantizer.stats, inputs,
-                                         run.advance(gi) if one_pass else None)
+                                         run.advance(gi) if one_pass else None,
+                                         attn_v[gi], spec.attention)
                 if dp is not None and stats:
                     dp.reduce_stats(stats, linears, quantizer.stats, device)
                 if experts and stats and (dp is None or dp.is_main):
@@ -303,20 +307,38 @@ def _outputs_and_stats(block, linears, stats: tuple[str, ...], inputs) -> tuple[
     return outs, collector.results
 
 
-def _group_stats(block, linears, stats: tuple[str, ...], inputs, staged_inputs) -> dict:
+def _group_stats(block, linears, stats: tuple[str, ...], inputs, staged_inputs,
+                 attention_v: str | None = None, attention: str = "") -> dict:
     """The statistics of one sequential group: from the inputs a StagedForward paused at
-    (`staged_inputs`, one per batch, shared by every member), or by replaying the block."""
+    (`staged_inputs`, one per batch, shared by every member), or by replaying the block.
+    `attention_v` names the group's v_proj whose Hessian becomes the attention-weighted one
+    (quantkit.pipeline.attention_v), computed from the same inputs before any is quantized."""
     if not stats or inputs is None:
         return {}
     if staged_inputs is None:
-        with StatCollector(linears, stats) as collector:
-            collector.run(block, inputs)
-        return collector.results
-    collector = StatCollector(linears, stats, hook=False)
-    for x in staged_inputs:  # batch by batch, member by member: the replay path's order
-        for name in linears:
-            collector.observe(name, x)
-    return collector.close()
+        seen: list[torch.Tensor] = []
+        handle = None
+        if attention_v is not None:  # v_proj's input per batch (on the host when offloaded)
+            host = inputs.device is not None
+            handle = linears[attention_v].register_forward_pre_hook(
+                lambda _m, args: seen.append(args[0].detach().to("cpu") if host else args[0].detach()))
+        try:
+            with StatCollector(linears, stats) as collector:
+                collector.run(block, inputs)
+        finally:
+            if handle is not None:
+                handle.remove()
+        results = collector.results
+    else:
+        seen = staged_inputs
+        collector = StatCollector(linears, stats, hook=False)
+        for x in staged_inputs:  # batch by batch, member by member: the replay path's order
+            for name in linears:
+                collector.observe(name, x)
+        results = collector.close()
+    if attention_v is not None and "hessian" in stats and attention_v in results:
+        results[attention_v]["hessian"] = attention_v_hessian(block, attention, seen, inputs.kwargs)
+    return results
 
 
 def _warn_few_tokens(prefix: str, spec, stats: dict, min_tokens: int) -> None:

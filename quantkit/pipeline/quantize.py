@@ -33,6 +33,7 @@ from quantkit.model_io import (
     meta_model,
     resolve_model,
 )
+from quantkit.pipeline.attention_v import check_attention_v
 from quantkit.pipeline.blocks import dense_tensor, get_blocks, quantize_blocks
 from quantkit.pipeline.checkpoint import (
     BlockCheckpoint,
@@ -144,6 +145,8 @@ class QuantizeRequest:
             args += ["--damp", str(self.method_options["damp"])]
         if self.method_options.get("true_sequential") is False:
             args += ["--no-true-sequential"]
+        if self.method_options.get("v_hessian", "tokens") != "tokens":
+            args += ["--gptq-v-hessian", str(self.method_options["v_hessian"])]
         if self.moe_calibrate_all_experts:
             args += ["--moe-calibrate-all-experts"]
         if self.kv_cache:
@@ -254,6 +257,7 @@ def plan(req: QuantizeRequest) -> tuple[MemoryPlan, dict]:
     source = resolve_model(req.model, allow_pickle=req.allow_pickle)
     raw_config = read_config_json(source.path)
     spec = spec_for_config(raw_config)
+    check_attention_v(spec, quantizer)
     config = load_config(source.path, trust_remote_code=req.trust_remote_code)
     req, group_note = resolve_group_size(req, linear_shapes(config, spec))
     if req.kv_cache:
@@ -333,6 +337,7 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
     spec = spec_for_config(raw_config)  # before transformers parses it: cheap, clear errors
     check_moe_support(spec, req.method, writer.name, quantizer.needs_calibration,
                       getattr(quantizer, "moe_calibrated", False))
+    check_attention_v(spec, quantizer)
     if req.kv_cache:
         check_kv_cache(req.kv_cache, writer.name, spec, dp is not None)
     calibrate = quantizer.needs_calibration or bool(req.kv_cache)

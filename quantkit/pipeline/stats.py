@@ -17,7 +17,7 @@ import functools
 import numpy as np
 import torch
 
-__all__ = ["StatCollector", "STATS"]
+__all__ = ["StatCollector", "STATS", "gram"]
 
 STATS = ("hessian", "sq_mean", "absmean", "absmax", "token_absmax", "colmax", "colmin")
 # how a new batch joins the running value (default: sum)
@@ -49,6 +49,12 @@ def _gram(x_in: torch.Tensor, x: torch.Tensor | None, scratch: dict) -> tuple[to
         if upper is not None:
             return upper, True
     return x.T @ x, False
+
+
+def gram(x_in: torch.Tensor, x: torch.Tensor | None, scratch: dict) -> tuple[torch.Tensor, bool]:
+    """x^T x in float32 as the Hessian statistic computes it (see _gram): (sum, upper_only);
+    the sum may live in `scratch` until the next call."""
+    return _gram(x_in, x, scratch)
 
 
 def _gram_syrk(x: torch.Tensor, scratch: dict) -> torch.Tensor | None:
