@@ -237,3 +237,36 @@ def test_unsupported_architecture_and_rtn_rounding_are_refused(tiny_model_factor
                  "--gptq-v-hessian", "attention", "-o", out])
     assert r.returncode == 2 and "--rounding gptq" in r.stderr, r.stderr
     assert not out.exists()
+
+
+def test_plan_counts_the_attention_forward(tiny_llama):
+    """`quantkit plan --gptq-v-hessian attention` adds the eager forward's memory (attention
+    weights of as many sequences as attention_v's budget takes, at least one, and their A_h X
+    rows) and its time; the default plan is unchanged. At Llama-8B shapes (32 heads, 2048
+    tokens) one sequence's weights (512 MiB) exceed the budget, so one at a time."""
+    from click.testing import CliRunner
+    from transformers import AutoConfig
+
+    from quantkit.cli import main
+    from quantkit.pipeline.attention_v import MAX_QUERY_ROWS, WEIGHTS_BUDGET
+    from quantkit.pipeline.plan import _attention_v_bytes
+
+    def plan(*flags) -> dict:
+        res = CliRunner().invoke(main, ["plan", str(tiny_llama), "--method", "gptq", "--calib-samples",
+                                        "8", "--calib-seqlen", "512", "--json", *flags])
+        assert res.exit_code == 0, res.output
+        out = json.loads(res.output)
+        out.pop("available_ram_bytes")  # the machine's, read at each call
+        return out
+
+    base, tokens, att = plan(), plan("--gptq-v-hessian", "tokens"), plan("--gptq-v-hessian", "attention")
+    assert base == tokens
+    cfg = AutoConfig.from_pretrained(tiny_llama)
+    heads = cfg.num_attention_heads
+    # GPTQ's batches of 8 samples, all 8 within the budget: their weights + sampled rows
+    extra = 8 * (heads * 512 * 512 * 4 + heads * MAX_QUERY_ROWS * cfg.hidden_size * 4)
+    assert att["phase_bytes"]["blocks"] - base["phase_bytes"]["blocks"] == extra
+    assert att["seconds"] > base["seconds"]
+    assert _attention_v_bytes(8, 2048, 4096, 32) == 32 * 2048**2 * 4 + 32 * 256 * 4096 * 4
+    assert 32 * 2048**2 * 4 > WEIGHTS_BUDGET
+    assert _attention_v_bytes(8, 512, 576, 9) == 8 * (9 * 512**2 * 4 + 9 * 256 * 576 * 4)

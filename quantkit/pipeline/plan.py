@@ -47,6 +47,9 @@ _FREE_GPU_MARGIN = 0.9  # of the free memory: the caching allocator's fragmentat
 _GIB = 2**30
 # rough sustained throughput of the block forward + method math (FLOP/s); time is a hint only
 _FLOPS = {"cpu": 5e10, "cuda": 1.5e14}
+# large float32 matmuls alone (the attention-v forward): SmolLM2 int4 GPTQ, 64 x 512 tokens, spent
+# +35 s on its ~6.9 TFLOP (results/gptq_int4_v_hessian_smollm2.json, 2 cores)
+_DENSE_FLOPS = {"cpu": 2e11, "cuda": 5e13}
 # per quantized weight: rounding, packing, checkpoint and artifact writes (RTN of a 0.5 B
 # weight model took 30 s on 2 CPU cores)
 _PER_WEIGHT_S = {"cpu": 5.5e-8, "cuda": 5e-9}
@@ -159,13 +162,37 @@ def _awq_expert_gate_up_inputs(search: int, experts: int, top_k: int, hidden: in
     return int(max(1, budget // per_expert) * per_expert), True
 
 
+def _attention_v_bytes(batch: int, seqlen: int, hidden: int, heads: int) -> int:
+    """Memory of the attention-v forward: [n, heads, S, S] float32 weights for as many
+    sequences of a calibration batch as WEIGHTS_BUDGET holds (at least one), and their
+    A_h X [n, heads, rows, K]."""
+    from quantkit.pipeline.attention_v import MAX_QUERY_ROWS, WEIGHTS_BUDGET
+
+    per_seq = heads * seqlen * seqlen * 4
+    n = max(1, min(batch, WEIGHTS_BUDGET // max(per_seq, 1)))
+    return n * (per_seq + heads * min(seqlen, MAX_QUERY_ROWS) * hidden * 4)
+
+
+def _attention_v_flops(samples: int, seqlen: int, hidden: int, heads: int, head_dim: int,
+                       kv_heads: int) -> int:
+    """One block's attention-v forward: q/k/v/o projections, QK^T and AV, then the sampled
+    rows' A_h X and their Gram sum (quantkit.pipeline.attention_v)."""
+    from quantkit.pipeline.attention_v import MAX_QUERY_ROWS
+
+    proj = 2 * seqlen * hidden * (2 * heads + 2 * kv_heads) * head_dim
+    scores = 4 * heads * head_dim * seqlen * seqlen
+    rows = heads * min(seqlen, MAX_QUERY_ROWS)
+    products = 2 * rows * seqlen * hidden + rows * hidden * hidden  # the Gram: one triangle (syrk)
+    return samples * (proj + scores + products)
+
+
 def estimate(config, spec: ArchSpec, *, method: str, scheme: QuantScheme, calib_samples: int,
              calib_seqlen: int, calibrated: bool, device: str = "cpu", calib_batch: int = 1,
              store_dtype: torch.dtype = torch.bfloat16, streaming: bool = True,
              resume: bool = True, true_sequential: bool = True,
              hessians: bool | None = None, moe_all_experts: bool = False,
              compute_dtype: torch.dtype | None = None,
-             awq_expert_input_bytes: int | None = None) -> MemoryPlan:
+             awq_expert_input_bytes: int | None = None, attention_v: bool = False) -> MemoryPlan:
     """Expected peaks for `quantize` with these settings (see the module docstring).
 
     `hessians`: the method gathers GPTQ Hessians and solves with them (default: method gptq;
@@ -182,6 +209,11 @@ def estimate(config, spec: ArchSpec, *, method: str, scheme: QuantScheme, calib_
     `true_sequential` (GPTQ) sets the block forwards per block: on a GPU the replay runs
     ~2.5 partial forwards for the groups + 1 for the outputs, or 1 + 1 without it; on the
     CPU the true-sequential groups share one forward, and without them it is 1 + 1.
+
+    `attention_v` (--gptq-v-hessian attention): v_proj's Hessian from one more eager attention
+    forward per batch (quantkit.pipeline.attention_v): its float32 attention weights (whole
+    sequences, up to WEIGHTS_BUDGET unless one sequence is larger) and the A_h X products of
+    the sampled query rows beside the statistics; its flops in the time.
     """
     per_block, linears, outside, largest = _param_counts(config, spec)
     awq_expert_input_bytes = awq_expert_input_bytes or AWQ_EXPERT_INPUT_BYTES
@@ -284,6 +316,8 @@ def estimate(config, spec: ArchSpec, *, method: str, scheme: QuantScheme, calib_
         stats = search * 7 * hidden * act_bytes + down + group_weights
     elif method == "gguf":
         stats = 2 * block_params * 4
+    if attention_v and solves and calibrated:  # counted beside the Hessians and the solve
+        stats += _attention_v_bytes(min(calib_batch, calib_samples), calib_seqlen, hidden, heads)
     # uint8 codes + fp32 scale + int32 zero; with checkpoints (resume) finished blocks' results
     # live on disk and are read back one at a time by the writer
     results_all = quantized + scales * 8
@@ -350,6 +384,9 @@ def estimate(config, spec: ArchSpec, *, method: str, scheme: QuantScheme, calib_
     dev = "cuda" if cuda else "cpu"
     io = (total_params * sb) / 1.5e9  # reading the shards
     seconds = flops / _FLOPS[dev] + quantized * _PER_WEIGHT_S[dev] + io + 5.0
+    if attention_v and solves and calibrated:
+        seconds += _attention_v_flops(calib_samples, calib_seqlen, hidden, heads, head_dim,
+                                      kv_heads) * len(linears) / _DENSE_FLOPS[dev]
     return MemoryPlan(peak_ram_bytes=int(peak), peak_gpu_bytes=int(gpu_block) if cuda else None,
                       peak_gpu_offloaded_bytes=int(gpu_offloaded) if cuda and calibrated else None,
                       disk_bytes=int(disk), seconds=round(seconds, 1), phase_bytes=phases,
