@@ -4,7 +4,8 @@ on one model, one imatrix and one held-out text.
 
   python benchmarks/gguf_size_vs_kld.py [--model tiny|smollm2-135m|DIR]
         [--types q2_k,q3_k_m,q4_k_m,q5_k_m,q6_k,q8_0] [--calib-samples 16] [--calib-seqlen 512]
-        [--windows 8] [--report reports/NAME.html] [--out FILE]
+        [--windows 8] [--gptq-v-hessian tokens|attention|both] [--report reports/NAME.html]
+        [--out FILE]
 
 `--model tiny` builds the tiny random bf16 Llama of tests/tiny_models.py (widths 256/512,
 every Linear a multiple of 256, so no row-width fallbacks; seeded, so the same model every
@@ -15,6 +16,9 @@ run). Files per type T (all written in one run, in a temp dir):
                     grid and rounding; the bytes are compared with llamacpp-T's)
   gptq-T            quantkit --method gptq --format gguf --gguf-type T with the same imatrix
                     file (its scale search) and the same calibration windows (the Hessians)
+  gptqv-T           with --gptq-v-hessian attention|both: the same with v_proj's Hessian from
+                    the block's attention probabilities (--gptq-v-hessian attention); `attention`
+                    writes it instead of gptq-T, `both` beside it
   auto-T            quantkit --gguf-type auto --target-bpw B, B = llamacpp-T's bits per weight
                     over its weight matrices (block Linears + token_embd/output), same imatrix
                     file (auto chooses token_embd / output too); refused budgets (outside
@@ -106,15 +110,20 @@ class _Curve:
         ref = work / f"llamacpp-{t}.gguf"
         self._seconds(f"llamacpp-{t}", _timed(self.llama_quantize, self.paths["base"], ref, t,
                                               nthread=self.args.threads, imatrix=self.values))
-        gptq = work / f"gptq-{t}.gguf"
-        meta_g = self._seconds(f"gptq-{t}", _quantkit(
-            model, gptq, t, options={"rounding": "gptq", "imatrix": str(imatrix),
-                                     "damp": self.args.damp}, **self.calib))
+        files = {"base": self.paths["base"], f"llamacpp-{t}": ref, f"rtn-{t}": rtn}
         target = artifact_info(ref)["bits_per_weight_with_embeddings"]
         point = {"type": t, "target_bpw_for_auto": target,
-                 "rtn_bit_exact_with_llamacpp": _same_tensors(rtn, ref),
-                 "gptq_fallbacks": meta_g.get("fallbacks", {})}
-        files = {"base": self.paths["base"], f"llamacpp-{t}": ref, f"rtn-{t}": rtn, f"gptq-{t}": gptq}
+                 "rtn_bit_exact_with_llamacpp": _same_tensors(rtn, ref)}
+        v_hessians = {"tokens": ["tokens"], "attention": ["attention"],
+                      "both": ["tokens", "attention"]}[self.args.gptq_v_hessian]
+        for v in v_hessians:
+            kind = "gptq" if v == "tokens" else "gptqv"
+            gptq = work / f"{kind}-{t}.gguf"
+            meta_g = self._seconds(f"{kind}-{t}", _quantkit(
+                model, gptq, t, options={"rounding": "gptq", "imatrix": str(imatrix),
+                                         "damp": self.args.damp, "v_hessian": v}, **self.calib))
+            point[f"{kind}_fallbacks"] = meta_g.get("fallbacks", {})
+            files[f"{kind}-{t}"] = gptq
         auto = work / f"auto-{t}.gguf"
         try:
             meta_a = self._seconds(f"auto-{t}", _quantkit(
@@ -156,7 +165,7 @@ def _table(res: dict) -> list[dict]:
         if f"kld_llamacpp-{t}" not in q:  # not reached yet
             continue
         ref_kld = q[f"kld_llamacpp-{t}"]
-        for kind in ("llamacpp", "rtn", "gptq", "auto"):
+        for kind in ("llamacpp", "rtn", "gptq", "gptqv", "auto"):
             name = f"{kind}-{t}"
             if f"kld_{name}" not in q:
                 continue
@@ -181,6 +190,8 @@ def main() -> None:
     ap.add_argument("--calib-samples", type=int, default=16)
     ap.add_argument("--calib-seqlen", type=int, default=512)
     ap.add_argument("--windows", type=int, default=8, help="512-token windows scored")
+    ap.add_argument("--gptq-v-hessian", choices=("tokens", "attention", "both"), default="tokens",
+                    help="v_proj's GPTQ Hessian: tokens (gptq-T), attention (gptqv-T) or both files")
     ap.add_argument("--report", type=Path, default=None, help="also write a `quantkit compare` page")
     ap.add_argument("--compare-windows", type=int, default=8, help="--max-windows of that compare")
     ap.add_argument("--out", type=Path, default=None,
@@ -205,6 +216,7 @@ def main() -> None:
                  + (" (uncommitted changes)" if dirty else ""),
                  "command": " ".join([Path(sys.executable).name, *sys.argv]),
                  "model": args.model, "types": args.types, "threads": args.threads,
+                 "gptq_v_hessian": args.gptq_v_hessian,
                  "calibration_windows": {"calib_samples": args.calib_samples,
                                          "calib_seqlen": args.calib_seqlen},
                  "machine": {"cpu": cpu_info()["model"], "cpus": os.cpu_count(), "platform": platform.platform(),
@@ -222,7 +234,7 @@ def main() -> None:
             cmd = [sys.executable, "-m", "quantkit.cli", "compare",
                    *[str(p) for n, p in curve.paths.items() if n != "base"], "--base", model,
                    "--report", str(report), "--max-windows", str(args.compare_windows),
-                   "--title", f"GGUF size vs KLD: llama.cpp vs quantkit RTN / GPTQ / auto ({args.model})"]
+                   "--title", f"GGUF size vs KLD: llama.cpp vs quantkit RTN / GPTQ / auto ({Path(args.model).name})"]
             res["seconds"]["compare_report"], r = _timed(
                 subprocess.run, cmd, cwd=REPO, capture_output=True, text=True,
                 env={**os.environ, "PYTHONPATH": str(REPO)})
