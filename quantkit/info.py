@@ -167,6 +167,18 @@ def _auto_types(allocation: dict) -> dict:
             "tensors": {n: t["type"] for n, t in (allocation.get("tensors") or {}).items()}}
 
 
+def _file_type_name(value) -> str | None:
+    """llama.cpp's name of a GGUF's general.file_type ('q4_k_m', 'iq4_xs', 'bf16' ...): what a
+    file that quantkit did not write says of itself (llama-quantize's ftype)."""
+    from gguf import LlamaFileType
+
+    try:
+        ft = LlamaFileType(int(value) & ~int(LlamaFileType.GUESSED))
+    except (TypeError, ValueError):
+        return None
+    return ft.name.removeprefix("MOSTLY_").removeprefix("ALL_").lower()
+
+
 def _gguf_info(path: Path, size: int) -> dict:
     """A GGUF file: quantkit's provenance from its `quantkit.metadata` key (when quantkit wrote
     it), the tensor types it holds and the bits per weight they add up to."""
@@ -176,6 +188,7 @@ def _gguf_info(path: Path, size: int) -> dict:
     meta = gguf_metadata(path, kv)
     return {"path": str(path), "format": "gguf", "size_bytes": size,
             "method": meta.get("method", "unknown"), "scheme": meta.get("scheme"),
+            **({"gguf_file_type": ft} if (ft := _file_type_name(kv.get("general.file_type"))) else {}),
             "engines": ["llama.cpp"],
             "source_model": (meta.get("source_model") or {}).get("name_or_path")
             or kv.get("general.name"),

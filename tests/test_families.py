@@ -198,6 +198,8 @@ def test_q4_k_m_equals_llama_quantize_and_generates(family, tmp_path):
     from quantkit.engines.llamacpp import llama_quantize
     from quantkit.engines.vllm import run_vllm
     from quantkit.errors import EngineError
+    from quantkit.info import artifact_info
+    from quantkit.report.rows import scheme_text
 
     name = family.name
     ours = family.artifact("q4_k_m")
@@ -207,6 +209,11 @@ def test_q4_k_m_equals_llama_quantize_and_generates(family, tmp_path):
     assert [t for t in t_b if t_a[t][2] != t_b[t][2]] == []
     if name == "phi3":  # use_more_bits(i, 2): layer 1 only
         assert [t_a[f"blk.{i}.attn_qkv.weight"][0] for i in (0, 1)] == ["Q4_K", "Q6_K"]
+    # a file quantkit did not write is labelled by its own general.file_type in reports
+    theirs = artifact_info(tmp_path / "lq.gguf")
+    assert (theirs["method"], theirs["gguf_file_type"]) == ("unknown", "q4_k_m")
+    assert scheme_text(theirs.get("scheme"), theirs) == "q4_k_m (file type)"
+    assert scheme_text(artifact_info(ours)["scheme"], artifact_info(ours)) == "q4_k_m"
     assert_generates(ours)
 
     rtn = family.artifact("rtn")

@@ -113,6 +113,8 @@ def scheme_text(scheme: dict | None, info: dict) -> str:
         q = info.get("quantization_config") or {}
         if q.get("bits"):
             return f"int{q['bits']} g{q.get('group_size', '?')}"
+        if info.get("gguf_file_type"):  # a GGUF quantkit did not write: its own file type
+            return f"{info['gguf_file_type']} (file type)"
         return "bf16/fp16 (unquantized)" if info.get("format") == "dense" else ""
     kind = scheme.get("kind")
     if kind == "kquant" or scheme.get("gguf_type"):
