@@ -143,8 +143,9 @@ def _score_in_groups(models: dict[str, _EvalModel], base_fn: LogitsFn | None,
                      reserve: int, on_progress=None) -> dict[str, dict]:
     """score() over `models` a group at a time, each group with the base; a group's models are
     closed before the next group loads. An artifact's size is the growth of this process's RSS
-    while its logits function is made (for GGUF: llama.cpp's context) and, once its group
-    has run, the group's growth per artifact (pages first touched while scoring)."""
+    while its logits function is made and run on one window (a GGUF of the tiny test model:
+    ~30 MiB after llama.cpp's context is made, several times that once it has run) and, once
+    its group has run, the group's growth per artifact."""
     names, scores, largest, done, group_no = list(models), {}, 0, 0, 0
     while done < len(names):
         first, group, in_group = done, {}, 0
@@ -153,7 +154,8 @@ def _score_in_groups(models: dict[str, _EvalModel], base_fn: LogitsFn | None,
             while done < len(names) and (not group or _room_for_one_more(largest, in_group, cap,
                                                                          reserve)):
                 before = _rss()
-                group[names[done]] = models[names[done]].logits_fn(conv.ctx)
+                fn = group[names[done]] = models[names[done]].logits_fn(conv.ctx)
+                fn(windows[:1])  # touches the buffers llama.cpp allocates (RSS counts them then)
                 grown = max(0, _rss() - before)
                 largest, in_group, done = max(largest, grown), in_group + grown, done + 1
             group_no += 1
