@@ -143,9 +143,8 @@ def _score_in_groups(models: dict[str, _EvalModel], base_fn: LogitsFn | None,
                      reserve: int, on_progress=None) -> dict[str, dict]:
     """score() over `models` a group at a time, each group with the base; a group's models are
     closed before the next group loads. An artifact's size is the growth of this process's RSS
-    while its logits function is made and run on one window (a GGUF of the tiny test model:
-    ~30 MiB after llama.cpp's context is made, several times that once it has run) and, once
-    its group has run, the group's growth per artifact."""
+    while its logits function is made and, once its group has run, the group's growth per
+    artifact."""
     names, scores, largest, done, group_no = list(models), {}, 0, 0, 0
     while done < len(names):
         first, group, in_group = done, {}, 0
@@ -154,8 +153,7 @@ def _score_in_groups(models: dict[str, _EvalModel], base_fn: LogitsFn | None,
             while done < len(names) and (not group or _room_for_one_more(largest, in_group, cap,
                                                                          reserve)):
                 before = _rss()
-                fn = group[names[done]] = models[names[done]].logits_fn(conv.ctx)
-                fn(windows[:1])  # touches the buffers llama.cpp allocates (RSS counts them then)
+                group[names[done]] = models[names[done]].logits_fn(conv.ctx)
                 grown = max(0, _rss() - before)
                 largest, in_group, done = max(largest, grown), in_group + grown, done + 1
             group_no += 1
@@ -239,6 +237,10 @@ def _load_gguf(path: Path) -> _EvalModel:
 
     def make(ctx: int):
         holder["m"] = LlamaCppModel(path, n_ctx=ctx, logits_all=True)
+        # llama.cpp writes its buffers only when it runs, and RSS counts pages once written
+        # (a q8_0 GGUF of the tiny test model: +30 MiB once made, +321 MiB after one window):
+        # one full window now, so the harness sizes its groups by what scoring will hold
+        holder["m"].logits([0] * ctx)
 
         def logits(ids: torch.Tensor) -> torch.Tensor:
             return torch.stack([torch.from_numpy(holder["m"].logits(row.tolist())) for row in ids])
