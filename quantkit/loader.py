@@ -34,13 +34,15 @@ def artifact_meta(path: Path) -> dict:
     return read_json(f, META_FILE) if f.is_file() else {}
 
 
-def load_artifact(spec: str | Path, dtype: torch.dtype = torch.float32) -> LoadedModel:
-    """A model alias, dense HF directory or quantkit artifact, ready for eval on CPU."""
+def load_artifact(spec: str | Path, dtype: torch.dtype = torch.float32, *,
+                  tokenizer=None) -> LoadedModel:
+    """A model alias, dense HF directory or quantkit artifact, ready for eval on CPU.
+    `tokenizer`: the artifact's, when the caller loaded it already (it is not read again)."""
     path = Path(spec)
     if not path.exists():
         path = resolve_model(str(spec)).path
     fmt = detect_format(path)
-    tok = load_tokenizer(path)
+    tok = tokenizer if tokenizer is not None else load_tokenizer(path)
     if fmt == "dense":
         return LoadedModel(load_model(path, dtype=dtype), tok, path, fmt, artifact_meta(path))
     from transformers import AutoModelForCausalLM

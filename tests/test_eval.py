@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import jsonschema
+import pytest
 from click.testing import CliRunner
 
 import quantkit.eval
@@ -73,3 +74,59 @@ def test_lmeval_results_cache_key_follows_model_files_tasks_and_settings(tiny_mo
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF")
     assert results_cache_path(str(gguf), task, settings) is None
+
+
+def test_artifacts_scored_a_group_at_a_time_give_the_same_records(tiny_llama, tmp_path,
+                                                                   monkeypatch):
+    """A memory cap that fits one artifact per group (the base runs again for each) gives
+    exactly the metrics of one pass over all three (RTN int4, the weights in float16, the
+    model itself): comparing many artifacts needs only one group of them in memory."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from quantkit.pipeline.quantize import QuantizeRequest, quantize
+    from quantkit.types import QuantScheme
+
+    rtn, fp16 = tmp_path / "rtn-w4g64", tmp_path / "fp16"
+    quantize(QuantizeRequest(model=str(tiny_llama), method="rtn", out=rtn,
+                             scheme=QuantScheme(bits=4, group_size=64)))
+    shutil.copytree(tiny_llama, fp16)  # a dense model, its weights rounded to float16
+    weights = load_file(fp16 / "model.safetensors")
+    save_file({k: v.half() for k, v in weights.items()}, fp16 / "model.safetensors",
+              metadata={"format": "pt"})
+    config = json.loads((fp16 / "config.json").read_text())
+    (fp16 / "config.json").write_text(json.dumps({**config, "dtype": "float16"}))
+    arts = [str(rtn), str(fp16), str(tiny_llama)]
+    conv = PPLConvention(ctx=32, max_windows=2, batch_size=2)
+    runs = {}
+    for cap in (None, "1KiB"):  # 1 KiB: any second artifact would exceed it
+        if cap:
+            monkeypatch.setenv("QUANTKIT_EVAL_MEMORY", cap)
+        stages: dict[str, tuple[int, int]] = {}
+        records = evaluate(arts, str(tiny_llama), conv=conv,
+                           on_progress=lambda s, done, total, st=stages: st.__setitem__(s, (done, total)))
+        runs[cap] = ([r["metrics"] for r in records], stages)
+    one, grouped = runs[None], runs["1KiB"]
+    assert list(one[1]) == ["scoring held-out windows"]
+    assert list(grouped[1]) == [f"scoring held-out windows (group {i}: artifacts {i}-{i} of 3)"
+                                for i in (1, 2, 3)]
+    assert all(done == total == 2 for done, total in grouped[1].values())
+    assert grouped[0] == one[0]  # every float of every metric, exactly
+    klds = [m["kld"]["mean"] for m in one[0]]
+    assert klds[0] > klds[1] > klds[2] == 0  # int4, float16, the base itself
+
+
+def test_eval_memory_cap_is_checked_before_loading(monkeypatch):
+    """$QUANTKIT_EVAL_MEMORY: whole bytes or KiB/MiB/GiB; anything else is one clear error
+    before any model is loaded (the artifact named here does not exist)."""
+    from quantkit.errors import QuantkitError
+    from quantkit.eval.harness import eval_memory_cap
+
+    assert eval_memory_cap("4096") == 4096 and eval_memory_cap(" 3 GiB ") == 3 * 2**30
+    assert eval_memory_cap("512mib") == 512 * 2**20 and eval_memory_cap("") is None
+    for bad in ("8GB", "1.5GiB", "0", "-1", "lots"):
+        monkeypatch.setenv("QUANTKIT_EVAL_MEMORY", bad)
+        with pytest.raises(QuantkitError) as exc:
+            evaluate(["/nonexistent/artifact"], None)
+        assert "QUANTKIT_EVAL_MEMORY" in exc.value.message and "GiB" in exc.value.hint

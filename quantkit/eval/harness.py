@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import gc
+import hashlib
+import os
 import platform
+import re
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
@@ -12,11 +16,13 @@ import torch
 import quantkit
 from quantkit.calibration import load_heldout_text
 from quantkit.errors import ModelLoadError, QuantkitError
-from quantkit.eval.logits import PPLConvention, make_windows, score
+from quantkit.eval.logits import LogitsFn, PPLConvention, make_windows, score
+from quantkit.formats import detect_format
 from quantkit.info import artifact_info
 from quantkit.loader import load_artifact
+from quantkit.model_io import load_tokenizer
 
-__all__ = ["evaluate", "SCHEMA", "hardware"]
+__all__ = ["evaluate", "eval_memory_cap", "EVAL_MEMORY_ENV", "SCHEMA", "hardware"]
 
 SCHEMA = "quantkit.eval/v1"
 
@@ -35,39 +41,71 @@ def hardware() -> dict:
             "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
 
 
-def _logits_fn(model):
-    return lambda ids: model(input_ids=ids, use_cache=False).logits
+EVAL_MEMORY_ENV = "QUANTKIT_EVAL_MEMORY"
+_GROWTH_MARGIN = 1.5  # the next artifact may take this much more than the largest one seen
+_SCORING_LOGITS = 6  # [batch, ctx, vocab] float32 tensors score() holds at its peak
+_UNITS = {"": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def eval_memory_cap(value: str | None = None) -> int | None:
+    """$QUANTKIT_EVAL_MEMORY (or `value`): the most bytes the artifacts scored together may
+    take, as whole bytes or a whole number of KiB / MiB / GiB; None when unset."""
+    text = os.environ.get(EVAL_MEMORY_ENV, "") if value is None else value
+    if not text.strip():
+        return None
+    m = re.fullmatch(r"\s*([0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if m is None or m.group(2).lower() not in _UNITS or int(m.group(1)) < 1:
+        raise QuantkitError(f"${EVAL_MEMORY_ENV}={text!r} is not a size in bytes.",
+                            "Write whole bytes or a whole number of KiB, MiB or GiB (e.g. 8GiB), "
+                            "or unset it: quantkit then groups artifacts by the free memory.")
+    return int(m.group(1)) * _UNITS[m.group(2).lower()]
 
 
 def evaluate(artifacts: list[str], base: str | None = None, *, heldout: str = "mixed",
              conv: PPLConvention | None = None, on_progress=None, command: str = "",
-             ppl: bool = True) -> list[dict]:
-    """Results records, one per artifact, sharing one pass of the base model over the text."""
+             ppl: bool = True, max_group_bytes: int | None = None) -> list[dict]:
+    """Results records, one per artifact, all scored against the same base pass.
+
+    Artifacts are loaded a group at a time (as many as the free memory, or `max_group_bytes` /
+    $QUANTKIT_EVAL_MEMORY, allows): comparing many must not need them all in memory at once.
+    The base runs again for each group; its logits are deterministic, so the records equal a
+    single pass's, and its log-probs are never stored.
+    """
     conv = conv or PPLConvention()
     if not ppl:
         return [_record(a, base, {}, None, {}, command) for a in artifacts]
-    loaded = {a: _load_for_eval(a) for a in artifacts}
-    base_loaded = _load_for_eval(base) if base else None
-    tok = next((lm.tokenizer for lm in [base_loaded, *loaded.values()]
-                if lm is not None and lm.tokenizer is not None), None)
-    if tok is None:
-        raise ModelLoadError(f"No tokenizer could be read from {', '.join(map(str, artifacts))}.",
-                             "Pass --base MODEL (the model it was quantized from): its tokenizer "
-                             "is used for the held-out text.")
-    for a, lm in loaded.items():
-        if lm.tokenizer is not None and lm.tokenizer.get_vocab() != tok.get_vocab():
-            raise QuantkitError(f"{a} and the base model use different tokenizers; KLD needs one.",
-                                "Compare an artifact against the model it was quantized from.")
-    text, text_info = load_heldout_text(heldout)
-    windows, bos = make_windows(tok, text, conv)
-    fns = {a: lm.logits_fn(conv.ctx) for a, lm in loaded.items()}
-    if base_loaded is not None:
-        fns["__base__"] = base_loaded.logits_fn(conv.ctx)
-    try:
-        scores = score(fns, windows, base="__base__" if base_loaded else None,
-                       batch_size=conv.batch_size, on_progress=on_progress)
+    cap = max_group_bytes if max_group_bytes is not None else eval_memory_cap()
+    if cap is not None and cap < 1:
+        raise QuantkitError(f"max_group_bytes={cap} is not a positive size.",
+                            "Pass None to group artifacts by the free memory.")
+    opened: dict[str, _EvalModel] = {}
+    base_loaded, tokenizers = None, {}
+    try:  # tokenizers and paths now; weights only when their group is scored
+        for a in artifacts:
+            opened[a] = _load_for_eval(a, tokenizers)
+        base_loaded = _load_for_eval(base, tokenizers) if base else None
+        tok = next((lm.tokenizer for lm in [base_loaded, *opened.values()]
+                    if lm is not None and lm.tokenizer is not None), None)
+        if tok is None:
+            raise ModelLoadError(f"No tokenizer could be read from {', '.join(map(str, artifacts))}.",
+                                 "Pass --base MODEL (the model it was quantized from): its "
+                                 "tokenizer is used for the held-out text.")
+        for a, lm in opened.items():
+            if lm.tokenizer not in (None, tok) and lm.tokenizer.get_vocab() != tok.get_vocab():
+                raise QuantkitError(f"{a} and the base model use different tokenizers; KLD "
+                                    "needs one.",
+                                    "Compare an artifact against the model it was quantized from.")
+        for lm in opened.values():  # a GGUF's own tokenizer object is large; one is used
+            if lm.tokenizer is not tok:
+                lm.tokenizer = None
+        text, text_info = load_heldout_text(heldout)
+        windows, bos = make_windows(tok, text, conv)
+        base_fn = base_loaded.logits_fn(conv.ctx) if base_loaded is not None else None
+        reserve = _SCORING_LOGITS * 4 * conv.batch_size * conv.ctx * len(tok)
+        scores = _score_in_groups(opened, base_fn, windows, conv, cap=cap, reserve=reserve,
+                                  on_progress=on_progress)
     finally:
-        for lm in [base_loaded, *loaded.values()]:
+        for lm in [base_loaded, *opened.values()]:
             if lm is not None:
                 lm.close()
     convention = conv.describe(tok, text_info, windows.shape[0], bos)
@@ -76,11 +114,65 @@ def evaluate(artifacts: list[str], base: str | None = None, *, heldout: str = "m
         metrics = {k: v for k, v in scores[a].items() if k != "scored_tokens"}
         if base_loaded is not None:
             metrics["base_ppl"] = scores["__base__"]["ppl"]
-            if base_loaded.engine["name"] != loaded[a].engine["name"]:
+            if base_loaded.engine["name"] != opened[a].engine["name"]:
                 metrics["base_engine"] = base_loaded.engine["name"]
-        records.append(_record(loaded[a].path, base_loaded.path if base_loaded else None,
-                               metrics, convention, text_info, command, loaded[a].engine))
+        records.append(_record(opened[a].path, base_loaded.path if base_loaded else None,
+                               metrics, convention, text_info, command, opened[a].engine))
     return records
+
+
+def _rss() -> int:
+    from quantkit.pipeline.plan import _proc_status
+
+    return _proc_status("VmRSS")
+
+
+def _room_for_one_more(largest: int, in_group: int, cap: int | None, reserve: int) -> bool:
+    """Whether one more artifact (as large as the largest measured so far) fits beside those
+    loaded, with room left for score()'s logits; from measured memory, not from file sizes."""
+    from quantkit.pipeline.plan import available_memory
+
+    if cap is not None and in_group + largest > cap:
+        return False
+    available, _source = available_memory()
+    return available - _rss() >= _GROWTH_MARGIN * largest + reserve
+
+
+def _score_in_groups(models: dict[str, _EvalModel], base_fn: LogitsFn | None,
+                     windows: torch.Tensor, conv: PPLConvention, *, cap: int | None,
+                     reserve: int, on_progress=None) -> dict[str, dict]:
+    """score() over `models` a group at a time, each group with the base; a group's models are
+    closed before the next group loads. An artifact's size is the growth of this process's RSS
+    while its logits function is made and, once its group has run, the group's growth per
+    artifact."""
+    names, scores, largest, done, group_no = list(models), {}, 0, 0, 0
+    while done < len(names):
+        first, group, in_group = done, {}, 0
+        group_start = _rss()
+        try:
+            while done < len(names) and (not group or _room_for_one_more(largest, in_group, cap,
+                                                                         reserve)):
+                before = _rss()
+                group[names[done]] = models[names[done]].logits_fn(conv.ctx)
+                grown = max(0, _rss() - before)
+                largest, in_group, done = max(largest, grown), in_group + grown, done + 1
+            group_no += 1
+            stage = "scoring held-out windows"
+            if group_no > 1 or done < len(names):
+                stage += f" (group {group_no}: artifacts {first + 1}-{done} of {len(names)})"
+            fns = {**group, **({"__base__": base_fn} if base_fn is not None else {})}
+            scores.update(score(fns, windows, base="__base__" if base_fn is not None else None,
+                                batch_size=conv.batch_size,
+                                on_progress=on_progress and (
+                                    lambda _s, n, total, st=stage: on_progress(st, n, total))))
+            largest = max(largest, (_rss() - group_start) // len(group))
+        finally:
+            for name in group:
+                models[name].close()
+            group.clear()
+            if done < len(names):
+                gc.collect()  # a model held in a reference cycle: freed before the next group
+    return scores
 
 
 class _EvalModel:
@@ -96,16 +188,44 @@ class _EvalModel:
             self._close()
 
 
-def _load_for_eval(spec) -> _EvalModel:
+_TOKENIZER_FILES = ("tokenizer", "special_tokens_map", "added_tokens", "vocab", "merges")
+
+
+def _tokenizer(path: Path, cache: dict):
+    """The tokenizer of a model directory, loaded once for all directories whose tokenizer
+    files hold the same bytes (the quantized versions of one model): ~0.5 s each saved."""
+    key = tuple((f.name, hashlib.sha256(f.read_bytes()).hexdigest())
+                for f in sorted(path.iterdir()) if f.is_file() and f.name.startswith(_TOKENIZER_FILES))
+    if not key:
+        return load_tokenizer(path)  # its own clear error
+    if key not in cache:
+        cache[key] = load_tokenizer(path)
+    return cache[key]
+
+
+def _load_for_eval(spec, tokenizers: dict | None = None) -> _EvalModel:
     """Safetensors artifacts and models: quantkit's loader (dequantized, float32, torch).
-    GGUF files: real llama.cpp logits, so a GGUF is scored by the engine that will run it."""
+    GGUF files: real llama.cpp logits, so a GGUF is scored by the engine that will run it.
+    Only the tokenizer is read here; the weights when the logits function is made."""
     path = Path(str(spec))
     if path.suffix == ".gguf":
         return _load_gguf(path)
-    lm = load_artifact(spec)
-    return _EvalModel(lm.path, lm.tokenizer, lambda _ctx: _logits_fn(lm.model),
+    if not path.exists():
+        from quantkit.model_io import resolve_model
+
+        path = resolve_model(str(spec)).path
+    detect_format(path)  # not an artifact: one clear error before any group is scored
+    tok = _tokenizer(path, {} if tokenizers is None else tokenizers)
+    holder: dict = {}
+
+    def make(_ctx: int):
+        holder["m"] = load_artifact(path, tokenizer=tok)
+        return lambda ids: holder["m"].model(input_ids=ids, use_cache=False).logits
+
+    return _EvalModel(path, tok, make,
                       {"name": "quantkit-torch", "version": torch.__version__, "dtype": "float32",
-                       "device": "cpu", "note": "quantkit's loader: stored weights dequantized exactly"})
+                       "device": "cpu", "note": "quantkit's loader: stored weights dequantized exactly"},
+                      close=holder.clear)
 
 
 def _load_gguf(path: Path) -> _EvalModel:
@@ -117,6 +237,10 @@ def _load_gguf(path: Path) -> _EvalModel:
 
     def make(ctx: int):
         holder["m"] = LlamaCppModel(path, n_ctx=ctx, logits_all=True)
+        # llama.cpp writes its buffers only when it runs, and RSS counts pages once written
+        # (a q8_0 GGUF of the tiny test model: +30 MiB once made, +321 MiB after one window):
+        # one full window now, so the harness sizes its groups by what scoring will hold
+        holder["m"].logits([0] * ctx)
 
         def logits(ids: torch.Tensor) -> torch.Tensor:
             return torch.stack([torch.from_numpy(holder["m"].logits(row.tolist())) for row in ids])
@@ -131,7 +255,7 @@ def _load_gguf(path: Path) -> _EvalModel:
     return _EvalModel(path, tok, make,
                       {"name": "llama.cpp", "version": llama_cpp_version(), "dtype": "gguf",
                        "device": "cpu", "note": "llama-cpp-python logits for every position"},
-                      close=lambda: holder["m"].close() if "m" in holder else None)
+                      close=lambda: holder.pop("m").close() if "m" in holder else None)
 
 
 def _record(artifact, base, metrics: dict, convention: dict | None, text_info: dict,
