@@ -117,6 +117,28 @@ def test_artifacts_scored_a_group_at_a_time_give_the_same_records(tiny_llama, tm
     assert klds[0] > klds[1] > klds[2] == 0  # int4, float16, the base itself
 
 
+def test_a_truncated_artifact_is_refused_before_any_group_is_scored(tiny_llama, tmp_path,
+                                                                   monkeypatch):
+    """Weights load a group at a time, but a broken file is still one clear error before any
+    scoring: the headers of every artifact are checked when it is opened (here the second of
+    two, one artifact per group)."""
+    import shutil
+
+    from quantkit.errors import ModelLoadError
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_llama, broken)
+    shard = broken / "model.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-1000])
+    monkeypatch.setenv("QUANTKIT_EVAL_MEMORY", "1KiB")
+    stages: list[str] = []
+    with pytest.raises(ModelLoadError, match="truncated"):
+        evaluate([str(tiny_llama), str(broken)], str(tiny_llama),
+                 conv=PPLConvention(ctx=32, max_windows=2, batch_size=2),
+                 on_progress=lambda s, *_: stages.append(s))
+    assert not [s for s in stages if s.startswith("scoring")]
+
+
 def test_eval_memory_cap_is_checked_before_loading(monkeypatch):
     """$QUANTKIT_EVAL_MEMORY: whole bytes or KiB/MiB/GiB; anything else is one clear error
     before any model is loaded (the artifact named here does not exist)."""

@@ -21,6 +21,7 @@ from quantkit.formats import detect_format
 from quantkit.info import artifact_info
 from quantkit.loader import load_artifact
 from quantkit.model_io import load_tokenizer
+from quantkit.readers import safetensors_headers
 
 __all__ = ["evaluate", "eval_memory_cap", "EVAL_MEMORY_ENV", "SCHEMA", "hardware"]
 
@@ -215,6 +216,8 @@ def _load_for_eval(spec, tokenizers: dict | None = None) -> _EvalModel:
 
         path = resolve_model(str(spec)).path
     detect_format(path)  # not an artifact: one clear error before any group is scored
+    if path.is_dir():  # truncated / overlapping shards too, before the first group's work
+        safetensors_headers(path)
     tok = _tokenizer(path, {} if tokenizers is None else tokenizers)
     holder: dict = {}
 
