@@ -100,10 +100,14 @@ def gguf_special_ids(gguf_file: Path) -> dict[str, int]:
 
 def _build_from_gguf(gguf_file: Path, out: Path, entry: dict) -> None:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from quantkit.model_io import causal_lm_class
+
+    model_class = causal_lm_class()  # first: it trims transformers' imports
+    from transformers import AutoTokenizer
 
     folder, name = str(gguf_file.parent), gguf_file.name
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.bfloat16)
+    model = model_class.from_pretrained(folder, gguf_file=name, dtype=torch.bfloat16)
     tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     tok.clean_up_tokenization_spaces = False  # destructive for BPE; llama.cpp does not do it
     ids = gguf_special_ids(gguf_file)

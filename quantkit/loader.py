@@ -12,7 +12,13 @@ from pathlib import Path
 import torch
 
 from quantkit.formats import detect_format, prepare_model, read_dense_state
-from quantkit.model_io import load_config, load_model, load_tokenizer, resolve_model
+from quantkit.model_io import (
+    causal_lm_class,
+    load_config,
+    load_model,
+    load_tokenizer,
+    resolve_model,
+)
 from quantkit.readers import read_json
 
 __all__ = ["LoadedModel", "load_artifact", "artifact_meta"]
@@ -45,13 +51,11 @@ def load_artifact(spec: str | Path, dtype: torch.dtype = torch.float32, *,
     tok = tokenizer if tokenizer is not None else load_tokenizer(path)
     if fmt == "dense":
         return LoadedModel(load_model(path, dtype=dtype), tok, path, fmt, artifact_meta(path))
-    from transformers import AutoModelForCausalLM
-
     config = copy.deepcopy(load_config(path))
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = causal_lm_class().from_config(config, dtype=dtype)
     spec = _per_expert_linears(model, config)
     state = read_dense_state(path, fmt, dtype)
     if spec is not None and spec.checkpoint_renames:  # Mixtral's block_sparse_moe -> mlp

@@ -250,6 +250,9 @@ def _load_gguf(path: Path) -> _EvalModel:
         return logits
 
     try:  # transformers reads the tokenizer stored in the GGUF (used when no base is given)
+        from quantkit.model_io import trim_transformers_extras
+
+        trim_transformers_extras()
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)

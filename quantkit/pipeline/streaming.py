@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 
 from quantkit.arch import ArchSpec
-from quantkit.model_io import check_finite
+from quantkit.model_io import causal_lm_class, check_finite
 from quantkit.pipeline.blocks import BlockSource
 from quantkit.pipeline.heap import trim_heap
 from quantkit.readers import safetensors_header, tensor_files
@@ -140,10 +140,9 @@ class ShardReader:
 def skeleton(config, dtype: torch.dtype, trust_remote_code: bool = False):
     """The model with every parameter on `meta` (buffers such as rotary inv_freq stay real)."""
     from accelerate import init_empty_weights
-    from transformers import AutoModelForCausalLM
 
     with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype,
+        model = causal_lm_class().from_config(config, dtype=dtype,
                                                  trust_remote_code=trust_remote_code)
     return model.eval()
 
