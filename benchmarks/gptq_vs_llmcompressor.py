@@ -68,7 +68,7 @@ def worker_quantkit(a: argparse.Namespace) -> dict:
     from quantkit.calibration import load_calibration
     from quantkit.formats import get_writer
     from quantkit.methods import get_quantizer
-    from quantkit.model_io import load_tokenizer, resolve_model
+    from quantkit.model_io import causal_lm_class, load_tokenizer, resolve_model
     from quantkit.pipeline.quantize import QuantizeRequest, quantize
     from quantkit.types import QuantScheme
 
@@ -84,7 +84,7 @@ def worker_quantkit(a: argparse.Namespace) -> dict:
     # transformers' model classes too, as the peer imports AutoModelForCausalLM before its timer
     # (the writer's compressed_tensors import used to pull them in; the library itself is now
     # imported when the artifact is written, inside quantkit's timer: ~1 s against quantkit)
-    from transformers import AutoModelForCausalLM  # noqa: F401
+    causal_lm_class()  # as quantkit imports it (model_io.trim_transformers_extras first)
     t0 = time.perf_counter()
     meta = quantize(QuantizeRequest(model=a.model, method=a.method, scheme=scheme, out=Path(a.out),
                                     format="compressed-tensors", force=True, calib=a.calib,
@@ -167,7 +167,7 @@ def run_worker(python: Path, side: str, args: argparse.Namespace, out: Path, **e
         cmd += [f"--{k.replace('_', '-')}", str(v)]
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
            "HF_DATASETS_OFFLINE": "1"}
-    if side == "llmc":
+    if side == "llmc" and not args.llmc_keep_pythonpath:
         env.pop("PYTHONPATH", None)
     print(f"[{time.strftime('%H:%M:%S')}] {side} {extra.get('method', '')}: {out}", flush=True)
     t0 = time.perf_counter()
@@ -212,6 +212,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--workdir", type=Path, default=Path("/tmp/quantkit-bench-gptq"))
     p.add_argument("--results", type=Path, default=RESULTS)
     p.add_argument("--skip-eval", action="store_true")
+    p.add_argument("--llmc-keep-pythonpath", action="store_true",
+                   help="the peer's packages are on PYTHONPATH, not in a venv (the GPU machine's "
+                        "host CPU: wheels installed with --target); by default the peer's "
+                        "environment drops PYTHONPATH so quantkit's tree cannot shadow its imports")
     args = p.parse_args(argv)
 
     if args.worker:
@@ -282,7 +286,10 @@ def main(argv: list[str] | None = None) -> None:
                    "compute_dtype": {k: r.get("compute_dtype") for k, r in runs.items()}},
         "calibration": {**calib.provenance, "file": str(args.workdir / "calib_ids.safetensors"),
                         "shared_by_both_sides": True},
-        "machine": {"cpu": cpu_info()["model"], "cores": os.cpu_count(), "torch_threads": args.threads or "default",
+        "machine": {"cpu": cpu_info()["model"], "cores": os.cpu_count(),
+                    "cores_usable": len(os.sched_getaffinity(0)),
+                    "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                    "torch_threads": args.threads or "default",
                     "load_avg_at_end": os.getloadavg(), "python": platform.python_version()},
         "time_note": "job_s (the compared time): load the model + calibrate + quantize + save the "
                      "artifact, imports done before the timer on both sides (quantkit quantize(); "
@@ -304,9 +311,11 @@ def _peer_key(dtype: str) -> str:
 
 
 def _git_commit() -> str | None:
+    """HEAD, or the file COMMIT at the tree's root where it was copied without .git."""
     proc = subprocess.run(["git", "-C", str(HERE), "rev-parse", "HEAD"], capture_output=True,
                           text=True)
-    return proc.stdout.strip() or None
+    stamp = HERE.parent / "COMMIT"
+    return proc.stdout.strip() or (stamp.read_text().strip() if stamp.is_file() else None)
 
 
 def print_table(r: dict) -> None:
