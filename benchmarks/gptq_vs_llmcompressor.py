@@ -310,12 +310,10 @@ def _peer_key(dtype: str) -> str:
     return "llmcompressor_gptq" if dtype == "float32" else f"llmcompressor_gptq_{dtype}"
 
 
-def _git_commit() -> str | None:
-    """HEAD, or the file COMMIT at the tree's root where it was copied without .git."""
-    proc = subprocess.run(["git", "-C", str(HERE), "rev-parse", "HEAD"], capture_output=True,
-                          text=True)
-    stamp = HERE.parent / "COMMIT"
-    return proc.stdout.strip() or (stamp.read_text().strip() if stamp.is_file() else None)
+def _git_commit() -> str:
+    from gpu_quantkit_vs_llmcompressor import git_commit  # one rule: COMMIT of a copy, else HEAD
+
+    return git_commit()
 
 
 def print_table(r: dict) -> None:
