@@ -131,6 +131,14 @@ def causal_lm_class():
     return AutoModelForCausalLM
 
 
+def __getattr__(name: str):
+    """`quantkit.model_io.AutoModelForCausalLM`: causal_lm_class(), for a fork server's preload
+    list ("module:attr" is imported and read before any fork: tests/cli_runner.py)."""
+    if name == "AutoModelForCausalLM":
+        return causal_lm_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def load_config(path: Path, *, trust_remote_code: bool = False):
     trim_transformers_extras()
     from transformers import AutoConfig
