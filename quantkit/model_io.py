@@ -161,7 +161,6 @@ def meta_model(config):
     runs transformers' whole init (~0.15 s), and quantize needs the shapes twice.
     """
     global _META_MODEL
-
     key = config.to_json_string() if hasattr(config, "to_json_string") else repr(config)
     if _META_MODEL is None or _META_MODEL[0] != key:
         with torch.device("meta"):
@@ -187,7 +186,6 @@ def load_tokenizer(path: Path, *, trust_remote_code: bool = False):
 def load_model(path: Path, *, dtype: torch.dtype = torch.float32, allow_pickle: bool = False,
                trust_remote_code: bool = False, check_weights: bool = True):
     """A dense transformers model on CPU; weights are checked for NaN/Inf."""
-
     _check_local_dir(path, allow_pickle=allow_pickle)
     try:
         model = causal_lm_class().from_pretrained(

@@ -4,8 +4,9 @@
 own process, exit code, stdout and stderr apart, the env and cwd asked for), through
 quantkit/engines/forkserver.py: the suite's ~50 CLI runs skip importing torch, transformers and
 quantkit (~3-4 s each on 2 cores), and transformers' auto classes (~3 s more: the server reads
-quantkit.model_io.AutoModelForCausalLM, which imports them the way quantkit does). Tests that signal, limit or measure the process itself
-(SIGINT/SIGKILL, RLIMIT, peak RSS) start it with subprocess directly.
+quantkit.model_io.AutoModelForCausalLM, which imports them the way quantkit does). Tests that
+signal, limit or measure the process itself (SIGINT/SIGKILL, RLIMIT, peak RSS) start it with
+subprocess directly.
 """
 
 from __future__ import annotations

@@ -143,7 +143,7 @@ def skeleton(config, dtype: torch.dtype, trust_remote_code: bool = False):
 
     with init_empty_weights(include_buffers=False):
         model = causal_lm_class().from_config(config, dtype=dtype,
-                                                 trust_remote_code=trust_remote_code)
+                                              trust_remote_code=trust_remote_code)
     return model.eval()
 
 
