@@ -553,6 +553,11 @@ def eval_cmd(artifact, base, heldout, ctx, max_windows, batch_size, ppl, tasks, 
     # ask the engine probe before the long work: a vLLM part it cannot run is not started
     blocked = (vllm_blocker(artifact) if (tasks and backend == "vllm")
                or (speed and speed_engine == "vllm") else None)
+    names = [t.strip() for t in tasks.split(",") if t.strip()] if tasks else []
+    if names:  # an unknown or offline-unreachable task is refused before the held-out scoring
+        from quantkit.eval.tasks import resolve_tasks, task_manager
+
+        resolve_tasks(names, task_manager(names))
     conv = PPLConvention(ctx=ctx, max_windows=max_windows, batch_size=batch_size)
     with _Progress() as progress:
         record = evaluate([artifact], base, heldout=heldout, conv=conv, on_progress=progress,
@@ -564,7 +569,6 @@ def eval_cmd(artifact, base, heldout, ctx, max_windows, batch_size, ppl, tasks, 
         if tasks and backend == "vllm" and blocked:
             not_run.append(("--tasks --backend vllm", f"--tasks {tasks} --backend hf"))
         elif tasks:
-            names = [t.strip() for t in tasks.split(",") if t.strip()]
             task_record(record, artifact, base, names, backend=backend, num_fewshot=num_fewshot,
                         limit=limit, batch_size=batch_size, seed=seed, chat=chat_template,
                         reuse_base=not fresh_base)

@@ -120,8 +120,25 @@ def test_rtn_flips_and_vllm(rtn4_artifact, hf_base, smollm_path, tmp_path):
         assert _items_apart(vres, hf_base["samples"][CLOZE]) <= 1
 
 
-def test_unknown_task_and_offline_hub_task():
+def test_unknown_task_and_offline_hub_task(tiny_llama, monkeypatch):
+    """Bad task names are refused before any work: before the model loads, and in the CLI
+    before the held-out scoring (which took minutes before the task name was looked at)."""
+    import quantkit.eval.harness
+    import quantkit.loader
+
+    def work(*args, **kwargs):
+        raise AssertionError("the work started before the task names were checked")
+
+    monkeypatch.setattr(quantkit.loader, "load_artifact", work)
+    monkeypatch.setattr(quantkit.eval.harness, "evaluate", work)
     with pytest.raises(QuantkitError, match="Unknown lm-eval task"):
         run_tasks("smollm2-135m", ["no_such_task_xyz"])
     with pytest.raises(QuantkitError, match="HF_HUB_OFFLINE is set"):
         run_tasks("smollm2-135m", ["hellaswag"])
+    for task, message in (("no_such_task_xyz", "Unknown lm-eval task"),
+                          ("hellaswag", "HF_HUB_OFFLINE is set")):
+        res = CliRunner().invoke(main, ["eval", str(tiny_llama), "--base", str(tiny_llama),
+                                        "--tasks", f"{CLOZE},{task}"])
+        assert res.exit_code == 2 and message in res.output, res.output
+        assert "Traceback" not in res.output
+    assert not (tiny_llama / "quantkit_eval.json").exists()

@@ -116,6 +116,7 @@ def results_cache_path(artifact: str, tasks: list[str], settings: dict) -> Path 
 def _run_uncached(artifact: str, tasks: list[str], settings: dict) -> dict:
     backend, num_fewshot, limit = settings["backend"], settings["num_fewshot"], settings["limit"]
     batch_size, seed, chat = settings["batch_size"], settings["seed"], settings["chat_template"]
+    resolve_tasks(tasks, task_manager(tasks))  # a bad task name fails before the model loads
     if backend == "hf":
         from lm_eval.models.huggingface import HFLM
 
@@ -131,7 +132,6 @@ def _run_uncached(artifact: str, tasks: list[str], settings: dict) -> dict:
         lm = LlamaCppLM(str(artifact))
         raw = _evaluate_lm(lm, tasks, num_fewshot=num_fewshot, limit=limit, seed=seed, chat=chat)
     elif backend == "vllm":
-        resolve_tasks(tasks, task_manager(tasks))
         raw = _run_vllm_lmeval(artifact, tasks, settings)
     else:
         raise QuantkitError(f"Unknown backend {backend!r}.", f"Choose one of {', '.join(BACKENDS)}.")
