@@ -53,10 +53,9 @@ def _evaluate_lm(lm, tasks: list[str], *, num_fewshot: int, limit: int | None, s
                  chat: bool) -> dict:
     import lm_eval
 
-    manager = task_manager(tasks)
-    resolve_tasks(tasks, manager)
+    # the names were checked by _run_uncached before the model loaded
     return lm_eval.simple_evaluate(model=lm, tasks=tasks, num_fewshot=num_fewshot, limit=limit,
-                                   task_manager=manager, log_samples=True, random_seed=seed,
+                                   task_manager=task_manager(tasks), log_samples=True, random_seed=seed,
                                    numpy_random_seed=seed, torch_random_seed=seed,
                                    fewshot_random_seed=seed, apply_chat_template=chat,
                                    bootstrap_iters=100)
