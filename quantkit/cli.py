@@ -643,12 +643,13 @@ def _print_eval(record: dict) -> None:
         if task in (m.get("flips") or {}):
             _add_row(table, f"{task} flips vs base", f"{100 * m['flips'][task]['value']:.1f} %")
     sp = record.get("speed") or {}
+    engine = f"{sp.get('engine')} {sp['dtype']}" if sp.get("dtype") else sp.get("engine")
     for key, val in sp.items():
         if key.startswith("batch_") and val:
             for name, label in (("prefill_tok_s", "prefill tok/s"), ("decode_tok_s", "decode tok/s"),
                                 ("ttft_s", "TTFT s")):
                 v = val[name]
-                _add_row(table, f"{label} ({sp['engine']}, {key.replace('_', ' ')})",
+                _add_row(table, f"{label} ({engine}, {key.replace('_', ' ')})",
                               f"{v['median']:.3g} [{v['min']:.3g}, {v['max']:.3g}]")
     if sp.get("unmeasured"):
         _add_row(table, f"speed ({sp['engine']})", f"not run: {sp['unmeasured']}")

@@ -20,6 +20,7 @@ from quantkit.engines.capabilities import (
     torch_cpu_bf16_native,
     vllm_cannot_run,
     vllm_capabilities,
+    vllm_dtype,
     vllm_too_slow_to_time,
 )
 from quantkit.engines.vllm import run_vllm
@@ -168,6 +169,38 @@ def test_cpu_compute_dtype_follows_torch_and_the_checkpoint(monkeypatch):
         compute_dtype_for("cpu", bf16, True)
     assert CPU_DTYPE_ENV in e.value.message and "float32" in e.value.hint
 
+
+
+def test_vllm_dtype_float32_only_where_bf16_is_emulated_and_the_kernel_takes_it(
+        smollm_path, rtn4_artifact, tmp_path):
+    """vLLM runs in float32 only where its torch emulates bf16 (the probe asks it; ~3x faster
+    there: benchmarks/vllm_dtype_cpu.py) and only for checkpoints whose CPU kernels take
+    float32 inputs; int4 (16-bit kernel inputs), FP8 KV caches and foreign quantized
+    checkpoints keep bfloat16. Real vLLM's own answer is checked in test_engines_vllm."""
+    caps = vllm_capabilities()
+    # vLLM's torch and quantkit's answer alike about this CPU's bf16 GEMMs
+    assert caps.bf16_native == torch_cpu_bf16_native()
+    emulated = "bfloat16" if caps.bf16_native else "float32"
+    assert vllm_dtype(smollm_path) == emulated  # a dense checkpoint
+    assert vllm_dtype(rtn4_artifact) == "bfloat16"  # int4 weight-only
+    foreign = tmp_path / "foreign"  # the same artifact without quantkit.json: scheme unknown
+    shutil.copytree(rtn4_artifact, foreign)
+    (foreign / "quantkit.json").unlink()
+    assert vllm_dtype(foreign) == "bfloat16"
+    meta = json.loads((rtn4_artifact / "quantkit.json").read_text())
+    for scheme, kv in (({"kind": "int", "bits": 8, "group_size": -1, "activations": "dynamic"},
+                        False),
+                       ({"kind": "fp8", "bits": 8, "group_size": -1}, False),
+                       ({"kind": "fp8", "bits": 8, "group_size": -1}, True),
+                       ({"kind": "fp8", "bits": 8, "group_size": 128}, False)):
+        (foreign / "quantkit.json").write_text(json.dumps({**meta, "scheme": scheme}))
+        config = json.loads((rtn4_artifact / "config.json").read_text())
+        if kv:
+            config["quantization_config"]["kv_cache_scheme"] = {"num_bits": 8, "type": "float",
+                                                                "dynamic": False}
+        (foreign / "config.json").write_text(json.dumps(config))
+        takes_float32 = scheme["group_size"] < 0 and not kv
+        assert vllm_dtype(foreign) == (emulated if takes_float32 else "bfloat16"), (scheme, kv)
 
 
 def test_doctor_without_vllm_says_how_to_get_it(tmp_path, monkeypatch):

@@ -20,7 +20,7 @@ from vllm_checks import (
     vllm_runs,
 )
 
-from quantkit.engines.capabilities import vllm_capabilities
+from quantkit.engines.capabilities import vllm_capabilities, vllm_dtype
 from quantkit.engines.vllm import run_vllm
 from quantkit.errors import EngineError
 from quantkit.loader import load_artifact
@@ -36,6 +36,9 @@ def test_base_model_in_vllm_matches_quantkit_loader(smollm_path):
     res = run_vllm(smollm_path, generate=[{"prompt": PROMPT, "max_tokens": 8}], score=[ids])
     assert "Paris" in res["generate"][0]
     assert agreement(smollm_path, res["score"][0]["top1"], ids) >= agreement_floor(smollm_path, ids)
+    # vLLM ran the dense model in float32 exactly where its torch emulates bf16 on this CPU
+    assert res["dtype"] == vllm_dtype(smollm_path) == (
+        "bfloat16" if vllm_capabilities().bf16_native else "float32")
 
 
 def test_rtn_int4_artifact_in_vllm(rtn4_artifact, monkeypatch):

@@ -29,11 +29,11 @@ from quantkit.types import QuantScheme
 __all__ = ["VllmCapabilities", "vllm_capabilities", "vllm_cannot_run", "vllm_too_slow_to_time",
            "explain_vllm_failure",
            "cpu_info", "llamacpp_info", "machine_report", "what_runs_here", "probe_cache_dir",
-           "torch_cpu_bf16_native"]
+           "torch_cpu_bf16_native", "vllm_dtype"]
 
 _WORKER = Path(__file__).with_name("vllm_probe_worker.py")
 _PROBE_TIMEOUT_S = 300
-_PROBE_VERSION = 4  # bump when vllm_probe_worker.py asks something new: old answers lack it
+_PROBE_VERSION = 5  # bump when vllm_probe_worker.py asks something new: old answers lack it
 
 # one phrase per missing capability: vllm_cannot_run returns these, error messages reuse them
 _WHY = {
@@ -86,6 +86,8 @@ class VllmCapabilities:
     # kv_cache_dtype fp8 (per-layer k/v scales): vLLM's CPU attention needs AVX-512 or AMX
     fp8_kv_cache: bool = False
     fp8_kv_cache_error: str | None = None  # vLLM's own refusal where it has none
+    # vLLM's torch runs bf16 GEMMs natively (AMX / AVX512-BF16); elsewhere bf16 is emulated
+    bf16_native: bool = True
     wna16_weight_types: list[str] = field(default_factory=list)
     ops: dict[str, str | None] = field(default_factory=dict)  # op -> schema (None: missing)
     kernels: dict[str, list] = field(default_factory=dict)  # vLLM kernel class -> [ok, reason]
@@ -164,6 +166,7 @@ def _from_probe(raw: dict, python: Path, cache_file: Path) -> VllmCapabilities:
         fp8_vs_bf16_time=raw.get("fp8_vs_bf16_time"),
         int4_w4a8_default=cpu and bool(raw.get("amx_tile"))
         and _real_op(ops.get("int4_scaled_mm_cpu")),
+        bf16_native=not cpu or bool(raw.get("bf16_native")),
         wna16_weight_types=types if isinstance(types, list) else [],
         ops=ops, kernels=kernels, cache_file=str(cache_file))
 
@@ -305,6 +308,35 @@ def vllm_cannot_run(scheme: QuantScheme | Mapping | str, *, moe: bool = False) -
             return None if caps.fp8_block else _WHY["fp8_block"].format(why=str(why).rstrip("."))
         return None if caps.fp8 else _WHY["fp8_dynamic"].format(why="see quantkit doctor")
     return None
+
+
+def vllm_dtype(model_dir: Path) -> str:
+    """The activation dtype quantkit runs `model_dir` in vLLM with: bfloat16, except where
+    vLLM's torch emulates bf16 (a CPU without AMX or AVX512-BF16; the probe asks vLLM's torch)
+    and the checkpoint's vLLM CPU kernels take float32 inputs: dense weights, int8 W8A8 and
+    FP8 channel weights with dynamic inputs. There float32 is the faster run (an AVX2 EPYC:
+    SmolLM2 scoring 43 vs 158 s dense, 33 vs 65 s int8 W8A8, FP8 alike;
+    benchmarks/vllm_dtype_cpu.py). vLLM's int4 kernel takes 16-bit inputs only, and an FP8 KV
+    cache is asked of the attention in bf16, so those keep bfloat16."""
+    caps = vllm_capabilities()
+    model_dir = Path(model_dir)
+    if not caps.available or caps.platform != "CpuPlatform" or caps.bf16_native:
+        return "bfloat16"
+    if not (model_dir / "config.json").is_file():
+        return "bfloat16"
+    from quantkit.formats.kv_cache import declares_fp8_kv_cache
+    from quantkit.loader import artifact_meta
+    from quantkit.readers import read_json
+
+    config = read_json(model_dir / "config.json")
+    if not config.get("quantization_config"):
+        return "float32"  # a dense checkpoint
+    scheme = artifact_meta(model_dir).get("scheme")
+    if not scheme or declares_fp8_kv_cache(model_dir):  # a foreign checkpoint: what vLLM expects
+        return "bfloat16"
+    kind, _, group, activations = _scheme_fields(scheme)
+    takes_float32 = (kind == "int" and activations) or (kind == "fp8" and group < 0)
+    return "float32" if takes_float32 else "bfloat16"
 
 
 def vllm_cannot_run_fp8_kv_cache(head_dim: int | None = None) -> str | None:

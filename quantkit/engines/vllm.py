@@ -82,10 +82,13 @@ def share_vllm_forkserver() -> None:
 
 def run_vllm(model_dir: Path, *, generate: list[dict] | None = None,
              score: list[list[int]] | None = None, speed: dict | None = None,
-             dtype: str = "bfloat16",
+             dtype: str | None = None,
              max_model_len: int = 2048, timeout: float = 1800,
              kv_cache_dtype: str | None = None, kv_scales: bool = False) -> dict:
     """Load `model_dir` in vLLM, greedy-generate and/or score token sequences.
+    `dtype` None: bfloat16, or float32 where vLLM's bf16 is emulated on this CPU and the
+    checkpoint's kernels take it (capabilities.vllm_dtype); the answer's "dtype" is the one
+    vLLM settled on.
     `kv_cache_dtype` None: "fp8" where the artifact carries FP8 KV-cache scales (vLLM's
     default "auto" would ignore them), else "auto". `kv_scales`: also return the k/v scale
     each attention layer of vLLM's model holds after loading."""
@@ -93,6 +96,10 @@ def run_vllm(model_dir: Path, *, generate: list[dict] | None = None,
         from quantkit.formats.kv_cache import declares_fp8_kv_cache
 
         kv_cache_dtype = "fp8" if declares_fp8_kv_cache(Path(model_dir)) else "auto"
+    if dtype is None:
+        from quantkit.engines.capabilities import vllm_dtype
+
+        dtype = "bfloat16" if kv_cache_dtype == "fp8" else vllm_dtype(Path(model_dir))
     with tempfile.TemporaryDirectory(prefix="quantkit-vllm-") as tmp:
         req, resp = Path(tmp) / "req.json", Path(tmp) / "resp.json"
         req.write_text(json.dumps({"model": str(Path(model_dir).resolve()), "dtype": dtype,

@@ -37,7 +37,7 @@ def main(req_path: str, resp_path: str) -> None:
     from lm_eval.tasks import TaskManager
 
     req = json.load(open(req_path))
-    model_args = {"pretrained": req["model"], "dtype": "bfloat16", "enforce_eager": True,
+    model_args = {"pretrained": req["model"], "dtype": req.get("dtype", "bfloat16"), "enforce_eager": True,
                   "gpu_memory_utilization": 0.3, "max_model_len": 2048, "seed": req["seed"],
                   "trust_remote_code": False,
                   "distributed_executor_backend": "uni"}  # one process: see quantkit.engines.vllm.vllm_env

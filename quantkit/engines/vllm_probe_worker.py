@@ -107,6 +107,13 @@ def main(resp_path: str) -> None:
         out["amx_tile"] = bool(torch.cpu._is_amx_tile_supported())
     except Exception:  # noqa: BLE001 - an older torch: no AMX path either
         out["amx_tile"] = False
+    # whether vLLM's torch runs bf16 GEMMs natively here (oneDNN with AMX or AVX512-BF16);
+    # elsewhere it emulates them, ~3x slower than float32 (quantkit then runs vLLM in float32)
+    try:
+        out["bf16_native"] = bool(torch.backends.mkldnn.is_available() and (
+            out["amx_tile"] or torch.cpu._is_avx512_bf16_supported()))
+    except Exception:  # noqa: BLE001 - an older torch: treat bf16 as emulated
+        out["bf16_native"] = False
     try:
         from vllm.model_executor.kernels.linear.mixed_precision import cpu as wna16
 

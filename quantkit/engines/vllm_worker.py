@@ -4,7 +4,7 @@ Usage: python vllm_worker.py REQUEST.json RESPONSE.json
 Request: {"model": dir, "dtype": "bfloat16", "max_model_len": 2048,
           "generate": [{"prompt": str, "max_tokens": int}],
           "score": [[token ids], ...], "kv_cache_dtype": "auto" | "fp8", "kv_scales": bool}
-Response: {"vllm_version", "load_seconds", "generate": [text], "kv_scales": {layer: [k, v]},
+Response: {"vllm_version", "load_seconds", "dtype", "generate": [text], "kv_scales": {layer: [k, v]},
            "score": [
            {"logprobs": [float|null per position], "top1": [int|null per position]}]}
 Scoring uses prompt_logprobs=1: position i holds log p(token_i | tokens_<i) and the argmax token.
@@ -31,7 +31,9 @@ def main(req_path: str, resp_path: str) -> None:
               seed=0, trust_remote_code=False, kv_cache_dtype=req.get("kv_cache_dtype", "auto"),
               distributed_executor_backend="uni")  # one process: see quantkit.engines.vllm.vllm_env
     load_seconds = time.perf_counter() - t0
-    out = {"vllm_version": vllm.__version__, "load_seconds": load_seconds}
+    # the activation dtype vLLM settled on (what it runs, not only what was asked)
+    dtype = str(llm.llm_engine.model_config.dtype).removeprefix("torch.")
+    out = {"vllm_version": vllm.__version__, "load_seconds": load_seconds, "dtype": dtype}
     if req.get("kv_scales"):  # the k/v scales vLLM's attention layers use (one float each)
         def scales(model):
             return {n: [m._k_scale_float, m._v_scale_float] for n, m in model.named_modules()

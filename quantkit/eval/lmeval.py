@@ -135,8 +135,11 @@ def _run_uncached(artifact: str, tasks: list[str], settings: dict) -> dict:
     else:
         raise QuantkitError(f"Unknown backend {backend!r}.", f"Choose one of {', '.join(BACKENDS)}.")
     metrics, samples = _summarise(raw)
-    return {"tasks": metrics, "samples": samples, "settings": settings,
-            "lm_eval_version": _lm_eval_version()}
+    out = {"tasks": metrics, "samples": samples, "settings": settings,
+           "lm_eval_version": _lm_eval_version()}
+    if "dtype" in raw:  # vLLM's activation dtype (engines.capabilities.vllm_dtype)
+        out["engine_dtype"] = raw["dtype"]
+    return out
 
 
 def _lm_eval_version() -> str:
@@ -146,18 +149,21 @@ def _lm_eval_version() -> str:
 
 
 def _run_vllm_lmeval(artifact: str, tasks: list[str], settings: dict) -> dict:
+    from quantkit.engines.capabilities import vllm_dtype
     from quantkit.engines.vllm import run_vllm_worker, vllm_failure
 
     worker = Path(__file__).parents[1] / "engines" / "vllm_lmeval_worker.py"
+    dtype = vllm_dtype(Path(artifact))
     with tempfile.TemporaryDirectory(prefix="quantkit-lmeval-") as tmp:
         req, resp = Path(tmp) / "req.json", Path(tmp) / "resp.json"
         req.write_text(json.dumps({"model": str(Path(artifact).resolve()), "tasks": tasks,
+                                   "dtype": dtype,
                                    "include_path": str(offline_task_dir()),
                                    "include_defaults": not only_offline(tasks), **settings}))
         proc = run_vllm_worker(worker, [str(req), str(resp)], cwd=Path(tmp))
         if proc.returncode != 0 or not resp.is_file():
             raise vllm_failure(f"lm-eval in vLLM failed on {artifact}", proc.log, proc.returncode)
-        return json.loads(resp.read_text())
+        return {**json.loads(resp.read_text()), "dtype": dtype}
 
 
 def flips(base: dict, other: dict) -> dict:

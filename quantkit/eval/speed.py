@@ -220,7 +220,7 @@ def measure_speed(artifact: str, engine: str | None = None, *, prompt_tokens: in
             raw = run_vllm(Path(artifact), speed={"prompt_tokens": prompt_tokens,
                                                   "gen_tokens": gen_tokens,
                                                   "batches": list(batches), "repeats": repeats})
-        res = {**raw["speed"], "load_seconds": raw["load_seconds"]}
+        res = {**raw["speed"], "load_seconds": raw["load_seconds"], "dtype": raw["dtype"]}
         res["peak_rss_bytes"] = max(res.get("peak_rss_bytes", 0), mem.peak)
         version = raw["vllm_version"]
     else:

@@ -71,8 +71,12 @@ def _unmeasured(record: dict | None) -> str | None:
 
 
 def _speed_engine(record: dict | None) -> str | None:
+    """The engine that measured speed, with the activation dtype where it said one
+    ('vllm float32' where vLLM's bf16 is emulated on the CPU that measured it)."""
     sec = _section(record, "speed")
-    return sec.get("engine") if isinstance(sec, dict) else None
+    if not isinstance(sec, dict) or not sec.get("engine"):
+        return None
+    return f"{sec['engine']} {sec['dtype']}" if sec.get("dtype") else sec["engine"]
 
 
 def _peak_memory(record: dict | None) -> float | None:
@@ -259,8 +263,13 @@ def warnings(records: list[dict], rows: list[dict], convs: list[dict], base: dic
     if base is None:
         out.append("No base model: KLD, top-1 agreement and PPL change are not measured.")
     engines = {r["speed_engine"] for r in rows + ([base] if base else []) if r["speed"]}
-    if len(engines) > 1:
+    if len({e.partition(" ")[0] for e in engines}) > 1:
         out.append("Rows ran in different engines: speed compares engines, not only formats.")
+    elif len(engines) > 1:  # one engine, run in float32 for some rows and bf16 for others
+        dtypes = ", ".join(sorted(e.partition(" ")[2] or "its default" for e in engines))
+        out.append(f"Rows ran in different activation dtypes ({dtypes}): speed compares dtypes "
+                   "too, not only formats (float32 where bf16 is emulated on this CPU, 16-bit "
+                   "where the engine's kernel takes nothing else).")
     cpus = {(r.get("hardware") or {}).get("cpu") for r in records}
     if len(cpus) > 1 and any(r["speed"] for r in rows):
         out.append(f"Speed was measured on {len(cpus)} different machines.")
