@@ -25,8 +25,9 @@ ROLLING_TOLERANCE = 0.02
 CLOZE_DOCS = 40  # of the task's 300 items: far from chance; 120 took 14 min more on an AVX2 CPU
 # (vLLM 835 s, llama.cpp 282 s), 60 ~1 min more here. Engines must agree item for item:
 # tolerances are in items.
-# vLLM scores the first 20 of them: in bf16 on a CPU without native bf16 its prefill ran at
-# ~160 tokens/s here (40 items, 160 requests: 100 s; hf in float32: 35 s)
+# vLLM scores the first 20 of them: where its bf16 is emulated it runs the dense model in
+# float32 (quantkit.engines.capabilities.vllm_dtype; in emulated bf16 its prefill ran at ~160
+# tokens/s on an AVX2 EPYC, 40 items 100 s vs hf in float32 35 s)
 VLLM_CLOZE_DOCS = 20
 
 

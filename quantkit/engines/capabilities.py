@@ -314,10 +314,10 @@ def vllm_dtype(model_dir: Path) -> str:
     """The activation dtype quantkit runs `model_dir` in vLLM with: bfloat16, except where
     vLLM's torch emulates bf16 (a CPU without AMX or AVX512-BF16; the probe asks vLLM's torch)
     and the checkpoint's vLLM CPU kernels take float32 inputs: dense weights, int8 W8A8 and
-    FP8 channel weights with dynamic inputs. There float32 is the faster run (an AVX2 EPYC:
-    SmolLM2 scoring 43 vs 158 s dense, 33 vs 65 s int8 W8A8, FP8 alike;
-    benchmarks/vllm_dtype_cpu.py). vLLM's int4 kernel takes 16-bit inputs only, and an FP8 KV
-    cache is asked of the attention in bf16, so those keep bfloat16."""
+    FP8 channel weights with dynamic inputs. There float32 is the faster run (an AVX2 EPYC,
+    SmolLM2 load + generate + score 16 x 512 tokens: bf16 took 3.99x float32's time dense,
+    1.73x int8 W8A8, 1.38x FP8; benchmarks/vllm_dtype_cpu.py). vLLM's int4 kernel takes 16-bit
+    inputs only, and an FP8 KV cache is asked of the attention in bf16: those keep bfloat16."""
     caps = vllm_capabilities()
     model_dir = Path(model_dir)
     if not caps.available or caps.platform != "CpuPlatform" or caps.bf16_native:
