@@ -201,6 +201,13 @@ def test_vllm_dtype_float32_only_where_bf16_is_emulated_and_the_kernel_takes_it(
         (foreign / "config.json").write_text(json.dumps(config))
         takes_float32 = scheme["group_size"] < 0 and not kv
         assert vllm_dtype(foreign) == (emulated if takes_float32 else "bfloat16"), (scheme, kv)
+    # `compare --speed` reuses a stored vLLM speed only if it ran in the dtype chosen now
+    # (records from before the float32 choice carry no dtype: they ran in bf16)
+    from quantkit.report.compare import _same_dtype
+
+    assert _same_dtype({"engine": "vllm", "dtype": emulated}, str(smollm_path))
+    assert _same_dtype({"engine": "vllm"}, str(smollm_path)) == (emulated == "bfloat16")
+    assert _same_dtype({"engine": "vllm", "dtype": "float32"}, str(rtn4_artifact)) is False
 
 
 def test_doctor_without_vllm_says_how_to_get_it(tmp_path, monkeypatch):

@@ -105,9 +105,14 @@ def results_cache_path(artifact: str, tasks: list[str], settings: dict) -> Path 
             return None
     if not (path / "config.json").is_file() or not any(path.glob("*.safetensors")):
         return None
-    key = json.dumps({"model": model_fingerprint(path), "path": str(path.resolve()),
-                      "tasks": sorted(tasks), "settings": settings, "task_data": offline_task_dir().name,
-                      "lm_eval": _lm_eval_version(), "quantkit": __version__}, sort_keys=True)
+    fields = {"model": model_fingerprint(path), "path": str(path.resolve()),
+              "tasks": sorted(tasks), "settings": settings, "task_data": offline_task_dir().name,
+              "lm_eval": _lm_eval_version(), "quantkit": __version__}
+    if settings.get("backend") == "vllm":  # float32 or bf16 here: engines.capabilities.vllm_dtype
+        from quantkit.engines.capabilities import vllm_dtype
+
+        fields["dtype"] = vllm_dtype(path)
+    key = json.dumps(fields, sort_keys=True)
     root = Path(os.environ.get("QUANTKIT_LMEVAL_CACHE") or cache_dir() / "lmeval-results")
     return root / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
 

@@ -296,6 +296,16 @@ def _speed_reusable(stored: dict | None, settings: dict) -> bool:
     return same and stored.get("machine", hardware()["cpu"]) == hardware()["cpu"]
 
 
+def _same_dtype(stored: dict, path: str) -> bool:
+    """A stored vLLM speed was measured in the activation dtype vLLM would run `path` in now
+    (records from before quantkit chose float32 on CPUs with emulated bf16 were bf16)."""
+    from quantkit.engines.capabilities import vllm_dtype
+
+    if stored.get("engine") != "vllm" or stored.get("unmeasured"):
+        return True
+    return stored.get("dtype", "bfloat16") == vllm_dtype(Path(path))
+
+
 def _speed(path: str, stored: dict | None, options: dict) -> dict:
     """The artifact's speed in its own engine: reused when measured alike, else measured now;
     where the engine cannot run it, the record names the reason instead of numbers."""
@@ -303,7 +313,7 @@ def _speed(path: str, stored: dict | None, options: dict) -> dict:
     from quantkit.eval.speed import default_engine, speed_or_reason, speed_settings
 
     engine = default_engine(path)
-    if _speed_reusable(stored, speed_settings(engine, **options)):
+    if _speed_reusable(stored, speed_settings(engine, **options)) and _same_dtype(stored, path):
         return stored
     if not Path(path).exists():
         return {"engine": engine, "settings": speed_settings(engine, **options),
@@ -330,9 +340,11 @@ def _base_speed(base_spec: str, options: dict, fresh: bool = False) -> dict:
                 "unmeasured": "the base model is not on this machine"}
     if not (path / "config.json").is_file():
         return _speed(str(path), None, options)
+    from quantkit.engines.capabilities import vllm_dtype
+
     key = json.dumps({"model": model_fingerprint(path), "path": str(path.resolve()),
-                      "settings": speed_settings("vllm", **options), "machine": hardware()["cpu"]},
-                     sort_keys=True)
+                      "settings": speed_settings("vllm", **options), "machine": hardware()["cpu"],
+                      "dtype": vllm_dtype(path)}, sort_keys=True)
     root = Path(os.environ.get("QUANTKIT_SPEED_CACHE") or cache_dir() / "speed-results")
     file = root / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
     if file.is_file() and not fresh:
