@@ -223,6 +223,24 @@ def test_missing_fields_render_as_not_measured(records, tmp_path):
     assert res.exit_code == 0 and "not measured" in res.output
 
 
+def test_speed_engine_cell_names_the_dtype_and_mixed_dtypes_warn(records, tmp_path):
+    """Where vLLM ran rows in different activation dtypes (float32 where bf16 is emulated,
+    bf16 for int4), the engine cell names each row's dtype and the page warns."""
+    recs = copy.deepcopy(records)
+    for rec, dtype in zip(recs[:2], ("float32", "bfloat16"), strict=True):
+        rec["metrics"]["speed"] = {"engine": "vllm", "dtype": dtype,
+                                   "batch_1": {"prefill_tok_s": {"median": 850.0},
+                                               "decode_tok_s": {"median": 42.0}}}
+    results = tmp_path / "results.json"
+    results.write_text(json.dumps(recs))
+    res = CliRunner().invoke(main, ["compare", str(results), "--report", str(tmp_path / "r.html")])
+    assert res.exit_code == 0, res.output
+    html = (tmp_path / "r.html").read_text()
+    assert "speed: vLLM (float32)" in html and "speed: vLLM (bfloat16)" in html
+    assert "different activation dtypes (bfloat16, float32)" in html
+    assert "Rows ran in different engines" not in html
+
+
 def test_pareto_front():
     pts = [(100, 0.5), (160, 0.01), (120, 0.6), (260, 0.01), (90, 0.9)]
     assert sorted(pareto(pts)) == [0, 1, 4]

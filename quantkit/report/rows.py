@@ -263,10 +263,10 @@ def warnings(records: list[dict], rows: list[dict], convs: list[dict], base: dic
     if base is None:
         out.append("No base model: KLD, top-1 agreement and PPL change are not measured.")
     engines = {r["speed_engine"] for r in rows + ([base] if base else []) if r["speed"]}
-    if len({e.partition(" ")[0] for e in engines}) > 1:
+    if len({(e or "").partition(" ")[0] for e in engines}) > 1:
         out.append("Rows ran in different engines: speed compares engines, not only formats.")
     elif len(engines) > 1:  # one engine, run in float32 for some rows and bf16 for others
-        dtypes = ", ".join(sorted(e.partition(" ")[2] or "its default" for e in engines))
+        dtypes = ", ".join(sorted((e or "").partition(" ")[2] or "its default" for e in engines))
         out.append(f"Rows ran in different activation dtypes ({dtypes}): speed compares dtypes "
                    "too, not only formats (float32 where bf16 is emulated on this CPU, 16-bit "
                    "where the engine's kernel takes nothing else).")
