@@ -108,7 +108,7 @@ def main(resp_path: str) -> None:
     except Exception:  # noqa: BLE001 - an older torch: no AMX path either
         out["amx_tile"] = False
     # whether vLLM's torch runs bf16 GEMMs natively here (oneDNN with AMX or AVX512-BF16);
-    # elsewhere it emulates them, ~3x slower than float32 (quantkit then runs vLLM in float32)
+    # elsewhere it emulates them, slower than float32 (quantkit then runs vLLM in float32)
     try:
         out["bf16_native"] = bool(torch.backends.mkldnn.is_available() and (
             out["amx_tile"] or torch.cpu._is_avx512_bf16_supported()))

@@ -71,12 +71,15 @@ def _unmeasured(record: dict | None) -> str | None:
 
 
 def _speed_engine(record: dict | None) -> str | None:
-    """The engine that measured speed, with the activation dtype where it said one
-    ('vllm float32' where vLLM's bf16 is emulated on the CPU that measured it)."""
     sec = _section(record, "speed")
-    if not isinstance(sec, dict) or not sec.get("engine"):
-        return None
-    return f"{sec['engine']} {sec['dtype']}" if sec.get("dtype") else sec["engine"]
+    return sec.get("engine") if isinstance(sec, dict) else None
+
+
+def _speed_dtype(record: dict | None) -> str | None:
+    """The activation dtype the speed engine said it ran in (vLLM: float32 where its bf16 is
+    emulated on the CPU that measured it), or None."""
+    sec = _section(record, "speed")
+    return sec.get("dtype") if isinstance(sec, dict) else None
 
 
 def _peak_memory(record: dict | None) -> float | None:
@@ -201,7 +204,7 @@ def artifact_row(record: dict, meta: dict, layers: dict | None, convs: list[dict
         "rms_delta_p": _estimate(m.get("rms_delta_p")),
         "tasks": _tasks(record), "flips": _flips(record), "speed": _speed(record),
         "peak_memory_bytes": _peak_memory(record), "speed_unmeasured": _unmeasured(record),
-        "speed_engine": _speed_engine(record),
+        "speed_engine": _speed_engine(record), "speed_dtype": _speed_dtype(record),
         "convention": _conv_id(record, convs),
         "calibration": meta.get("calibration"),
         "quantize_command": meta.get("command"),
@@ -238,7 +241,7 @@ def base_row(records: list[dict], base_spec: str | None, convs: list[dict],
         "ppl": ppl, "base_ppl": ppl, "delta_ppl_pct": None, "kld": None, "top1": None,
         "rms_delta_p": None, "tasks": _tasks(base_record), "flips": {}, "speed": _speed(base_record),
         "peak_memory_bytes": _peak_memory(base_record), "speed_unmeasured": _unmeasured(base_record),
-        "speed_engine": _speed_engine(base_record),
+        "speed_engine": _speed_engine(base_record), "speed_dtype": _speed_dtype(base_record),
         "convention": _conv_id(first, convs),
         "calibration": None, "quantize_command": None, "quantize_seconds": None,
         "eval_command": None, "engine_check": None, "warnings": [], "layers": None,
@@ -262,11 +265,12 @@ def warnings(records: list[dict], rows: list[dict], convs: list[dict], base: dic
                    "convention (see Reproduction).")
     if base is None:
         out.append("No base model: KLD, top-1 agreement and PPL change are not measured.")
-    engines = {r["speed_engine"] for r in rows + ([base] if base else []) if r["speed"]}
-    if len({(e or "").partition(" ")[0] for e in engines}) > 1:
+    timed = [r for r in rows + ([base] if base else []) if r["speed"]]
+    dtypes = {r.get("speed_dtype") for r in timed}
+    if len({r["speed_engine"] for r in timed}) > 1:
         out.append("Rows ran in different engines: speed compares engines, not only formats.")
-    elif len(engines) > 1:  # one engine, run in float32 for some rows and bf16 for others
-        dtypes = ", ".join(sorted((e or "").partition(" ")[2] or "its default" for e in engines))
+    elif len(dtypes) > 1:  # one engine, run in float32 for some rows and bf16 for others
+        dtypes = ", ".join(sorted(d or "its default" for d in dtypes))
         out.append(f"Rows ran in different activation dtypes ({dtypes}): speed compares dtypes "
                    "too, not only formats (float32 where bf16 is emulated on this CPU, 16-bit "
                    "where the engine's kernel takes nothing else).")

@@ -78,9 +78,9 @@ def _engine(r: dict) -> tuple:
     (e.g. quantkit-torch for PPL/KLD, vLLM for tokens/s): one name would hide which is which."""
     name = (r.get("engine") or {}).get("name") or None
     speed = r.get("speed_engine") if r.get("speed") else None
-    if speed:  # 'vllm float32' -> 'vLLM (float32)'
-        engine, _, dtype = speed.partition(" ")
-        speed = ENGINE_NAMES.get(engine, engine) + (f" ({dtype})" if dtype else "")
+    if speed:  # e.g. 'vLLM (float32)'
+        dtype = r.get("speed_dtype")
+        speed = ENGINE_NAMES.get(speed, speed) + (f" ({dtype})" if dtype else "")
     if speed and name and speed.lower() != name.lower():
         return f"{name}; speed: {speed}", None
     return name or speed, None
