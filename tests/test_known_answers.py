@@ -129,6 +129,29 @@ def test_batching_does_not_change_any_metric(case, batch_size):
         assert got["kld"][stat] == pytest.approx(ref["kld"][stat], rel=RTOL)
 
 
+@pytest.mark.parametrize("rows", [1, 2])
+def test_row_chunks_do_not_change_any_metric(case, rows, monkeypatch):
+    """score() works SCORE_ROWS positions at a time: with 1 or 2 rows per chunk (3 positions per
+    window: several chunks, the last one short) and two compared models, every metric still
+    equals the formula, so each chunk meets its own base chunk."""
+    import quantkit.eval.logits
+
+    monkeypatch.setattr(quantkit.eval.logits, "SCORE_ROWS", rows)
+    windows, base, quant = case
+    ref = reference(base, quant, windows)
+    res = score({"base": _lookup_model(base), "same": _lookup_model(base),
+                 "quant": _lookup_model(quant)}, torch.from_numpy(windows), base="base",
+                batch_size=2)
+    got = res["quant"]
+    assert got["kld"]["mean"] == pytest.approx(ref["kld"].mean(), rel=RTOL)
+    assert got["kld"]["max"] == pytest.approx(ref["kld"].max(), rel=RTOL)
+    assert got["ppl"]["value"] == pytest.approx(ref["ppl_quant"], rel=RTOL)
+    assert got["top1_agreement"]["value"] == pytest.approx(ref["top1"], abs=1e-12)
+    assert got["rms_delta_p"]["value"] == pytest.approx(ref["rms_dp"], rel=1e-4)
+    assert got["scored_tokens"] == ref["n"]
+    assert res["same"]["kld"]["max"] == 0 and res["same"]["top1_agreement"]["value"] == 1
+
+
 def test_identical_models_score_zero_kld_and_full_agreement(case):
     windows, base, _ = case
     res = score({"base": _lookup_model(base), "same": _lookup_model(base)},

@@ -44,7 +44,7 @@ def hardware() -> dict:
 
 EVAL_MEMORY_ENV = "QUANTKIT_EVAL_MEMORY"
 _GROWTH_MARGIN = 1.5  # the next artifact may take this much more than the largest one seen
-_SCORING_LOGITS = 6  # [batch, ctx, vocab] float32 tensors score() holds at its peak
+_SCORING_LOGITS = 3  # [batch, ctx, vocab] float32 tensors at score()'s peak: the base's log-probs, a model's logits, one spare
 _UNITS = {"": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
@@ -128,6 +128,13 @@ def _rss() -> int:
     return _proc_status("VmRSS")
 
 
+def _weight_bytes(path: Path) -> int:
+    """Bytes of a model's weight files (a GGUF file, or a directory's .safetensors)."""
+    if path.is_file():
+        return path.stat().st_size
+    return sum(f.stat().st_size for f in path.glob("*.safetensors"))
+
+
 def _room_for_one_more(largest: int, in_group: int, cap: int | None, reserve: int) -> bool:
     """Whether one more artifact (as large as the largest measured so far) fits beside those
     loaded, with room left for score()'s logits; from measured memory, not from file sizes."""
@@ -144,8 +151,8 @@ def _score_in_groups(models: dict[str, _EvalModel], base_fn: LogitsFn | None,
                      reserve: int, on_progress=None) -> dict[str, dict]:
     """score() over `models` a group at a time, each group with the base; a group's models are
     closed before the next group loads. An artifact's size is the growth of this process's RSS
-    while its logits function is made and, once its group has run, the group's growth per
-    artifact."""
+    while its logits function is made (at least its weight files' bytes) and, once its group
+    has run, the group's growth per artifact."""
     names, scores, largest, done, group_no = list(models), {}, 0, 0, 0
     while done < len(names):
         first, group, in_group = done, {}, 0
@@ -155,7 +162,9 @@ def _score_in_groups(models: dict[str, _EvalModel], base_fn: LogitsFn | None,
                                                                          reserve)):
                 before = _rss()
                 group[names[done]] = models[names[done]].logits_fn(conv.ctx)
-                grown = max(0, _rss() - before)
+                # never less than its weights' bytes on disk: a load that reuses freed heap
+                # memory grows RSS by less than it holds
+                grown = max(0, _rss() - before, _weight_bytes(models[names[done]].path))
                 largest, in_group, done = max(largest, grown), in_group + grown, done + 1
             group_no += 1
             stage = "scoring held-out windows"

@@ -98,36 +98,52 @@ class _Acc:
         return out
 
 
+# rows of one window whose log-softmax and KLD terms are computed at once: [64, vocab] float32
+# temporaries (12.6 MB for a 49k vocabulary) come from the heap and are reused, where whole-batch
+# [batch, ctx, vocab] ones were each a fresh mmap the kernel faulted in and zeroed (SmolLM2, 4 x
+# 512 tokens, base + one artifact: 3.1 s -> 0.6 s of math per batch on 2 cores, same values)
+SCORE_ROWS = 64
+
+
 @torch.no_grad()
 def score(models: dict[str, LogitsFn], windows: torch.Tensor, *, base: str | None = None,
           batch_size: int = 4, on_progress=None) -> dict[str, dict]:
     """PPL for every model and KLD/top-1/delta-p vs `base`, one pass over the windows.
 
     Each window is run through every model before the next, so the base's full
-    distributions never need to be stored.
+    distributions never need to be stored. Per-position values are computed SCORE_ROWS
+    positions at a time: each position's numbers do not depend on the chunking.
     """
     accs = {name: _Acc() for name in models}
     total = windows.shape[0]
     for start in range(0, total, batch_size):
         batch = windows[start:start + batch_size]
         targets = batch[:, 1:]
-        base_logp = None
+        n_pos = targets.shape[1]
+        spans = [(b, s, min(s + SCORE_ROWS, n_pos))
+                 for b in range(batch.shape[0]) for s in range(0, n_pos, SCORE_ROWS)]
+        base_logp: list[torch.Tensor] | None = None
         order = ([base] if base else []) + [m for m in models if m != base]
         for name in order:
-            logp = torch.log_softmax(models[name](batch)[:, :-1].float(), dim=-1)
+            logits = models[name](batch)
             acc = accs[name]
-            tok_lp = logp.gather(-1, targets[..., None])[..., 0]
-            acc.nll.append(-tok_lp.flatten())
+            chunks = []
+            for k, (b, s, e) in enumerate(spans):
+                logp = torch.log_softmax(logits[b, s:e].float(), dim=-1)
+                tgt = targets[b, s:e, None]
+                tok_lp = logp.gather(-1, tgt)[..., 0]
+                acc.nll.append(-tok_lp)
+                if name == base:
+                    chunks.append(logp)
+                    continue
+                if base_logp is not None:
+                    bl = base_logp[k]
+                    acc.kld.append((bl.exp() * (bl - logp)).sum(-1).clamp_min(0))
+                    acc.top1.append((logp.argmax(-1) == bl.argmax(-1)).float())
+                    acc.dp.append(tok_lp.exp() - bl.gather(-1, tgt)[..., 0].exp())
+            del logits
             if name == base:
-                base_logp = logp
-                continue
-            if base_logp is not None:
-                kld = (base_logp.exp() * (base_logp - logp)).sum(-1).clamp_min(0)
-                acc.kld.append(kld.flatten())
-                acc.top1.append((logp.argmax(-1) == base_logp.argmax(-1)).flatten().float())
-                base_tok_p = base_logp.gather(-1, targets[..., None])[..., 0].exp()
-                acc.dp.append((tok_lp.exp() - base_tok_p).flatten())
-            del logp
+                base_logp = chunks
         if on_progress:
             on_progress("scoring held-out windows", min(start + batch_size, total), total)
     return {name: acc.summary(with_base=base is not None and name != base)

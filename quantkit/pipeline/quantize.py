@@ -43,7 +43,7 @@ from quantkit.pipeline.checkpoint import (
     request_key,
 )
 from quantkit.pipeline.experts import linearize_experts
-from quantkit.pipeline.heap import keep_heap_small
+from quantkit.pipeline.heap import end_small_heap, keep_heap_small
 from quantkit.pipeline.output import (
     atomic_output,
     check_not_input,
@@ -312,6 +312,8 @@ def quantize(req: QuantizeRequest, on_progress: ProgressFn | None = None) -> dic
         if kept:
             exc.hint = f"{exc.hint} ({kept}.)" if exc.hint else kept[0].upper() + kept[1:] + "."
         raise
+    finally:
+        end_small_heap()  # _quantize's heap settings, for what this process does next
 
 
 def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dict:
