@@ -325,22 +325,46 @@ def test_quantize_refuses_when_plan_exceeds_limit(tiny_llama, tmp_path):
     assert p.returncode == 0, p.stderr
 
 
-def test_a_quantization_leaves_the_heap_reusable(tiny_llama, tmp_path):
-    """quantize() serves every tensor >= 256 KiB by its own mmap while it runs (RSS follows the
-    memory model); afterwards the process must get reusable heap memory back, or everything it
-    does next pays for fresh pages the kernel faults in and zeroes (in-process scoring after a
-    quantization: 41-47 s vs 28-30 s). A 16 MiB tensor made and freed 8 times faults in its
-    4096 pages about once, not 8 times."""
-    quantize(QuantizeRequest(model=str(tiny_llama), method="rtn", out=tmp_path / "out",
-                             scheme=QuantScheme(bits=4, group_size=32)))
-    pages = 16 * 2**20 // resource.getpagesize()
+_HEAP_PROBE = """
+import resource, sys, torch
+from pathlib import Path
+from quantkit.pipeline.heap import keep_heap_small, trim_heap
+from quantkit.pipeline.quantize import QuantizeRequest, quantize
+from quantkit.types import QuantScheme
+
+def faults_of_8_tensors():
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     for _ in range(8):
         t = torch.empty(16 * 2**20 // 4)
         t.fill_(1.0)
         del t
-    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-    assert faults < 3 * pages, f"{faults} page faults for 8 x {pages} pages: no reuse"
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+keep_heap_small()  # the control: the settings quantize() runs under, in a heap with no free memory
+trim_heap()
+control = faults_of_8_tensors()
+quantize(QuantizeRequest(model=sys.argv[1], method="rtn", out=Path(sys.argv[2]),
+                         scheme=QuantScheme(bits=4, group_size=32)))
+print(faults_of_8_tensors(), control)
+"""
+
+
+def test_a_quantization_leaves_the_heap_reusable(tiny_llama, tmp_path):
+    """quantize() serves every tensor >= 256 KiB by its own mmap while it runs (RSS follows the
+    memory model); afterwards the process must get reusable heap memory back, or everything it
+    does next pays for fresh pages the kernel faults in and zeroes (in-process scoring after a
+    quantization: 41-47 s vs 28-30 s). A 16 MiB tensor made and freed 8 times faults in its
+    4096 pages about once, not 8 times; under quantize()'s settings (the control, same process,
+    before it) it faults them in every time. A fresh interpreter, as a user's script is: inside
+    this test process, memory that 500 earlier tests had freed and the trim had released was
+    faulted back in chunk by chunk (21-29 k faults)."""
+    proc = subprocess.run([sys.executable, "-c", _HEAP_PROBE, str(tiny_llama), str(tmp_path / "out")],
+                          env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    after_quantize, control = map(int, proc.stdout.split()[-2:])
+    pages = 16 * 2**20 // resource.getpagesize()
+    assert control >= 7 * pages, f"control: {control} page faults, the probe cannot tell reuse apart"
+    assert after_quantize < 3 * pages, f"{after_quantize} page faults for 8 x {pages} pages: no reuse"
 
 
 def test_read_tensors_do_not_keep_the_shard_mapped(tmp_path):
