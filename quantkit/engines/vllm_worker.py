@@ -69,7 +69,8 @@ def main(req_path: str, resp_path: str) -> None:
 
 
 def _speed(llm, SamplingParams, cfg: dict) -> dict:
-    """Prefill / decode tokens/s and time to first token, per batch size, median of repeats."""
+    """Prefill / decode tokens/s and time to first token, per batch size, median of repeats
+    (fewer once a batch size's timed runs have taken `repeat_budget_s` seconds)."""
     import random
     import statistics
     import threading
@@ -100,7 +101,8 @@ def _speed(llm, SamplingParams, cfg: dict) -> dict:
         full = SamplingParams(max_tokens=g_len, min_tokens=g_len, ignore_eos=True, temperature=0.0)
         llm.generate(prompts, first, use_tqdm=False)  # warm-up
         ttft, total = [], []
-        for _ in range(cfg["repeats"]):
+        budget = cfg.get("repeat_budget_s", float("inf"))  # as quantkit.eval.speed._time_runs
+        while len(ttft) < cfg["repeats"] and (not ttft or sum(ttft) + sum(total) < budget):
             t0 = time.perf_counter()
             llm.generate(prompts, first, use_tqdm=False)
             ttft.append(time.perf_counter() - t0)

@@ -4,7 +4,8 @@ Definitions (the same for every engine; recorded with the numbers):
   ttft_s          wall time of a request for 1 new token after a prompt of `prompt_tokens`
   prefill_tok_s   batch * prompt_tokens / ttft_s
   decode_tok_s    batch * (gen_tokens - 1) / (time for gen_tokens new tokens - ttft_s)
-Random prompt token ids (seeded), greedy, EOS ignored; one warm-up run, then `repeats` runs:
+Random prompt token ids (seeded), greedy, EOS ignored; one warm-up run, then `repeats` runs,
+or fewer (at least one) once a batch size's timed runs have taken `repeat_budget_s` seconds:
 median, min, max and all values are kept. Peak memory is the resident set size of the engine's
 process tree, sampled every 0.1 s: llama.cpp and vLLM each run in a process of their own, so
 what the caller holds (torch, models it evaluated) is not counted.
@@ -29,10 +30,15 @@ import psutil
 
 from quantkit.errors import QuantkitError
 
-__all__ = ["measure_speed", "speed_or_reason", "speed_settings", "unmeasured_reason",
+__all__ = ["REPEAT_BUDGET_S", "measure_speed", "speed_or_reason", "speed_settings", "unmeasured_reason",
            "default_engine", "vllm_blocker", "ENGINES"]
 
 ENGINES = ("vllm", "llamacpp", "transformers")
+
+REPEAT_BUDGET_S = 15.0
+"""Timed runs of one batch size stop repeating after this many seconds: a path that decodes at
+~2 tok/s (vLLM's FP8 Linears on an AVX2 CPU: ~18 s a run) is timed once instead of three times,
+which cost the demo's `compare --speed` ~80 s; a run that long already averages 31 decode steps."""
 
 
 def default_engine(artifact: str) -> str:
@@ -105,10 +111,11 @@ def _stats(values: list[float]) -> dict:
             "values": values}
 
 
-def _time_runs(run_first, run_full, batch: int, p_len: int, g_len: int, repeats: int) -> dict:
+def _time_runs(run_first, run_full, batch: int, p_len: int, g_len: int, repeats: int,
+               budget_s: float) -> dict:
     run_full()  # warm-up
     ttft, total = [], []
-    for _ in range(repeats):
+    while len(ttft) < repeats and (not ttft or sum(ttft) + sum(total) < budget_s):
         t0 = time.perf_counter()
         run_first()
         ttft.append(time.perf_counter() - t0)
@@ -126,7 +133,8 @@ def _prompts(batch: int, p_len: int) -> list[list[int]]:
     return [[rng.randrange(100, 20000) for _ in range(p_len)] for _ in range(batch)]
 
 
-def _llamacpp(artifact: str, p_len: int, g_len: int, batches: list[int], repeats: int) -> dict:
+def _llamacpp(artifact: str, p_len: int, g_len: int, batches: list[int], repeats: int,
+              budget_s: float) -> dict:
     from quantkit.engines.llamacpp import load_llama
     from quantkit.readers import read_gguf
 
@@ -152,12 +160,13 @@ def _llamacpp(artifact: str, p_len: int, g_len: int, batches: list[int], repeats
                 llm.create_completion(prompt, max_tokens=g_len, temperature=0.0,
                                       logit_bias={eos: -1e9})
 
-            out[f"batch_{batch}"] = _time_runs(first, full, 1, p_len, g_len, repeats)
+            out[f"batch_{batch}"] = _time_runs(first, full, 1, p_len, g_len, repeats, budget_s)
     out["peak_rss_bytes"] = mem.peak
     return out
 
 
-def _transformers(artifact: str, p_len: int, g_len: int, batches: list[int], repeats: int) -> dict:
+def _transformers(artifact: str, p_len: int, g_len: int, batches: list[int], repeats: int,
+                  budget_s: float) -> dict:
     import torch
 
     from quantkit.loader import load_artifact
@@ -175,43 +184,49 @@ def _transformers(artifact: str, p_len: int, g_len: int, batches: list[int], rep
                                       pad_token_id=lm.tokenizer.pad_token_id)
 
             out[f"batch_{batch}"] = _time_runs(lambda: gen(1), lambda: gen(g_len), batch, p_len,
-                                               g_len, repeats)
+                                               g_len, repeats, budget_s)
     out["peak_rss_bytes"] = mem.peak
     return out
 
 
 def speed_settings(engine: str, prompt_tokens: int = 256, gen_tokens: int = 32,
-                   batches: tuple[int, ...] = (1, 8), repeats: int = 3) -> dict:
+                   batches: tuple[int, ...] = (1, 8), repeats: int = 3,
+                   repeat_budget_s: float = REPEAT_BUDGET_S) -> dict:
     """The settings a speed record is measured (and reused) under."""
     return {"engine": engine, "prompt_tokens": prompt_tokens, "gen_tokens": gen_tokens,
-            "batches": list(batches), "repeats": repeats, "warmup": 1,
+            "batches": list(batches), "repeats": repeats, "repeat_budget_s": repeat_budget_s,
+            "warmup": 1,
             "definitions": __doc__.split("Definitions")[1].split("\n\n")[0].strip()}
 
 
 def _llamacpp_isolated(artifact: str, p_len: int, g_len: int, batches: list[int],
-                       repeats: int) -> dict:
+                       repeats: int, budget_s: float) -> dict:
     """llama.cpp in a fresh process, so its peak memory is its own and a crash stays there."""
     with _PeakRSS(children_only=True) as mem, ProcessPoolExecutor(
             1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        res = pool.submit(_llamacpp, artifact, p_len, g_len, batches, repeats).result()
+        res = pool.submit(_llamacpp, artifact, p_len, g_len, batches, repeats, budget_s).result()
     res["peak_rss_bytes"] = max(res.get("peak_rss_bytes", 0), mem.peak)
     return res
 
 
 def measure_speed(artifact: str, engine: str | None = None, *, prompt_tokens: int = 256,
-                  gen_tokens: int = 32, batches: tuple[int, ...] = (1, 8), repeats: int = 3) -> dict:
+                  gen_tokens: int = 32, batches: tuple[int, ...] = (1, 8), repeats: int = 3,
+                  repeat_budget_s: float = REPEAT_BUDGET_S) -> dict:
     """Speed/memory record for `artifact` in `engine` (default: the artifact's own engine)."""
     engine = engine or default_engine(artifact)
-    settings = speed_settings(engine, prompt_tokens, gen_tokens, batches, repeats)
+    settings = speed_settings(engine, prompt_tokens, gen_tokens, batches, repeats,
+                              repeat_budget_s)
     if engine == "llamacpp":
         import llama_cpp
 
-        res = _llamacpp_isolated(str(artifact), prompt_tokens, gen_tokens, list(batches), repeats)
+        res = _llamacpp_isolated(str(artifact), prompt_tokens, gen_tokens, list(batches), repeats,
+                                 repeat_budget_s)
         version = llama_cpp.__version__
     elif engine == "transformers":
         import transformers
 
-        res = _transformers(str(artifact), prompt_tokens, gen_tokens, list(batches), repeats)
+        res = _transformers(str(artifact), prompt_tokens, gen_tokens, list(batches), repeats,
+                            repeat_budget_s)
         version = transformers.__version__
     elif engine == "vllm":
         from quantkit.engines.vllm import run_vllm
@@ -219,7 +234,8 @@ def measure_speed(artifact: str, engine: str | None = None, *, prompt_tokens: in
         with _PeakRSS(children_only=True) as mem:
             raw = run_vllm(Path(artifact), speed={"prompt_tokens": prompt_tokens,
                                                   "gen_tokens": gen_tokens,
-                                                  "batches": list(batches), "repeats": repeats})
+                                                  "batches": list(batches), "repeats": repeats,
+                                                  "repeat_budget_s": repeat_budget_s})
         res = {**raw["speed"], "load_seconds": raw["load_seconds"], "dtype": raw["dtype"]}
         res["peak_rss_bytes"] = max(res.get("peak_rss_bytes", 0), mem.peak)
         version = raw["vllm_version"]
