@@ -115,6 +115,13 @@ def test_artifacts_scored_a_group_at_a_time_give_the_same_records(tiny_llama, tm
     assert grouped[0] == one[0]  # every float of every metric, exactly
     klds = [m["kld"]["mean"] for m in one[0]]
     assert klds[0] > klds[1] > klds[2] == 0  # int4, float16, the base itself
+    # one artifact per run (`eval` of one, then `compare` scoring the rest): the tokenizer object
+    # comes from whichever directory held it first, and the convention must not name that path
+    # (the demo's report warned of two conventions for the same tokens)
+    alone = [evaluate([a], str(tiny_llama), conv=conv)[0]["convention"] for a in arts[:2]]
+    assert alone[0] == alone[1] == records[0]["convention"]
+    assert str(tmp_path) not in json.dumps(alone[0])
+    assert len(alone[0]["tokens_sha256"]) == 64
 
 
 def test_a_truncated_artifact_is_refused_before_any_group_is_scored(tiny_llama, tmp_path,

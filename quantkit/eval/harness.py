@@ -109,7 +109,7 @@ def evaluate(artifacts: list[str], base: str | None = None, *, heldout: str = "m
         for lm in [base_loaded, *opened.values()]:
             if lm is not None:
                 lm.close()
-    convention = conv.describe(tok, text_info, windows.shape[0], bos)
+    convention = conv.describe(tok, text_info, windows.shape[0], bos, windows)
     records = []
     for a in artifacts:
         metrics = {k: v for k, v in scores[a].items() if k != "scored_tokens"}

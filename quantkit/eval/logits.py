@@ -14,6 +14,8 @@ KLD per scored position is KL(p_base || p_quant) over the full vocabulary, in fl
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -31,7 +33,12 @@ class PPLConvention:
     max_windows: int = 32
     batch_size: int = 4
 
-    def describe(self, tokenizer, text_info: dict, n_windows: int, bos: bool) -> dict:
+    def describe(self, tokenizer, text_info: dict, n_windows: int, bos: bool,
+                 windows: torch.Tensor | None = None) -> dict:
+        """The convention as recorded with results. The tokenizer is named by its vocabulary
+        and the scored tokens by their hash, never by a path: quantized copies of one model
+        share a tokenizer loaded from whichever directory came first, and records of the same
+        tokens must compare equal (the demo's `eval` and `compare` runs did not)."""
         return {
             **asdict(self),
             "corpus": text_info.get("name") or text_info.get("path") or text_info.get("source"),
@@ -43,9 +50,21 @@ class PPLConvention:
             "windows": n_windows,
             "scored_tokens": n_windows * (self.ctx - 1),
             "scored": "every token with >= 1 preceding token in its window",
-            "tokenizer": getattr(tokenizer, "name_or_path", ""),
+            "tokenizer": _tokenizer_id(tokenizer),
+            "tokens_sha256": None if windows is None else
+            hashlib.sha256(windows.to(torch.int64).contiguous().numpy().tobytes()).hexdigest(),
             "kld": "KL(p_base || p_quant), full vocabulary, float32",
         }
+
+
+def _tokenizer_id(tokenizer) -> str:
+    """'<class>, <n> tokens, vocab sha256 <first 16 hex>': the same for every copy of one
+    tokenizer, wherever it was loaded from."""
+    if tokenizer is None:
+        return ""
+    vocab = sorted(tokenizer.get_vocab().items())
+    digest = hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()[:16]
+    return f"{type(tokenizer).__name__}, {len(vocab)} tokens, vocab sha256 {digest}"
 
 
 def _adds_bos(tokenizer) -> bool:

@@ -37,7 +37,7 @@ __all__ = ["SUMMARY_SCHEMA", "RECORD_FILE", "collect", "summarize", "read_record
 SUMMARY_SCHEMA = "quantkit.compare/v1"
 RECORD_FILE = "quantkit_eval.json"
 _CONV_KEYS = ("ctx", "max_windows", "windows", "scored_tokens", "corpus", "split", "bos",
-              "stride", "overlap", "tokenizer")
+              "stride", "overlap", "tokenizer", "tokens_sha256")
 
 
 # ------------------------------------------------------------------ reading inputs
