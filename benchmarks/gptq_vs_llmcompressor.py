@@ -22,6 +22,13 @@ in the dtype the model is loaded in, once per `--llmc-dtypes` entry (default bot
 usual CPU setting, and bfloat16), so the ratio is shown against each setting.
 This file also runs as the worker of each side (--worker quantkit|llmc); the llm-compressor
 worker imports nothing from quantkit, since it runs in the other venv.
+
+Process environment: quantkit's worker runs in the environment the `quantkit` command gives
+itself (quantkit.pipeline.heap.huge_page_env: glibc's malloc asks for transparent huge pages
+where the kernel's THP mode is madvise), the peer in the environment it is started with, as its
+users run it. `--llmc-huge-pages` adds a control run of each peer setting under quantkit's
+environment (keys `..._huge_pages`), so the effect of that setting on the peer is measured too.
+Every run records the GLIBC_TUNABLES it ran with.
 """
 
 from __future__ import annotations
@@ -153,7 +160,8 @@ def ensure_llmc_python(path: str | None) -> Path:
     return py
 
 
-def run_worker(python: Path, side: str, args: argparse.Namespace, out: Path, **extra) -> dict:
+def run_worker(python: Path, side: str, args: argparse.Namespace, out: Path,
+               huge_pages: bool = False, **extra) -> dict:
     cmd = [str(python), str(Path(__file__).resolve()), "--worker", side, "--out", str(out),
            "--calib-file", str(args.workdir / "calib_ids.safetensors"), "--model", args.model,
            "--model-path", str(args.model_path), "--calib", args.calib, "--bits", str(args.bits),
@@ -169,6 +177,10 @@ def run_worker(python: Path, side: str, args: argparse.Namespace, out: Path, **e
            "HF_DATASETS_OFFLINE": "1"}
     if side == "llmc" and not args.llmc_keep_pythonpath:
         env.pop("PYTHONPATH", None)
+    if side == "quantkit" or huge_pages:  # as the `quantkit` command starts itself
+        from quantkit.pipeline.heap import huge_page_env
+
+        env = huge_page_env(env) or env
     print(f"[{time.strftime('%H:%M:%S')}] {side} {extra.get('method', '')}: {out}", flush=True)
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -179,6 +191,7 @@ def run_worker(python: Path, side: str, args: argparse.Namespace, out: Path, **e
     line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")][-1]
     res = json.loads(line[len("RESULT "):])
     res["subprocess_wall_s"] = wall
+    res["glibc_tunables"] = env.get("GLIBC_TUNABLES")
     print(f"    {json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in res.items()})}",
           flush=True)
     return res
@@ -209,6 +222,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="dtypes llm-compressor loads the model in, one peer run each "
                         "(\"\": none, quantkit's side alone)")
     p.add_argument("--llmc-dtype", default="float32", help=argparse.SUPPRESS)  # worker's own
+    p.add_argument("--llmc-huge-pages", action="store_true",
+                   help="also run each peer setting under quantkit's malloc environment (control)")
     p.add_argument("--workdir", type=Path, default=Path("/tmp/quantkit-bench-gptq"))
     p.add_argument("--results", type=Path, default=RESULTS)
     p.add_argument("--skip-eval", action="store_true")
@@ -242,6 +257,10 @@ def main(argv: list[str] | None = None) -> None:
                                         args.workdir / "quantkit_gptq", method="gptq")}
     for key, dtype in peers.items():
         runs[key] = run_worker(llmc_python, "llmc", args, args.workdir / key, llmc_dtype=dtype)
+        if args.llmc_huge_pages:
+            runs[key + "_huge_pages"] = run_worker(llmc_python, "llmc", args,
+                                                   args.workdir / (key + "_huge_pages"),
+                                                   huge_pages=True, llmc_dtype=dtype)
     runs["quantkit_rtn"] = run_worker(Path(sys.executable), "quantkit", args,
                                       args.workdir / "quantkit_rtn", method="rtn")
     metrics: dict[str, dict] = {}
@@ -271,6 +290,9 @@ def main(argv: list[str] | None = None) -> None:
             qk / runs[key]["quantize_call_s"]
         acceptance[f"peak_rss_quantkit_le_llmc_{dtype}"] = \
             runs["quantkit_gptq"]["peak_rss_mib"] <= runs[key]["peak_rss_mib"]
+        if key + "_huge_pages" in runs:  # the control: the peer under quantkit's environment
+            acceptance[f"time_ratio_quantkit_over_llmc_{dtype}_huge_pages"] = \
+                qk / runs[key + "_huge_pages"]["job_s"]
     if metrics:
         kq, kr = metrics["quantkit_gptq"]["kld_mean"], metrics["quantkit_rtn"]["kld_mean"]
         acceptance.update(kld_ratio_quantkit_over_rtn=kq / kr, kld_goal_vs_rtn="<= 0.9")
@@ -319,7 +341,8 @@ def _git_commit() -> str:
 def print_table(r: dict) -> None:
     rows = [(f"quantkit GPTQ ({r['runs']['quantkit_gptq'].get('compute_dtype', 'float32')})",
              "quantkit_gptq")]
-    rows += [(f"llm-compressor GPTQ ({r['runs'][k].get('compute_dtype', 'float32')})", k)
+    rows += [(f"llm-compressor GPTQ ({r['runs'][k].get('compute_dtype', 'float32')}"
+              + (", huge pages)" if k.endswith("_huge_pages") else ")"), k)
              for k in r["runs"] if k.startswith("llmcompressor_gptq")]
     rows.append(("quantkit RTN", "quantkit_rtn"))
     print(f"\n{'':32s} {'job s':>9s} {'process s':>10s} {'peak RSS MiB':>13s} {'PPL':>8s} "

@@ -842,6 +842,8 @@ def _doctor_text(r: dict) -> str:
              f"{mem['available_bytes'] / gib:.1f} GiB available ({mem['available_source']})"
              + (f", cgroup limit {mem['cgroup_limit'] / gib:.1f} GiB" if "cgroup_limit" in mem
                 else ""),
+             "           malloc huge pages: " + ("on" if mem["malloc_huge_pages"]["on"] else "off")
+             + f" ({mem['malloc_huge_pages']['why']})",
              f"torch      {tch['version']}; GPUs: " + (", ".join(
                  f"{g['name']} ({g['memory_bytes'] / gib:.0f} GiB)" for g in tch["gpus"]) or "none"),
              "           CPU bf16 GEMM: " + ("native (calibration forwards on the CPU run in "

@@ -441,11 +441,13 @@ def _torch_info() -> dict:
 
 def machine_report(refresh: bool = False) -> dict:
     """Everything `quantkit doctor` shows: CPU, memory, torch + GPUs, vLLM, llama.cpp."""
+    from quantkit.pipeline.heap import huge_page_state
     from quantkit.pipeline.plan import available_memory
 
     avail, why = available_memory()
     return {"cpu": cpu_info(), "memory": {**_meminfo(), "available_bytes": avail,
-                                          "available_source": why},
+                                          "available_source": why,
+                                          "malloc_huge_pages": huge_page_state()},
             "torch": _torch_info(), "vllm": vllm_capabilities(refresh).to_dict(),
             "llamacpp": llamacpp_info()}
 
