@@ -89,6 +89,7 @@ def main() -> None:
     import quantkit.pipeline.blocks as blocks
     import quantkit.pipeline.staged as staged
     from quantkit.formats import get_writer
+    from quantkit.pipeline.heap import huge_page_state
     from quantkit.pipeline.quantize import QuantizeRequest, quantize
     from quantkit.types import QuantScheme
 
@@ -138,6 +139,9 @@ def main() -> None:
     cpu = usage.ru_utime + usage.ru_stime - usage0.ru_utime - usage0.ru_stime
     print(f"CPU seconds (user + sys) of the job: {cpu:.1f}")
     print(f"peak RSS {usage.ru_maxrss / 1024:.0f} MiB (VmHWM {_vm('VmHWM') / 1024:.0f} MiB)")
+    hp = huge_page_state()
+    print(f"malloc huge pages: {'on' if hp['on'] else 'off'} ({hp['why']}; the quantkit command "
+          "sets GLIBC_TUNABLES itself, this script runs as started)")
     for label, kib in sampler.peak.items():
         print(f"  highest VmRSS in {label:28s} {kib / 1024:7.0f} MiB")
 
