@@ -345,20 +345,22 @@ def describe_artifact(path: Path) -> dict:
             "block_tensor_kinds": dict(sorted(suffixes.items()))}
 
 
-def _child(cmd: list[str], out_dir: Path) -> tuple[list[dict], dict]:
+def _child(cmd: list[str], out_dir: Path, env: dict | None = None) -> tuple[list[dict], dict]:
     """Run one disk-scope child after dropping the page cache: its RESULT rows and what the
-    parent saw (whole-process seconds, cache state, the artifact)."""
+    parent saw (whole-process seconds, cache state, the artifact, GLIBC_TUNABLES)."""
     shutil.rmtree(out_dir, ignore_errors=True)
     cache = drop_page_cache() if DROP_PAGE_CACHE else "not dropped (--drop-page-cache not given)"
+    env = dict(os.environ) if env is None else env
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     wall = time.perf_counter() - t0
     rows = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode != 0 or not rows:
         print(f"child failed (rc {proc.returncode}): {shlex.join(cmd)}\n{proc.stdout[-3000:]}\n"
               f"{proc.stderr[-5000:]}", flush=True)
         return [], {}
-    seen = {"process_seconds": round(wall, 2), "page_cache": cache, "command": shlex.join(cmd)}
+    seen = {"process_seconds": round(wall, 2), "page_cache": cache, "command": shlex.join(cmd),
+            "glibc_tunables": env.get("GLIBC_TUNABLES")}
     if out_dir.is_dir():
         seen.update(describe_artifact(out_dir))
     shutil.rmtree(out_dir, ignore_errors=True)  # the disk holds one artifact at a time
@@ -389,7 +391,10 @@ def run_quantkit_disk(method: str, ckpt: dict, args, variant: str) -> dict | Non
     child = Path(__file__).with_name("quantkit_disk_run.py")
     cmd = [sys.executable, str(child), *(["--force-offload"] if variant == "offload" else []),
            "--", *cli]
-    rows, seen = _child(cmd, out_dir)
+    # the environment the `quantkit` command gives itself (quantkit.launch: malloc huge pages)
+    from quantkit.pipeline.heap import huge_page_env
+
+    rows, seen = _child(cmd, out_dir, huge_page_env(dict(os.environ)))
     if not rows:
         return None
     row = {"tool": "quantkit", "scope": "disk", "method": method, "variant": variant,
