@@ -89,9 +89,11 @@ def worker_quantkit(a: argparse.Namespace) -> dict:
     opts = {"damp": a.damp} if a.method == "gptq" else {}
     get_writer("compressed-tensors"), get_quantizer(a.method)  # imports, as the peer's are done
     # transformers' model classes too, as the peer imports AutoModelForCausalLM before its timer
-    # (the writer's compressed_tensors import used to pull them in; the library itself is now
-    # imported when the artifact is written, inside quantkit's timer: ~1 s against quantkit)
     causal_lm_class()  # as quantkit imports it (model_io.trim_transformers_extras first)
+    # and the compressed-tensors library, which the peer's `import llmcompressor` loads before
+    # its timer and quantkit's writer loads when it packs (~2 s on 2 AVX2 cores: its quant_args
+    # module applies torch.compile, which imports torch._dynamo)
+    import compressed_tensors  # noqa: F401
     t0 = time.perf_counter()
     meta = quantize(QuantizeRequest(model=a.model, method=a.method, scheme=scheme, out=Path(a.out),
                                     format="compressed-tensors", force=True, calib=a.calib,
