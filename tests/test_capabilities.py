@@ -314,3 +314,23 @@ def test_the_quantkit_command_starts_with_malloc_huge_pages_where_they_help():
     assert huge_page_env({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}) is None
     assert huge_page_env({"QUANTKIT_HUGE_PAGES": "0"}) is None
     assert (huge_page_env({}) is not None) == helps
+
+
+def test_speed_is_reused_only_under_the_same_malloc_setting(monkeypatch):
+    """A speed record measured with glibc's malloc huge pages on is not reused by a process
+    without them (or the other way round): fresh memory comes at a different speed."""
+    from quantkit.eval.speed import speed_settings
+    from quantkit.report.compare import _speed_reusable
+
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.hugetlb=1")
+    with_pages = speed_settings("llamacpp")
+    monkeypatch.setenv("GLIBC_TUNABLES", "")
+    monkeypatch.setenv("QUANTKIT_HUGE_PAGES", "0")
+    without = speed_settings("llamacpp")
+    if with_pages["malloc_huge_pages"] == without["malloc_huge_pages"]:  # THP mode always
+        assert with_pages["malloc_huge_pages"] is True
+        return
+    assert with_pages["malloc_huge_pages"] is True and without["malloc_huge_pages"] is False
+    stored = {"engine": "llamacpp", "settings": with_pages}
+    assert _speed_reusable(stored, with_pages)
+    assert not _speed_reusable(stored, without)

@@ -192,10 +192,14 @@ def _transformers(artifact: str, p_len: int, g_len: int, batches: list[int], rep
 def speed_settings(engine: str, prompt_tokens: int = 256, gen_tokens: int = 32,
                    batches: tuple[int, ...] = (1, 8), repeats: int = 3,
                    repeat_budget_s: float = REPEAT_BUDGET_S) -> dict:
-    """The settings a speed record is measured (and reused) under."""
+    """The settings a speed record is measured (and reused) under; malloc_huge_pages: whether
+    this process (and the engine processes it starts) run with glibc's malloc huge pages
+    (quantkit.launch), which changes how fast fresh memory comes."""
+    from quantkit.pipeline.heap import huge_page_state
+
     return {"engine": engine, "prompt_tokens": prompt_tokens, "gen_tokens": gen_tokens,
             "batches": list(batches), "repeats": repeats, "repeat_budget_s": repeat_budget_s,
-            "warmup": 1,
+            "malloc_huge_pages": huge_page_state()["on"], "warmup": 1,
             "definitions": __doc__.split("Definitions")[1].split("\n\n")[0].strip()}
 
 

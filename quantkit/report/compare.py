@@ -291,7 +291,8 @@ def _speed_reusable(stored: dict | None, settings: dict) -> bool:
 
     if not isinstance(stored, dict) or not isinstance(stored.get("settings"), dict):
         return False
-    keys = ("engine", "prompt_tokens", "gen_tokens", "batches", "repeats", "repeat_budget_s")
+    keys = ("engine", "prompt_tokens", "gen_tokens", "batches", "repeats", "repeat_budget_s",
+            "malloc_huge_pages")
     same = all(stored["settings"].get(k) == settings.get(k) for k in keys)
     return same and stored.get("machine", hardware()["cpu"]) == hardware()["cpu"]
 
