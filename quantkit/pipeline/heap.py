@@ -125,6 +125,22 @@ def _thp_mode() -> str | None:
     return text[text.index("[") + 1:text.index("]")] if "[" in text and "]" in text else None
 
 
+def _no_help(env) -> str | None:
+    """Why adding the tunable to `env` would change nothing here, or None where it helps."""
+    glibc, mode = _glibc_version(), _thp_mode()
+    if env.get(_OPT_OUT) == "0":
+        return f"{_OPT_OUT}=0"
+    if "glibc.malloc.hugetlb" in env.get("GLIBC_TUNABLES", ""):
+        return "GLIBC_TUNABLES already names glibc.malloc.hugetlb (the user's choice is kept)"
+    if not sys.platform.startswith("linux") or mode is None or glibc is None:
+        return "not Linux with glibc and transparent huge pages"
+    if mode != "madvise":  # always: the kernel already does it; never: it cannot
+        return f"the kernel's THP mode is {mode}"
+    if glibc < (2, 35):
+        return f"glibc {glibc[0]}.{glibc[1]} has no malloc huge page tunable (2.35+)"
+    return None
+
+
 def huge_page_state(environ: dict | None = None) -> dict:
     """Whether this process's malloc asks for huge pages, and why (for `quantkit doctor`)."""
     env = os.environ if environ is None else environ
@@ -136,31 +152,19 @@ def huge_page_state(environ: dict | None = None) -> dict:
         why = "the kernel gives every large mapping huge pages (THP mode always)"
     elif on:
         why = f"GLIBC_TUNABLES={tunables} (THP mode {mode})"
-    elif env.get(_OPT_OUT) == "0":
-        why = f"{_OPT_OUT}=0"
-    elif mode is None or glibc is None:
-        why = "not Linux with glibc and transparent huge pages"
-    elif mode == "never":
-        why = "the kernel's THP mode is never"
-    elif glibc < (2, 35):
-        why = f"glibc {glibc[0]}.{glibc[1]} has no malloc huge page tunable (2.35+)"
     else:
-        why = "the process was not started by the quantkit command"
+        why = _no_help(env) or "the process was not started by the quantkit command"
     return {"on": on, "thp_mode": mode, "glibc": None if glibc is None else f"{glibc[0]}.{glibc[1]}",
             "why": why}
 
 
 def huge_page_env(environ: dict | None = None) -> dict | None:
-    """`environ` plus glibc's malloc huge page tunable, or None where it would change nothing:
-    not Linux/glibc 2.35+, THP mode other than madvise (always: the kernel already does it;
-    never: it cannot), a GLIBC_TUNABLES that already names hugetlb (the user's choice is kept),
-    or QUANTKIT_HUGE_PAGES=0."""
+    """`environ` plus glibc's malloc huge page tunable (after any tunables already there), or
+    None where it would change nothing (_no_help says why)."""
     env = dict(os.environ if environ is None else environ)
-    tunables = env.get("GLIBC_TUNABLES", "")
-    if (env.get(_OPT_OUT) == "0" or "glibc.malloc.hugetlb" in tunables
-            or not sys.platform.startswith("linux") or (_glibc_version() or (0, 0)) < (2, 35)
-            or _thp_mode() != "madvise"):
+    if _no_help(env) is not None:
         return None
+    tunables = env.get("GLIBC_TUNABLES", "")
     env["GLIBC_TUNABLES"] = f"{tunables}:{HUGE_PAGE_TUNABLE}" if tunables else HUGE_PAGE_TUNABLE
     return env
 
