@@ -272,8 +272,8 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, scheme: QuantSche
     """
     if loop not in (None, "compiled", "torch"):
         raise ValueError(f"GPTQ loop {loop!r}: choose 'compiled' or 'torch'")
-    if loop is None:
-        loop = "compiled" if compiled_available() else "torch"
+    if loop is None:  # the CPU's choice (a GPU runs Triton): numba is imported only there
+        loop = "compiled" if weight.device.type != "cpu" or compiled_available() else "torch"
     ctx = one_cpu_thread(weight.device) if loop == "torch" else contextlib.nullcontext()
     with ctx:
         return _gptq(weight, hessian, scheme, damp, block_size, static_groups, name, loop,

@@ -44,6 +44,7 @@ from quantkit.pipeline.checkpoint import (
 )
 from quantkit.pipeline.experts import linearize_experts
 from quantkit.pipeline.heap import end_small_heap, keep_heap_small
+from quantkit.pipeline.offload import reserve_pinned
 from quantkit.pipeline.output import (
     atomic_output,
     check_not_input,
@@ -396,12 +397,19 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
                                  seqlen=req.calib_seqlen, seed=req.seed, chat=req.chat,
                                  text_column=req.text_column)
     t_calibration = time.perf_counter()
+    store_dtype = _storage_dtype(raw_config)
+    compute_dtype = compute_dtype_for(device, store_dtype, calibrate, req.reproducible)
+    # methods may ask for larger calibration batches (fewer, bigger ops: much faster on CPU)
+    batch = getattr(quantizer, "calib_batch_size", 1)
+    if offload:  # GPU memory is short: smaller forwards too (what the plan assumed)
+        batch = min(batch, OFFLOAD_BATCH)
+        if calib is not None:  # the first block's pinned host memory, got while the scan reads
+            reserve_pinned([(len(ids), ids.shape[1], int(config.hidden_size))
+                            for ids in calib.batches(batch)], compute_dtype, copies=2)
     scan.result()  # raises BadWeights naming the first bad tensor
     if on_progress:
         on_progress("checking weights for NaN/Inf", 1, 1)
     t_scanned = time.perf_counter()
-    store_dtype = _storage_dtype(raw_config)
-    compute_dtype = compute_dtype_for(device, store_dtype, calibrate, req.reproducible)
     load_dtype = compute_dtype  # the dtype load_model gives; streaming loads blocks the same way
     streaming, reader, model = _open_model(req, source.path, config, load_dtype, spec)
     ckpt = None
@@ -416,10 +424,6 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
                     "moe_calibrate_all_experts": req.moe_calibrate_all_experts,
                     "reproducible": req.reproducible}
         ckpt = BlockCheckpoint(checkpoint_dir(out), request_key(describe), describe)
-    # methods may ask for larger calibration batches (fewer, bigger ops: much faster on CPU)
-    batch = getattr(quantizer, "calib_batch_size", 1)
-    if offload:  # GPU memory is short: smaller forwards too (what the plan assumed)
-        batch = min(batch, OFFLOAD_BATCH)
     batches = list(calib.batches(batch)) if calib is not None else None
     if dp is not None and batches is not None:
         batches = dp.shard(batches)
