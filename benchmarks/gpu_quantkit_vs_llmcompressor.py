@@ -16,7 +16,8 @@ Two timed scopes (`--scopes`), each the same for both tools and named in every r
 - `memory`: from the model in CPU memory and the calibration token ids to the quantized
   weights in memory (quantkit: input capture + every block + results back on the CPU;
   llm-compressor: `oneshot`, its dataset preparation included). Loading the checkpoint and
-  writing the artifact are outside it for both.
+  writing the artifact are outside it for both. Every row runs in a fresh process (quantkit's
+  through `--row`), so none starts with kernels or pinned memory an earlier row warmed up.
 - `disk`: from an HF safetensors checkpoint on disk to a compressed-tensors artifact on disk,
   what a user feels. The same synthetic model is written once (one shard per decoder block,
   index, config, a stand-in word-level tokenizer) with a calibration text file of random
@@ -57,7 +58,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 TIMED_SCOPES = {
     "memory": "model in CPU memory + calibration token ids -> quantized weights in memory "
-              "(checkpoint load and artifact write excluded, for both tools)",
+              "(checkpoint load and artifact write excluded, for both tools; every row in a "
+              "fresh process)",
     "disk": "HF safetensors checkpoint on disk -> compressed-tensors artifact on disk, each "
             "tool in a fresh process on the same calibration token ids (each row's page_cache "
             "says whether the page cache was dropped first); `seconds` from after imports and "
@@ -217,6 +219,23 @@ def run_quantkit(method: str, args, offload: bool) -> dict:
     del model, results
     torch.cuda.empty_cache()
     return row
+
+
+def run_quantkit_fresh(method: str, args, placement: str) -> dict | None:
+    """run_quantkit in a fresh process of this script (`--row`), as the peer runs in its own:
+    no row inherits kernels, cuBLAS handles or pinned memory another row warmed up."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--row", f"{method}:{placement}",
+           "--layers", str(args.layers), "--shape", args.shape, "--samples", str(args.samples),
+           "--seqlen", str(args.seqlen), "--batch", str(args.batch),
+           "--offload-batch", str(args.offload_batch), "--device", args.device]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ)
+    rows = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode != 0 or not rows:
+        print(f"row failed (rc {proc.returncode}): {shlex.join(cmd)}\n{proc.stdout[-3000:]}\n"
+              f"{proc.stderr[-5000:]}", flush=True)
+        return None
+    print("RESULT " + json.dumps(rows[0]), flush=True)
+    return {**rows[0], "process": "fresh"}
 
 
 def run_peer(methods: list[str], args) -> list[dict]:
@@ -474,6 +493,7 @@ def main() -> None:
     p.add_argument("--workdir", default="/tmp/quantkit-gpu-bench",
                    help="where the disk scope writes the checkpoint and the artifacts")
     p.add_argument("--out", default="benchmarks/results/gpu_quantkit_vs_llmcompressor.json")
+    p.add_argument("--row", default=None, help=argparse.SUPPRESS)  # METHOD:PLACEMENT, one child row
     args = p.parse_args()
     global DEVICE, DROP_PAGE_CACHE
     DEVICE = args.device
@@ -482,6 +502,10 @@ def main() -> None:
         from quantkit.pipeline.plan import OFFLOAD_BATCH
 
         args.offload_batch = min(args.batch, OFFLOAD_BATCH)
+    if args.row:  # run_quantkit_fresh's child: one memory-scope row, printed, nothing saved
+        method, _, placement = args.row.partition(":")
+        run_quantkit(method, args, placement == "offload")
+        return
     methods = args.methods.split(",")
     command = shlex.join([sys.executable, *sys.argv])
     commit = git_commit()
@@ -509,7 +533,7 @@ def main() -> None:
     if "memory" in scopes and "quantkit" in args.tools:
         for m in methods:
             for placement in args.placements.split(","):
-                save([run_quantkit(m, args, placement == "offload")])
+                save([run_quantkit_fresh(m, args, placement)])
     if "memory" in scopes and "llm-compressor" in args.tools:
         save(run_peer(sorted({m.partition("-")[0] for m in methods}), args))
     if "disk" in scopes:

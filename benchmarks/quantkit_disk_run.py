@@ -1,7 +1,7 @@
 """One `quantkit quantize` run, timed and with its peak GPU memory, for the disk-to-disk scope
 of gpu_quantkit_vs_llmcompressor.py (which starts this in a fresh process per run).
 
-usage: python3 benchmarks/quantkit_disk_run.py [--force-offload] -- quantize CKPT ... -o OUT
+usage: python3 benchmarks/quantkit_disk_run.py [--force-offload] [--sample-stacks JSON] -- quantize CKPT ... -o OUT
 
 Runs the CLI in this process (click, `standalone_mode=False`) so that the timer and
 `torch.cuda.max_memory_allocated` see exactly what the command does. The timer starts after
@@ -26,7 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 def main() -> None:
     argv = sys.argv[1:]
-    force_offload = "--force-offload" in argv[: argv.index("--")] if "--" in argv else False
+    ours = argv[: argv.index("--")] if "--" in argv else []
+    force_offload = "--force-offload" in ours
+    stacks = Path(ours[ours.index("--sample-stacks") + 1]) if "--sample-stacks" in ours else None
     cli = argv[argv.index("--") + 1:] if "--" in argv else argv
     # the libraries the command imports on its way, imported before the timer as the peer's
     # are (llm-compressor imports transformers and compressed-tensors when it is imported)
@@ -47,8 +49,18 @@ def main() -> None:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     sys.argv = ["quantkit", *cli]  # quantkit.json records the command as typed
+    sampler = None
+    if stacks is not None:  # benchmarks/gpu_where_time_goes.py: the main thread's stack sampled
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from stack_sampler import StackSampler
+
+        sampler = StackSampler().__enter__()
     t0 = time.perf_counter()
     quantkit_main(cli, standalone_mode=False)
+    if sampler is not None:
+        sampler.__exit__(None, None, None)
+        stacks.write_text(json.dumps(sampler.report(top=40), indent=1))
+        sampler.print(top=40)
     if cuda:
         torch.cuda.synchronize()
     dt = time.perf_counter() - t0
