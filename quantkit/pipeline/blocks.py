@@ -303,6 +303,9 @@ def _run_blocks(blocks, start: int, total: int, spec: ArchSpec, quantizer: Quant
             for k in mine:
                 del results[k]
         source.release(i, block)
+        # the last group's context and rerun closure point at this block's inputs: dropped
+        # here, so they are freed before the next block makes its outputs (see handoff)
+        ctx = rerun = block_inputs = None
         if on_progress:
             on_progress(f"quantizing blocks ({quantizer.name})", i + 1, total)
 
