@@ -358,16 +358,24 @@ def test_cli_quantize_refuses_index_outside_and_missing_shard(tmp_path, tiny_lla
     assert not (tmp_path / "out").exists() and not (tmp_path / ".out.partial").exists()
 
 
-def test_cli_quantize_refuses_nan_embeddings_before_blocks(tmp_path, tiny_llama):
+@pytest.mark.parametrize("method, tensor", [
+    ("rtn", "model.embed_tokens.weight"),
+    # calibrated: the inputs are captured while the scan reads, the first block waits for it
+    ("gptq", "model.embed_tokens.weight"),
+    ("gptq", "model.layers.1.mlp.down_proj.weight"),
+])
+def test_cli_quantize_refuses_nan_weights_before_blocks(tmp_path, tiny_llama, method, tensor):
     d = copy_model(tiny_llama, tmp_path / "m")
     from safetensors.torch import load_file
 
     tensors = load_file(str(d / "model.safetensors"))
-    tensors["model.embed_tokens.weight"][7, 3] = float("nan")
+    tensors[tensor][7, 3] = float("nan")
     save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})
     before = snapshot(tmp_path)
-    res = cli("quantize", d, "--method", "rtn", "--group-size", "64", "-o", tmp_path / "out")
-    out = assert_input_error(res, "model.embed_tokens.weight contains 1 NaN/Inf")
+    calib = ("--calib-samples", "4", "--calib-seqlen", "32") if method == "gptq" else ()
+    res = cli("quantize", d, "--method", method, "--group-size", "64", *calib,
+              "-o", tmp_path / "out")
+    out = assert_input_error(res, f"{tensor} contains 1 NaN/Inf")
     assert "quantizing blocks" not in out  # refused before the first block
     assert snapshot(tmp_path) == before
     assert not (tmp_path / "out").exists() and not (tmp_path / ".out.partial").exists()
