@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Callable
 
 import torch
 
@@ -116,7 +115,6 @@ def quantize_blocks(
     offload_activations: bool = False,
     expert_min_tokens: int = EXPERT_MIN_TOKENS,
     kv_absmax: dict[str, tuple[float, float]] | None = None,
-    before_blocks: Callable[[], None] | None = None,
 ) -> dict[str, QuantResult]:
     """Quantize every block Linear of `model` in place; return results keyed by full name.
 
@@ -144,10 +142,6 @@ def quantize_blocks(
     `kv_absmax` (when given) receives, per attention module, the max |key| and |value| its
     KV cache would hold, observed on the quantized block (quantkit.pipeline.kvcache); the
     calibration inputs are then captured even for a method that needs none.
-    `before_blocks` is called after the inputs are captured and before any block is read or a
-    checkpoint consulted: quantize() waits there for its NaN/Inf scan of the checkpoint, so the
-    capture (embeddings and pinned copies: ~1 s on 8B shapes) overlaps the scan's disk reads
-    and a bad tensor still stops the run before the first block.
     """
     if dp is not None:
         dp.check_method(quantizer)
@@ -173,8 +167,6 @@ def quantize_blocks(
             observe = getattr(quantizer, "observe_embedding", None)
             if observe is not None and dp is None:  # while the embedding table is real
                 observe(model.get_submodule(spec.embed), batches)
-    if before_blocks is not None:
-        before_blocks()
     total = len(blocks)
     start = 0
     resumed = checkpoint.resume(total, needs_hidden=inputs is not None) \

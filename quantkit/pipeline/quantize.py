@@ -406,56 +406,37 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
         if calib is not None:  # the first block's pinned host memory, got while the scan reads
             reserve_pinned([(len(ids), ids.shape[1], int(config.hidden_size))
                             for ids in calib.batches(batch)], compute_dtype, copies=2)
-    t_reserved = time.perf_counter()
-    scan_wait = [0.0]
-
-    def wait_for_scan() -> None:
-        """Called by quantize_blocks before it reads any block (after the calibration inputs
-        are captured, which overlaps the scan's disk reads); raises BadWeights naming the
-        first bad tensor."""
-        t = time.perf_counter()
-        scan.result()
-        scan_wait[0] += time.perf_counter() - t
-        if on_progress:
-            on_progress("checking weights for NaN/Inf", 1, 1)
-
-    # opening the model and capturing the calibration inputs overlap the scan; quantize_blocks
-    # waits for it before the first block (wait_for_scan)
-    try:
-        load_dtype = compute_dtype  # the dtype load_model gives; streaming loads blocks the same way
-        streaming, reader, model = _open_model(req, source.path, config, load_dtype, spec)
-        ckpt = None
-        # data-parallel ranks hold only their shard's hidden states: no per-block checkpoints
-        # GGUF keeps cross-block state; KV-cache scales are not checkpointed (yet)
-        if req.resume and dp is None and not hasattr(quantizer, "quantize_rest") and not req.kv_cache:
-            describe = {"model": str(source.path), "model_files": model_fingerprint(source.path),
-                        "method": req.method, "format": writer.name,
-                        "scheme": dataclasses.asdict(req.scheme), "options": req.method_options,
-                        "calibration": calib.provenance if calib is not None else None,
-                        "device": device, "quantkit": quantkit.__version__,
-                        "moe_calibrate_all_experts": req.moe_calibrate_all_experts,
-                        "reproducible": req.reproducible}
-            ckpt = BlockCheckpoint(checkpoint_dir(out), request_key(describe), describe)
-        batches = list(calib.batches(batch)) if calib is not None else None
-        if dp is not None and batches is not None:
-            batches = dp.shard(batches)
-        t_quant = time.perf_counter()
-        kept: dict[str, torch.Tensor] = {}
-        kv_absmax: dict[str, tuple[float, float]] | None = {} if req.kv_cache else None
-        results = quantize_blocks(model, spec, quantizer, req.scheme, batches, device=device,
-                                  compute_dtype=compute_dtype, options=req.method_options,
-                                  on_progress=on_progress, checkpoint=ckpt, dense=kept,
-                                  dense_dtype=store_dtype, expert_min_tokens=req.expert_min_tokens,
-                                  source=StreamingSource(model, reader, spec, load_dtype)
-                                  if streaming else None, dp=dp, offload_activations=offload,
-                                  kv_absmax=kv_absmax, before_blocks=wait_for_scan)
-    except BaseException as exc:
-        # a bad tensor is the first thing to say, whatever the capture tripped over first
-        scan_error = scan.exception() if not isinstance(exc, KeyboardInterrupt) else None
-        if scan_error is not None and scan_error is not exc:
-            raise scan_error from exc
-        raise
-    scan.result()  # waited for in quantize_blocks already: never an artifact without the verdict
+    scan.result()  # raises BadWeights naming the first bad tensor
+    if on_progress:
+        on_progress("checking weights for NaN/Inf", 1, 1)
+    t_scanned = time.perf_counter()
+    load_dtype = compute_dtype  # the dtype load_model gives; streaming loads blocks the same way
+    streaming, reader, model = _open_model(req, source.path, config, load_dtype, spec)
+    ckpt = None
+    # data-parallel ranks hold only their shard's hidden states: no per-block checkpoints
+    # GGUF keeps cross-block state; KV-cache scales are not checkpointed (yet)
+    if req.resume and dp is None and not hasattr(quantizer, "quantize_rest") and not req.kv_cache:
+        describe = {"model": str(source.path), "model_files": model_fingerprint(source.path),
+                    "method": req.method, "format": writer.name,
+                    "scheme": dataclasses.asdict(req.scheme), "options": req.method_options,
+                    "calibration": calib.provenance if calib is not None else None,
+                    "device": device, "quantkit": quantkit.__version__,
+                    "moe_calibrate_all_experts": req.moe_calibrate_all_experts,
+                    "reproducible": req.reproducible}
+        ckpt = BlockCheckpoint(checkpoint_dir(out), request_key(describe), describe)
+    batches = list(calib.batches(batch)) if calib is not None else None
+    if dp is not None and batches is not None:
+        batches = dp.shard(batches)
+    t_quant = time.perf_counter()
+    kept: dict[str, torch.Tensor] = {}
+    kv_absmax: dict[str, tuple[float, float]] | None = {} if req.kv_cache else None
+    results = quantize_blocks(model, spec, quantizer, req.scheme, batches, device=device,
+                              compute_dtype=compute_dtype, options=req.method_options,
+                              on_progress=on_progress, checkpoint=ckpt, dense=kept,
+                              dense_dtype=store_dtype, expert_min_tokens=req.expert_min_tokens,
+                              source=StreamingSource(model, reader, spec, load_dtype)
+                              if streaming else None, dp=dp, offload_activations=offload,
+                              kv_absmax=kv_absmax)
     if dp is not None and not dp.is_main:  # rank 0 alone writes the artifact
         return {"rank": dp.rank, "world_size": dp.world}
     if hasattr(quantizer, "quantize_rest"):  # tensors outside the blocks (GGUF embeddings)
@@ -469,7 +450,7 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
         results.update(quantizer.quantize_rest(model, spec))
         for name in outside:
             to_meta(model.get_submodule(name))
-    quant_seconds = time.perf_counter() - t_quant - scan_wait[0]
+    quant_seconds = time.perf_counter() - t_quant
     kv_scales = {name: fp8_kv_scales(*amax) for name, amax in (kv_absmax or {}).items()}
 
     if streaming:
@@ -506,12 +487,11 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
         **({"kernels": kernel_facts()} if device == "cpu" else {}),
         **({"offload_activations": True} if offload else {}),
         # where the command's time went: the checks before the NaN/Inf scan, tokenizer and
-        # calibration text (while the scan runs), the wait for the scan's end (pinned memory
-        # reserved and, in quantize_blocks, the calibration inputs captured first), the block
+        # calibration text (while the scan runs), the wait for the scan's end, the block
         # loop; `total` (set last) adds opening the model and writing the artifact
         "seconds": {"checks": round(t_checked - t_start, 3),
                     "calibration": round(t_calibration - t_checked, 3),
-                    "scan_wait": round(scan_wait[0] + t_reserved - t_calibration, 3),
+                    "scan_wait": round(t_scanned - t_calibration, 3),
                     "quantize": round(quant_seconds, 3)},
         **({"data_parallel": dp.describe()} if dp is not None else {}),
         "command": req.command or req.cli_equivalent(),
