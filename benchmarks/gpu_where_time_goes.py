@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -100,7 +101,7 @@ def main() -> None:
                 got = [json.loads(x[7:]) for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
                 rows.append({"disk": variant, "method": method, "result": got[0] if got else None,
                              "stacks": json.loads(stacks.read_text()) if stacks.is_file() else None})
-                subprocess.run(["rm", "-rf", str(out_dir)])
+                shutil.rmtree(out_dir, ignore_errors=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"commit": bench.git_commit(), "command": " ".join(sys.argv),

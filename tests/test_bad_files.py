@@ -360,7 +360,7 @@ def test_cli_quantize_refuses_index_outside_and_missing_shard(tmp_path, tiny_lla
 
 @pytest.mark.parametrize("method, tensor", [
     ("rtn", "model.embed_tokens.weight"),
-    # calibrated: the inputs are captured while the scan reads, the first block waits for it
+    # calibrated: refused before the calibration inputs are captured or any block runs
     ("gptq", "model.embed_tokens.weight"),
     ("gptq", "model.layers.1.mlp.down_proj.weight"),
 ])
