@@ -16,6 +16,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from gguf import GGML_QUANT_SIZES
+from heldout import heldout_text
 
 from quantkit.cli import main, parse_size
 from quantkit.errors import QuantkitError, SchemeMismatch
@@ -151,8 +152,7 @@ def test_auto_loads_in_llama_cpp_and_beats_uniform_q4_k_m_kld(auto_vs_q4km):
     assert_generates(root / "auto.gguf")
     tok = AutoTokenizer.from_pretrained(model)
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
-    repo = Path(__file__).resolve().parents[1]
-    windows = [tok.encode((repo / src).read_text()[:6000], add_special_tokens=False)[:256]
+    windows = [tok.encode(heldout_text(src)[:6000], add_special_tokens=False)[:256]
                for src in ("README.md", "tests/test_gguf.py", "quantkit/cli.py", "quantkit/info.py")]
     with torch.no_grad():
         refs = [torch.log_softmax(hf(torch.tensor([ids])).logits[0].double(), -1) for ids in windows]

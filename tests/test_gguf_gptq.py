@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
+from heldout import heldout_text
 
 from quantkit.errors import SchemeMismatch
 from quantkit.methods.gguf_gptq import gptq_ggml, hessian_factor
@@ -157,11 +158,10 @@ def test_error_feedback_q4_k_m_beats_imatrix_q4_k_m_in_llama_cpp(q4km_pair):
 
     tok = AutoTokenizer.from_pretrained(model)
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
-    repo = Path(__file__).resolve().parents[1]
     windows = []  # held-out text (not the calibration set): six 512-token windows
     for src in ("README.md", "tests/test_gguf.py", "quantkit/cli.py"):
         for offset in (0, 8000):
-            text = (repo / src).read_text()[offset:offset + 6000]
+            text = heldout_text(src)[offset:offset + 6000]
             windows.append(tok.encode(text, add_special_tokens=False)[:512])
     refs = []
     with torch.no_grad():
