@@ -109,7 +109,7 @@ def test_row_describes_mla_dense_and_moe_blocks(deepseek_model):
     lite_shapes = linear_shapes(lite, spec)
     assert lite_shapes["model.layers.0.self_attn.q_proj"] == (2 * 192, 256)
     assert not any("q_a_proj" in n or "q_b_proj" in n for n in lite_shapes)
-    from quantkit.formats.gguf import gguf_name
+    from quantkit.arch import gguf_name
 
     assert gguf_name(spec, "model.layers.1.self_attn.q_proj.weight") == "blk.1.attn_q.weight"
     assert gguf_name(spec, f"{ROUTER}.e_score_correction_bias") == "blk.1.exp_probs_b.bias"

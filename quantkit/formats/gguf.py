@@ -6,7 +6,8 @@ Layout written (gguf's GGUFWriter; tensor data 32-byte aligned, dims reversed on
        the optional keys each arch carries are its ArchSpec.gguf_kv, written by _OPTIONAL_KV)
        tokenizer.ggml.* and tokenizer.chat_template (gguf_tokenizer.py)
        quantkit.* provenance (what quantkit.json holds for directory artifacts)
-  data token_embd, blk.N.*, output_norm, output (absent when embeddings are tied),
+  data token_embd, blk.N.*, output_norm, output (absent when embeddings are tied; names from
+       ArchSpec.gguf_tensor, i.e. the gguf package's TensorNameMap for the arch),
        rope_freqs (llama3 rope scaling); norms, biases and 1-D tensors F32 (norms as
        norm_offset + w: Gemma's (1 + w), added in float32 as llama.cpp's
        converter does); quantized weights as the bytes in QuantResult.extra["gguf_bytes"];
@@ -39,20 +40,15 @@ from gguf import (
     LlamaFileType,
 )
 
-from quantkit.arch import ArchSpec, spec_for_config
+from quantkit.arch import ArchSpec, gguf_architectures, spec_for_config
 from quantkit.errors import SchemeMismatch, UnsupportedArchitecture
 from quantkit.formats.gguf_tokenizer import read_tokenizer
 from quantkit.readers import GGUFTensor, bad_gguf, read_gguf
 from quantkit.types import QuantResult, QuantScheme
 
-__all__ = ["GGUFFileWriter", "gguf_name", "gguf_slot", "FILE_TYPES", "read_gguf", "gguf_metadata", "GGUFTensor"]
+__all__ = ["GGUFFileWriter", "FILE_TYPES", "read_gguf", "gguf_metadata", "GGUFTensor"]
 
 Q = GGMLQuantizationType
-GGUF_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3", "phi3", "gpt-oss", "deepseek2")
-# llama.cpp's loaders fix which layers are global (set_swa_pattern(n): every nth): gemma3
-# every 6th, gpt-oss every 2nd; the converter writes no pattern, so other layer_types would
-# run differently there
-_SWA_PATTERNS = {"gemma3": 6, "gpt-oss": 2}
 # gguf_type -> (general.file_type, type of 2-D weights that have no quantized result)
 FILE_TYPES = {"f16": (1, Q.F16), "bf16": (32, Q.BF16), "q8_0": (7, Q.F16), "q6_k": (18, Q.F16),
               "q5_k_m": (17, Q.F16), "q5_k_s": (16, Q.F16), "q4_k_m": (15, Q.F16),
@@ -107,32 +103,6 @@ class _FastArrayWriter(GGUFWriter):
         return head + struct.pack("<IQ", ltype, len(val)) + body
 
 
-def gguf_name(spec: ArchSpec, hf_name: str) -> str | None:
-    """HF tensor name -> GGUF tensor name ("model.layers.0.self_attn.q_proj.bias" -> "blk.0.attn_q.bias")."""
-    slot = gguf_slot(spec, hf_name)
-    return slot[0] if slot else None
-
-
-def gguf_slot(spec: ArchSpec, hf_name: str) -> tuple[str, int | None] | None:
-    """HF tensor name -> (GGUF tensor name, expert index or None): a routed expert's weight is
-    one slice of its block's 3-D tensor ("...mlp.experts.5.up_proj.weight" -> ("blk.0.ffn_up_exps.weight", 5)).
-    Checkpoint spellings (Mixtral's block_sparse_moe, as streamed from the shards) and module
-    names map alike."""
-    module, _, suffix = spec.module_name(hf_name).rpartition(".")
-    prefix = spec.block_path + "."
-    if module.startswith(prefix):
-        bid, _, rel = module[len(prefix):].partition(".")
-        if bid.isdigit() and f"{rel}.{suffix}" in spec.gguf_names:  # a bare parameter (sinks)
-            whole = spec.gguf_names[f"{rel}.{suffix}"]
-            if whole.endswith((".weight", ".bias")):  # a whole GGUF tensor name (exp_probs_b.bias)
-                return whole.format(bid=int(bid)), None
-            rel, suffix = f"{rel}.{suffix}", "weight"
-        slot = spec.gguf_slot(rel) if bid.isdigit() else None
-        return (f"{slot[0].format(bid=int(bid))}.{suffix}", slot[1]) if slot else None
-    base = {spec.embed: "token_embd", spec.final_norm: "output_norm", spec.lm_head: "output"}.get(module)
-    return (f"{base}.{suffix}", None) if base else None
-
-
 def _stored_mxfp4_experts(spec: ArchSpec, config: dict, source_dir: Path | None
                           ) -> dict[tuple[str, int], object]:
     """gpt-oss checkpoints in MXFP4: llama.cpp's converter writes the experts' stored blocks
@@ -156,7 +126,7 @@ def _stored_mxfp4_experts(spec: ArchSpec, config: dict, source_dir: Path | None
         experts = safetensors_header(file)[0][name]["shape"][0]
         scales = name[: -len("_blocks")] + "_scales"
         for part, linear in enumerate(split):
-            gname, _ = gguf_slot(spec, f"{module}.0.{linear}.weight")
+            gname, _ = spec.gguf_tensor(f"{module}.0.{linear}.weight")
             for e in range(experts):
                 out[(gname, e)] = lambda a=(file, name, files[scales], scales, e, part, len(split)): \
                     _ggml_mxfp4(*a, interleaved=es.gate_up_interleaved)
@@ -308,16 +278,16 @@ def _rope_factors_llama3(p: dict, head_dim: int) -> np.ndarray:
 
 def _check_config(spec: ArchSpec, config: dict) -> None:
     """Refuse configs whose behaviour GGUF (as written here) would not reproduce."""
-    if spec.gguf_arch not in GGUF_ARCHS:
-        raise UnsupportedArchitecture(f"No GGUF writer for architecture {spec.gguf_arch}.",
-                                      f"GGUF export supports: {', '.join(GGUF_ARCHS)}.")
+    if spec.gguf_arch is None:
+        raise UnsupportedArchitecture(f"No GGUF writer for architecture {spec.name}.",
+                                      f"GGUF export supports: {', '.join(gguf_architectures())}.")
     rope = GGUFFileWriter._rope(config)
     rtype = rope.get("rope_type", "").lower()
-    ok = {"", "default", "linear", "yarn"} | ({"llama3"} if spec.gguf_arch == "llama" else set())
+    ok = {"", "default", "linear", "yarn"} | set(spec.gguf_rope_types)
     if rtype not in ok:
         raise UnsupportedArchitecture(f"RoPE scaling {rtype!r} is not written by quantkit's GGUF "
                                       f"writer for {spec.gguf_arch}.", f"Supported: {sorted(ok)}.")
-    pattern = _SWA_PATTERNS.get(spec.gguf_arch)
+    pattern = spec.gguf_swa_pattern
     if pattern and config.get("layer_types"):
         want = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
                 for i in range(config["num_hidden_layers"])]
@@ -328,27 +298,10 @@ def _check_config(spec: ArchSpec, config: dict) -> None:
                 "llama.cpp would run other layers with sliding-window attention; use another format.")
     if config.get("use_sliding_window"):
         raise UnsupportedArchitecture("Sliding-window attention is not written to GGUF by quantkit.")
-    if config.get("attention_bias") and spec.gguf_arch in ("qwen3", "qwen3moe"):
+    if config.get("attention_bias") and not spec.gguf_attention_bias:
         raise UnsupportedArchitecture(f"{spec.gguf_arch} with attention biases has no llama.cpp layout.")
-    if spec.gguf_arch == "qwen3moe":
-        _check_qwen3moe(config)
-
-
-def _check_qwen3moe(config: dict) -> None:
-    """llama.cpp's qwen3moe graph (src/models/qwen3moe.cpp) makes every block MoE and always
-    renormalises the top-k routing weights: other configs would load wrong or run wrong."""
-    dense = list(config.get("mlp_only_layers") or [])
-    step = config.get("decoder_sparse_step", 1)
-    if dense or step not in (None, 1):
-        raise UnsupportedArchitecture(
-            f"Qwen3-MoE with dense MLP blocks (mlp_only_layers={dense}, decoder_sparse_step={step}) "
-            "has no llama.cpp layout: its qwen3moe loader expects experts in every block.",
-            "Use --format compressed-tensors for this model.")
-    if config.get("norm_topk_prob") is False:
-        raise UnsupportedArchitecture(
-            "Qwen3-MoE with norm_topk_prob=false: llama.cpp's qwen3moe always renormalises the "
-            "top-k routing weights, so the GGUF would compute another function.",
-            "Use --format compressed-tensors for this model.")
+    if spec.gguf_check is not None:
+        spec.gguf_check(config)
 
 
 class GGUFFileWriter:
@@ -400,7 +353,7 @@ class GGUFFileWriter:
         tensors = _TensorList()
         notes, stats = [], {}
         for name, res in _result_pieces(spec, results):
-            slot = gguf_slot(spec, name + ".weight") if not name.startswith("blk.") else \
+            slot = spec.gguf_tensor(name + ".weight") if not name.startswith("blk.") else \
                 (name + ".weight", None)
             if slot is None:
                 raise UnsupportedArchitecture(f"Cannot express quantized tensor {name} in GGUF.")
@@ -426,7 +379,7 @@ class GGUFFileWriter:
                 dense = {**dense, name + ".bias": res.bias}
         dense = _split_heads(spec, config, dense)
         for name, t in dense.items():
-            slot = gguf_slot(spec, name) if not name.startswith("blk.") else (name, None)
+            slot = spec.gguf_tensor(name) if not name.startswith("blk.") else (name, None)
             if slot is None:
                 raise UnsupportedArchitecture(
                     f"Cannot express tensor {name} in GGUF for architecture {spec.gguf_arch}.",
@@ -450,7 +403,7 @@ class GGUFFileWriter:
             else:
                 tensors.add(gname, expert, lambda t=t: t.to(torch.float16).numpy(), Q.F16)
         rope = self._rope(config)
-        if rope.get("rope_type", "").lower() == "llama3" and spec.gguf_arch == "llama":
+        if rope.get("rope_type", "").lower() == "llama3" and "llama3" in spec.gguf_rope_types:
             factors = _rope_factors_llama3(rope, self._head_dim(config))
             tensors.add("rope_freqs.weight", None, lambda: factors, Q.F32)
         if notes:

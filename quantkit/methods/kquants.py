@@ -67,6 +67,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize as _np_dequantize
 
+from quantkit.arch import gguf_linear_name
 from quantkit.errors import SchemeMismatch
 from quantkit.methods.bit_allocation import Option
 from quantkit.methods.imatrix import ImatrixData, load_imatrix, save_imatrix
@@ -75,7 +76,7 @@ from quantkit.methods.kquants_encode import encode_rows, preload_compiled
 from quantkit.types import BlockContext, QuantResult, QuantScheme
 
 __all__ = ["PRESETS", "Preset", "Rule", "TensorPlan", "plan_types", "quantize_tensor", "dequantize_tensor",
-           "use_more_bits", "GGUFQuantizer", "gguf_linear_name"]
+           "use_more_bits", "GGUFQuantizer"]
 
 Q = GGMLQuantizationType
 log = logging.getLogger("quantkit.gguf")
@@ -363,27 +364,6 @@ def dequantize_tensor(data: torch.Tensor, qtype: int) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32))
 
 
-def gguf_linear_name(spec, full_name: str) -> str | None:
-    """HF module name -> GGUF weight name ("model.layers.3.mlp.down_proj" -> "blk.3.ffn_down.weight";
-    every expert's Linear -> its block's 3-D tensor, "mlp.experts.5.down_proj" -> "blk.3.ffn_down_exps.weight")."""
-    prefix = spec.block_path + "."
-    if full_name.startswith(prefix):
-        bid, _, rel = full_name[len(prefix):].partition(".")
-        slot = spec.gguf_slot(rel) if bid.isdigit() else None
-        return slot[0].format(bid=int(bid)) + ".weight" if slot else None
-    return {spec.embed: "token_embd.weight", spec.lm_head: "output.weight"}.get(full_name)
-
-
-def _is_70b(spec, config) -> bool:
-    """llama.cpp bumps attn_v of 70B models (80 layers; for llama only with GQA)."""
-    get = (lambda k: getattr(config, k, None)) if not isinstance(config, dict) else config.get
-    if get("num_hidden_layers") != 80:
-        return False
-    if spec.gguf_arch == "llama":
-        return get("num_attention_heads") != (get("num_key_value_heads") or get("num_attention_heads"))
-    return spec.gguf_arch == "qwen2"
-
-
 class GGUFQuantizer:
     """llama.cpp's quantization, in Python: per-tensor type mix + K-quant encoders.
 
@@ -542,7 +522,7 @@ class GGUFQuantizer:
         n_expert = spec.experts.count(config) if spec.experts is not None else 0
         self.n_expert = n_expert  # an imatrix entry of a 3-D expert tensor has n_expert vectors
         self.plans = plan_types(self.preset, tensors, int(get("num_hidden_layers")),
-                                is_70b=_is_70b(spec, config),
+                                is_70b=spec.gguf_is_70b(config),
                                 has_imatrix=self.collect or self.imatrix_path is not None,
                                 n_gqa=n_head // (get("num_key_value_heads") or n_head),
                                 n_expert=n_expert)

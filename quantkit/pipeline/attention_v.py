@@ -18,16 +18,13 @@ from __future__ import annotations
 
 import torch
 
-from quantkit.arch import ArchSpec
+from quantkit.arch import ARCHS, ArchSpec
 from quantkit.errors import UnsupportedArchitecture
 from quantkit.pipeline.stats import gram
 
-__all__ = ["ATTENTION_V_ARCHS", "MAX_QUERY_ROWS", "attention_v_name", "check_attention_v",
+__all__ = ["MAX_QUERY_ROWS", "attention_v_name", "check_attention_v",
            "attention_v_hessian", "wants_attention_v"]
 
-# a separate v_proj Linear next to a transformers attention module whose eager path returns
-# softmax(q k^T) itself (fused qkv_proj, MLA's latent, gpt-oss's sinks: not this)
-ATTENTION_V_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
 V_PROJ = "v_proj"
 # query rows used per sequence (evenly spaced): bounds the A X products; GPTQ does not care
 # about H's scale (its damping is relative to mean diag H). SmolLM2 block 0, 8 x 512 tokens:
@@ -49,17 +46,18 @@ def check_attention_v(spec: ArchSpec, quantizer) -> None:
     attention weights eager attention returns."""
     if not wants_attention_v(quantizer):
         return
-    if spec.name not in ATTENTION_V_ARCHS:
+    if not spec.attention_v:  # ArchSpec.attention_v
+        built = ", ".join(a.name for a in ARCHS if a.attention_v)
         raise UnsupportedArchitecture(
             f"--gptq-v-hessian attention is not built for {spec.name}: it needs a separate "
             "v_proj Linear next to an attention module whose eager path returns the attention "
-            f"weights (built for: {', '.join(ATTENTION_V_ARCHS)}).",
+            f"weights (built for: {built}).",
             "Drop --gptq-v-hessian (tokens, the default, works for every architecture).")
 
 
 def attention_v_name(quantizer, spec: ArchSpec | None, group: tuple[str, ...]) -> str | None:
     """The v_proj of this sequential group whose Hessian is replaced, or None."""
-    if spec is None or not wants_attention_v(quantizer) or spec.name not in ATTENTION_V_ARCHS:
+    if spec is None or not wants_attention_v(quantizer) or not spec.attention_v:
         return None
     name = f"{spec.attention}.{V_PROJ}"
     return name if name in group else None

@@ -33,7 +33,7 @@ from quantkit.model_io import (
     meta_model,
     resolve_model,
 )
-from quantkit.pipeline.attention_v import ATTENTION_V_ARCHS, check_attention_v, wants_attention_v
+from quantkit.pipeline.attention_v import check_attention_v, wants_attention_v
 from quantkit.pipeline.blocks import dense_tensor, get_blocks, quantize_blocks
 from quantkit.pipeline.checkpoint import (
     BlockCheckpoint,
@@ -249,7 +249,7 @@ def plan_request(req: QuantizeRequest, config, spec: ArchSpec, quantizer,
                     moe_all_experts=req.moe_calibrate_all_experts,
                     awq_expert_input_bytes=getattr(quantizer, "expert_input_bytes", None),
                     hessians="hessian" in getattr(quantizer, "stats", ()),
-                    attention_v=wants_attention_v(quantizer) and spec.name in ATTENTION_V_ARCHS)
+                    attention_v=wants_attention_v(quantizer) and spec.attention_v)
 
 
 def plan(req: QuantizeRequest) -> tuple[MemoryPlan, dict]:

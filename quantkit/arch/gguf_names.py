@@ -1,0 +1,45 @@
+"""HF -> GGUF tensor names from the gguf package: llama.cpp's own TensorNameMap, per architecture.
+
+llama.cpp's converter names every tensor through gguf-py's TensorNameMap (the HF spellings
+each MODEL_TENSOR has, limited to the tensors an architecture holds); quantkit asks the same
+table, so a name is never written by hand where the package knows the architecture. Only the
+converter's own renames before that lookup are family facts (ArchSpec.gguf_renames).
+"""
+
+from __future__ import annotations
+
+import functools
+
+__all__ = ["gguf_lookup", "gguf_model_arch"]
+
+_SUFFIXES = (".weight", ".bias")
+
+
+def gguf_model_arch(gguf_arch: str):
+    """gguf.MODEL_ARCH of llama.cpp's architecture name ("qwen3moe" -> MODEL_ARCH.QWEN3MOE)."""
+    from gguf import MODEL_ARCH_NAMES  # gguf (and numpy) load only once a GGUF name is asked
+
+    found = next((arch for arch, name in MODEL_ARCH_NAMES.items() if name == gguf_arch), None)
+    if found is None:
+        raise KeyError(f"the gguf package knows no architecture {gguf_arch!r}")
+    return found
+
+
+@functools.cache
+def _name_map(gguf_arch: str):
+    """The architecture's TensorNameMap for one block (block 0: callers put the index back)."""
+    from gguf import get_tensor_name_map
+
+    return get_tensor_name_map(gguf_model_arch(gguf_arch), 1)
+
+
+def gguf_lookup(gguf_arch: str, hf_name: str) -> str | None:
+    """A checkpoint tensor name (block index 0) -> its GGUF tensor name, or None.
+
+    A bare parameter (gpt-oss's self_attn.sinks) comes out as `.weight`, as the converter
+    writes it: every GGUF tensor llama.cpp reads ends in .weight or .bias.
+    """
+    found = _name_map(gguf_arch).get_name(hf_name, try_suffixes=_SUFFIXES)
+    if found is None:
+        return None
+    return found if found.endswith(_SUFFIXES) else f"{found}.weight"
