@@ -51,7 +51,7 @@ def require_scaling_table(spec: ArchSpec | None, method: str, instead: str) -> N
         raise UnsupportedArchitecture(
             f"{method} has no scaling table for architecture {name!r}.",
             "Add its AwqGroup rows (prev op, balance Linears, inspect module) to its ArchSpec "
-            f"in quantkit/arch/__init__.py, or {instead}.")
+            f"in its family module in quantkit/arch/ (e.g. quantkit/arch/gemma3.py), or {instead}.")
 
 
 def linear_pair_problem(grp: AwqGroup, prev_out: int, balance_in: dict[str, int],
