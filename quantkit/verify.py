@@ -36,8 +36,8 @@ __all__ = ["verify", "VerifyReport", "Problem", "ENGINES", "NOTE"]
 
 ENGINES = ("trtllm",)
 NOTE = ("TensorRT-LLM cannot run on this machine: this is a check of the artifact against "
-        "TensorRT-LLM's loader rules (1.x PyTorch backend, as formats.md and quantkit/verify.py "
-        "cite them), not a load in TensorRT-LLM.")
+        "TensorRT-LLM's loader rules (1.x PyTorch backend, as docs/formats.md and "
+        "quantkit/verify.py cite them), not a load in TensorRT-LLM.")
 
 # tensorrt_llm/quantization/mode.py QuantAlgo values
 QUANT_ALGOS = {"W8A16", "W4A16", "W4A16_AWQ", "W4A8_AWQ", "W8A16_GPTQ", "W4A16_GPTQ",
@@ -330,8 +330,9 @@ def _check_linear(name: str, shape: tuple[int, int] | None, algo: str, headers: 
                      "FP8QDQLinearMethod reads one per-tensor scale (reshape([]))")
     elif algo == "FP8_PER_CHANNEL_PER_TOKEN":
         if s["shape"] == [n, 1] and ct:
-            rep.note("channel weight_scale is [N, 1], the compressed-tensors layout (formats.md: "
-                     "TensorRT-LLM reads llm-compressor FP8_DYNAMIC); ModelOpt writes [N]")
+            rep.note("channel weight_scale is [N, 1], the compressed-tensors layout "
+                     "(docs/formats.md: TensorRT-LLM reads llm-compressor FP8_DYNAMIC); "
+                     "ModelOpt writes [N]")
         elif s["shape"] != [n]:
             rep.fail(name, f"{scale_name} shape {s['shape']}",
                      f"FP8RowwiseLinearMethod copies it into a float32 [{n}] parameter")
