@@ -21,6 +21,9 @@ atexit.register(shutil.rmtree, os.environ["QUANTKIT_LMEVAL_CACHE"], True)
 
 from tiny_models import make_tiny_model  # noqa: E402
 
+# the tiny MoE models every tests/test_moe_*.py shares, built once per session
+pytest_plugins = ["moe_models"]
+
 
 @pytest.fixture(scope="session")
 def smollm_path() -> Path:
