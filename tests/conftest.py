@@ -160,6 +160,8 @@ def pytest_configure(config):
 
     if os.environ.get(SHARED_ENV, "").lower() in ("off", "0", "no"):
         return
+    if config.getoption("markexpr", "").strip() == "fast":
+        return  # the fast tier runs no engine: importing vLLM would only take a core from it
     try:
         share_vllm_forkserver()
     except EngineError:  # no vLLM venv: the engine tests say so themselves

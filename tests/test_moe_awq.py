@@ -36,6 +36,7 @@ def rtn_artifact(moe_model, tmp_path_factory) -> Path:
     return _quantize(moe_model, tmp_path_factory.mktemp("rtn") / "rtn", "rtn")
 
 
+@pytest.mark.fast
 def test_awq_moe_groups_fold_without_changing_block_or_routing(moe_model):
     """The MoE rows of the AWQ table: ONE scale for the post-attention norm shared by every
     expert's gate/up, the router compensated (it reads the scaled input too), and each

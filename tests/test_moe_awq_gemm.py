@@ -154,6 +154,7 @@ def test_awq_gemm_moe_layouts_give_identical_artifacts(arch, awq_gemm_moe, mixtr
         assert torch.isfinite(load_artifact(streamed).model(torch.arange(1, 33)[None]).logits).all()
 
 
+@pytest.mark.fast
 def test_awq_gemm_refuses_entries_that_name_quantized_linears(awq_gemm_moe):
     """vLLM leaves a module unquantized when any modules_to_not_convert entry is a SUBSTRING of
     its name. On the names of the small Qwen3-MoE (dense block 0, MoE block 1), from its config

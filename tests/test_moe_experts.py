@@ -14,6 +14,8 @@ from moe_models import (
 from quantkit.arch import spec_for_config
 from quantkit.pipeline.quantize import linear_shapes
 
+pytestmark = pytest.mark.fast
+
 
 def test_arch_row_describes_experts(moe_model):
     config = json.loads((moe_model / "config.json").read_text())

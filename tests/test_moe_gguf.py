@@ -33,6 +33,7 @@ def _gguf(model: Path, out: Path, gguf_type: str, **kw) -> Path:
                      scheme=QuantScheme(kind="kquant", gguf_type=gguf_type), **kw)
 
 
+@pytest.mark.fast
 def test_moe_refuses_what_is_not_built_yet(moe_model, tmp_path):
     from quantkit.errors import UnsupportedArchitecture
 
@@ -121,6 +122,7 @@ def test_moe_k_quants_equal_llama_quantize_in_both_layouts(moe_model, moe_refere
     assert_generates(streamed)
 
 
+@pytest.mark.fast
 def test_moe_gguf_writer_stacks_one_expert_tensor_at_a_time(moe_model, tmp_path):
     """The 3-D expert tensors are built from the per-expert pieces as each is written: the
     writer's numpy allocations (what tracemalloc sees; the stacks are numpy arrays) peak near

@@ -222,6 +222,7 @@ def test_int8_static_experts_one_input_scale_per_expert(small_moe, int8_static_m
         assert all(torch.isfinite(v).all() and (v > 0).all() for v in (gate_routed, down_routed))
 
 
+@pytest.mark.fast
 def test_int8_smoothquant_moe_fold_keeps_block_and_routing(small_moe):
     """SmoothQuant on an MoE block: ONE smoothing scale for the post-attention norm, shared by
     every expert's gate/up (AWQ's MoE group, AwqGroup.for_experts), from the activation range

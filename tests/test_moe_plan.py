@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from click.testing import CliRunner
 
 from quantkit.arch import spec_for_config
 from quantkit.cli import main
 from quantkit.types import QuantScheme
+
+pytestmark = pytest.mark.fast
 
 
 def test_plan_counts_per_expert_hessians_one_block_at_a_time():
