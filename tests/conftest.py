@@ -21,6 +21,9 @@ atexit.register(shutil.rmtree, os.environ["QUANTKIT_LMEVAL_CACHE"], True)
 
 from tiny_models import make_tiny_model  # noqa: E402
 
+# the tiny MoE models every tests/test_moe_*.py shares, built once per session
+pytest_plugins = ["moe_models"]
+
 
 @pytest.fixture(scope="session")
 def smollm_path() -> Path:
@@ -157,6 +160,8 @@ def pytest_configure(config):
 
     if os.environ.get(SHARED_ENV, "").lower() in ("off", "0", "no"):
         return
+    if config.getoption("markexpr", "").strip() == "fast":
+        return  # the fast tier runs no engine: importing vLLM would only take a core from it
     try:
         share_vllm_forkserver()
     except EngineError:  # no vLLM venv: the engine tests say so themselves

@@ -32,6 +32,7 @@ def test_arch_quantizes_and_loads(tiny_model_factory, tmp_path, arch):
     assert len(meta) and spec.name == arch
 
 
+@pytest.mark.fast
 def test_unknown_architecture_lists_supported():
     with pytest.raises(UnsupportedArchitecture) as e:
         spec_for_config({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"})

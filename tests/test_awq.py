@@ -46,6 +46,7 @@ SMOL_CALIB = dict(calib_samples=16, calib_seqlen=256)  # 4096 tokens, the same f
 
 # ------------------------------------------------------------------ bit layouts
 
+@pytest.mark.fast
 def test_awq_nibble_order_golden_word():
     """Columns 0..7 holding 0..7 pack to nibbles [0,2,4,6,1,3,5,7] from the LSB: 0x75316420."""
     word = pack_awq(torch.arange(8)[None, :])
@@ -56,6 +57,7 @@ def test_awq_nibble_order_golden_word():
     assert int(pack_awq(top)[0, 0]) & 0xFFFFFFFF == 0xF0000000
 
 
+@pytest.mark.fast
 def test_awq_pack_unpack_bit_for_bit():
     torch.manual_seed(0)
     q = torch.randint(0, 16, (48, 64))
@@ -72,6 +74,7 @@ def test_awq_pack_unpack_bit_for_bit():
     assert torch.equal(nib[..., [0, 4, 1, 5, 2, 6, 3, 7]].reshape(48, 64), q)
 
 
+@pytest.mark.fast
 def test_modelopt_int4_rows_bit_for_bit():
     """uint8 [N/2, K]: row 2i in the low nibble, 2i+1 in the high one, two's complement."""
     q = torch.tensor([[-8, 0, 7], [7, -1, -8]], dtype=torch.int8)
@@ -88,6 +91,7 @@ def test_modelopt_int4_rows_bit_for_bit():
     assert torch.equal(unpack_int4_rows(packed), q)
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("sym", [True, False])
 def test_awq_gemm_writer_reader_round_trip(tmp_path, sym):
     torch.manual_seed(2)
@@ -115,6 +119,7 @@ def test_awq_gemm_writer_reader_round_trip(tmp_path, sym):
     assert torch.allclose(dense[f"{base}.weight"], r.dequantize(), atol=float(r.scale.max()) * 16 * 2**-11)  # fp16 scales
 
 
+@pytest.mark.fast
 def test_awq_gemm_writer_refuses_what_it_cannot_hold():
     problems = AWQGemmWriter().check(QuantScheme(bits=8, group_size=64), {"x": (60, 64)})
     assert any("4-bit" in p for p in problems) and any("multiple of 8" in p for p in problems)
@@ -124,6 +129,7 @@ def test_awq_gemm_writer_refuses_what_it_cannot_hold():
         pack_awq_gemm(r)
 
 
+@pytest.mark.fast
 def test_modelopt_writer_reader_round_trip(tmp_path):
     torch.manual_seed(3)
     cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}
@@ -158,6 +164,7 @@ def test_modelopt_writer_reader_round_trip(tmp_path):
 
 # ------------------------------------------------------------------ the method's pieces
 
+@pytest.mark.fast
 def test_candidate_scales_and_fake_quantize():
     torch.manual_seed(4)
     x_mean = torch.rand(128) + 0.01
@@ -170,6 +177,7 @@ def test_candidate_scales_and_fake_quantize():
                           rtn_quantize_weight("w", w, SCHEME).dequantize(), atol=1e-6)
 
 
+@pytest.mark.fast
 def test_clip_search_lowers_output_error():
     torch.manual_seed(5)
     w = torch.randn(64, 128)
@@ -255,6 +263,7 @@ def test_awq_scales_fold_without_changing_the_function(tiny_gqa):
     assert float((a - b).abs().max()) < 0.05 * float(b.abs().max())
 
 
+@pytest.mark.fast
 def test_awq_refuses_architecture_without_table_and_short_calibration(tiny_gqa):
     spec = spec_for_config(read_config(tiny_gqa))
     with pytest.raises(UnsupportedArchitecture, match="no scaling table"):
@@ -265,6 +274,7 @@ def test_awq_refuses_architecture_without_table_and_short_calibration(tiny_gqa):
         AWQQuantizer(n_grid=0)
 
 
+@pytest.mark.fast
 def test_modelopt_asym_refused_before_calibration(tiny_gqa, tmp_path, monkeypatch):
     from quantkit.pipeline import quantize as qmod
 

@@ -111,6 +111,7 @@ def copy_model(src: Path, dst: Path) -> Path:
 
 # ------------------------------------------------------------------ in-process fuzzing
 
+@pytest.mark.fast
 def test_safetensors_header_fuzz(tmp_path):
     """Every truncation and header bit flip: the validator raises ModelLoadError or accepts a
     file that the safetensors library then reads completely (it never accepts a file the
@@ -134,6 +135,7 @@ def test_safetensors_header_fuzz(tmp_path):
     assert rejected > 1000 and accepted > 10  # flips in names/metadata text stay valid
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("case, needle", [
     ("overlap", "overlaps tensor"), ("gap", "unused bytes"), ("length_beyond_file", "truncated"),
     ("numel_mismatch", "needs"), ("bad_dtype", "unknown dtype"), ("negative_shape", "invalid shape"),
@@ -176,6 +178,7 @@ def test_safetensors_header_cases(tmp_path, case, needle):
         safetensors_header(f)
 
 
+@pytest.mark.fast
 def test_gguf_header_fuzz(tmp_path):
     """Every truncation and header bit flip of a small GGUF: read_gguf returns or raises
     ModelLoadError, never ValueError / struct.error / OverflowError / MemoryError."""
@@ -195,6 +198,7 @@ def test_gguf_header_fuzz(tmp_path):
     assert rejected > 500
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("field, value, needle", [
     ("n_tensors", 2**63, "more than a"), ("n_kv", 2**40, "more than a"),
     ("version", 1, "version 1"), ("version", 3 << 24, "little-endian"),
@@ -211,6 +215,7 @@ def test_gguf_impossible_header_fields(tmp_path, field, value, needle):
         read_gguf(f)
 
 
+@pytest.mark.fast
 def test_gguf_tensor_past_end_and_unknown_type(tmp_path):
     f = small_gguf(tmp_path / "m.gguf")
     data = f.read_bytes()
@@ -224,6 +229,7 @@ def test_gguf_tensor_past_end_and_unknown_type(tmp_path):
         read_gguf(f)
 
 
+@pytest.mark.fast
 def test_config_json_fuzz(tmp_path, tiny_llama):
     good = (tiny_llama / "config.json").read_bytes()
     d = tmp_path / "m"
@@ -239,6 +245,7 @@ def test_config_json_fuzz(tmp_path, tiny_llama):
             assert "config.json" in exc.message and exc.hint
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("entry, needle", [
     ("/etc/passwd", "not a file inside"), ("../outside.safetensors", "not a file inside"),
     ("sub/../../outside.safetensors", "not a file inside"), ("gone.safetensors", "missing"),
@@ -255,6 +262,7 @@ def test_index_paths_must_stay_inside(tmp_path, tiny_llama, entry, needle):
         tensor_files(d)
 
 
+@pytest.mark.fast
 def test_index_fuzz_and_inside_paths(tmp_path, tiny_llama):
     d = copy_model(tiny_llama, tmp_path / "m")
     names = list(safetensors_header(d / "model.safetensors")[0])
@@ -279,6 +287,7 @@ def test_index_fuzz_and_inside_paths(tmp_path, tiny_llama):
         tensor_files(d)
 
 
+@pytest.mark.fast
 def test_scan_finite_names_the_tensor(tmp_path):
     d = tmp_path / "m"
     d.mkdir()
@@ -342,6 +351,7 @@ def test_cli_bad_config_json(tmp_path, tiny_llama):
     assert snapshot(tmp_path) == before
 
 
+@pytest.mark.fast
 def test_cli_quantize_refuses_index_outside_and_missing_shard(tmp_path, tiny_llama):
     d = copy_model(tiny_llama, tmp_path / "m")
     (d / "model.safetensors").rename(tmp_path / "outside.safetensors")
@@ -381,6 +391,7 @@ def test_cli_quantize_refuses_nan_weights_before_blocks(tmp_path, tiny_llama, me
     assert not (tmp_path / "out").exists() and not (tmp_path / ".out.partial").exists()
 
 
+@pytest.mark.fast
 def test_cli_gguf_truncated_and_impossible_counts(tmp_path):
     g = small_gguf(tmp_path / "m.gguf")
     data = g.read_bytes()
@@ -406,6 +417,7 @@ def test_cli_eval_gguf_llamacpp_refuses(tmp_path, tiny_llama):
     assert snapshot(tmp_path) == before
 
 
+@pytest.mark.fast
 def test_imatrix_fuzz(tmp_path):
     """--imatrix FILE, GGUF and legacy .dat: every truncation and header bit flip gives the
     loader's result or one ModelLoadError naming --imatrix / --calib."""
@@ -430,6 +442,7 @@ def test_imatrix_fuzz(tmp_path):
                 assert "--imatrix" in (exc.hint or "") or "does not exist" in exc.message, label
 
 
+@pytest.mark.fast
 def test_gguf_export_reads_tokenizer_files_safely(tmp_path, tiny_llama):
     """`quantize --method gguf` embeds tokenizer.json / tokenizer_config.json: broken ones are a
     clear error before any work."""

@@ -110,12 +110,14 @@ def test_builtin_set_loads_and_heldout_is_disjoint(name, tok):
     assert data.provenance["name"] == name
 
 
+@pytest.mark.fast
 def test_no_heldout_text_in_any_calib_split():
     all_calib = "".join(load_text(n)[0] for n in SETS)
     for name in SETS:
         assert not _shared_windows(all_calib, load_heldout_text(name)[0]), name
 
 
+@pytest.mark.fast
 def test_default_is_mixed_and_big_enough_for_default_sampling(tok):
     data = load_calibration(tokenizer=tok)  # 128 x 512 by default
     assert data.input_ids.shape == (128, 512)
@@ -125,6 +127,7 @@ def test_default_is_mixed_and_big_enough_for_default_sampling(tok):
 # ---------------------------------------------------------------- sampling
 
 
+@pytest.mark.fast
 def test_sampling_is_deterministic_and_seeded(tok):
     a = load_calibration("prose", tok, n_samples=8, seqlen=64, seed=0)
     b = load_calibration("prose", tok, n_samples=8, seqlen=64, seed=0)
@@ -135,6 +138,7 @@ def test_sampling_is_deterministic_and_seeded(tok):
     assert a.provenance["sha256"] == b.provenance["sha256"]
 
 
+@pytest.mark.fast
 def test_windows_are_raw_slices_without_bos(tok):
     text, _ = load_text("code")
     ids = torch.tensor(tok(text, add_special_tokens=False)["input_ids"])
@@ -145,6 +149,7 @@ def test_windows_are_raw_slices_without_bos(tok):
         assert torch.equal(row, ids[s : s + 32])
 
 
+@pytest.mark.fast
 def test_batches_and_provenance(tok):
     data = load_calibration("techdoc", tok, n_samples=5, seqlen=16, seed=0)
     assert [b.shape[0] for b in data.batches(2)] == [2, 2, 1]
@@ -173,6 +178,7 @@ def test_batches_and_provenance(tok):
 DOCS = ["First document about apples.\nSecond line.", "Second document, on pears.", "Third: plums."]
 
 
+@pytest.mark.fast
 def test_txt_jsonl_parquet(tmp_path, tok):
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -202,6 +208,7 @@ def test_txt_jsonl_parquet(tmp_path, tok):
     assert load_heldout_text(str(big))[0] == load_text(str(big))[0]  # a local file is read whole
 
 
+@pytest.mark.fast
 def test_chat_messages_render_through_template(tmp_path, tok, tok_nochat):
     conv = [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4."}]
     jl = tmp_path / "chat.jsonl"
@@ -243,6 +250,7 @@ def test_unknown_set_lists_builtins(tok):
     assert "wikitext2" in msg and all(n in msg for n in SETS)
 
 
+@pytest.mark.fast
 def test_missing_file_unsupported_extension_and_empty(tmp_path, tok):
     msg = _err(load_calibration, str(tmp_path / "nope.txt"), tok)
     assert "nope.txt" in msg and "does not exist" in msg
@@ -257,6 +265,7 @@ def test_missing_file_unsupported_extension_and_empty(tmp_path, tok):
         assert "empty" in msg and name in msg
 
 
+@pytest.mark.fast
 def test_too_short_names_both_numbers(tmp_path, tok):
     f = tmp_path / "short.txt"
     f.write_text("a few words only")
@@ -271,6 +280,7 @@ def test_too_short_names_both_numbers(tmp_path, tok):
     )
 
 
+@pytest.mark.fast
 def test_bad_jsonl_line_and_missing_column(tmp_path, tok):
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -294,6 +304,7 @@ def test_bad_jsonl_line_and_missing_column(tmp_path, tok):
     assert "question" in msg and "answer" in msg
 
 
+@pytest.mark.fast
 def test_hf_source_offline_gives_clear_error(monkeypatch, tok):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     msg = _err(load_calibration, "hf:wikitext:wikitext-2-raw-v1:train:text", tok)
@@ -311,5 +322,6 @@ def test_calibration_dir_env_override(tmp_path, monkeypatch):
     assert "QUANTKIT_CALIBRATION_DIR" in _err(builtin_sets)
 
 
+@pytest.mark.fast
 def test_package_finds_repo_sets():
     assert calibration_sets_dir() == Path(__file__).resolve().parents[1] / "calibration_sets"

@@ -146,6 +146,7 @@ def test_doctor_text_and_json():
     assert ("CPU bf16 GEMM: native" if native else "CPU bf16 GEMM: emulated") in text
 
 
+@pytest.mark.fast
 def test_cpu_compute_dtype_follows_torch_and_the_checkpoint(monkeypatch):
     """Calibration on the CPU runs in bf16 only where torch says its bf16 GEMMs are native,
     only for bf16 checkpoints (no rounding of float16 / float32 weights), only when there is a

@@ -22,12 +22,14 @@ def rtn(model, out, *extra):
                *extra)
 
 
+@pytest.mark.fast
 def test_help_on_every_command():
     for cmd in ([], ["quantize"], ["eval"], ["info"]):
         res = run(*cmd, "--help")
         assert res.exit_code == 0 and "Usage" in res.output
 
 
+@pytest.mark.fast
 def test_gptq_only_flags_are_refused_for_other_methods(tmp_path, tiny_llama):
     for flag in (["--damp", "0.05"], ["--no-true-sequential"]):
         res = rtn(tiny_llama, tmp_path / "out", *flag)
@@ -36,6 +38,7 @@ def test_gptq_only_flags_are_refused_for_other_methods(tmp_path, tiny_llama):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.fast
 def test_missing_safetensors(tmp_path, tiny_llama):
     d = tmp_path / "noweights"
     d.mkdir()
@@ -46,6 +49,7 @@ def test_missing_safetensors(tmp_path, tiny_llama):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.fast
 def test_corrupt_safetensors(tmp_path, tiny_llama):
     d = tmp_path / "corrupt"
     shutil.copytree(tiny_llama, d)
@@ -56,6 +60,7 @@ def test_corrupt_safetensors(tmp_path, tiny_llama):
     assert "Corrupt safetensors file" in res.output and "truncated" in res.output
 
 
+@pytest.mark.fast
 def test_pickle_only_needs_allow_pickle(tmp_path, tiny_llama):
     d = tmp_path / "pickled"
     d.mkdir()
@@ -65,6 +70,7 @@ def test_pickle_only_needs_allow_pickle(tmp_path, tiny_llama):
     assert res.exit_code == 2 and "--allow-pickle" in res.output
 
 
+@pytest.mark.fast
 def test_missing_tokenizer(tmp_path, tiny_model_factory):
     src = tiny_model_factory("llama", name="notok", tokenizer=False)
     res = rtn(src, tmp_path / "out")
@@ -72,6 +78,7 @@ def test_missing_tokenizer(tmp_path, tiny_model_factory):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.fast
 def test_unsupported_architecture(tmp_path, tiny_llama):
     d = tmp_path / "gpt2ish"
     shutil.copytree(tiny_llama, d)
@@ -95,6 +102,7 @@ def test_group_size_not_dividing_names_layers_and_suggests(tmp_path):
     assert "--group-size 64" in res.output
 
 
+@pytest.mark.fast
 def test_output_exists_needs_force(tmp_path, tiny_llama):
     out = tmp_path / "out"
     out.mkdir()
@@ -107,6 +115,7 @@ def test_output_exists_needs_force(tmp_path, tiny_llama):
     assert not (out / "precious.txt").exists() and (out / "model.safetensors").exists()
 
 
+@pytest.mark.fast
 def test_interrupted_run_leaves_no_artifact(tmp_path, tiny_llama):
     from quantkit.pipeline.quantize import QuantizeRequest, quantize
     from quantkit.types import QuantScheme
@@ -124,6 +133,7 @@ def test_interrupted_run_leaves_no_artifact(tmp_path, tiny_llama):
     assert [p.name for p in tmp_path.iterdir()] == [".out.partial"]
 
 
+@pytest.mark.fast
 def test_nan_weights_are_refused_by_name(tmp_path, tiny_llama):
     d = tmp_path / "nan"
     shutil.copytree(tiny_llama, d)
@@ -137,6 +147,7 @@ def test_nan_weights_are_refused_by_name(tmp_path, tiny_llama):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.fast
 def test_hub_id_offline_is_explained(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     res = rtn("some-org/some-model-that-is-not-cached", tmp_path / "out")
@@ -145,22 +156,26 @@ def test_hub_id_offline_is_explained(tmp_path, monkeypatch):
     assert "HF_HUB_OFFLINE" in res.output
 
 
+@pytest.mark.fast
 def test_not_a_model_at_all(tmp_path):
     res = rtn("./does/not/exist", tmp_path / "out")
     assert res.exit_code == 2 and "neither a built-in alias" in res.output
 
 
+@pytest.mark.fast
 def test_unsupported_bits(tmp_path, tiny_llama):
     res = run("quantize", tiny_llama, "--method", "rtn", "--bits", 5, "--group-size", 64,
               "-o", tmp_path / "out")
     assert res.exit_code == 2 and "Unsupported bit width 5" in res.output
 
 
+@pytest.mark.fast
 def test_eval_bad_artifact_path(tmp_path):
     res = run("eval", tmp_path / "nothing-here")
     assert res.exit_code == 2 and "neither a built-in alias" in res.output
 
 
+@pytest.mark.fast
 def test_failure_while_writing_keeps_the_old_artifact(tmp_path):
     from quantkit.pipeline.output import atomic_output
 

@@ -93,6 +93,7 @@ def test_fp8_block_on_a_model_no_block_tiles_is_refused_before_work(tmp_path, sm
 
 # ------------------------------------------------------------- 3. binary "text" calibration ----
 
+@pytest.mark.fast
 def test_binary_txt_calibration_is_refused_with_its_share(tmp_path, tiny_llama):
     noise = tmp_path / "noise.txt"
     noise.write_bytes(os.urandom(64 * 1024))
@@ -104,6 +105,7 @@ def test_binary_txt_calibration_is_refused_with_its_share(tmp_path, tiny_llama):
     assert not (tmp_path / "out").exists() and not checkpoint_dir(tmp_path / "out").exists()
 
 
+@pytest.mark.fast
 def test_latin1_accents_in_utf8_text_are_not_garbled():
     from quantkit.calibration.files import MAX_GARBLED_SHARE, garbled_share
 
@@ -148,6 +150,7 @@ FOREIGN_OPTIONS = {"--nproc-per-node": "torchrun", "--no-deps": "pip install",
                    "--outtype": "llama.cpp's convert_hf_to_gguf.py"}
 
 
+@pytest.mark.fast
 def test_every_option_named_in_the_code_base_exists():
     known = _cli_options()
     assert "--text-column" in known and "--group-size" in known
@@ -162,6 +165,7 @@ def test_every_option_named_in_the_code_base_exists():
 
 # --------------------------------------------------------------- 5. text printed verbatim ----
 
+@pytest.mark.fast
 def test_user_text_is_printed_verbatim(tmp_path, tiny_llama):
     source = "hf:a:smile:b:[red]c[/red]:d"
     err = refused(cli("quantize", tiny_llama, "--method", "gptq", "--group-size", 64,
@@ -193,12 +197,14 @@ def test_a_flag_the_method_does_not_read_is_refused(method, flags, named, tmp_pa
     assert flags[0] in res.output
 
 
+@pytest.mark.fast
 def test_act_order_with_rtn_is_refused_not_recorded(tmp_path, tiny_llama):
     refused(cli(*rtn(tiny_llama, tmp_path / "out", "--act-order")),
             "--act-order is read by --method gptq only")
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.fast
 def test_every_flag_in_the_table_is_an_option():
     names = {p.name for p in main.commands["quantize"].params}
     assert set(FLAG_READERS) <= names
@@ -236,6 +242,7 @@ def test_auto_map_is_dropped_from_the_artifact(tmp_path, tiny_llama):
 
 # -------------------------------------------------------- 8. output that is or holds an input ----
 
+@pytest.mark.fast
 def test_output_that_would_replace_an_input_is_refused(tmp_path, tiny_llama):
     home = tmp_path / "models"
     model = home / "m"

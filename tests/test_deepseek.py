@@ -78,6 +78,7 @@ def _quantize(model: Path, out: Path, method: str, **kw) -> Path:
     return out
 
 
+@pytest.mark.fast
 def test_row_describes_mla_dense_and_moe_blocks(deepseek_model):
     config = json.loads((deepseek_model / "config.json").read_text())
     spec = spec_for_config(config)
@@ -115,6 +116,7 @@ def test_row_describes_mla_dense_and_moe_blocks(deepseek_model):
     assert gguf_name(spec, f"{ROUTER}.e_score_correction_bias") == "blk.1.exp_probs_b.bias"
 
 
+@pytest.mark.fast
 def test_awq_folds_keep_both_block_kinds_and_routing(deepseek_model):
     """Every scaling group's fold, with random scales, leaves each float block's output as it
     was, in the dense block and in the MoE block (the router compensated: routing unchanged):
@@ -279,6 +281,7 @@ def test_q4_k_m_equals_llama_quantize_in_both_layouts(deepseek_model, reference_
     assert_generates(streamed)
 
 
+@pytest.mark.fast
 def test_head_split_imatrix_refused_with_hint(deepseek_model, tmp_path):
     """The per-head pieces get llama.cpp's plain rounding only: an imatrix is refused before
     any work, with the way out."""

@@ -43,6 +43,7 @@ def test_int8_kld_far_below_int4(rtn4_artifact, rtn8_artifact):
     assert r8["metrics"]["top1_agreement"]["value"] > r4["metrics"]["top1_agreement"]["value"]
 
 
+@pytest.mark.fast
 def test_schema_rejects_a_zero_for_missing_metric():
     bad = {"schema": "quantkit.eval/v1", "metrics": {"ppl": {"stderr": 1.0}}}
     try:
@@ -52,6 +53,7 @@ def test_schema_rejects_a_zero_for_missing_metric():
     raise AssertionError("schema accepted an incomplete record")
 
 
+@pytest.mark.fast
 def test_lmeval_results_cache_key_follows_model_files_tasks_and_settings(tiny_model_factory, tmp_path):
     """Stored base results are found again only for the same model files, tasks and settings."""
     import os
@@ -124,6 +126,7 @@ def test_artifacts_scored_a_group_at_a_time_give_the_same_records(tiny_llama, tm
     assert len(alone[0]["tokens_sha256"]) == 64
 
 
+@pytest.mark.fast
 def test_a_truncated_artifact_is_refused_before_any_group_is_scored(tiny_llama, tmp_path,
                                                                    monkeypatch):
     """Weights load a group at a time, but a broken file is still one clear error before any
@@ -146,6 +149,7 @@ def test_a_truncated_artifact_is_refused_before_any_group_is_scored(tiny_llama, 
     assert not [s for s in stages if s.startswith("scoring")]
 
 
+@pytest.mark.fast
 def test_eval_memory_cap_is_checked_before_loading(monkeypatch):
     """$QUANTKIT_EVAL_MEMORY: whole bytes or KiB/MiB/GiB; anything else is one clear error
     before any model is loaded (the artifact named here does not exist)."""

@@ -115,6 +115,7 @@ def test_family_quantizes_with_every_method(family):
     assert {"Q4_K", "Q6_K"} <= {t.qtype.name for t in tensors.values()}
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("name", FAMILIES)
 def test_awq_folds_keep_the_block_function(tmp_path, name):
     """Every scaling group's fold, with random scales, leaves the float block's output as it
@@ -152,6 +153,7 @@ def test_awq_folds_keep_the_block_function(tmp_path, name):
                       "phi3": ["input_layernorm", "post_attention_layernorm", "mlp.gate_up_proj"]}[name]
 
 
+@pytest.mark.fast
 def test_every_block_gets_its_own_kwargs(tmp_path):
     """Gemma 3's global layer (block 5) runs with its own mask and rotary table: blocks fed the
     captured inputs one after the other reproduce the model's hidden states exactly."""

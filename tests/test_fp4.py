@@ -250,6 +250,7 @@ def h_dtype(art: Path, key: str) -> str:
     return tensor_headers(art)[key][0]
 
 
+@pytest.mark.fast
 def test_unpack_reads_back_what_was_packed():
     codes = torch.randint(0, 16, (8, 32), dtype=torch.uint8)
     vals = unpack_fp4_from_uint8(pack_e2m1(codes), 8, 32, dtype=torch.float32)
@@ -626,6 +627,7 @@ def _rtn_and_gptq_block(method: str, hessian) -> tuple[dict, dict]:
     return out["rtn"], out["gptq"]
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("method", ["nvfp4", "mxfp4"])
 def test_gptq_with_identity_hessian_is_rtn_exactly(method):
     """H = I (and any diagonal H) has an inverse factor with nothing above its diagonal, so

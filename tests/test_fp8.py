@@ -44,6 +44,7 @@ def _q(model, out, preset="dynamic", fmt="compressed-tensors", samples=4, seqlen
 
 # ------------------------------------------------------------------------ E4M3 math ----
 
+@pytest.mark.fast
 @pytest.mark.parametrize("weights,scale_shape", [("tensor", (1,)), ("channel", (200, 1)),
                                                  ("block", (2, 3))])
 def test_e4m3_weight_granularities(weights, scale_shape):
@@ -61,6 +62,7 @@ def test_e4m3_weight_granularities(weights, scale_shape):
     assert float((deq - w).norm() / w.norm()) < 0.03
 
 
+@pytest.mark.fast
 def test_block_scales_follow_each_128x128_tile():
     w = torch.ones(256, 384) * 0.01
     w[130, 260] = 1.0
@@ -85,6 +87,7 @@ def test_fused_shards_share_the_max_per_tensor_scale(tiny_model_factory, tmp_pat
                            t["model.layers.0.self_attn.q_proj.weight_scale"])
 
 
+@pytest.mark.fast
 def test_fake_quant_input_modes():
     torch.manual_seed(0)
     x = torch.randn(3, 5, 256)
@@ -195,6 +198,7 @@ def test_block_width_not_multiple_of_128_falls_back_or_refuses(tiny_model_factor
     assert not (tmp_path / "refused").exists()
 
 
+@pytest.mark.fast
 def test_static_without_calibration_data(tiny_model_factory, tmp_path):
     q = FP8Quantizer("static")
     assert q.needs_calibration and q.stats == ("absmax",)
@@ -211,6 +215,7 @@ def test_static_without_calibration_data(tiny_model_factory, tmp_path):
     assert FP8Quantizer("dynamic").needs_calibration is False
 
 
+@pytest.mark.fast
 def test_unsupported_combinations_are_refused_early(tiny_model_factory, tmp_path):
     model = tiny_model_factory("llama", name="m")
     with pytest.raises(SchemeMismatch, match="no per-channel ones"):
@@ -465,6 +470,7 @@ def test_fp8_in_vllm(tiny_fp8):
     assert agreement(static, res["score"][0]["top1"], ids) >= 0.9
 
 
+@pytest.mark.fast
 def test_prepare_announces_the_block_fallback():
     """Some Linears untileable: announced (they keep a dense copy); all of them: refused
     before any work, naming the schemes that fit."""

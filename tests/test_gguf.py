@@ -189,6 +189,7 @@ def _copy_tiny(tiny_llama: Path, dst: Path) -> Path:
     return dst
 
 
+@pytest.mark.fast
 def test_unknown_pretokenizer_is_refused(tmp_path, tiny_llama):
     d = _copy_tiny(tiny_llama, tmp_path / "m")
     tj = json.loads((d / "tokenizer.json").read_text())
@@ -204,6 +205,7 @@ def test_unknown_pretokenizer_is_refused(tmp_path, tiny_llama):
     assert not out.exists() and not list(tmp_path.glob(".x.gguf.tmp-*"))
 
 
+@pytest.mark.fast
 def test_non_bpe_tokenizer_and_sliding_window_are_refused(tmp_path, tiny_llama):
     d = _copy_tiny(tiny_llama, tmp_path / "wp")
     tj = json.loads((d / "tokenizer.json").read_text())
@@ -219,6 +221,7 @@ def test_non_bpe_tokenizer_and_sliding_window_are_refused(tmp_path, tiny_llama):
         _gguf(d2, tmp_path / "sw.gguf", "f16")
 
 
+@pytest.mark.fast
 def test_scheme_must_match_format(tmp_path, tiny_llama):
     with pytest.raises(QuantkitError, match="kquant"):
         quantize(QuantizeRequest(model=str(tiny_llama), method="gguf", format="gguf",

@@ -31,11 +31,13 @@ from quantkit.types import QuantScheme
 CALIB = {"calib_samples": 16, "calib_seqlen": 128}
 
 
+@pytest.mark.fast
 def test_hull_drops_options_that_never_win():
     opts = [Option("a", 10, 9.0), Option("b", 20, 8.9), Option("c", 30, 1.0), Option("d", 40, 1.5)]
     assert [o.label for o in hull(opts)] == ["a", "c"]  # b above the chord a-c, d dominated
 
 
+@pytest.mark.fast
 def test_whole_tensors_use_the_budget_the_hull_greedy_leaves_idle():
     """One big tensor whose hull jumps from 100 to 400 bytes (its 250-byte option lies above
     the chord) beside small ones: at a 300-byte budget the greedy on hulls cannot take the
@@ -70,6 +72,7 @@ def test_sensitive_tensor_gets_a_bigger_type_than_its_twins():
     assert chosen["loud"].nbytes > max(chosen["twin_a"].nbytes, chosen["twin_b"].nbytes), chosen
 
 
+@pytest.mark.fast
 def test_bad_flags_are_refused_with_a_hint(tiny_llama):
     run = CliRunner()
     cases = [(["--gguf-type", "q4_k_m", "--target-bpw", "4.5"], "--gguf-type auto"),

@@ -109,6 +109,7 @@ def test_compiled_loop_equals_torch_loop(qtype):
         gptq_ggml(w, hinv, qtype, None, loop="cuda")
 
 
+@pytest.mark.fast
 def test_bad_options_are_refused():
     with pytest.raises(SchemeMismatch, match="rounding"):
         GGUFQuantizer("q4_k_m", rounding="nearest")
@@ -215,6 +216,7 @@ def test_iq4_is_error_fed_and_lattice_types_fall_back_loudly(tiny_llama, tmp_pat
     assert len(meta["fallbacks"]) == len(lattice)
 
 
+@pytest.mark.fast
 def test_cli_method_gptq_format_gguf_is_gguf_with_gptq_rounding(tiny_llama, tmp_path):
     from click.testing import CliRunner
 

@@ -82,6 +82,7 @@ def test_mxfp4_checkpoint_reads_as_its_bf16_decode(gpt_oss_bf16, gpt_oss_mxfp4):
         assert bad == [], (source.name, bad[:4])
 
 
+@pytest.mark.fast
 def test_awq_rows_fold_without_changing_the_model(gpt_oss_bf16):
     """Every AWQ group of the gpt-oss row, folded with random scales into every block (the
     norm's one scale for all experts' gate/up with the biased router compensated, q/k/v

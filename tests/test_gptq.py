@@ -54,6 +54,7 @@ def layer():
 # ----------------------------------------------------------------------------- math
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("scheme,static", [
     (G64, True),
     (QuantScheme(bits=4, group_size=64, symmetric=False), True),
@@ -80,6 +81,7 @@ def test_gptq_beats_rtn_on_correlated_inputs(layer, scheme, static):
 
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("loop", ["compiled", "torch"])
 @pytest.mark.parametrize("block_size", [128, 32])
 def test_fast_loop_matches_textbook_gptq(layer, block_size, loop):
@@ -91,6 +93,7 @@ def test_fast_loop_matches_textbook_gptq(layer, block_size, loop):
         assert agree > 0.99, (scheme, agree)  # float32 vs float64 flips a handful of near-ties
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("scheme,static", [
     (G64, True), (QuantScheme(bits=4, group_size=64, symmetric=False), True),
     (QuantScheme(bits=4, group_size=64, act_order=True), True),
@@ -110,6 +113,7 @@ def test_compiled_cpu_loop_equals_torch_loop(layer, scheme, static):
         gptq_quantize(w, h, scheme, loop="cuda")
 
 
+@pytest.mark.fast
 def test_act_order_g_idx_and_column_order(layer):
     x, w, h = layer
     scheme = QuantScheme(bits=4, group_size=64, act_order=True)
@@ -131,6 +135,7 @@ def test_act_order_g_idx_and_column_order(layer):
         x, w, rtn_quantize_weight("w", w, scheme).dequantize())
 
 
+@pytest.mark.fast
 def test_dead_columns_keep_their_weights(layer):
     x, w, _ = layer
     x = x.clone()
@@ -144,6 +149,7 @@ def test_dead_columns_keep_their_weights(layer):
     assert (wq[:, :10] - w[:, :10]).abs().max() <= (rtn[:, :10] - w[:, :10]).abs().max() * 3
 
 
+@pytest.mark.fast
 def test_dampening_escalates_on_singular_hessian(layer):
     _, w, _ = layer
     x = torch.randn(16, 256)  # 16 tokens: rank 16 of 256
@@ -160,6 +166,7 @@ def test_dampening_escalates_on_singular_hessian(layer):
         inverse_hessian_factor(torch.full((8, 8), float("nan")), 0.01)
 
 
+@pytest.mark.fast
 def test_inverse_hessian_factor_is_the_upper_cholesky_factor_of_the_inverse(layer):
     """The reversed-order route (one Cholesky + one triangular solve) gives the same U as
     Cholesky -> inverse -> Cholesky in float64, and U^T U is the damped H^-1."""
@@ -173,6 +180,7 @@ def test_inverse_hessian_factor_is_the_upper_cholesky_factor_of_the_inverse(laye
     assert float((upper.double().T @ upper.double() @ damped - eye).abs().max()) < 1e-3
 
 
+@pytest.mark.fast
 def test_default_damp_is_quiet_on_a_good_hessian(layer):
     _, w, h = layer
     with warnings.catch_warnings():
@@ -180,6 +188,7 @@ def test_default_damp_is_quiet_on_a_good_hessian(layer):
         assert gptq_quantize(w, h, G64).damp == 0.01
 
 
+@pytest.mark.fast
 def test_bad_schemes_are_refused(layer):
     _, w, h = layer
     with pytest.raises(SchemeMismatch, match="act-order needs a group size"):
@@ -195,12 +204,14 @@ def _ctx(linears, stats, scheme=G64) -> BlockContext:
                         inputs=[], rerun=lambda: [])
 
 
+@pytest.mark.fast
 def test_layer_without_tokens_is_named():
     lin = {"mlp.down_proj": torch.nn.Linear(128, 64)}
     with pytest.raises(CalibrationError, match=r"block 3 mlp\.down_proj received no calibration"):
         GPTQQuantizer().quantize_block(_ctx(lin, {"mlp.down_proj": {"tokens": 0}}))
 
 
+@pytest.mark.fast
 def test_shared_input_linears_are_quantized_as_one_stack(layer):
     """q/k/v with one Hessian: stacking rows must give exactly the per-Linear answers."""
     x, _, h = layer
@@ -275,6 +286,7 @@ def test_layer_sequential_calibrates_every_group_on_the_unquantized_block(tiny_l
     assert all(0 < r.loss < 0.5 for r in layer.values())
 
 
+@pytest.mark.fast
 def test_staged_forward_names_a_group_that_does_not_share_its_input():
     from quantkit.pipeline.capture import BlockInputs
     from quantkit.pipeline.staged import StagedForward
@@ -298,6 +310,7 @@ def test_staged_forward_names_a_group_that_does_not_share_its_input():
             run.advance(0)
 
 
+@pytest.mark.fast
 def test_stat_collector_shares_and_stops_early():
     from quantkit.pipeline.capture import BlockInputs
     from quantkit.pipeline.stats import StatCollector
@@ -347,6 +360,7 @@ def _words(t: torch.Tensor) -> list[int]:
     return [v & 0xFFFFFFFF for v in t.flatten().tolist()]
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("sym,act_order", [(True, False), (False, False), (True, True)])
 def test_gptq_v1_packing_bit_for_bit(bits, sym, act_order):
@@ -382,6 +396,7 @@ def test_gptq_v1_packing_bit_for_bit(bits, sym, act_order):
     assert torch.equal(g_idx, r.column_groups())
 
 
+@pytest.mark.fast
 def test_pack_int32_roundtrip_and_range():
     v = torch.randint(0, 16, (64, 24))
     assert torch.equal(unpack_int32(pack_int32(v, 4, dim=0), 4, dim=0), v)
@@ -391,6 +406,7 @@ def test_pack_int32_roundtrip_and_range():
         pack_int32(torch.full((8, 1), 16), 4, 0)
 
 
+@pytest.mark.fast
 def test_gptq_v1_reader_round_trip(tmp_path):
     results = {f"model.layers.0.self_attn.{n}": _result(seed=i, act_order=True)
                for i, n in enumerate(("q_proj", "o_proj"))}
@@ -413,6 +429,7 @@ def test_gptq_v1_reader_round_trip(tmp_path):
     assert "model.norm.weight" in state and not any(k.endswith(".qweight") for k in state)
 
 
+@pytest.mark.fast
 def test_gptq_v1_check_refuses_what_vllm_cannot_load():
     shapes = {"l": (64, 128)}
     assert GPTQv1Writer().check(G64, shapes) == []
@@ -424,6 +441,7 @@ def test_gptq_v1_check_refuses_what_vllm_cannot_load():
 # ----------------------------------------------------------------------------- end to end
 
 
+@pytest.mark.fast
 def test_pipeline_writes_exactly_the_dequantized_weights(tiny_llama):
     """The invariant: what the pipeline propagated == QuantResult.dequantize()."""
     from quantkit.arch import spec_for_config

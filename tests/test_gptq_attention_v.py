@@ -94,6 +94,7 @@ def _eager_attention_hessians(model_dir, batches) -> list[torch.Tensor]:
     return wants
 
 
+@pytest.mark.fast
 def test_sliding_window_mask_is_the_blocks_own(tmp_path):
     """Mistral with a 16-token window on 40-token sequences: SDPA's boolean mask (what the
     block's kwargs hold) made additive gives eager's sliding-window attention exactly."""
@@ -119,6 +120,7 @@ def test_sliding_window_mask_is_the_blocks_own(tmp_path):
     assert not torch.allclose(got / got.trace(), causal / causal.trace(), rtol=0.05)
 
 
+@pytest.mark.fast
 def test_one_sequence_at_a_time_and_query_rows_sampled(tiny_llama):
     """A budget that fits one sequence's weights slices the batch (and its batched kwargs)
     without changing the sum; max_rows below the length samples the query rows."""
@@ -142,6 +144,7 @@ def test_one_sequence_at_a_time_and_query_rows_sampled(tiny_llama):
     assert model.config._attn_implementation == "sdpa"  # put back
 
 
+@pytest.mark.fast
 def test_query_rows_are_bounded_and_evenly_spread():
     assert torch.equal(query_rows(100), torch.arange(100))
     rows = query_rows(2048)
@@ -239,6 +242,7 @@ def test_unsupported_architecture_and_rtn_rounding_are_refused(tiny_model_factor
     assert not out.exists()
 
 
+@pytest.mark.fast
 def test_plan_counts_the_attention_forward(tiny_llama):
     """`quantkit plan --gptq-v-hessian attention` adds the eager forward's memory (attention
     weights of as many sequences as attention_v's budget takes, at least one, and their A_h X

@@ -43,6 +43,7 @@ def _q(model, out, scheme="dynamic", samples=4, seqlen=64, **opts):
 
 # ------------------------------------------------------------------------- the grid ----
 
+@pytest.mark.fast
 def test_weight_grid_is_compressed_tensors_own():
     """Per-channel symmetric int8 codes and scales equal what the compressed-tensors library
     computes for the W8A8 preset (scale = max|w| / 127.5, codes round-to-even in [-128, 127])."""
@@ -60,6 +61,7 @@ def test_weight_grid_is_compressed_tensors_own():
     assert bool(((deq - w).abs() <= res.scale * (0.5 + 1e-4)).all())
 
 
+@pytest.mark.fast
 def test_int8_input_rounding_like_vllm():
     torch.manual_seed(0)
     x = torch.randn(3, 5, 64)
@@ -498,6 +500,7 @@ def test_static_artifact_equals_llm_compressor(llmc_int8, capsys):
 
 # ----------------------------------------------------------------------- SmoothQuant ----
 
+@pytest.mark.fast
 def test_smoothing_scales_formula():
     """llm-compressor 0.14's: s = range(x)^alpha / (2 max|w|)^(1 - alpha), range = max - min."""
     act = torch.tensor([8.0, 2.0, 0.0, 18.0])  # max x - min x per channel
@@ -508,6 +511,7 @@ def test_smoothing_scales_formula():
     assert torch.equal(smoothing_scales(act, w, 0.0), 1 / torch.tensor([2.0, 8.0, 1.0, 1.0]))
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("kv_heads", [2, 4])
 def test_smoothquant_fold_preserves_the_block(tiny_model_factory, kv_heads):
     """Folding alone (before any rounding) leaves the block's output unchanged within float32

@@ -76,6 +76,7 @@ def _hard_weights(n: int, k: int, seed: int) -> torch.Tensor:
     return w.to(torch.bfloat16).float()
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_encoder_bytes_equal_ggml(qtype, backend):
@@ -109,6 +110,7 @@ def test_encoder_bytes_equal_ggml(qtype, backend):
                   Q.IQ1_S: 0.52, Q.IQ1_M: 0.62}.get(qtype, 0.12)  # measured 0.482, no imatrix 0.578
 
 
+@pytest.mark.fast
 def test_encoder_rejects_bad_width_and_backend():
     with pytest.raises(ValueError, match="multiple of 256"):
         encode_rows(torch.zeros(2, 320), Q.Q4_K)
@@ -162,6 +164,7 @@ def _types(path: Path) -> dict[str, Q]:
     return {n: t.qtype for n, t in read_gguf(path)[1].items()}
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("n_layer,hidden,ffn,tied", [
     (8, 256, 256, True), (28, 256, 512, False), (32, 256, 256, False), (32, 320, 256, True),
     (80, 256, 256, False)])  # 80 layers with GQA: llama.cpp's "70B" attn_v bump
@@ -179,6 +182,7 @@ _MIXES = ["q4_k_s", "q5_k_m", "q5_k_s", "q6_k", "q8_0", "q5_1", "q5_0", "q4_1", 
           "q3_k_s", "q2_k", "iq4_nl", "iq4_xs", "iq3_s"]
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("preset,ffn,imat", [(p, 288, False) for p in _MIXES]
                          + [(p, 272, False) for p in _MIXES if p != "iq4_nl"]  # iq4_xs: -> IQ4_NL -> F16
                          + [(p, 288, True) for p in ("q4_0", "q5_0", "q3_k_m", "q2_k", "iq4_nl", "iq4_xs", "iq3_s")])
@@ -201,6 +205,7 @@ def test_other_presets_type_mix_equals_llama_cpp(tmp_path, preset, ffn, imat):
         assert [plans[f"blk.{i}.ffn_down.weight"].qtype for i in range(3)] == [early, early, Q.IQ4_NL]
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("preset", ["q3_k_m", "q2_k", "iq4_xs", "iq3_s"])
 def test_low_bit_mixes_with_gqa_4_equal_llama_cpp(tmp_path, preset):
     """32 layers, 4 query heads per KV head: Q2_K's and IQ3_S's attn_v go Q4_K, Q3_K_M's first
@@ -240,6 +245,7 @@ def _dry_run_types(src: Path, preset: str) -> dict[str, Q]:
     return {n: Q[(new or old).upper()] for n, old, new in found}
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("n_layer,ffn,tied,n_kv,imat", [
     (16, 512, False, 2, True), (16, 288, True, 2, True), (8, 512, False, 1, True), (80, 256, False, 1, True),
     (16, 512, False, 2, False), (16, 288, True, 1, False)])
@@ -287,6 +293,7 @@ def test_iq3_xxs_type_mix_equals_llama_cpp(tmp_path, n_layer, ffn, tied, n_kv, i
 _IQ_MIXES = ["iq2_xxs", "iq2_xs", "iq2_s", "iq2_m", "iq3_xs", "iq3_m", "iq1_s", "iq1_m", "q2_k_s"]
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("preset,n_layer,ffn,tied,n_kv", [(p, 16, 288, True, 1) for p in _IQ_MIXES]
                          + [(p, 8, 512, False, 2) for p in _IQ_MIXES]
                          + [(p, 80, 256, False, 1) for p in ("iq2_xxs", "iq3_m", "q2_k_s")])
@@ -365,6 +372,7 @@ def _write_moe_gguf(path: Path, n_layer: int, n_expert: int, hidden: int = 256,
     return shapes
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("preset,n_expert", [(p, 8) for p in ["q4_k_m", *_MIXES, "iq3_xxs", "iq2_xxs", "iq2_s",
                                                                 "iq3_xs", "iq3_m"]]
                          + [("q4_k_m", 4), ("q2_k", 4), ("iq3_xxs", 4), ("iq2_xxs", 4), ("iq1_s", 4),
@@ -396,6 +404,7 @@ def test_moe_type_mix_equals_llama_cpp(tmp_path, preset, n_expert):
         assert ours["blk.3.attn_output.weight"] == (Q.Q5_K if n_expert == 8 else Q.IQ2_XXS)
 
 
+@pytest.mark.fast
 def test_use_more_bits_worked_example():
     picked = [i for i in range(32) if use_more_bits(i, 32)]
     assert picked == [0, 1, 2, 3, 6, 9, 12, 15, 18, 21, 24, 27, 28, 29, 30, 31]
@@ -571,6 +580,7 @@ def test_pipeline_with_imatrix_file_equals_llama_quantize(tiny_gguf, preset):
 
 # ---------------------------------------------------------------- imatrix files and collection
 
+@pytest.mark.fast
 def test_imatrix_gguf_and_legacy_roundtrip(tmp_path):
     sums = {"blk.0.attn_q.weight": (torch.rand(256) * 10, 300), "blk.0.ffn_down.weight": (torch.rand(512), 7)}
     save_imatrix(tmp_path / "m.gguf", sums, datasets=["calib"], chunk_count=2, chunk_size=150)
@@ -600,6 +610,7 @@ def _ctx(index: int, linears: dict, stats: dict):
                         rerun=lambda: [], arch=ARCHS[0])
 
 
+@pytest.mark.fast
 def test_imatrix_from_pipeline_stats_equals_file_path(tmp_path):
     """sq_mean statistics (what the shared calibration loop gathers) -> the same bytes as the
     imatrix file they are saved to, and a file llama.cpp's loader format accepts."""
@@ -638,6 +649,7 @@ def test_imatrix_from_pipeline_stats_equals_file_path(tmp_path):
         assert np.array_equal(a[n].extra["gguf_bytes"].numpy(), ref)
 
 
+@pytest.mark.fast
 def test_imatrix_for_another_model_is_refused(tmp_path):
     from quantkit.arch import ARCHS
 

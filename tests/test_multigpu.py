@@ -113,6 +113,7 @@ def test_two_ranks_gloo_awq_artifact_identical(tiny_model_factory, tmp_path):
     _assert_same_weights(single, dp)
 
 
+@pytest.mark.fast
 def test_shard_is_contiguous_and_covers_every_batch():
     from quantkit.pipeline.distributed import DataParallel
 
@@ -126,6 +127,7 @@ def test_shard_is_contiguous_and_covers_every_batch():
         DataParallel(rank=0, world=8, local_rank=0, backend="gloo").shard(batches)
 
 
+@pytest.mark.fast
 def test_methods_without_data_parallel_support_are_refused():
     from quantkit.errors import SchemeMismatch
     from quantkit.methods import get_quantizer

@@ -14,6 +14,8 @@ from quantkit.pipeline.capture import BlockInputs, run_block
 from quantkit.pipeline.plan import OFFLOAD_BATCH, estimate, offload_activations
 from quantkit.types import BlockContext, QuantScheme
 
+pytestmark = pytest.mark.fast
+
 G128 = QuantScheme(bits=4, group_size=128, symmetric=True)
 
 

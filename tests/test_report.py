@@ -241,6 +241,7 @@ def test_speed_engine_cell_names_the_dtype_and_mixed_dtypes_warn(records, tmp_pa
     assert "Rows ran in different engines" not in html
 
 
+@pytest.mark.fast
 def test_pareto_front():
     pts = [(100, 0.5), (160, 0.01), (120, 0.6), (260, 0.01), (90, 0.9)]
     assert sorted(pareto(pts)) == [0, 1, 4]

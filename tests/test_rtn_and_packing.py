@@ -14,6 +14,8 @@ from quantkit.formats.compressed_tensors import CompressedTensorsWriter, read_co
 from quantkit.methods.intquant import rtn_quantize_weight
 from quantkit.types import QuantScheme
 
+pytestmark = pytest.mark.fast
+
 
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("sym", [True, False])

@@ -367,6 +367,7 @@ def test_a_quantization_leaves_the_heap_reusable(tiny_llama, tmp_path):
     assert after_quantize < 3 * pages, f"{after_quantize} page faults for 8 x {pages} pages: no reuse"
 
 
+@pytest.mark.fast
 def test_read_tensors_do_not_keep_the_shard_mapped(tmp_path):
     """A tensor read from the shards (and kept, as a block's norm weights are for the artifact)
     must not hold the shard's mmap: safetensors' own tensors live in it, and each one kept

@@ -79,6 +79,7 @@ def _score(case, batch_size=2):
                  torch.from_numpy(windows), base="base", batch_size=batch_size)
 
 
+@pytest.mark.fast
 def test_the_case_separates_right_from_wrong_answers(case):
     """The traps are real: reversed KL and a mean of batch means differ clearly."""
     windows, base, quant = case
@@ -90,6 +91,7 @@ def test_the_case_separates_right_from_wrong_answers(case):
     assert 0.2 < ref["top1"] < 0.9  # some positions agree, some do not
 
 
+@pytest.mark.fast
 def test_kld_statistics_by_formula(case):
     windows, base, quant = case
     ref = reference(base, quant, windows)
@@ -104,6 +106,7 @@ def test_kld_statistics_by_formula(case):
     assert kld["mean"] != pytest.approx(ref["kld_reversed"].mean(), rel=0.05)
 
 
+@pytest.mark.fast
 def test_ppl_top1_and_delta_p_by_formula(case):
     windows, base, quant = case
     ref = reference(base, quant, windows)
@@ -118,6 +121,7 @@ def test_ppl_top1_and_delta_p_by_formula(case):
     assert "kld" not in res["base"]  # the base is not compared with itself
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("batch_size", [1, 2, 3, 4])
 def test_batching_does_not_change_any_metric(case, batch_size):
     """Token means, whatever the batch split (2+1, 1+1+1, 3, one short batch of 3 for 4)."""
@@ -129,6 +133,7 @@ def test_batching_does_not_change_any_metric(case, batch_size):
         assert got["kld"][stat] == pytest.approx(ref["kld"][stat], rel=RTOL)
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("rows", [1, 2])
 def test_row_chunks_do_not_change_any_metric(case, rows, monkeypatch):
     """score() works SCORE_ROWS positions at a time: with 1 or 2 rows per chunk (3 positions per
@@ -152,6 +157,7 @@ def test_row_chunks_do_not_change_any_metric(case, rows, monkeypatch):
     assert res["same"]["kld"]["max"] == 0 and res["same"]["top1_agreement"]["value"] == 1
 
 
+@pytest.mark.fast
 def test_identical_models_score_zero_kld_and_full_agreement(case):
     windows, base, _ = case
     res = score({"base": _lookup_model(base), "same": _lookup_model(base)},
@@ -178,6 +184,7 @@ class _CharTokenizer:
         return {"input_ids": ids}
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("bos", [False, True])
 def test_make_windows_by_the_convention(bos):
     """Non-overlapping windows from the start, remainder dropped, at most max_windows; with a
