@@ -147,6 +147,9 @@ class ArchSpec:
     gguf_head_splits: dict[str, tuple[tuple[str, str, bool], ...]] = field(default_factory=dict)
     # why per-layer FP8 k/v scales (--kv-cache fp8) do not fit this family's cache ("" = they do)
     kv_cache_gap: str = ""
+    # block-relative Linears that stay unquantized besides the router (listed in the artifact's
+    # ignore list): a scalar gate the engine builds without a quantization method
+    dense_linears: tuple[str, ...] = ()
 
     def checkpoint_name(self, name: str) -> str:
         """A full module-tree tensor name as the checkpoint (and the engines) spell it."""
@@ -511,6 +514,9 @@ def spec_for_config(config) -> ArchSpec:
     for spec in ARCHS:
         if any(c in spec.hf_classes for c in classes) or (not classes and model_type in spec.model_types):
             return spec
+    from quantkit.arch.discover import discovered_spec  # noqa: PLC0415 - it imports this module
+
+    return discovered_spec(config, ArchSpec)
     name = ", ".join(classes) or f"model_type={model_type!r}"
     raise UnsupportedArchitecture(
         f"Architecture {name} is not supported by quantkit.",

@@ -146,6 +146,16 @@ def _experts_spec(model: nn.Module, blocks: nn.ModuleList) -> tuple[ExpertsSpec 
     return None, ()
 
 
+def dense_linears(blocks: nn.ModuleList, experts: ExpertsSpec | None) -> tuple[str, ...]:
+    """Block-relative Linears that stay unquantized: the router, and one-row Linears (a scalar
+    gate such as Qwen3-Next's shared_expert_gate, which vLLM builds with quant_config=None)."""
+    names = {experts.router} if experts is not None and experts.router else set()
+    for block in blocks:
+        names |= {n for n, m in block.named_modules()
+                  if isinstance(m, nn.Linear) and m.out_features == 1}
+    return tuple(sorted(names))
+
+
 def trace_groups(model: nn.Module, blocks: nn.ModuleList, experts: ExpertsSpec | None,
                  seq_len: int | None = None) -> list[list[tuple[str, ...]]]:
     """Per block, its sequential groups, from one meta-device forward of the whole model.
@@ -159,7 +169,7 @@ def trace_groups(model: nn.Module, blocks: nn.ModuleList, experts: ExpertsSpec |
             else model.config
         seq_len = max(16, int(getattr(config, "index_topk", 0) or 0))
     calls: list[list[tuple[str, object]]] = [[] for _ in blocks]
-    dense = {experts.router} if experts is not None and experts.router else set()
+    dense = set(dense_linears(blocks, experts))
     with ExitStack() as stack:
         for bi, block in enumerate(blocks):
             fused = dict(_fused_experts(block))
@@ -248,7 +258,7 @@ def discover_layout(model: nn.Module) -> Layout:
     per_block = trace_groups(model, blocks, experts)
     return Layout(block_path, embed, _final_norm(model, block_path), head,
                   _union(per_block), experts,
-                  (experts.router,) if experts is not None and experts.router else (), renames)
+                  dense_linears(blocks, experts), renames)
 
 
 def _union(per_block: list[list[tuple[str, ...]]]) -> tuple[tuple[str, ...], ...]:
@@ -264,3 +274,58 @@ def _union(per_block: list[list[tuple[str, ...]]]) -> tuple[tuple[str, ...], ...
             later = next((out.index(h) for h in groups[i + 1:] if h in out), len(out))
             out.insert(later, g)
     return tuple(out)
+
+
+_DISCOVERED: dict[str, object] = {}
+
+
+def experts_router(layout: Layout) -> str:
+    return layout.experts.router if layout.experts is not None else ""
+
+
+def discovered_spec(config, spec_cls):
+    """An ArchSpec (`spec_cls`) for a config no table row describes, from its model built on
+    fake tensors (transformers' own class, named by the config; never remote code). Cached per
+    config. Only what discovery finds is set: no AWQ pairs, no GGUF names."""
+    import json
+
+    import transformers
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    raw = config if isinstance(config, dict) else config.to_dict()
+    key = json.dumps(raw, sort_keys=True, default=str)
+    if key in _DISCOVERED:
+        return _DISCOVERED[key]
+    classes = list(raw.get("architectures") or ())
+    model_type = raw.get("model_type")
+    name = ", ".join(classes) or f"model_type={model_type!r}"
+    cls = next((getattr(transformers, c, None) for c in classes if getattr(transformers, c, None)), None)
+    if cls is None or model_type not in transformers.CONFIG_MAPPING:
+        raise UnsupportedArchitecture(
+            f"Architecture {name} is not supported by quantkit: transformers "
+            f"{transformers.__version__} has no class for it.",
+            "Architectures with custom code are not discovered; add a family module in "
+            "quantkit/arch/.")
+    if isinstance(config, dict):
+        config = transformers.CONFIG_MAPPING[model_type].from_dict(dict(raw))
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            model = cls(config)
+        layout = discover_layout(model)
+    except UnsupportedArchitecture:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any failure of the trace is a clear refusal
+        raise UnsupportedArchitecture(
+            f"Architecture {name}: quantkit could not discover its layout "
+            f"({type(exc).__name__}: {exc}).",
+            "Add a family module in quantkit/arch/ that describes its blocks.") from exc
+    spec = spec_cls(model_type or classes[0], tuple(classes), (model_type,),
+                    block_path=layout.block_path, embed=layout.embed,
+                    final_norm=layout.final_norm, lm_head=layout.lm_head,
+                    sequential=layout.sequential, experts=layout.experts, gguf_arch="",
+                    checkpoint_renames=layout.checkpoint_renames,
+                    dense_linears=tuple(n for n in layout.dense_linears
+                                        if experts_router(layout) != n),
+                    kv_cache_gap="discovered family: per-layer k/v scales are not checked for it")
+    _DISCOVERED[key] = spec
+    return spec
