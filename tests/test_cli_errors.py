@@ -83,12 +83,13 @@ def test_unsupported_architecture(tmp_path, tiny_llama):
     d = tmp_path / "gpt2ish"
     shutil.copytree(tiny_llama, d)
     cfg = json.loads((d / "config.json").read_text())
-    cfg["architectures"] = ["FalconForCausalLM"]
-    cfg["model_type"] = "falcon"
+    cfg["architectures"] = ["NotAModelForCausalLM"]  # a class transformers does not have
+    cfg["model_type"] = "not_a_model"
     (d / "config.json").write_text(json.dumps(cfg))
     res = rtn(d, tmp_path / "out")
     assert res.exit_code == 2
-    assert "FalconForCausalLM is not supported" in res.output
+    assert "NotAModelForCausalLM is not supported" in res.output
+    assert "no model class for it" in res.output
     assert "Qwen2ForCausalLM" in res.output  # the supported list
 
 

@@ -9,6 +9,7 @@ Code outside this package asks the spec, never a family name.
 from __future__ import annotations
 
 from quantkit.arch import deepseek_v3, gemma3, gpt_oss, llama, mixtral, phi3, qwen3_moe
+from quantkit.arch.discover import discovered_spec
 from quantkit.arch.spec import EXPERT, ArchSpec, AwqGroup, ExpertsSpec, gguf_linear_name, gguf_name
 from quantkit.errors import UnsupportedArchitecture
 
@@ -31,7 +32,9 @@ def gguf_architectures() -> list[str]:
 
 
 def spec_for_config(config) -> ArchSpec:
-    """The row for a transformers config (or a config.json dict); a clear error otherwise."""
+    """The row for a transformers config (or a config.json dict); for a family no row names,
+    the layout discovered from the model itself (quantkit.arch.discover); a clear error when
+    neither is possible."""
     get = config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
     classes = tuple(get("architectures") or ())
     model_type = get("model_type")
@@ -39,9 +42,13 @@ def spec_for_config(config) -> ArchSpec:
         if any(c in spec.hf_classes for c in classes) or (not classes and model_type in spec.model_types):
             return spec
     name = ", ".join(classes) or f"model_type={model_type!r}"
-    raise UnsupportedArchitecture(
-        f"Architecture {name} is not supported by quantkit.",
-        f"Supported: {', '.join(supported_architectures())}. "
-        "Adding one is a family module in quantkit/arch/ (llama.py is the shortest), listed "
-        "in FAMILIES in quantkit/arch/__init__.py.",
-    )
+    try:
+        return discovered_spec(config)
+    except UnsupportedArchitecture as exc:
+        raise UnsupportedArchitecture(
+            f"Architecture {name} is not supported by quantkit: {exc.message}",
+            f"Supported by a family module: {', '.join(supported_architectures())}; other "
+            "transformers decoders are supported where their layout can be discovered. "
+            "Adding one is a family module in quantkit/arch/ (llama.py is the shortest), "
+            "listed in FAMILIES in quantkit/arch/__init__.py.",
+        ) from exc

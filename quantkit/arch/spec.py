@@ -179,6 +179,9 @@ class ArchSpec:
     engine_gaps: dict[str, str] = field(default_factory=dict)
     # why per-layer FP8 k/v scales (--kv-cache fp8) do not fit this family's cache ("" = they do)
     kv_cache_gap: str = ""
+    # block-relative Linears that stay unquantized besides the router (listed in the artifact's
+    # ignore list): a scalar gate the engine builds without a quantization method
+    dense_linears: tuple[str, ...] = ()
     # a separate v_proj Linear next to a transformers attention module whose eager path
     # returns softmax(q k^T) itself, so GPTQ's attention-weighted v_proj Hessian applies
     # (quantkit.pipeline.attention_v; fused qkv_proj, MLA's latent, sinks: not this)

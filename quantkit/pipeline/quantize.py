@@ -645,10 +645,12 @@ def _ignored(spec: ArchSpec) -> list[str]:
     """Modules the artifact keeps unquantized: lm_head, and MoE routers (vLLM's GateLinear
     would otherwise match the "Linear" target and expect packed router weights), under the
     names the artifact stores."""
+    dense = [f"re:.*{re.escape(spec.checkpoint_name(f'.{n}.').strip('.'))}$"
+             for n in spec.dense_linears]
     if spec.experts is None:
-        return [spec.lm_head]
+        return [spec.lm_head, *dense]
     router = spec.checkpoint_name(f".{spec.experts.router}.").strip(".")
-    return [spec.lm_head, f"re:.*{re.escape(router)}$"]
+    return [spec.lm_head, f"re:.*{re.escape(router)}$", *dense]
 
 
 class CheckpointNamed(Mapping):

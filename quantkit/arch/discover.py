@@ -1,0 +1,329 @@
+"""Find a decoder model's layout from the model itself: blocks, Linears, groups and experts.
+
+Why: a family entered quantkit only as a hand-written ArchSpec row, so every model of a new
+family was refused, RTN included, although everything RTN, GPTQ or FP8 needs can be read off
+the model transformers builds:
+- the decoder blocks: the longest ModuleList of the text decoder (`model.get_decoder()`, so a
+  vision-language model's language part, not its vision tower);
+- embeddings, final norm and head: `get_input_embeddings()`, the decoder's own norm, and
+  `get_output_embeddings()`;
+- the sequential groups: one forward of the model on the meta device (shapes only, no weights
+  needed) with a pre-hook on every Linear; consecutive Linears that read the very same tensor
+  form one group, in the order the forward runs them (the rule the staged forward checks);
+- routed experts: transformers 5 keeps them fused as 3-D `gate_up_proj` / `down_proj`
+  parameters; the per-expert names the checkpoints (and vLLM) use come from transformers' own
+  checkpoint conversion mapping, which says how it fused them.
+A family module then only overrides what cannot be discovered (AWQ pairs, GGUF names, engine
+gaps, layouts stored differently in the checkpoint).
+"""
+
+from __future__ import annotations
+
+import re
+from contextlib import ExitStack
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from quantkit.arch.spec import EXPERT, ArchSpec, ExpertsSpec
+from quantkit.errors import UnsupportedArchitecture
+
+__all__ = ["Layout", "discover_layout", "trace_groups"]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What discovery found: module paths as the model's module tree names them."""
+
+    block_path: str
+    embed: str
+    final_norm: str
+    lm_head: str
+    sequential: tuple[tuple[str, ...], ...]
+    experts: ExpertsSpec | None
+    # block-relative names of modules that stay dense although they are Linears (routers)
+    dense_linears: tuple[str, ...] = ()
+    # (module substring, checkpoint substring) where the checkpoint names tensors otherwise
+    # (transformers' WeightRenaming, reversed), as ArchSpec.checkpoint_renames
+    checkpoint_renames: tuple[tuple[str, str], ...] = ()
+
+
+def _path_of(model: nn.Module, target: nn.Module | None) -> str:
+    if target is None:
+        return ""
+    return next((n for n, m in model.named_modules() if m is target), "")
+
+
+def _blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
+    """The decoder's blocks: the longest ModuleList under the text decoder."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    prefix = _path_of(model, decoder)
+    lists = [(n, m) for n, m in decoder.named_modules() if isinstance(m, nn.ModuleList) and len(m)]
+    if not lists:
+        raise ValueError(f"{type(model).__name__} has no ModuleList of decoder blocks")
+    name, blocks = max(lists, key=lambda nm: (len(nm[1]), -nm[0].count(".")))
+    return ".".join(p for p in (prefix, name) if p), blocks
+
+
+def _final_norm(model: nn.Module, block_path: str) -> str:
+    """The decoder's norm after the blocks: a direct child of the blocks' owner with a 1-D
+    weight as wide as the hidden size (`norm`, `norm_f`, `final_layernorm`, ...)."""
+    owner_path = block_path.rpartition(".")[0]
+    owner = model.get_submodule(owner_path) if owner_path else model
+    hidden = model.get_input_embeddings().weight.shape[-1]
+    for name, child in owner.named_children():
+        weight = getattr(child, "weight", None)
+        if isinstance(weight, torch.Tensor) and weight.dim() == 1 and weight.shape[0] == hidden \
+                and "norm" in type(child).__name__.lower():
+            return f"{owner_path}.{name}" if owner_path else name
+    return ""
+
+
+def _fused_experts(block: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Modules of `block` holding routed experts as fused 3-D parameters (transformers 5's
+    `*Experts`: gate_up_proj + down_proj, or up_proj + down_proj without a gate)."""
+    return [(n, m) for n, m in block.named_modules()
+            if not isinstance(m, nn.modules.conv._ConvNd)
+            and any(p.dim() == 3 and "proj" in n for n, p in m.named_parameters(recurse=False))]
+
+
+def _checkpoint_expert_names(model: nn.Module) -> tuple[tuple[str, str, str], tuple[tuple[str, str], ...]]:
+    """(gate, up, down) per-expert Linear names the checkpoint uses, and the renames between
+    module and checkpoint names, from transformers' checkpoint conversion mapping."""
+    names = ("gate_proj", "up_proj", "down_proj")
+    renames: list[tuple[str, str]] = []
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming
+    except ImportError:  # an older transformers without conversion mappings
+        return names, ()
+    gate = up = down = None
+    for t in get_model_conversion_mapping(model, add_legacy=False):
+        sources = list(getattr(t, "source_patterns", []) or [])
+        targets = list(getattr(t, "target_patterns", []) or [])
+        if isinstance(t, WeightConverter) and targets:
+            per_expert = [re.search(r"experts\.\*\.(\w+)\.weight", s) for s in sources]
+            found = [m.group(1) for m in per_expert if m]
+            if targets[0].endswith("experts.gate_up_proj") and len(found) == 2:
+                gate, up = found
+            elif targets[0].endswith("experts.down_proj") and len(found) == 1:
+                down = found[0]
+        elif isinstance(t, WeightRenaming) and len(sources) == 1 and len(targets) == 1:
+            src, dst = sources[0], targets[0]
+            if re.fullmatch(r"[\w.]+", src) and re.fullmatch(r"[\w.]+", dst):
+                renames.append((dst, src))  # (module substring, checkpoint substring)
+    if gate and up and down:
+        names = (gate, up, down)
+    return names, tuple(renames)
+
+
+def _experts_spec(model: nn.Module, blocks: nn.ModuleList) -> tuple[ExpertsSpec | None, tuple]:
+    for block in blocks:
+        fused = _fused_experts(block)
+        if not fused:
+            continue
+        module, experts = fused[0]
+        (gate, up, down), renames = _checkpoint_expert_names(model)
+        if not isinstance(getattr(experts, "gate_up_proj", None), torch.Tensor):
+            raise UnsupportedArchitecture(
+                f"{type(model).__name__}: the routed experts at {module} have no gate_up_proj "
+                "(experts without a gated MLP are not supported yet).",
+                "Quantize with a family module that describes these experts (quantkit/arch/).")
+        n = int(experts.gate_up_proj.shape[0])
+        owner = module.rpartition(".")[0]
+        router = next((f"{owner}.{c}" if owner else c
+                       for c, m in (block.get_submodule(owner) if owner else block).named_children()
+                       if isinstance(getattr(m, "weight", None), torch.Tensor)
+                       and m.weight.dim() == 2 and m.weight.shape[0] == n), "")
+        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") \
+            else model.config
+        keys = tuple(k for k in ("num_experts", "num_local_experts", "n_routed_experts")
+                     if getattr(config, k, None) == n) or ("num_experts",)
+        has_bias = isinstance(getattr(experts, "gate_up_proj_bias", None), torch.Tensor)
+        return ExpertsSpec(module=module, count_keys=keys, gate=gate, up=up, down=down,
+                           router=router, bias=has_bias), renames
+    return None, ()
+
+
+def dense_linears(blocks: nn.ModuleList, experts: ExpertsSpec | None) -> tuple[str, ...]:
+    """Block-relative Linears that stay unquantized: the router, and one-row Linears (a scalar
+    gate such as Qwen3-Next's shared_expert_gate, which vLLM builds with quant_config=None)."""
+    names = {experts.router} if experts is not None and experts.router else set()
+    for block in blocks:
+        names |= {n for n, m in block.named_modules()
+                  if isinstance(m, nn.Linear) and m.out_features == 1}
+    return tuple(sorted(names))
+
+
+def trace_groups(model: nn.Module, blocks: nn.ModuleList, experts: ExpertsSpec | None,
+                 seq_len: int | None = None) -> list[list[tuple[str, ...]]]:
+    """Per block, its sequential groups, from one meta-device forward of the whole model.
+
+    Fused experts are not run (their forward is replaced by zeros of the right shape: routing
+    needs real values); the experts module counts as two template groups, (gate, up) reading
+    its input and (down) reading what they make, at the point where the module is called.
+    """
+    if seq_len is None:  # fake tensors cost nothing: long enough for every top-k of the config
+        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") \
+            else model.config
+        seq_len = max(16, int(getattr(config, "index_topk", 0) or 0))
+    calls: list[list[tuple[str, object]]] = [[] for _ in blocks]
+    dense = set(dense_linears(blocks, experts))
+    with ExitStack() as stack:
+        for bi, block in enumerate(blocks):
+            fused = dict(_fused_experts(block))
+            for name, mod in block.named_modules():
+                if name in fused:
+                    def run(*args, _bi=bi, **kwargs):
+                        hidden = args[0] if args else next(iter(kwargs.values()))
+                        calls[_bi].append(("<experts>", hidden))
+                        return torch.zeros_like(hidden)
+                    stack.callback(setattr, mod, "forward", mod.forward)
+                    mod.forward = run
+                elif isinstance(mod, nn.Linear) and name not in dense \
+                        and not any(name.startswith(f + ".") for f in fused):
+                    def hook(_m, args, _bi=bi, _name=name):
+                        calls[_bi].append((_name, args[0]))
+                    stack.enter_context(mod.register_forward_pre_hook(hook))
+        device = next(model.parameters()).device
+        with torch.no_grad(), _fake_mode(model) as mode:
+            ids = torch.zeros((1, seq_len), dtype=torch.long, device=device)
+            ids = mode.from_tensor(ids) if mode is not None else ids
+            model(input_ids=ids, use_cache=False)
+    out = []
+    for block_calls in calls:
+        out.append(_groups(block_calls, experts))
+    return out
+
+
+def _fake_mode(model: nn.Module):
+    """FakeTensorMode when the model's tensors are fake (shapes only; transformers skips its
+    data-dependent mask checks for fake tensors), else a no-op context."""
+    from contextlib import nullcontext
+
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    param = next(model.parameters())
+    if isinstance(param, FakeTensor):
+        return param.fake_mode
+    return nullcontext()
+
+
+def _groups(calls: list[tuple[str, object]], experts: ExpertsSpec | None) -> list[tuple[str, ...]]:
+    groups: list[list[str]] = []
+    last = None
+    for name, x in calls:
+        if name == "<experts>":
+            groups.append([experts.linear("gate"), experts.linear("up")])
+            groups.append([experts.linear("down")])
+            last = None
+            continue
+        if groups and x is last and name not in groups[-1]:
+            groups[-1].append(name)
+        elif not any(name in g for g in groups):
+            groups.append([name])
+            last = x
+    return _merge_shared_experts([tuple(g) for g in groups], experts)
+
+
+def _merge_shared_experts(groups: list[tuple[str, ...]], experts: ExpertsSpec | None
+                          ) -> list[tuple[str, ...]]:
+    """A shared expert (a dense MLP beside the routed experts, under the same MoE module) reads
+    the MoE block's input as every routed expert does: its groups join the routed experts'
+    groups depth by depth ((gate, up) with theirs, down with theirs), routed names first."""
+    if experts is None:
+        return groups
+    moe = experts.module.rpartition(".")[0]
+    routed = [i for i, g in enumerate(groups) if any(EXPERT in n for n in g)]
+    if not routed:
+        return groups
+    shared = [i for i, g in enumerate(groups) if i not in routed and moe
+              and all(n.startswith(moe + ".") for n in g)]
+    # a 1-row gate on the shared expert's output (Qwen3-Next's shared_expert_gate) is no MLP
+    # depth of its own: it stays where it is
+    merged = [list(g) for g in groups]
+    for depth, si in enumerate(shared[:len(routed)]):
+        merged[routed[depth]] += groups[si]
+        merged[si] = []
+    return [tuple(g) for g in merged if g]
+
+
+def discover_layout(model: nn.Module) -> Layout:
+    """The layout of `model` (built on the meta device is enough)."""
+    block_path, blocks = _blocks(model)
+    embed = _path_of(model, model.get_input_embeddings())
+    head = _path_of(model, model.get_output_embeddings()) if model.get_output_embeddings() is not None else ""
+    experts, renames = _experts_spec(model, blocks)
+    per_block = trace_groups(model, blocks, experts)
+    return Layout(block_path, embed, _final_norm(model, block_path), head,
+                  _union(per_block), experts,
+                  dense_linears(blocks, experts), renames)
+
+
+def _union(per_block: list[list[tuple[str, ...]]]) -> tuple[tuple[str, ...], ...]:
+    """One sequence of groups that keeps every block's own order (ArchSpec.sequential skips the
+    names a block lacks): a block's group not placed yet goes right before the next of that
+    block's groups already placed, or at the end (a MoE block's expert groups after a dense
+    block's MLP groups)."""
+    out: list[tuple[str, ...]] = []
+    for groups in per_block:
+        for i, g in enumerate(groups):
+            if g in out:
+                continue
+            later = next((out.index(h) for h in groups[i + 1:] if h in out), len(out))
+            out.insert(later, g)
+    return tuple(out)
+
+
+_DISCOVERED: dict[str, ArchSpec] = {}
+
+
+
+def discovered_spec(config) -> ArchSpec:
+    """An ArchSpec for a config no family module describes, from its model built on fake
+    tensors (transformers' own class, named by the config; never remote code). Cached per
+    config. Only what discovery finds is set: no AWQ pairs, no GGUF layout. Refusals are
+    UnsupportedArchitecture whose message says why (the caller names the architecture)."""
+    import json
+
+    import transformers
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    raw = config if isinstance(config, dict) else config.to_dict()
+    key = json.dumps(raw, sort_keys=True, default=str)
+    if key in _DISCOVERED:
+        return _DISCOVERED[key]
+    classes = list(raw.get("architectures") or ())
+    model_type = raw.get("model_type")
+    cls = next((getattr(transformers, c) for c in classes if hasattr(transformers, c)), None)
+    if cls is None or model_type not in transformers.CONFIG_MAPPING:
+        raise UnsupportedArchitecture(
+            f"transformers {transformers.__version__} has no model class for it "
+            "(custom code is never discovered).")
+    if isinstance(config, dict):
+        config = transformers.CONFIG_MAPPING[model_type].from_dict(dict(raw))
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            model = cls(config)
+        layout = discover_layout(model)
+    except UnsupportedArchitecture:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any failure of the trace is a clear refusal
+        raise UnsupportedArchitecture(
+            f"its layout could not be discovered ({type(exc).__name__}: {exc}).") from exc
+    if not layout.sequential:
+        raise UnsupportedArchitecture(
+            f"its blocks ({layout.block_path}) hold no torch.nn.Linear to quantize.")
+    router = layout.experts.router if layout.experts is not None else ""
+    spec = ArchSpec(model_type or classes[0], tuple(classes), (model_type,),
+                    block_path=layout.block_path, embed=layout.embed,
+                    final_norm=layout.final_norm, lm_head=layout.lm_head,
+                    sequential=layout.sequential, experts=layout.experts,
+                    awq_groups=(), roles={}, attention_v=False,
+                    checkpoint_renames=layout.checkpoint_renames,
+                    dense_linears=tuple(n for n in layout.dense_linears if n != router),
+                    kv_cache_gap="per-layer k/v scales are checked on the families that have "
+                                 "a family module only")
+    _DISCOVERED[key] = spec
+    return spec
