@@ -50,15 +50,15 @@ class Codec:
     qtype: Q
     # vectorised torch encoder (x float32 [n, K], qw [K] or None, prep) -> uint8 blocks;
     # None: compiled only
-    torch: Callable | None = None
+    torch_encoder: Callable | None = None
     # numba encoder (x [rows, K] float32 C-contiguous, qw [K] float32 or empty,
     # out [rows, row_bytes] uint8, err [rows] float64 += sum over the row of (decoded - x)^2)
-    compiled: Callable | None = None
+    compiled_encoder: Callable | None = None
     # the compiled encoder on a column slice of longer rows (GPTQ's column blocks):
     # (x, qw, sigma2 [rows] of the WHOLE rows, out, err)
-    compiled_slice: Callable | None = None
+    compiled_slice_encoder: Callable | None = None
     # torch decoder: blocks [B, type_size] uint8 -> float32 [B, block]; None: gguf-py's numpy one
-    decode: Callable | None = None
+    torch_decoder: Callable | None = None
     # the imatrix path's whole-row / whole-super-block sum of x^2, computed once per slab (a few
     # long sequential loops) instead of per chunk (many short ones)
     prep: Callable | None = None
@@ -97,7 +97,8 @@ def encode_slice(x: torch.Tensor, qtype: int, qw: torch.Tensor | None,
     if qw is None or c is None or not c.prep_reads_row:
         return encode_rows(x, qtype, qw)
     sigma2 = c.prep(row_context.float())
-    return c.torch(x.float().contiguous(), qw.float().reshape(-1), sigma2).reshape(x.shape[0], -1)
+    out = c.torch_encoder(x.float().contiguous(), qw.float().reshape(-1), sigma2)
+    return out.reshape(x.shape[0], -1)
 
 
 def encode_rows(w: torch.Tensor, qtype: int, qw: torch.Tensor | None = None,
@@ -112,7 +113,7 @@ def encode_rows(w: torch.Tensor, qtype: int, qw: torch.Tensor | None = None,
     """
     qtype = Q(qtype)
     c = codec(qtype)
-    if c is None or (c.torch is None and c.compiled is None):
+    if c is None or (c.torch_encoder is None and c.compiled_encoder is None):
         raise ValueError(f"no encoder for GGML type {qtype.name}")
     if qw is None and qtype in REQUIRES_IMATRIX:
         raise ValueError(f"{qtype.name} needs an importance matrix (qw): llama.cpp's quantizer has no "
@@ -126,7 +127,7 @@ def encode_rows(w: torch.Tensor, qtype: int, qw: torch.Tensor | None = None,
     if backend not in BACKENDS or (backend == "compiled" and not cpu):
         raise ValueError(f"encoder backend {backend!r} is not available for {w.device.type} "
                          f"tensors (choose from {BACKENDS}; 'compiled' runs on the CPU)")
-    if c.torch is None:  # compiled only
+    if c.torch_encoder is None:  # compiled only
         return _encode_on_cpu(w, c, qw, errors)
     w = w.to(torch.float32)
     if qw is not None:
@@ -162,7 +163,7 @@ def _encode_compiled(w: torch.Tensor, c: Codec, qw: torch.Tensor | None,
 
     Returns each row's squared reconstruction error, which the encoders add up as they go.
     """
-    enc = c.compiled
+    enc = c.compiled_encoder
     x = w.contiguous().numpy()
     q = np.empty(0, np.float32) if qw is None else qw.contiguous().numpy()
     o = out.numpy()
@@ -193,11 +194,12 @@ def preload_compiled(qtypes) -> None:
 
     def load() -> None:
         for t in ids:  # an imatrix row: same compiled code, and IQ2_XXS / IQ2_XS / IQ1_S require one
-            enc = codec(t).compiled  # the family module (and numba) imports here, off the caller
+            enc = codec(t).compiled_encoder  # its family module (and numba) loads here
             if enc is None:
                 continue
             x = np.zeros((1, 256), np.float32)
-            enc(x, np.ones(256, np.float32), np.zeros((1, row_bytes(t, 256)), np.uint8), np.zeros(1))
+            enc(x, np.ones(256, np.float32), np.zeros((1, row_bytes(t, 256)), np.uint8),
+                np.zeros(1))
 
     if ids and compiled_available():
         threading.Thread(target=load, name="quantkit-kquant-preload", daemon=True).start()
@@ -236,7 +238,7 @@ def _encode_torch(w: torch.Tensor, c: Codec, qw: torch.Tensor | None,
 
             def run(r: int, ws=ws, per_row=per_row, s0=s0) -> None:
                 p = None if per_row is None else per_row[r:r + rows].reshape(-1)
-                enc_out = c.torch(ws[r:r + rows].contiguous(), qw, p)
+                enc_out = c.torch_encoder(ws[r:r + rows].contiguous(), qw, p)
                 out[s0 + r:s0 + r + rows] = enc_out.reshape(-1, out.shape[1])
 
             starts = range(0, ws.shape[0], rows)
@@ -255,12 +257,12 @@ def _encode_torch(w: torch.Tensor, c: Codec, qw: torch.Tensor | None,
 def decode_rows(data: torch.Tensor, qtype: int) -> torch.Tensor:
     """GGML bytes [N, row_bytes] (uint8, any device) -> float32 [N, K] on the same device."""
     c = codec(qtype)
-    if c is None or c.decode is None:
+    if c is None or c.torch_decoder is None:
         raise ValueError(f"no torch decoder for GGML type {Q(qtype).name}")
     block, size = block_size(qtype), type_size(qtype)
     n = data.shape[0]
     k = data.shape[1] // size * block
-    return c.decode(data.reshape(-1, size)).reshape(n, k)
+    return c.torch_decoder(data.reshape(-1, size)).reshape(n, k)
 
 
 def quantize_tensor(w: torch.Tensor, qtype: int, imatrix: torch.Tensor | None = None,
@@ -285,7 +287,7 @@ def dequantize_tensor(data: torch.Tensor, qtype: int) -> torch.Tensor:
     c = codec(qtype)
     if c is not None and c.dtype is not None:
         return data.contiguous().view(c.dtype).float()
-    if c is not None and c.decode is not None:
+    if c is not None and c.torch_decoder is not None:
         return decode_rows(data, qtype)
     arr = _np_dequantize(data.cpu().numpy(), qtype)  # gguf's reference, every other type
     return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32))

@@ -392,6 +392,6 @@ def _iq1_m_tables(x2, qw, out, err):  # ggml's IQ1_M runs without an imatrix (we
     return _iq1_m(x2, qw, out, err, *grid_tables(29))
 
 CODECS = (
-    Codec(Q.IQ1_S, compiled=_iq1_s_tables),
-    Codec(Q.IQ1_M, compiled=_iq1_m_tables),
+    Codec(Q.IQ1_S, compiled_encoder=_iq1_s_tables),
+    Codec(Q.IQ1_M, compiled_encoder=_iq1_m_tables),
 )

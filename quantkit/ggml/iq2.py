@@ -245,7 +245,7 @@ def _iq2_xxs_tables(x2, qw, out, err):
     return _iq2_xxs(x2, qw, out, err, *grid_tables(16))
 
 CODECS = (
-    Codec(Q.IQ2_XXS, compiled=_iq2_xxs_tables),
-    Codec(Q.IQ2_XS, compiled=_iq2_xs_tables),
-    Codec(Q.IQ2_S, compiled=_iq2_s_tables),
+    Codec(Q.IQ2_XXS, compiled_encoder=_iq2_xxs_tables),
+    Codec(Q.IQ2_XS, compiled_encoder=_iq2_xs_tables),
+    Codec(Q.IQ2_S, compiled_encoder=_iq2_s_tables),
 )

@@ -169,6 +169,6 @@ def _iq3_s(x2, qw, out, err):
     return _iq3(x2, qw, out, err, levels, kmap, neigh, values, False)
 
 CODECS = (
-    Codec(Q.IQ3_XXS, compiled=_iq3_xxs),
-    Codec(Q.IQ3_S, compiled=_iq3_s),
+    Codec(Q.IQ3_XXS, compiled_encoder=_iq3_xxs),
+    Codec(Q.IQ3_S, compiled_encoder=_iq3_s),
 )

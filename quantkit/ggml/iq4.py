@@ -46,7 +46,7 @@ Q = GGMLQuantizationType
 IQ4NL_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 
 
-def best_index_iq4nl_torch(x: torch.Tensor) -> torch.Tensor:
+def _best_index_iq4nl_torch(x: torch.Tensor) -> torch.Tensor:
     """best_index_int8(16, kvalues_iq4nl, x) per element: the nearest level, ties to the lower
     one, with the C comparisons in float32 (NaN -> 15, as the C binary search ends)."""
     v = torch.tensor(IQ4NL_VALUES, dtype=torch.float32, device=x.device)
@@ -56,7 +56,7 @@ def best_index_iq4nl_torch(x: torch.Tensor) -> torch.Tensor:
     return torch.where(x >= v[15], torch.full_like(idx, 15), idx)
 
 
-def make_iq4nl_torch(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def _make_iq4nl_torch(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """The block-scale search of quantize_row_iq4_nl_impl (ntry 7): x, w [32, G] -> scale [G].
 
     The start is the least-squares scale of the codes for d = max/127; then 15 inverse scales
@@ -71,7 +71,7 @@ def make_iq4nl_torch(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     mx = torch.where(zero_group, torch.ones_like(ax[0]), x.gather(0, idx)[0])
     first = rdiv(1.0, divs(-mx, -127.0))
     inv = torch.stack([first] + [rdiv(float(t - 127), mx) for t in range(-7, 8)])  # [16, G]
-    q = v[best_index_iq4nl_torch(x[:, None, :] * inv[None])]  # [32, 16, G]
+    q = v[_best_index_iq4nl_torch(x[:, None, :] * inv[None])]  # [32, 16, G]
     wq = w[:, None, :] * q
     sums = seq_sum(torch.stack([wq * x[:, None, :], wq * q], 1))  # [2, 16, G]
     sumqx, sumq2 = sums[0], sums[1]
@@ -97,7 +97,7 @@ def _iq4_torch(x: torch.Tensor, qw: torch.Tensor | None, sbs: int) -> torch.Tens
         sigma2 = seq_sum(xs * xs) * (2.0 / sbs)  # a power of two: exact, as the C `*= 2.f/sbs`
         qwb = qw.reshape(1, -1, 32).expand(x.shape[0], -1, -1).reshape(-1, 32)
         w = _groups(qwb, 32) * sqrt32(sigma2.repeat_interleave(sbs // 32)[None, :] + xg * xg)
-    scales = make_iq4nl_torch(xg, w)
+    scales = _make_iq4nl_torch(xg, w)
     if sbs == 32:
         inv = torch.where(scales != 0, rdiv(1.0, scales), torch.zeros_like(scales))
         header = _f16_bytes(scales)
@@ -115,7 +115,7 @@ def _iq4_torch(x: torch.Tensor, qw: torch.Tensor | None, sbs: int) -> torch.Tens
         high = ((ls >> 4) << (2 * torch.arange(8, device=x.device))).sum(1)
         header = torch.cat([_f16_bytes(d), _u8(high & 255)[:, None], _u8(high >> 8)[:, None],
                             _nibbles(ls[:, 0::2], ls[:, 1::2])], 1)
-    L = _ungroup(best_index_iq4nl_torch(xg * inv[None, :]), g)  # [G, 32]
+    L = _ungroup(_best_index_iq4nl_torch(xg * inv[None, :]), g)  # [G, 32]
     qs = _nibbles(L[:, :16], L[:, 16:]).reshape(header.shape[0], -1)
     return torch.cat([header, qs], 1)
 
@@ -298,6 +298,8 @@ def _iq4_xs_decode(b: torch.Tensor) -> torch.Tensor:
     return (dl[:, :, None] * _iq4_levels_decode(b[:, 8:].reshape(nb, 8, 16))).reshape(nb, 256)
 
 CODECS = (
-    Codec(Q.IQ4_NL, torch=_iq4_nl_torch, compiled=_iq4_nl_numba, decode=_iq4_nl_decode),
-    Codec(Q.IQ4_XS, torch=_iq4_xs_torch, compiled=_iq4_xs_numba, decode=_iq4_xs_decode),
+    Codec(Q.IQ4_NL, torch_encoder=_iq4_nl_torch, compiled_encoder=_iq4_nl_numba,
+          torch_decoder=_iq4_nl_decode),
+    Codec(Q.IQ4_XS, torch_encoder=_iq4_xs_torch, compiled_encoder=_iq4_xs_numba,
+          torch_decoder=_iq4_xs_decode),
 )

@@ -72,7 +72,7 @@ Q = GGMLQuantizationType
 
 # ----------------------------------------------------------------- torch encoders
 
-def make_q3_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _make_q3_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """make_q3_quants(n, nmax 4, do_rmse) for every lane: x [n, G] -> (scale [G], L [n, G]
     codes + 4 in [0, 8)). Codes from -4/max, then up to 5 passes of coordinate descent with
     weights x^2, each element updated in order (sequential over n, vectorised over lanes)."""
@@ -209,7 +209,7 @@ def _q3_k_torch(x: torch.Tensor, qw: torch.Tensor | None, prep=None) -> torch.Te
     nb = xb.shape[0]
     xg = _groups(xb, 16)  # [16, nb*16]
     if qw is None:
-        scales, L = make_q3_torch(xg)
+        scales, L = _make_q3_torch(xg)
         scales = scales.view(nb, 16)
         max_scale = scales.gather(1, scales.abs().argmax(1, keepdim=True))[:, 0]
         nz = max_scale != 0
@@ -788,10 +788,14 @@ def _q5_k_decode(b: torch.Tensor) -> torch.Tensor:
     return _qk45_decode(b, True)
 
 CODECS = (
-    Codec(Q.Q2_K, torch=_q2_k_torch, compiled=_q2_k_numba, decode=_q2_k_decode, prep=_block_sum_x2_torch),
-    Codec(Q.Q3_K, torch=_q3_k_torch, compiled=_q3_k_numba, decode=_q3_k_decode, prep=_block_sum_x2_torch),
-    Codec(Q.Q4_K, torch=_q4_k_torch, compiled=_q4_k_numba, decode=_q4_k_decode, prep=_block_sum_x2_torch,
-          chunk=1 << 17),
-    Codec(Q.Q5_K, torch=_q5_k_torch, compiled=_q5_k_numba, decode=_q5_k_decode, prep=_block_sum_x2_torch),
-    Codec(Q.Q6_K, torch=_q6_k_torch, compiled=_q6_k_numba, decode=_q6_k_decode),
+    Codec(Q.Q2_K, torch_encoder=_q2_k_torch, compiled_encoder=_q2_k_numba,
+          torch_decoder=_q2_k_decode, prep=_block_sum_x2_torch),
+    Codec(Q.Q3_K, torch_encoder=_q3_k_torch, compiled_encoder=_q3_k_numba,
+          torch_decoder=_q3_k_decode, prep=_block_sum_x2_torch),
+    Codec(Q.Q4_K, torch_encoder=_q4_k_torch, compiled_encoder=_q4_k_numba,
+          torch_decoder=_q4_k_decode, prep=_block_sum_x2_torch, chunk=1 << 17),
+    Codec(Q.Q5_K, torch_encoder=_q5_k_torch, compiled_encoder=_q5_k_numba,
+          torch_decoder=_q5_k_decode, prep=_block_sum_x2_torch),
+    Codec(Q.Q6_K, torch_encoder=_q6_k_torch, compiled_encoder=_q6_k_numba,
+          torch_decoder=_q6_k_decode),
 )

@@ -351,13 +351,18 @@ def _q5_1_decode(b: torch.Tensor) -> torch.Tensor:
     return _q5_decode(b, 4).float() * _f16(b[:, :2])[:, None] + _f16(b[:, 2:4])[:, None]
 
 CODECS = (
-    Codec(Q.Q8_0, torch=_q8_0_torch, compiled=_q8_0_numba, decode=_q8_0_decode, chunk=1 << 18),
-    Codec(Q.Q4_0, torch=_q4_0_torch, compiled=_q4_0_numba, compiled_slice=_q4_0_slice_numba,
-          decode=_q4_0_decode, prep=_row_sigma2_torch, prep_reads_row=True, chunk=1 << 18),
-    Codec(Q.Q4_1, torch=_q4_1_torch, compiled=_q4_1_numba, compiled_slice=_q4_1_slice_numba,
-          decode=_q4_1_decode, prep=_row_sigma2_torch, prep_reads_row=True, chunk=1 << 18),
-    Codec(Q.Q5_0, torch=_q5_0_torch, compiled=_q5_0_numba, compiled_slice=_q5_0_slice_numba,
-          decode=_q5_0_decode, prep=_row_sigma2_torch, prep_reads_row=True, chunk=1 << 18),
-    Codec(Q.Q5_1, torch=_q5_1_torch, compiled=_q5_1_numba, compiled_slice=_q5_1_slice_numba,
-          decode=_q5_1_decode, prep=_row_sigma2_torch, prep_reads_row=True, chunk=1 << 18),
+    Codec(Q.Q8_0, torch_encoder=_q8_0_torch, compiled_encoder=_q8_0_numba,
+          torch_decoder=_q8_0_decode, chunk=1 << 18),
+    Codec(Q.Q4_0, torch_encoder=_q4_0_torch, compiled_encoder=_q4_0_numba,
+          compiled_slice_encoder=_q4_0_slice_numba, torch_decoder=_q4_0_decode,
+          prep=_row_sigma2_torch, prep_reads_row=True, chunk=1 << 18),
+    Codec(Q.Q4_1, torch_encoder=_q4_1_torch, compiled_encoder=_q4_1_numba,
+          compiled_slice_encoder=_q4_1_slice_numba, torch_decoder=_q4_1_decode,
+          prep=_row_sigma2_torch, prep_reads_row=True, chunk=1 << 18),
+    Codec(Q.Q5_0, torch_encoder=_q5_0_torch, compiled_encoder=_q5_0_numba,
+          compiled_slice_encoder=_q5_0_slice_numba, torch_decoder=_q5_0_decode,
+          prep=_row_sigma2_torch, prep_reads_row=True, chunk=1 << 18),
+    Codec(Q.Q5_1, torch_encoder=_q5_1_torch, compiled_encoder=_q5_1_numba,
+          compiled_slice_encoder=_q5_1_slice_numba, torch_decoder=_q5_1_decode,
+          prep=_row_sigma2_torch, prep_reads_row=True, chunk=1 << 18),
 )

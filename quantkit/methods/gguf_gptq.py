@@ -348,8 +348,8 @@ def _gptq_ggml_compiled(w: torch.Tensor, hinv: torch.Tensor, qtype: Q, qw: torch
     g = _GRIDS[qtype]
     n, k = w.shape
     q = np.empty(0, np.float32) if qw is None else qw.detach().float().cpu().reshape(k).contiguous().numpy()
-    slice_enc = codec(qtype).compiled_slice if q.shape[0] else None
-    enc = codec(qtype).compiled
+    slice_enc = codec(qtype).compiled_slice_encoder if q.shape[0] else None
+    enc = codec(qtype).compiled_encoder
     sigma2 = np.empty(n, np.float32)
     if slice_enc is not None:  # the legacy imatrix weights read the ORIGINAL whole rows
         row_sigma2_numba(rows.contiguous().numpy(), sigma2)

@@ -17,10 +17,10 @@ import time
 from pathlib import Path
 
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import GGMLQuantizationType
 
 from quantkit.errors import SchemeMismatch
-from quantkit.ggml.catalogue import AUTO_BASE, FALLBACK, PRESETS, block_size
+from quantkit.ggml.catalogue import AUTO_BASE, FALLBACK, PRESETS, block_size, type_size
 from quantkit.ggml.codec import dequantize_tensor, preload_compiled, quantize_tensor
 from quantkit.ggml.mix import TensorPlan, layer_of, plan_types
 from quantkit.methods.bit_allocation import Option
@@ -456,7 +456,7 @@ class GGUFQuantizer:
     @staticmethod
     def _result(name: str, qtype: Q, wanted: Q, data: torch.Tensor, bias, err: float) -> QuantResult:
         n = data.shape[0]
-        k = data.shape[1] // GGML_QUANT_SIZES[qtype][1] * block_size(qtype)
+        k = data.shape[1] // type_size(qtype) * block_size(qtype)
         scheme = QuantScheme(kind="kquant", bits=0, group_size=block_size(qtype),
                              gguf_type=qtype.name.lower())
         return QuantResult(
