@@ -31,8 +31,9 @@ import torch  # noqa: E402
 
 from quantkit.calibration.loader import load_calibration, tokenize_text  # noqa: E402
 from quantkit.calibration.sources import load_heldout_text  # noqa: E402
+from quantkit.ggml.codec import dequantize_tensor, quantize_tensor  # noqa: E402
+from quantkit.ggml.mix import plan_types  # noqa: E402
 from quantkit.methods.gguf_gptq import gptq_ggml, hessian_factor  # noqa: E402
-from quantkit.methods.kquants import dequantize_tensor, plan_types, quantize_tensor  # noqa: E402
 from quantkit.model_io import resolve_model  # noqa: E402
 
 LINEARS = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",

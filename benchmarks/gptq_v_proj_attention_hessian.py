@@ -38,8 +38,8 @@ from gguf import GGMLQuantizationType  # noqa: E402
 
 from quantkit.calibration.loader import load_calibration, tokenize_text  # noqa: E402
 from quantkit.calibration.sources import load_heldout_text  # noqa: E402
+from quantkit.ggml.codec import dequantize_tensor, quantize_tensor  # noqa: E402
 from quantkit.methods.gguf_gptq import gptq_ggml, hessian_factor  # noqa: E402
-from quantkit.methods.kquants import dequantize_tensor, quantize_tensor  # noqa: E402
 from quantkit.model_io import resolve_model  # noqa: E402
 
 

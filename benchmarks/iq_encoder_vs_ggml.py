@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from quantkit.methods.kquants_encode import encode_rows, row_bytes
+from quantkit.ggml.codec import encode_rows, row_bytes
 
 
 def ggml_quantize(w: np.ndarray, qtype: Q, qw: np.ndarray) -> np.ndarray:

@@ -24,7 +24,7 @@ from safetensors import safe_open
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from quantkit.methods.kquants_encode import BACKENDS, SUPPORTED, encode_rows  # noqa: E402
+from quantkit.ggml.codec import BACKENDS, SUPPORTED, encode_rows  # noqa: E402
 from quantkit.model_io import resolve_model  # noqa: E402
 
 

@@ -21,10 +21,12 @@ from heldout import heldout_text
 from quantkit.cli import main, parse_size
 from quantkit.errors import QuantkitError, SchemeMismatch
 from quantkit.formats.gguf import gguf_metadata, read_gguf
+from quantkit.ggml.catalogue import FALLBACK
+from quantkit.ggml.codec import dequantize_tensor, quantize_tensor
 from quantkit.info import artifact_info
 from quantkit.methods.bit_allocation import Option, allocate, budget_range, hull
 from quantkit.methods.gguf_auto import candidate_types, measure_options
-from quantkit.methods.kquants import FALLBACK, GGUFQuantizer, dequantize_tensor, quantize_tensor
+from quantkit.methods.kquants import GGUFQuantizer
 from quantkit.pipeline.quantize import QuantizeRequest, quantize
 from quantkit.types import QuantScheme
 

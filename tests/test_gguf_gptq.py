@@ -15,10 +15,9 @@ from gguf import GGMLQuantizationType as Q
 from heldout import heldout_text
 
 from quantkit.errors import SchemeMismatch
+from quantkit.ggml.codec import decode_rows, encode_rows
 from quantkit.methods.gguf_gptq import gptq_ggml, hessian_factor
 from quantkit.methods.kquants import GGUFQuantizer
-from quantkit.methods.kquants_decode import decode_rows
-from quantkit.methods.kquants_encode import encode_rows
 from quantkit.pipeline.quantize import QuantizeRequest, quantize
 from quantkit.types import QuantScheme
 

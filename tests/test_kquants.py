@@ -19,16 +19,12 @@ from gguf.quants import dequantize as gguf_dequantize
 
 from quantkit.errors import SchemeMismatch
 from quantkit.formats.gguf import read_gguf
+from quantkit.ggml.catalogue import PRESETS, use_more_bits
+from quantkit.ggml.catalogue import REQUIRES_IMATRIX as REQUIRES_QW
+from quantkit.ggml.codec import BACKENDS, dequantize_tensor, encode_rows, quantize_tensor, row_bytes
+from quantkit.ggml.mix import plan_types
 from quantkit.methods.imatrix import load_imatrix, save_imatrix
-from quantkit.methods.kquants import (
-    PRESETS,
-    GGUFQuantizer,
-    dequantize_tensor,
-    plan_types,
-    quantize_tensor,
-    use_more_bits,
-)
-from quantkit.methods.kquants_encode import BACKENDS, REQUIRES_QW, encode_rows, row_bytes
+from quantkit.methods.kquants import GGUFQuantizer
 
 llama_cpp = pytest.importorskip("llama_cpp")
 from quantkit.engines.llamacpp import llama_quantize  # noqa: E402
@@ -229,7 +225,7 @@ def _dry_run_types(src: Path, preset: str) -> dict[str, Q]:
 
     from llama_cpp import _logger
 
-    from quantkit.engines.llamacpp import FTYPES
+    from quantkit.ggml.catalogue import LLAMA_FTYPES as FTYPES
 
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype, params.nthread, params.dry_run = FTYPES[preset], 1, True

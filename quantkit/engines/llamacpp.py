@@ -14,15 +14,10 @@ from pathlib import Path
 import numpy as np
 
 from quantkit.errors import EngineError
+from quantkit.ggml.catalogue import LLAMA_FTYPES
 
-__all__ = ["LlamaCppModel", "load_llama", "llama_quantize", "llama_cpp_version", "FTYPES"]
+__all__ = ["LlamaCppModel", "load_llama", "llama_quantize", "llama_cpp_version"]
 
-# llama_ftype values of the presets quantkit writes (llama.h)
-FTYPES = {"f16": 1, "bf16": 32, "q8_0": 7, "q6_k": 18, "q5_k_m": 17, "q5_k_s": 16,
-          "q4_k_m": 15, "q4_k_s": 14, "q5_1": 9, "q5_0": 8, "q4_1": 3, "q4_0": 2,
-          "q3_k_l": 13, "q3_k_m": 12, "q3_k_s": 11, "q2_k": 10, "iq4_nl": 25, "iq4_xs": 30,
-          "iq3_xxs": 23, "iq3_s": 26, "iq3_xs": 22, "iq3_m": 27, "iq2_xxs": 19, "iq2_xs": 20,
-          "iq2_s": 28, "iq2_m": 29, "iq1_s": 24, "iq1_m": 31, "q2_k_s": 21}
 
 
 def _llama_cpp():
@@ -100,7 +95,7 @@ def llama_quantize(src: str | Path, dst: str | Path, gguf_type: str, *, nthread:
     """
     llama_cpp = _llama_cpp()
     params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = FTYPES[gguf_type.lower()]
+    params.ftype = LLAMA_FTYPES[gguf_type.lower()]
     params.nthread = nthread
     params.pure = pure
     keep = []

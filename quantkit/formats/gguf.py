@@ -43,25 +43,13 @@ from gguf import (
 from quantkit.arch import ArchSpec, gguf_architectures, spec_for_config
 from quantkit.errors import SchemeMismatch, UnsupportedArchitecture
 from quantkit.formats.gguf_tokenizer import read_tokenizer
+from quantkit.ggml.catalogue import GGUF_TYPES, file_type
 from quantkit.readers import GGUFTensor, bad_gguf, read_gguf
 from quantkit.types import QuantResult, QuantScheme
 
-__all__ = ["GGUFFileWriter", "FILE_TYPES", "read_gguf", "gguf_metadata", "GGUFTensor"]
+__all__ = ["GGUFFileWriter", "read_gguf", "gguf_metadata", "GGUFTensor"]
 
 Q = GGMLQuantizationType
-# gguf_type -> (general.file_type, type of 2-D weights that have no quantized result)
-FILE_TYPES = {"f16": (1, Q.F16), "bf16": (32, Q.BF16), "q8_0": (7, Q.F16), "q6_k": (18, Q.F16),
-              "q5_k_m": (17, Q.F16), "q5_k_s": (16, Q.F16), "q4_k_m": (15, Q.F16),
-              "q4_k_s": (14, Q.F16), "q5_1": (9, Q.F16), "q5_0": (8, Q.F16), "q4_1": (3, Q.F16),
-              "q4_0": (2, Q.F16), "q3_k_l": (13, Q.F16), "q3_k_m": (12, Q.F16), "q3_k_s": (11, Q.F16),
-              "q2_k": (10, Q.F16), "iq4_nl": (25, Q.F16), "iq4_xs": (30, Q.F16),
-              "iq3_xxs": (23, Q.F16), "iq3_s": (26, Q.F16), "iq3_xs": (22, Q.F16), "iq3_m": (27, Q.F16),
-              "iq2_xxs": (19, Q.F16), "iq2_xs": (20, Q.F16), "iq2_s": (28, Q.F16), "iq2_m": (29, Q.F16),
-              "iq1_s": (24, Q.F16), "iq1_m": (31, Q.F16), "q2_k_s": (21, Q.F16),
-              # per-tensor types chosen by quantkit (--gguf-type auto): no llama_ftype names the
-              # mix, so general.file_type is left out and llama.cpp guesses it from the most
-              # common tensor type (llama_model_loader: LLAMA_FTYPE_GUESSED)
-              "auto": (None, Q.F16)}
 # what one tensor adds to a file beyond its data, at most: tensor info (name, dims, type,
 # offset), 32-byte alignment, and its entries in quantkit.stats / quantkit.metadata
 _PER_TENSOR_OVERHEAD = 768
@@ -313,8 +301,8 @@ class GGUFFileWriter:
         problems = []
         if scheme.kind != "kquant":
             problems.append(f"GGUF stores kquant schemes (--method gguf), not {scheme.kind!r}")
-        if (scheme.gguf_type or "").lower() not in FILE_TYPES:
-            problems.append(f"gguf_type {scheme.gguf_type!r} is not one of {', '.join(FILE_TYPES)}")
+        if (scheme.gguf_type or "").lower() not in GGUF_TYPES:
+            problems.append(f"gguf_type {scheme.gguf_type!r} is not one of {', '.join(GGUF_TYPES)}")
         return problems
 
     def check_source(self, source_dir: Path, config) -> None:
@@ -330,9 +318,9 @@ class GGUFFileWriter:
         spec = spec_for_config(config)
         _check_config(spec, config)
         gtype = ((scheme.gguf_type if scheme else None) or "f16").lower()
-        if gtype not in FILE_TYPES:
-            raise SchemeMismatch(f"gguf_type {gtype!r} is not one of {', '.join(FILE_TYPES)}.")
-        ftype, dense_2d = FILE_TYPES[gtype]
+        if gtype not in GGUF_TYPES:
+            raise SchemeMismatch(f"gguf_type {gtype!r} is not one of {', '.join(GGUF_TYPES)}.")
+        ftype, dense_2d = file_type(gtype)
         stored = _stored_mxfp4_experts(spec, config, source_dir) if gtype in ("bf16", "f16") \
             else {}
         if stored:  # the converter's file type when experts stay MXFP4 (LlamaFileType)
@@ -623,8 +611,8 @@ def gguf_metadata(path: str | Path, kv: dict | None = None) -> dict:
     if not isinstance(meta, dict):
         raise bad_gguf(Path(path), "its quantkit.metadata key is not a JSON object")
     gguf_type = str((meta.get("scheme") or {}).get("gguf_type") or "").lower()
-    if gguf_type in FILE_TYPES:
-        written = {FILE_TYPES[gguf_type][0]}
+    if gguf_type in GGUF_TYPES:
+        written = {file_type(gguf_type)[0]}
         if gguf_type in ("bf16", "f16"):  # experts kept MXFP4 (gpt-oss): the converter's ftype
             written.add(int(LlamaFileType.MOSTLY_MXFP4_MOE))
         ftype = kv.get("general.file_type")

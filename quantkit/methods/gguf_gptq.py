@@ -31,9 +31,9 @@ from dataclasses import dataclass
 import torch
 from gguf import GGMLQuantizationType
 
+from quantkit.ggml.codec import codec, encode_slice
+from quantkit.ggml.iq4 import IQ4NL_VALUES
 from quantkit.methods.gptq import gptq_column_loop, inverse_hessian_factor, one_cpu_thread
-from quantkit.methods.kquants_encode import encode_slice
-from quantkit.methods.kquants_math import IQ4NL_VALUES
 
 __all__ = ["GPTQ_GRIDS", "GGMLColumnGrid", "gptq_ggml", "grid_block", "hessian_factor"]
 
@@ -317,7 +317,7 @@ def gptq_ggml(weight: torch.Tensor, hinv: torch.Tensor, qtype: Q, qw: torch.Tens
     rows = weight.detach().float().cpu()
     hinv = hinv.detach().float().cpu()
     if loop is None:
-        from quantkit.methods.jit import compiled_available
+        from quantkit.ggml.jit import compiled_available
 
         loop = "compiled" if compiled_available() else "torch"
     if loop == "compiled":
@@ -342,17 +342,17 @@ def _gptq_ggml_compiled(w: torch.Tensor, hinv: torch.Tensor, qtype: Q, qw: torch
     import numpy as np
 
     from quantkit import reproducible
+    from quantkit.ggml.legacy import row_sigma2_numba
     from quantkit.methods.gptq_cpu import grid_columns
-    from quantkit.methods.kquants_cpu import ENCODERS, SLICE_ENCODERS, row_sigma2
 
     g = _GRIDS[qtype]
     n, k = w.shape
     q = np.empty(0, np.float32) if qw is None else qw.detach().float().cpu().reshape(k).contiguous().numpy()
-    slice_enc = SLICE_ENCODERS.get(int(qtype)) if q.shape[0] else None
-    enc = ENCODERS[int(qtype)]
+    slice_enc = codec(qtype).compiled_slice_encoder if q.shape[0] else None
+    enc = codec(qtype).compiled_encoder
     sigma2 = np.empty(n, np.float32)
     if slice_enc is not None:  # the legacy imatrix weights read the ORIGINAL whole rows
-        row_sigma2(rows.contiguous().numpy(), sigma2)
+        row_sigma2_numba(rows.contiguous().numpy(), sigma2)
     blocks = torch.empty(n, k // g.block, g.size, dtype=torch.uint8)
     codes_t = np.empty((k, n), np.float32)
     deq_t = np.empty((k, n), np.float32)

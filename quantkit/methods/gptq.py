@@ -26,6 +26,7 @@ import torch
 
 from quantkit import reproducible
 from quantkit.errors import BadWeights, CalibrationError, SchemeMismatch
+from quantkit.ggml.jit import compiled_available
 from quantkit.methods import gptq_triton
 from quantkit.methods.intquant import (
     check_int_scheme,
@@ -34,7 +35,6 @@ from quantkit.methods.intquant import (
     relative_error,
     rtn_fallback,
 )
-from quantkit.methods.jit import compiled_available
 from quantkit.types import BlockContext, QuantResult, QuantScheme, int_qrange
 
 __all__ = ["GPTQQuantizer", "GPTQOutput", "gptq_quantize", "inverse_hessian_factor",

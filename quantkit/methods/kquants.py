@@ -1,52 +1,8 @@
 """GGUF quantization (`--method gguf`): llama.cpp's per-tensor type mix plus bit-exact encoders.
 
-The type mix of a preset (Q4_K_M, Q5_K_M, ...) is a data table, `PRESETS`, read by
-`plan_types`, which mirrors llama.cpp's `llama_tensor_get_type` for dense decoder models:
-
-  output.weight (and token_embd when tied) -> Q6_K, or Q8_0 when the row width is not a
-                                               multiple of the preset's block (Q8_0 stays Q8_0)
-  attn_v / ffn_down / attn_output           -> the preset's rule (e.g. Q6_K where
-                                               use_more_bits(i, n), counted in llama.cpp's
-                                               tensor order: layer, then name); Q4_0/Q5_0
-                                               with an imatrix: Q4_1/Q5_1 early ffn_down;
-                                               IQ4_NL/IQ4_XS: attn_v Q5_K with >= 4 query
-                                               heads per KV head, without an imatrix the
-                                               first eighth of ffn_down Q5_K
-  IQ3_S                                     -> attn_v Q4_K with >= 4 query heads per KV head
-  IQ3_XXS                                   -> output Q5_K, untied token_embd IQ3_S,
-                                               attn_q/attn_k IQ2_S, attn_output IQ3_S,
-                                               attn_v Q4_K with >= 4 query heads per KV
-                                               head, else IQ3_S without an imatrix;
-                                               without one ffn_down Q4_K (first eighth) /
-                                               Q3_K, and llama.cpp refuses the file (its
-                                               IQ3_XXS and IQ2_S tensors need an imatrix)
-  IQ3_XS (base IQ3_S)                       -> attn_v Q4_K with >= 4 query heads per KV head,
-                                               attn_q/attn_k and the middle 3/4 of the
-                                               ffn_gate/ffn_up layers IQ3_XXS (so it needs an
-                                               imatrix)
-  IQ3_M (base IQ3_S)                        -> attn_v Q4_K, attn_output Q4_K, the first
-                                               eighth of ffn_down Q4_K (8 experts: and
-                                               use_more_bits layers)
-  IQ2_XXS / IQ2_XS (base IQ2_XXS / IQ2_XS)  -> output Q5_K, untied token_embd Q2_K, attn_v
-  IQ2_S / IQ2_M (base IQ2_XS / IQ2_S)          Q4_K with >= 4 query heads per KV head or >= 4
-                                               experts, else Q2_K (IQ2_S/M: IQ3_S); the first
-                                               eighth of ffn_down (counted in tensor order)
-                                               Q2_K (IQ2_S/M: IQ3_S); IQ2_S/M: untied
-                                               token_embd and attn_output IQ3_S; 8 experts:
-                                               attn_k Q4_K, attn_output Q5_K, no Q8_0 attn_v;
-                                               all four need an imatrix
-  IQ1_S / IQ1_M (base IQ1_S / IQ1_M)        -> as IQ2_XXS, and attn_output IQ2_XXS; need an
-                                               imatrix
-  Q2_K_S (base Q2_K)                        -> attn_v Q4_K with >= 4 query heads per KV head,
-                                               the first eighth of ffn_down Q4_K; its Q2_K
-                                               tensors need an imatrix
-  everything else                           -> the preset's base type
-  row width % block != 0                    -> Q2_K/Q3_K->Q4_0, Q4_K->Q5_0, Q5_K->Q5_1,
-                                               Q6_K->Q8_0, IQ4_XS/IQ3_*/IQ2_*/IQ1_*->IQ4_NL,
-                                               then F16
-  mixture of experts                        -> ffn_down(_exps) by the layer in its name;
-                                               exactly 8 experts: attn_v, attn_k Q8_0 and
-                                               attn_output by attn_output_8_experts
+The mix (which GGML type each tensor gets) is quantkit.ggml.mix.plan_types over the presets
+of quantkit.ggml.catalogue; the encoders and decoders are quantkit.ggml's codecs. This module
+is the method: options, imatrix collection, GPTQ rounding and `--gguf-type auto`'s measurements.
 
 Methods never import quantkit.formats: the quantizer hands the writer encoded rows in
 `QuantResult.extra["gguf_bytes"]` (HF row order; the writer applies llama's q/k row
@@ -57,311 +13,26 @@ from __future__ import annotations
 
 import logging
 import math
-import re
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-from gguf.quants import dequantize as _np_dequantize
+from gguf import GGMLQuantizationType
 
 from quantkit.arch import gguf_linear_name
 from quantkit.errors import SchemeMismatch
+from quantkit.ggml.catalogue import AUTO_BASE, FALLBACK, PRESETS, block_size, type_size
+from quantkit.ggml.codec import dequantize_tensor, preload_compiled, quantize_tensor
+from quantkit.ggml.mix import TensorPlan, layer_of, plan_types
 from quantkit.methods.bit_allocation import Option
 from quantkit.methods.imatrix import ImatrixData, load_imatrix, save_imatrix
-from quantkit.methods.kquants_decode import DECODABLE, decode_rows
-from quantkit.methods.kquants_encode import encode_rows, preload_compiled
 from quantkit.types import BlockContext, QuantResult, QuantScheme
 
-__all__ = ["PRESETS", "Preset", "Rule", "TensorPlan", "plan_types", "quantize_tensor", "dequantize_tensor",
-           "use_more_bits", "GGUFQuantizer"]
+__all__ = ["GGUFQuantizer"]
 
 Q = GGMLQuantizationType
 log = logging.getLogger("quantkit.gguf")
 
-
-def use_more_bits(i: int, n: int) -> bool:
-    """llama.cpp's layer pattern for the sensitive tensors (first/last eighth, every third)."""
-    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
-
-
-# Conditions of a rule see (i, n, n_gqa, imatrix, n_expert): i the tensor's counter, n its
-# total, n_gqa the model's query heads per KV head, imatrix whether llama.cpp was given one,
-# n_expert the routed experts (0 for a dense model).
-_CONDITIONS = {
-    "always": lambda i, n, g, m, e: True,
-    "more_bits": lambda i, n, g, m, e: use_more_bits(i, n),
-    "first_2": lambda i, n, g, m, e: i < 2,
-    "first_4": lambda i, n, g, m, e: i < 4,
-    "first_eighth": lambda i, n, g, m, e: i < n // 8,
-    "first_16th": lambda i, n, g, m, e: i < n // 16,
-    "gqa_4": lambda i, n, g, m, e: g >= 4,
-    "no_imatrix": lambda i, n, g, m, e: not m,
-    "gqa_4_or_experts_4": lambda i, n, g, m, e: g >= 4 or e >= 4,
-    "first_eighth_or_8_experts_more_bits": lambda i, n, g, m, e: i < n // 8 or (e == 8 and use_more_bits(i, n)),
-    "middle": lambda i, n, g, m, e: n // 8 <= i < 7 * n // 8,
-}
-
-
-@dataclass(frozen=True)
-class Rule:
-    """`then` where the condition holds, else `otherwise` (None: the preset's base type; a
-    Rule: asked next, for llama.cpp's if / else-if chains)."""
-    when: str
-    then: Q
-    otherwise: Q | Rule | None = None
-
-    def pick(self, i: int, n: int, n_gqa: int, has_imatrix: bool = False, n_expert: int = 0) -> Q | None:
-        if _CONDITIONS[self.when](i, n, n_gqa, has_imatrix, n_expert):
-            return self.then
-        if isinstance(self.otherwise, Rule):
-            return self.otherwise.pick(i, n, n_gqa, has_imatrix, n_expert)
-        return self.otherwise
-
-    @property
-    def types(self) -> tuple[Q, ...]:
-        rest = self.otherwise.types if isinstance(self.otherwise, Rule) else (self.otherwise,)
-        return tuple(t for t in (self.then, *rest) if t is not None)
-
-
-@dataclass(frozen=True)
-class Preset:
-    """One llama.cpp ftype: its base type and the per-tensor rules llama_tensor_get_type has
-    for it (attn_v counts attn_v/attn_qkv tensors, ffn_down counts layers)."""
-    name: str
-    ftype: int  # llama_ftype, written as general.file_type
-    base: Q
-    attn_v: Rule | None = None
-    ffn_down: Rule | None = None
-    attn_output: Rule | None = None
-    ffn_down_imatrix: Rule | None = None  # only when an imatrix is given (Q4_0 / Q5_0)
-    ffn_down_no_imatrix: Rule | None = None  # only without an imatrix (IQ4_NL / IQ4_XS)
-    # models with exactly 8 experts: attn_output's type replaces the attn_output rule (None:
-    # the base type; llama.cpp bumps it to Q5_K for the low-bit K presets only)
-    attn_output_8_experts: Q | None = None
-    attn_q: Rule | None = None
-    attn_k: Rule | None = None  # models with exactly 8 experts: Q8_0 whatever this says
-    ffn_gate: Rule | None = None  # by layer (read from the name with experts), as ffn_down
-    ffn_up: Rule | None = None
-    output: Q = Q.Q6_K  # output.weight, and token_embd when tied (Q8_0 kept as Q8_0)
-    token_embd: Q | None = None  # untied token_embd (None: the base type)
-    # llama.cpp's own branch for IQ2_XXS/IQ2_XS/IQ2_S/IQ2_M (and IQ1_*): attn_v takes only its
-    # rule (no 70B bump, no Q8_0 with 8 experts), attn_k is Q4_K with 8 experts, ffn_down is
-    # counted in tensor order even with experts, ffn_gate/ffn_up keep the base type
-    iq2_branch: bool = False
-    # llama.cpp refuses to write these types without an imatrix (tensor_requires_imatrix;
-    # token_embd and output excepted; Q2_K only in a Q2_K_S file)
-    needs_imatrix: tuple[Q, ...] = (Q.IQ3_XXS, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ1_S, Q.IQ1_M)
-
-    @property
-    def quantized(self) -> bool:
-        return self.base not in (Q.F16, Q.BF16, Q.F32)
-
-    @property
-    def imatrix_required(self) -> bool:
-        """Whether llama.cpp's mix for this ftype can hold a type it refuses without an imatrix."""
-        return bool({self.base, *(t for r in self.rules for t in r.types)} & set(self.needs_imatrix))
-
-    @property
-    def rules(self) -> tuple[Rule, ...]:
-        return tuple(r for r in (self.attn_v, self.ffn_down, self.attn_output, self.ffn_down_imatrix,
-                                 self.ffn_down_no_imatrix, self.attn_q, self.attn_k, self.ffn_gate,
-                                 self.ffn_up) if r)
-
-
-_MORE_BITS_Q6 = Rule("more_bits", Q.Q6_K)
-# --gguf-type auto keeps this preset's rules for token_embd and output (Q6_K, Q8_0 on widths
-# that are not multiples of 256) and chooses every block tensor by measured sensitivity
-PRESETS: dict[str, Preset] = {p.name: p for p in (
-    Preset("q4_k_m", 15, Q.Q4_K, attn_v=_MORE_BITS_Q6, ffn_down=_MORE_BITS_Q6,
-           attn_output_8_experts=Q.Q5_K),
-    Preset("q4_k_s", 14, Q.Q4_K, attn_v=Rule("first_4", Q.Q5_K), ffn_down=Rule("first_eighth", Q.Q5_K),
-           attn_output_8_experts=Q.Q5_K),
-    Preset("q5_k_m", 17, Q.Q5_K, attn_v=_MORE_BITS_Q6, ffn_down=_MORE_BITS_Q6),
-    Preset("q5_k_s", 16, Q.Q5_K),
-    Preset("q6_k", 18, Q.Q6_K),
-    Preset("q8_0", 7, Q.Q8_0),
-    Preset("q5_1", 9, Q.Q5_1),
-    Preset("q5_0", 8, Q.Q5_0, ffn_down_imatrix=Rule("first_eighth", Q.Q5_1)),
-    Preset("q4_1", 3, Q.Q4_1),
-    Preset("q4_0", 2, Q.Q4_0, ffn_down_imatrix=Rule("first_eighth", Q.Q4_1)),
-    Preset("q3_k_l", 13, Q.Q3_K, attn_v=Rule("always", Q.Q5_K), ffn_down=Rule("always", Q.Q5_K),
-           attn_output=Rule("always", Q.Q5_K)),
-    Preset("q3_k_m", 12, Q.Q3_K, attn_v=Rule("first_2", Q.Q5_K, Q.Q4_K),
-           ffn_down=Rule("first_16th", Q.Q5_K, Q.Q4_K), attn_output=Rule("always", Q.Q4_K),
-           attn_output_8_experts=Q.Q5_K),
-    Preset("q3_k_s", 11, Q.Q3_K, attn_output_8_experts=Q.Q5_K),
-    Preset("q2_k", 10, Q.Q2_K, attn_v=Rule("gqa_4", Q.Q4_K, Q.Q3_K), ffn_down=Rule("always", Q.Q3_K),
-           attn_output=Rule("always", Q.Q3_K), attn_output_8_experts=Q.Q5_K),
-    # Q2_K_S: its Q2_K tensors need an imatrix (tensor_requires_imatrix's one ftype-dependent case)
-    Preset("q2_k_s", 21, Q.Q2_K, attn_v=Rule("gqa_4", Q.Q4_K), ffn_down=Rule("first_eighth", Q.Q4_K),
-           needs_imatrix=(Q.IQ3_XXS, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ1_S, Q.IQ1_M, Q.Q2_K)),
-    Preset("iq4_nl", 25, Q.IQ4_NL, attn_v=Rule("gqa_4", Q.Q5_K),
-           ffn_down_no_imatrix=Rule("first_eighth", Q.Q5_K), attn_output_8_experts=Q.Q5_K),
-    Preset("iq4_xs", 30, Q.IQ4_XS, attn_v=Rule("gqa_4", Q.Q5_K),
-           ffn_down_no_imatrix=Rule("first_eighth", Q.Q5_K), attn_output_8_experts=Q.Q5_K),
-    Preset("iq3_xxs", 23, Q.IQ3_XXS, attn_v=Rule("gqa_4", Q.Q4_K, Rule("no_imatrix", Q.IQ3_S)),
-           ffn_down_no_imatrix=Rule("first_eighth", Q.Q4_K, Q.Q3_K), attn_output=Rule("always", Q.IQ3_S),
-           attn_output_8_experts=Q.Q5_K, attn_q=Rule("always", Q.IQ2_S), attn_k=Rule("always", Q.IQ2_S),
-           output=Q.Q5_K, token_embd=Q.IQ3_S),
-    Preset("iq3_s", 26, Q.IQ3_S, attn_v=Rule("gqa_4", Q.Q4_K), attn_output_8_experts=Q.Q5_K),
-    Preset("iq3_xs", 22, Q.IQ3_S, attn_v=Rule("gqa_4", Q.Q4_K), attn_q=Rule("always", Q.IQ3_XXS),
-           attn_k=Rule("always", Q.IQ3_XXS), ffn_gate=Rule("middle", Q.IQ3_XXS), ffn_up=Rule("middle", Q.IQ3_XXS),
-           attn_output_8_experts=Q.Q5_K),
-    Preset("iq3_m", 27, Q.IQ3_S, attn_v=Rule("always", Q.Q4_K),
-           ffn_down=Rule("first_eighth_or_8_experts_more_bits", Q.Q4_K), attn_output=Rule("always", Q.Q4_K),
-           attn_output_8_experts=Q.Q5_K),
-    *(Preset(name, ftype, base, attn_v=Rule("gqa_4_or_experts_4", Q.Q4_K, Q.Q2_K),
-             ffn_down=Rule("first_eighth", Q.Q2_K), attn_output_8_experts=Q.Q5_K, output=Q.Q5_K,
-             token_embd=Q.Q2_K, iq2_branch=True)
-      for name, ftype, base in (("iq2_xxs", 19, Q.IQ2_XXS), ("iq2_xs", 20, Q.IQ2_XS))),
-    # IQ1_S / IQ1_M: the IQ2 branch of IQ2_XXS, plus attn_output IQ2_XXS (Q5_K with 8 experts)
-    *(Preset(name, ftype, base, attn_v=Rule("gqa_4_or_experts_4", Q.Q4_K, Q.Q2_K),
-             ffn_down=Rule("first_eighth", Q.Q2_K), attn_output=Rule("always", Q.IQ2_XXS),
-             attn_output_8_experts=Q.Q5_K, output=Q.Q5_K, token_embd=Q.Q2_K, iq2_branch=True)
-      for name, ftype, base in (("iq1_s", 24, Q.IQ1_S), ("iq1_m", 31, Q.IQ1_M))),
-    *(Preset(name, ftype, base, attn_v=Rule("gqa_4_or_experts_4", Q.Q4_K, Q.IQ3_S),
-             ffn_down=Rule("first_eighth", Q.IQ3_S), attn_output=Rule("always", Q.IQ3_S),
-             attn_output_8_experts=Q.Q5_K, output=Q.Q5_K, token_embd=Q.IQ3_S, iq2_branch=True)
-      for name, ftype, base in (("iq2_s", 28, Q.IQ2_XS), ("iq2_m", 29, Q.IQ2_S))),
-    Preset("f16", 1, Q.F16),
-    Preset("bf16", 32, Q.BF16),
-)}
-AUTO_BASE = "q4_k_m"
-# a 256-wide type on rows whose width is not a multiple of 256 (then F16 if 32 fails too)
-FALLBACK = {Q.Q2_K: Q.Q4_0, Q.Q3_K: Q.Q4_0, Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0,
-            Q.IQ4_XS: Q.IQ4_NL, Q.IQ3_XXS: Q.IQ4_NL, Q.IQ3_S: Q.IQ4_NL, Q.IQ2_XXS: Q.IQ4_NL,
-            Q.IQ2_XS: Q.IQ4_NL, Q.IQ2_S: Q.IQ4_NL, Q.IQ1_S: Q.IQ4_NL, Q.IQ1_M: Q.IQ4_NL}
-
-
-@dataclass(frozen=True)
-class TensorPlan:
-    qtype: Q  # what is written
-    wanted: Q  # what the recipe asked for before the row-width fallback
-
-    @property
-    def note(self) -> str | None:
-        if self.qtype == self.wanted:
-            return None
-        return f"{self.wanted.name} -> {self.qtype.name} (row width not a multiple of " \
-               f"{GGML_QUANT_SIZES[self.wanted][0]})"
-
-
-def _block(t: Q) -> int:
-    return GGML_QUANT_SIZES[t][0]
-
-
-def _layer(name: str) -> int:
-    m = re.match(r"blk\.(\d+)\.", name)
-    return int(m.group(1)) if m else -1
-
-
-def _quantizable(name: str, shape: tuple[int, ...]) -> bool:
-    return len(shape) >= 2 and name.endswith("weight") and "_norm.weight" not in name
-
-
-def plan_types(preset: Preset | str, tensors: dict[str, tuple[int, ...]], n_layer: int, *,
-               is_70b: bool = False, has_imatrix: bool = False, n_gqa: int = 1,
-               n_expert: int = 0) -> dict[str, TensorPlan]:
-    """GGML type of every quantizable tensor, by GGUF name ({name: torch-order shape}).
-
-    Tensors not in the result (norms, biases, 1-D) keep their float type. Counters run in
-    llama.cpp's order (layer number, then name), as its quantizer iterates its weights map.
-    has_imatrix: llama.cpp was given an imatrix at all (Q4_0/Q5_0 then guard early ffn_down;
-    IQ4_NL/IQ4_XS bump it to Q5_K only without one).
-    n_expert: routed experts (llama.cpp's expert_count): with more than one, ffn_down's
-    (ffn_gate's, ffn_up's) layer is read from its name ("blk.N."); with exactly 8, attn_v and
-    attn_k become Q8_0 and attn_output takes the preset's attn_output_8_experts
-    (llama-quant.cpp). The IQ2 presets (iq2_branch) differ: see Preset.
-    """
-    p = PRESETS[preset] if isinstance(preset, str) else preset
-    names = sorted(tensors, key=lambda s: (_layer(s), s))
-    tied = "output.weight" not in tensors
-    n_attn_v = sum(1 for s in names if "attn_v.weight" in s or "attn_qkv.weight" in s)
-    i_attn_v = i_ffn_down = i_ffn_gate = i_ffn_up = 0
-    plans = {}
-
-    def apply(rule: Rule | None, t: Q, i: int, n: int) -> Q:
-        picked = rule.pick(i, n, n_gqa, has_imatrix, n_expert) if rule else None
-        return picked if picked is not None else t
-
-    for name in names:
-        shape = tuple(tensors[name])
-        if not _quantizable(name, shape):
-            continue
-        t = p.base
-        if p.quantized:
-            ncols = shape[-1]
-            if name == "output.weight" or (tied and name == "token_embd.weight"):
-                t = Q.Q8_0 if ncols % _block(t) else (t if t == Q.Q8_0 else p.output)
-            elif name == "token_embd.weight":
-                t = p.token_embd or t
-            elif "attn_qkv.weight" in name or "attn_v.weight" in name:
-                t = apply(p.attn_v, t, i_attn_v, n_attn_v)
-                if is_70b and t in (Q.Q3_K, Q.Q4_K) and not p.iq2_branch:
-                    t = Q.Q5_K
-                if n_expert == 8 and not p.iq2_branch:
-                    t = Q.Q8_0
-                i_attn_v += 1
-            elif "attn_k.weight" in name:
-                if n_expert == 8:
-                    t = Q.Q4_K if p.iq2_branch else Q.Q8_0
-                else:
-                    t = apply(p.attn_k, t, 0, 1)
-            elif "attn_q.weight" in name:
-                t = apply(p.attn_q, t, 0, 1)
-            elif "ffn_up" in name:
-                t = apply(p.ffn_up, t, _layer(name) if n_expert > 1 else i_ffn_up, n_layer)
-                i_ffn_up += 1
-            elif "ffn_gate" in name:
-                t = apply(p.ffn_gate, t, _layer(name) if n_expert > 1 else i_ffn_gate, n_layer)
-                i_ffn_gate += 1
-            elif "ffn_down" in name:
-                i = _layer(name) if n_expert > 1 and not p.iq2_branch else i_ffn_down
-                t = apply(p.ffn_down, t, i, n_layer)
-                t = apply(p.ffn_down_imatrix if has_imatrix else p.ffn_down_no_imatrix, t, i, n_layer)
-                i_ffn_down += 1
-            elif "attn_output.weight" in name:
-                t = (p.attn_output_8_experts or p.base) if n_expert == 8 else apply(p.attn_output, t, 0, 1)
-            wanted = t
-            if ncols % _block(t):
-                t = FALLBACK.get(t, t)
-                if ncols % _block(t):
-                    t = Q.F16
-            plans[name] = TensorPlan(t, wanted)
-        else:
-            plans[name] = TensorPlan(t, t)
-    return plans
-
-
-def quantize_tensor(w: torch.Tensor, qtype: int, imatrix: torch.Tensor | None = None,
-                    errors: bool = False):
-    """Rows [N, K] -> GGML bytes [N, row_bytes] (F16/BF16/F32 are plain little-endian copies).
-
-    errors=True returns (bytes, float64 [N] squared reconstruction error per row).
-    """
-    qtype = Q(qtype)
-    if qtype in (Q.F16, Q.BF16, Q.F32):
-        dt = {Q.F16: torch.float16, Q.BF16: torch.bfloat16, Q.F32: torch.float32}[qtype]
-        data = w.to(dt).contiguous().view(torch.uint8)
-        if not errors:
-            return data
-        return data, (w.to(dt).double() - w.double()).square().sum(-1)
-    return encode_rows(w, qtype, imatrix, errors=errors)
-
-
-def dequantize_tensor(data: torch.Tensor, qtype: int) -> torch.Tensor:
-    """GGML bytes [N, row_bytes] -> float32 [N, K], on data's device for the types we write."""
-    qtype = Q(qtype)
-    if qtype in (Q.F16, Q.BF16, Q.F32):
-        dt = {Q.F16: torch.float16, Q.BF16: torch.bfloat16, Q.F32: torch.float32}[qtype]
-        return data.contiguous().view(dt).float()
-    if qtype in DECODABLE:
-        return decode_rows(data, qtype)
-    arr = _np_dequantize(data.cpu().numpy(), qtype)  # gguf's reference, every other type
-    return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32))
 
 
 class GGUFQuantizer:
@@ -527,14 +198,14 @@ class GGUFQuantizer:
                                 n_gqa=n_head // (get("num_key_value_heads") or n_head),
                                 n_expert=n_expert)
         groups: dict[str, list[str]] = {}
-        for name, plan in sorted(self.plans.items(), key=lambda kv: (_layer(kv[0]), kv[0])):
+        for name, plan in sorted(self.plans.items(), key=lambda kv: (layer_of(kv[0]), kv[0])):
             if plan.note:
                 log.info("%s: %s", name, plan.note)
                 groups.setdefault(plan.note, []).append(name)
         for note, names in groups.items():  # per tensor: INFO here, quantkit.fallbacks in the file
             log.warning("%d tensors fall back %s, e.g. %s", len(names), note, names[0])
         needy = sorted((n for n, pl in self.plans.items() if pl.qtype in self.preset.needs_imatrix
-                        and n not in ("token_embd.weight", "output.weight")), key=lambda n: (_layer(n), n))
+                        and n not in ("token_embd.weight", "output.weight")), key=lambda n: (layer_of(n), n))
         if needy and not (self.collect or self.imatrix_path is not None):
             raise SchemeMismatch(
                 f"--gguf-type {self.preset.name} needs an importance matrix: llama.cpp refuses to "
@@ -673,7 +344,7 @@ class GGUFQuantizer:
         w32 = w.detach().float()
         data, sq_err = quantize_tensor(w32, plan.qtype, qw, errors=True)
         err = float(sq_err.sum().sqrt() / w32.norm().double().clamp_min(1e-30))
-        scheme = QuantScheme(kind="kquant", bits=0, group_size=_block(plan.qtype),
+        scheme = QuantScheme(kind="kquant", bits=0, group_size=block_size(plan.qtype),
                              gguf_type=plan.qtype.name.lower())
         n, k = w32.shape
         return QuantResult(
@@ -765,8 +436,8 @@ class GGUFQuantizer:
     @staticmethod
     def _result(name: str, qtype: Q, wanted: Q, data: torch.Tensor, bias, err: float) -> QuantResult:
         n = data.shape[0]
-        k = data.shape[1] // GGML_QUANT_SIZES[qtype][1] * _block(qtype)
-        scheme = QuantScheme(kind="kquant", bits=0, group_size=_block(qtype),
+        k = data.shape[1] // type_size(qtype) * block_size(qtype)
+        scheme = QuantScheme(kind="kquant", bits=0, group_size=block_size(qtype),
                              gguf_type=qtype.name.lower())
         return QuantResult(
             name=name, scheme=scheme,
@@ -1009,7 +680,7 @@ class GGUFQuantizer:
         for gname, option in chosen.items():
             name, opts, data, bias = self.measured[gname]
             qtype = Q[option.label]
-            block = int(_layer(gname))
+            block = int(layer_of(gname))
             full = f"{spec.block_path}.{block}.{name}" if block >= 0 else name
             n = self.auto_shapes[gname]
             if option.label not in data:  # token_embd / output: only rows were measured
@@ -1053,7 +724,7 @@ class GGUFQuantizer:
             "fixed_bytes": self.fixed_bytes, "file_overhead_bytes_estimate": self.file_overhead_bytes,
             "bits_per_weight_matrices": 8 * matrix_bytes / self.matrix_params,
             "type_counts": dict(sorted(counts.items())),
-            "tensors": dict(sorted(tensors.items(), key=lambda kv: (_layer(kv[0]), kv[0]))),
+            "tensors": dict(sorted(tensors.items(), key=lambda kv: (layer_of(kv[0]), kv[0]))),
         }
         log.info("auto: %d tensors, %s, %.4f bpw over the weight matrices", len(tensors),
                  counts, self.allocation["bits_per_weight_matrices"])

@@ -1,4 +1,5 @@
-"""The scale searches of llama.cpp's ggml-quants.c, vectorised across groups, bit for bit.
+"""The torch math every GGML family shares: llama.cpp's scale searches, vectorised across
+groups, bit for bit, and the byte packing helpers of the torch encoders and decoders.
 
 Every function works on a group-major-last layout: `x[i, g]` is element i of group g, so a
 loop over the (16 or 32) elements of a group is a Python loop over rows, each op covering
@@ -22,7 +23,7 @@ import numpy as np
 import torch
 
 __all__ = ["seq_sum", "rdiv", "divs", "sqrt32", "roundf", "nint_c", "make_qkx", "make_qx", "make_qp",
-           "make_q3", "f32", "IQ4NL_VALUES", "best_index_iq4nl", "make_iq4nl"]
+           "f32", "GROUP_MAX_EPS"]
 
 GROUP_MAX_EPS = float(np.float32(1e-15))
 
@@ -78,48 +79,6 @@ def nint_c(v: torch.Tensor) -> torch.Tensor:
     the low mantissa bits of v + 1.5 * 2^23, as float32."""
     s = (v + 12582912.0).view(torch.int32)
     return ((s & 0x007FFFFF) - 0x00400000).float()
-
-
-def make_q3(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """make_q3_quants(n, nmax 4, do_rmse) for every lane: x [n, G] -> (scale [G], L [n, G]
-    codes + 4 in [0, 8)). Codes from -4/max, then up to 5 passes of coordinate descent with
-    weights x^2, each element updated in order (sequential over n, vectorised over lanes)."""
-    ax = x.abs()
-    idx = ax.argmax(0, keepdim=True)
-    amax = ax.gather(0, idx)[0]
-    mx = x.gather(0, idx)[0]
-    zero_group = amax < GROUP_MAX_EPS
-    mx = torch.where(zero_group, torch.ones_like(mx), mx)
-    iscale = rdiv(-4.0, mx)
-    L = torch.round(x * iscale).clamp_(-4, 3)
-    w = x * x
-    wx = w * x
-    sumlx = seq_sum(wx * L)
-    suml2 = seq_sum((w * L) * L)
-    for _ in range(5):
-        changed = torch.zeros_like(zero_group)
-        for i in range(x.shape[0]):
-            li = L[i]
-            slx = sumlx - wx[i] * li
-            sl2 = suml2 - (w[i] * li) * li
-            new_l = nint_c((x[i] * sl2) / slx).clamp_(-4, 3)
-            ok = (slx > 0) & (new_l != li)
-            slx = slx + wx[i] * new_l
-            sl2 = sl2 + (w[i] * new_l) * new_l
-            ok &= (sl2 > 0) & ((slx * slx) * suml2 > (sumlx * sumlx) * sl2)
-            L[i] = torch.where(ok, new_l, li)
-            sumlx = torch.where(ok, slx, sumlx)
-            suml2 = torch.where(ok, sl2, suml2)
-            changed |= ok
-        if not bool(changed.any()):
-            break
-    pos = suml2 > 0
-    scale = torch.where(pos, sumlx / torch.where(pos, suml2, torch.ones_like(suml2)),
-                        torch.zeros_like(suml2))
-    scale = torch.where(zero_group, torch.zeros_like(scale), scale)
-    L = torch.where(zero_group[None, :], torch.zeros_like(L), L + 4)
-    return scale, L
-
 
 def make_qkx(x: torch.Tensor, w: torch.Tensor, nmax: int, rmin: float, rdelta: float,
              nstep: int, mad: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -291,46 +250,58 @@ def make_qp(x: torch.Tensor, nmax: int, w: torch.Tensor) -> tuple[torch.Tensor, 
     L = torch.where(zero_group, torch.zeros_like(L), L)
     return scale, L
 
+# ----------------------------------------------------------------- bytes
 
-# llama.cpp's kvalues_iq4nl: the 16 non-uniform 4-bit levels of IQ4_NL / IQ4_XS
-IQ4NL_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
-
-
-def best_index_iq4nl(x: torch.Tensor) -> torch.Tensor:
-    """best_index_int8(16, kvalues_iq4nl, x) per element: the nearest level, ties to the lower
-    one, with the C comparisons in float32 (NaN -> 15, as the C binary search ends)."""
-    v = torch.tensor(IQ4NL_VALUES, dtype=torch.float32, device=x.device)
-    mu = torch.searchsorted(v, x.contiguous(), right=True).clamp_(1, 15)
-    idx = torch.where((x - v[mu - 1]) < (v[mu] - x), mu - 1, mu)
-    idx = torch.where(x <= v[0], torch.zeros_like(idx), idx)
-    return torch.where(x >= v[15], torch.full_like(idx, 15), idx)
+def _u8(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.int32).to(torch.uint8)
 
 
-def make_iq4nl(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """The block-scale search of quantize_row_iq4_nl_impl (ntry 7): x, w [32, G] -> scale [G].
+def _f16_bytes(t: torch.Tensor) -> torch.Tensor:
+    """[B] float32 -> [B, 2] little-endian fp16 bytes (round to nearest even, as GGML)."""
+    return t.to(torch.float16).contiguous().view(torch.uint8).view(-1, 2)
 
-    The start is the least-squares scale of the codes for d = max/127; then 15 inverse scales
-    (itry - 127)/max are tried and kept when sumqx^2/sumq2 grows. The 16 candidates are
-    independent and summed in one batch ([32, 16, G]); only the choice is a sequential scan.
-    Blocks with max |x| < GROUP_MAX_EPS get 0.
-    """
-    v = torch.tensor(IQ4NL_VALUES, dtype=torch.float32, device=x.device)
-    ax = x.abs()
-    idx = ax.argmax(0, keepdim=True)  # first occurrence, as the C strict '>'
-    zero_group = ax.gather(0, idx)[0] < GROUP_MAX_EPS
-    mx = torch.where(zero_group, torch.ones_like(ax[0]), x.gather(0, idx)[0])
-    first = rdiv(1.0, divs(-mx, -127.0))
-    inv = torch.stack([first] + [rdiv(float(t - 127), mx) for t in range(-7, 8)])  # [16, G]
-    q = v[best_index_iq4nl(x[:, None, :] * inv[None])]  # [32, 16, G]
-    wq = w[:, None, :] * q
-    sums = seq_sum(torch.stack([wq * x[:, None, :], wq * q], 1))  # [2, 16, G]
-    sumqx, sumq2 = sums[0], sums[1]
-    pos = sumq2[0] > 0
-    scale = torch.where(pos, sumqx[0] / torch.where(pos, sumq2[0], torch.ones_like(mx)), torch.zeros_like(mx))
-    best = scale * sumqx[0]
-    for c in range(1, 16):
-        take = (sumq2[c] > 0) & (sumqx[c] * sumqx[c] > best * sumq2[c])
-        new_scale = sumqx[c] / sumq2[c]
-        scale = torch.where(take, new_scale, scale)
-        best = torch.where(take, new_scale * sumqx[c], best)
-    return torch.where(zero_group, torch.zeros_like(scale), scale)
+
+def _groups(x: torch.Tensor, n: int) -> torch.Tensor:
+    """[B, m*n] -> [n, B*m]: element-major layout for the per-group loops."""
+    b = x.shape[0]
+    return x.reshape(b, -1, n).permute(2, 0, 1).reshape(n, -1)
+
+
+def _ungroup(x: torch.Tensor, b: int) -> torch.Tensor:
+    n = x.shape[0]
+    return x.reshape(n, b, -1).permute(1, 2, 0).reshape(b, -1)
+
+def _sq(t: torch.Tensor) -> torch.Tensor:
+    return t * t
+
+
+def _pos_max(t: torch.Tensor) -> torch.Tensor:
+    """Row max of [B, 8] floored at +0: the C `m = 0; if (v > m) m = v` (never -0.0)."""
+    m = t.amax(1)
+    return torch.where(m > 0, m, torch.zeros_like(m))
+
+
+def _nibbles(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    return _u8((lo.to(torch.int32) & 15) | ((hi.to(torch.int32) & 15) << 4))
+
+
+def _qh32(q: torch.Tensor) -> torch.Tensor:
+    """Bit 4 of each of 32 codes -> a little-endian uint32 as 4 bytes, [B, 4]."""
+    bits = (q.to(torch.int64) >> 4) & 1
+    word = (bits << torch.arange(32, device=q.device)).sum(1)
+    return torch.stack([_u8((word >> (8 * i)) & 255) for i in range(4)], dim=1)
+
+def _f16(b: torch.Tensor) -> torch.Tensor:
+    """[B, 2] little-endian fp16 bytes -> float32 [B]."""
+    return b.contiguous().view(torch.float16).reshape(-1).float()
+
+
+def _lo_hi(qs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    q = qs.to(torch.int32)
+    return q & 15, q >> 4
+
+
+def _bit4(qh: torch.Tensor) -> torch.Tensor:
+    """[B, 4] bytes of a little-endian uint32 -> [B, 32] bit values."""
+    word = (qh.to(torch.int64) << (8 * torch.arange(4, device=qh.device))).sum(1, keepdim=True)
+    return ((word >> torch.arange(32, device=qh.device)) & 1).to(torch.int32)
