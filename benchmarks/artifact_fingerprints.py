@@ -72,7 +72,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -312,7 +312,10 @@ def run(models: Path, out_file: Path, only: str | None, jobs: int, keep: Path | 
     models = models.resolve()
     selected = [(m, c, f) for m in MODELS for c, f in CASES
                 if only is None or fnmatch.fnmatch(f"{m}/{c}", only)]
-    selected.sort(key=lambda x: "gguf" not in x[1])  # the slowest (numba compiles) first
+    # cheapest first, so that a stopped run has recorded the most cases (its file is written
+    # after every case): GGUF compiles numba kernels in every process, SmolLM2 has 30 blocks,
+    # auto measures every tensor under several types
+    selected.sort(key=lambda x: ("gguf" in x[1], x[0] == "smollm2", x[1] == "gguf-auto"))
     env = {k: v for k, v in os.environ.items() if k not in CLEARED_ENV}
     env.update(THREAD_ENV)
     t0 = time.perf_counter()
@@ -326,16 +329,25 @@ def run(models: Path, out_file: Path, only: str | None, jobs: int, keep: Path | 
               f"{len(selected)} cases, {jobs} at a time", flush=True)
         if keep is not None:
             keep.mkdir(parents=True, exist_ok=True)
+        header = {"tree": tree, "python": sys.executable, "thread_env": THREAD_ENV,
+                  "ignored_keys": IGNORED_KEYS, "ignored_gguf_keys": IGNORED_GGUF_KEYS,
+                  "inputs": input_digests(models)}
+        cases: dict = {}
+
+        def write(complete: bool) -> dict:  # after every case: a stopped run keeps what it did
+            result = {**header, "complete": complete, "cases": dict(sorted(cases.items())),
+                      "total_seconds": round(time.perf_counter() - t0, 1)}
+            out_file.parent.mkdir(parents=True, exist_ok=True)
+            out_file.write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
+            return result
+
         with ThreadPoolExecutor(jobs) as pool:
-            futures = {f"{m}/{c}": pool.submit(run_case, models / m, c, f, work, env, norm, keep)
+            futures = {pool.submit(run_case, models / m, c, f, work, env, norm, keep): f"{m}/{c}"
                        for m, c, f in selected}
-            cases = {k: fut.result() for k, fut in futures.items()}
-    result = {"tree": tree, "python": sys.executable, "thread_env": THREAD_ENV,
-              "ignored_keys": IGNORED_KEYS, "ignored_gguf_keys": IGNORED_GGUF_KEYS,
-              "inputs": input_digests(models), "total_seconds": round(time.perf_counter() - t0, 1),
-              "cases": cases}
-    out_file.parent.mkdir(parents=True, exist_ok=True)
-    out_file.write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
+            for fut in as_completed(futures):
+                cases[futures[fut]] = fut.result()
+                write(complete=False)
+        result = write(complete=True)
     print(f"wrote {out_file} in {result['total_seconds']:.0f} s")
 
 
@@ -354,12 +366,17 @@ def _diff(a, b, where: str, out: list[str]) -> None:
         out.append(f"{where}: A {json.dumps(a)[:300]} != B {json.dumps(b)[:300]}")
 
 
-def compare(file_a: Path, file_b: Path) -> int:
+def compare(file_a: Path, file_b: Path, common_only: bool = False) -> int:
     a, b = json.loads(file_a.read_text()), json.loads(file_b.read_text())
     diffs: list[str] = []
+    for name, run_ in (("A", a), ("B", b)):
+        if not run_.get("complete", True):
+            print(f"note: {name} is an unfinished run (its missing cases are listed below)")
     _diff(a["inputs"], b["inputs"], "inputs", diffs)
     for case in sorted(set(a["cases"]) | set(b["cases"])):
         if case not in a["cases"] or case not in b["cases"]:
+            if common_only:
+                continue
             diffs.append(f"{case}: only in {'A' if case in a['cases'] else 'B'}")
             continue
         ca, cb = ({k: v for k, v in c.items() if k != "seconds"}
@@ -371,7 +388,7 @@ def compare(file_a: Path, file_b: Path) -> int:
         print(line)
     same = sum(1 for c in a["cases"] if c in b["cases"] and not any(
         d.startswith(c + "/") or d.startswith(c + ":") for d in diffs))
-    print(f"{len(diffs)} differences; {same} of {len(a['cases'])} cases identical")
+    print(f"{len(diffs)} differences; {same} of {len(a['cases'])} cases of A identical in B")
     return 1 if diffs else 0
 
 
@@ -384,18 +401,20 @@ def main() -> None:
     p.add_argument("--models", type=Path, required=True)
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--only", default=None, help="fnmatch pattern on MODEL/CASE, e.g. 'gpt_oss/*'")
-    p.add_argument("--jobs", type=int, default=2, help="cases quantized side by side")
+    p.add_argument("--jobs", type=int, default=3, help="cases quantized side by side")
     p.add_argument("--keep", type=Path, default=None, help="move the artifacts here")
     p = sub.add_parser("compare", help="print every difference; exit 1 if any")
     p.add_argument("a", type=Path)
     p.add_argument("b", type=Path)
+    p.add_argument("--common-only", action="store_true",
+                   help="compare only the cases both files hold (a partial run against a full one)")
     args = parser.parse_args()
     if args.command == "build-models":
         build_models(args.dir)
     elif args.command == "run":
         run(args.models, args.out, args.only, args.jobs, args.keep)
     else:
-        sys.exit(compare(args.a, args.b))
+        sys.exit(compare(args.a, args.b, args.common_only))
 
 
 if __name__ == "__main__":
