@@ -38,7 +38,8 @@ and these path prefixes are replaced by placeholders in every string (command, s
 calibration provenance, messages): the models directory (<MODELS>), the scratch output
 directory (<OUT>), the root of the tree that ran (<TREE>), the interpreter's prefix
 (<PREFIX>). `command` itself is kept (it is sys.argv: the same public flags on both trees).
-`kernels` (CPU, BLAS, thread counts) is kept: on one machine with the same environment it is
+Lists under UNORDERED_KEYS (`blas`: threadpoolctl's list of the loaded OpenBLAS copies, in
+load order, which varies run to run) are sorted. `kernels` (CPU, BLAS, thread counts) is kept: on one machine with the same environment it is
 the same, and a difference means the runs are not comparable.
 
 Determinism: every subprocess gets THREAD_ENV (one thread for OpenMP, MKL, OpenBLAS and numba,
@@ -88,6 +89,9 @@ CLEARED_ENV = ("PYTHONPATH", "QUANTKIT_REPRODUCIBLE", "MKL_CBWR", "MKL_ENABLE_IN
 IGNORED_KEYS = {"created": "wall-clock time of the run",
                 "seconds": "durations",
                 "quantkit_version": "package version (may be bumped; bytes must not move)"}
+# lists whose order is not the tree's doing: sorted when recorded and again when compared
+UNORDERED_KEYS = {"blas": "threadpoolctl lists the loaded OpenBLAS copies (numpy's, scipy's) in "
+                          "the order they were loaded, which varies run to run on one tree"}
 IGNORED_GGUF_KEYS = {"quantkit.version": "package version, as quantkit_version"}
 # GGUF string keys holding JSON (what quantkit.json / quantkit_stats.json hold for directories)
 GGUF_JSON_KEYS = ("quantkit.metadata", "quantkit.stats")
@@ -173,12 +177,23 @@ class Normaliser:
 
     def json(self, value):
         if isinstance(value, dict):
-            return {self.text(k): self.json(v) for k, v in value.items() if k not in IGNORED_KEYS}
+            return canonical({self.text(k): self.json(v) for k, v in value.items()
+                              if k not in IGNORED_KEYS})
         if isinstance(value, list):
             return [self.json(v) for v in value]
         if isinstance(value, str):
             return self.text(value)
         return value
+
+
+def canonical(value):
+    """`value` with the lists under UNORDERED_KEYS sorted, at any depth."""
+    if isinstance(value, dict):
+        return {k: sorted(map(canonical, v), key=json.dumps) if k in UNORDERED_KEYS
+                and isinstance(v, list) else canonical(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [canonical(v) for v in value]
+    return value
 
 
 def safetensors_fingerprint(path: Path) -> dict:
@@ -367,7 +382,7 @@ def _diff(a, b, where: str, out: list[str]) -> None:
 
 
 def compare(file_a: Path, file_b: Path, common_only: bool = False) -> int:
-    a, b = json.loads(file_a.read_text()), json.loads(file_b.read_text())
+    a, b = (canonical(json.loads(f.read_text())) for f in (file_a, file_b))
     diffs: list[str] = []
     for name, run_ in (("A", a), ("B", b)):
         if not run_.get("complete", True):
@@ -386,9 +401,10 @@ def compare(file_a: Path, file_b: Path, common_only: bool = False) -> int:
           f"{b['tree']['commit'][:10]})")
     for line in diffs:
         print(line)
-    same = sum(1 for c in a["cases"] if c in b["cases"] and not any(
-        d.startswith(c + "/") or d.startswith(c + ":") for d in diffs))
-    print(f"{len(diffs)} differences; {same} of {len(a['cases'])} cases of A identical in B")
+    both = [c for c in a["cases"] if c in b["cases"]]
+    same = sum(1 for c in both if not any(d.startswith((c + "/", c + ":")) for d in diffs))
+    print(f"{len(diffs)} differences; {same} of the {len(both)} cases both hold are identical "
+          f"(A {len(a['cases'])}, B {len(b['cases'])} cases)")
     return 1 if diffs else 0
 
 
