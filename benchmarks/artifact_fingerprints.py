@@ -8,7 +8,7 @@
 
 `build-models` saves the tiny models once (seeded, from transformers' own config classes, with
 the builders of tests/tiny_models.py of this script's tree; widths multiples of 256 so the GGUF
-K-quants apply) and links the built-in SmolLM2-135M bf16 checkpoint; every later `run` reads
+K-quants apply) and copies the built-in SmolLM2-135M bf16 checkpoint; every later `run` reads
 these same files, whichever tree it runs (their digests are recorded in the JSON, and
 `compare` reports inputs that differ).
 
@@ -39,8 +39,10 @@ calibration provenance, messages): the models directory (<MODELS>), the scratch 
 directory (<OUT>), the root of the tree that ran (<TREE>), the interpreter's prefix
 (<PREFIX>). `command` itself is kept (it is sys.argv: the same public flags on both trees).
 Lists under UNORDERED_KEYS (`blas`: threadpoolctl's list of the loaded OpenBLAS copies, in
-load order, which varies run to run) are sorted. `kernels` (CPU, BLAS, thread counts) is kept: on one machine with the same environment it is
-the same, and a difference means the runs are not comparable.
+load order, which varies run to run) are sorted. `kernels` (CPU, BLAS, thread counts) is kept:
+on one machine with the same environment it is the same, and a difference means the runs are
+not comparable. Safetensors files are compared tensor by tensor (plus their header metadata),
+not as whole files.
 
 Determinism: every subprocess gets THREAD_ENV (one thread for OpenMP, MKL, OpenBLAS and numba,
 so no sum depends on the split of work between threads or on how many cores are free) and
@@ -386,7 +388,9 @@ def compare(file_a: Path, file_b: Path, common_only: bool = False) -> int:
     diffs: list[str] = []
     for name, run_ in (("A", a), ("B", b)):
         if not run_.get("complete", True):
-            print(f"note: {name} is an unfinished run (its missing cases are listed below)")
+            print(f"note: {name} is an unfinished run; " + (
+                "only the cases both hold are compared" if common_only
+                else "its missing cases count as differences"))
     _diff(a["inputs"], b["inputs"], "inputs", diffs)
     for case in sorted(set(a["cases"]) | set(b["cases"])):
         if case not in a["cases"] or case not in b["cases"]:
