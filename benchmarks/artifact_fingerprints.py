@@ -51,8 +51,14 @@ identical (see the commands below).
 
 `compare` prints every difference (inputs, cases, tensors, files, messages), exit 1 if any.
 
-Commands (this machine, 2 cores shared; the baseline is the tree at 03b10b4):
-  python3 benchmarks/artifact_fingerprints.py build-models /work/wt/fp-models
+Measured (benchmarks/results/artifact_fingerprints_03b10b4.json, a 2-core machine shared with
+other jobs, load ~13): one full `run` took 2124 s, 35 min, 3 cases at a time (the cases' own CPU time is a fraction
+of that; alone on the machine it is far shorter). Run to run on 03b10b4 (the 13 qwen3_moe
+cases twice) and 03b10b4's .venv against an identical checkout's .venv (7 cases) the
+fingerprints were identical, once the BLAS list was sorted (UNORDERED_KEYS).
+
+Commands (this machine; the baseline is the tree at 03b10b4):
+  .venv/bin/python benchmarks/artifact_fingerprints.py build-models /work/wt/fp-models
   /work/wt/base/.venv/bin/python benchmarks/artifact_fingerprints.py run \\
       --models /work/wt/fp-models --out benchmarks/results/artifact_fingerprints_03b10b4.json
   # check a tree (from its root, with its own .venv) against the baseline:
