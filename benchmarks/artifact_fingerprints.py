@@ -52,10 +52,12 @@ identical (see the commands below).
 `compare` prints every difference (inputs, cases, tensors, files, messages), exit 1 if any.
 
 Measured (benchmarks/results/artifact_fingerprints_03b10b4.json, a 2-core machine shared with
-other jobs, load ~13): one full `run` took 2124 s, 35 min, 3 cases at a time (the cases' own CPU time is a fraction
-of that; alone on the machine it is far shorter). Run to run on 03b10b4 (the 13 qwen3_moe
-cases twice) and 03b10b4's .venv against an identical checkout's .venv (7 cases) the
-fingerprints were identical, once the BLAS list was sorted (UNORDERED_KEYS).
+other jobs, load ~13): one full `run` took 2124 s (35 min), 3 cases at a time; the cases' own
+CPU time is a fraction of that, alone on the machine it is far shorter. 43 cases write an
+artifact, 9 are refusals (gptq and modelopt formats, and gguf auto, on the three MoE models).
+Run to run on 03b10b4 (the 13 qwen3_moe cases twice) and 03b10b4's .venv against an identical
+checkout's .venv (7 cases) the fingerprints were identical, once the BLAS list was sorted
+(UNORDERED_KEYS).
 
 Commands (this machine; the baseline is the tree at 03b10b4):
   .venv/bin/python benchmarks/artifact_fingerprints.py build-models /work/wt/fp-models
