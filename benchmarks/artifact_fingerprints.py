@@ -260,7 +260,7 @@ def gguf_fingerprint(path: Path, norm: Normaliser) -> dict:
                  "sha256": _sha(b"".join(bytes(p.tobytes()) for p in field.parts))}
         try:
             value = field.contents()
-        except Exception as exc:  # noqa: BLE001 (a field the reader cannot decode: its bytes say it)
+        except Exception as exc:  # noqa: BLE001 (undecodable: its sha256 still compares)
             value = f"<undecodable: {type(exc).__name__}>"
         text = json.dumps(value, default=str)
         if len(text) <= SHORT_VALUE:
