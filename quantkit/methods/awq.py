@@ -77,7 +77,7 @@ from quantkit.methods.scaling import (
     scale_plans,
     submodule,
 )
-from quantkit.types import BlockContext, QuantResult, QuantScheme
+from quantkit.types import BlockContext, Quantizer, QuantResult, QuantScheme
 
 __all__ = ["AWQQuantizer", "fake_quantize", "candidate_scales", "search_clip", "weight_mean",
            "DEFAULT_GRID", "MIN_CALIB_TOKENS"]
@@ -274,7 +274,7 @@ def search_clip(w: torch.Tensor, x: torch.Tensor, scheme: QuantScheme, n_grid: i
 
 # ---------------------------------------------------------------- the pipeline-facing side
 
-class AWQQuantizer:
+class AWQQuantizer(Quantizer):
     """AWQ for the block pipeline. Options (all keyword):
 
     n_grid (20) alpha points; duo_scaling (True) uses w_mean too; clip (True) searches

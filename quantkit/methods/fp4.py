@@ -64,7 +64,7 @@ from quantkit.methods.gptq import (
     shared_input_sets,
 )
 from quantkit.methods.intquant import announce_rtn_fallback, borrow_input_scales, starved_experts
-from quantkit.types import BlockContext, QuantResult, QuantScheme
+from quantkit.types import BlockContext, Quantizer, QuantResult, QuantScheme
 
 __all__ = ["FP4Quantizer", "FP4ColumnGrid", "fp4_scheme", "gptq_fp4", "NVFP4_SCHEMES", "GROUPS",
            "ROUNDINGS"]
@@ -122,7 +122,7 @@ def gptq_fp4(weight: torch.Tensor, hessian: torch.Tensor, step: torch.Tensor, gr
 
 # ---------------------------------------------------------------- the quantizer ----
 
-class FP4Quantizer:
+class FP4Quantizer(Quantizer):
     """NVFP4 (W4A16 / W4A4) or MXFP4 (W4A16) weights. Options:
 
     method    nvfp4 | mxfp4

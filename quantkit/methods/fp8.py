@@ -28,7 +28,7 @@ import torch
 from quantkit.arch import EXPERT
 from quantkit.errors import CalibrationError, SchemeMismatch
 from quantkit.methods.intquant import borrow_input_scales, starved_experts
-from quantkit.types import BlockContext, QuantResult, QuantScheme
+from quantkit.types import BlockContext, Quantizer, QuantResult, QuantScheme
 
 __all__ = ["FP8Quantizer", "FP8Layout", "PRESETS", "fp8_scheme", "resolve_layout", "fused_groups",
            "quantize_fp8_weight", "dequantize_fp8", "FP8_MAX"]
@@ -172,7 +172,7 @@ def _with_fused_partners(names, shapes: dict, spec) -> set[str]:
     return out
 
 
-class FP8Quantizer:
+class FP8Quantizer(Quantizer):
     """FP8 E4M3 weights (+ static input scales when asked). Options:
 
     scheme        dynamic | static | block (presets, see PRESETS)

@@ -35,7 +35,7 @@ from quantkit.methods.intquant import (
     rtn_fallback,
 )
 from quantkit.methods.jit import compiled_available
-from quantkit.types import BlockContext, QuantResult, QuantScheme, int_qrange
+from quantkit.types import BlockContext, Quantizer, QuantResult, QuantScheme, int_qrange
 
 __all__ = ["GPTQQuantizer", "GPTQOutput", "gptq_quantize", "inverse_hessian_factor",
            "ColumnGrid", "IntColumnGrid", "gptq_column_loop", "prepare_hessian",
@@ -341,7 +341,7 @@ def _gptq(weight: torch.Tensor, hessian: torch.Tensor, scheme: QuantScheme, damp
                       g_idx=g_idx, damp=used_damp)
 
 
-class GPTQQuantizer:
+class GPTQQuantizer(Quantizer):
     """The pipeline-facing side: Hessians in, QuantResults out, one sequential group at a time.
 
     Options: damp (fraction of mean diag H, default 0.01), block_size (128),

@@ -44,7 +44,7 @@ from quantkit.methods.smoothquant import (
     check_alpha,
     smooth_block,
 )
-from quantkit.types import BlockContext, QuantResult, QuantScheme
+from quantkit.types import BlockContext, Quantizer, QuantResult, QuantScheme
 
 __all__ = ["Int8Quantizer", "int8_scheme", "SCHEMES", "ROUNDINGS", "STATIC_QMAX"]
 
@@ -63,7 +63,7 @@ def int8_scheme(scheme: str = "dynamic") -> QuantScheme:
     return QuantScheme(kind="int", bits=8, group_size=-1, symmetric=True, activations=scheme)
 
 
-class Int8Quantizer:
+class Int8Quantizer(Quantizer):
     """W8A8 int8 for the block pipeline. Options:
 
     scheme       dynamic (per-token inputs, no calibration needed) | static (per-tensor)

@@ -72,7 +72,7 @@ from quantkit.methods.bit_allocation import Option
 from quantkit.methods.imatrix import ImatrixData, load_imatrix, save_imatrix
 from quantkit.methods.kquants_decode import DECODABLE, decode_rows
 from quantkit.methods.kquants_encode import encode_rows, preload_compiled
-from quantkit.types import BlockContext, QuantResult, QuantScheme
+from quantkit.types import BlockContext, Quantizer, QuantResult, QuantScheme
 
 __all__ = ["PRESETS", "Preset", "Rule", "TensorPlan", "plan_types", "quantize_tensor", "dequantize_tensor",
            "use_more_bits", "GGUFQuantizer", "gguf_linear_name"]
@@ -384,7 +384,7 @@ def _is_70b(spec, config) -> bool:
     return spec.gguf_arch == "qwen2"
 
 
-class GGUFQuantizer:
+class GGUFQuantizer(Quantizer):
     """llama.cpp's quantization, in Python: per-tensor type mix + K-quant encoders.
 
     Options: gguf_type (a PRESETS key), imatrix (None, a llama.cpp imatrix file - GGUF or
@@ -406,6 +406,7 @@ class GGUFQuantizer:
     name = "gguf"
     propagate_quantized = False  # like llama-imatrix: statistics of the float model
     calib_batch_size = 8  # sums of x^2 do not care how tokens are batched; bigger is faster
+    quantizes_outside_blocks = True  # token_embd / output, and the auto solve over all blocks
 
     def __init__(self, gguf_type: str = "q4_k_m", imatrix: str | Path | bool | None = None,
                  imatrix_out: str | Path | None = None, imatrix_dataset: str | None = None,

@@ -5,12 +5,12 @@ from __future__ import annotations
 import time
 
 from quantkit.methods.intquant import check_int_scheme, check_no_act_order, rtn_quantize_weight
-from quantkit.types import BlockContext, QuantResult, QuantScheme
+from quantkit.types import BlockContext, Quantizer, QuantResult, QuantScheme
 
 __all__ = ["RTNQuantizer"]
 
 
-class RTNQuantizer:
+class RTNQuantizer(Quantizer):
     name = "rtn"
     stats: tuple[str, ...] = ()
     propagate_quantized = False  # RTN reads no activations, so nothing needs propagating

@@ -238,17 +238,17 @@ def plan_request(req: QuantizeRequest, config, spec: ArchSpec, quantizer,
                     calib_samples=req.calib_samples, calib_seqlen=req.calib_seqlen,
                     calibrated=quantizer.needs_calibration or bool(req.kv_cache),
                     device=_device(req.device),
-                    calib_batch=getattr(quantizer, "calib_batch_size", 1),
+                    calib_batch=quantizer.calib_batch_size,
                     store_dtype=_storage_dtype(raw_config), streaming=req.stream is not False,
                     compute_dtype=compute_dtype_for(
                         _device(req.device), _storage_dtype(raw_config),
                         quantizer.needs_calibration or bool(req.kv_cache), req.reproducible),
-                    resume=req.resume and not hasattr(quantizer, "quantize_rest")
+                    resume=req.resume and not quantizer.quantizes_outside_blocks
                     and not req.kv_cache,
-                    true_sequential=getattr(quantizer, "true_sequential", False),
+                    true_sequential=quantizer.true_sequential,
                     moe_all_experts=req.moe_calibrate_all_experts,
-                    awq_expert_input_bytes=getattr(quantizer, "expert_input_bytes", None),
-                    hessians="hessian" in getattr(quantizer, "stats", ()),
+                    awq_expert_input_bytes=quantizer.expert_input_bytes,
+                    hessians="hessian" in quantizer.stats,
                     attention_v=wants_attention_v(quantizer) and spec.name in ATTENTION_V_ARCHS)
 
 
@@ -269,7 +269,7 @@ def plan(req: QuantizeRequest) -> tuple[MemoryPlan, dict]:
             "scheme": req.scheme.describe(), "device": _device(req.device),
             "calib_samples": req.calib_samples if calibrated else 0,
             "calib_seqlen": req.calib_seqlen if calibrated else 0,
-            **({"rounding": quantizer.rounding} if hasattr(quantizer, "rounding") else {}),
+            **({"rounding": quantizer.rounding} if quantizer.rounding is not None else {}),
             **({"kv_cache": req.kv_cache} if req.kv_cache else {}),
             **({"group_size_choice": group_note} if group_note else {})}
     return plan_request(req, config, spec, quantizer, raw_config), info
@@ -340,7 +340,7 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
     raw_config = read_config_json(source.path)
     spec = spec_for_config(raw_config)  # before transformers parses it: cheap, clear errors
     check_moe_support(spec, req.method, writer.name, quantizer.needs_calibration,
-                      getattr(quantizer, "moe_calibrated", False))
+                      quantizer.moe_calibrated)
     check_attention_v(spec, quantizer)
     if req.kv_cache:
         check_kv_cache(req.kv_cache, writer.name, spec, dp is not None)
@@ -360,13 +360,13 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
         check_kept_modules(writer, config, spec, shapes)
     if hasattr(writer, "check_source"):  # writers that embed tokenizer/config (GGUF) check them now
         writer.check_source(source.path, config)
-    if hasattr(quantizer, "file_overhead_bytes") and hasattr(writer, "overhead_bytes"):
+    if quantizer.file_overhead_bytes is not None and hasattr(writer, "overhead_bytes"):
         # a whole-file size budget (GGUF auto --target-size): what the file holds besides the
         # weight matrices, known before any data is read
         floats, n_tensors = _non_matrix_values(config, spec, shapes)
         quantizer.file_overhead_bytes = writer.overhead_bytes(config, floats, n_tensors)
-    if hasattr(quantizer, "prepare"):  # per-tensor plans (GGUF type mix) from the config alone
-        quantizer.prepare(config=config, spec=spec, shapes=shapes)
+    # per-tensor plans (GGUF type mix) from the config alone
+    quantizer.prepare(config=config, spec=spec, shapes=shapes)
     device = dp_device or _device(req.device)
     mem_plan = plan_request(req, config, spec, quantizer, raw_config)
     if req.memory_check:
@@ -400,7 +400,7 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
     store_dtype = _storage_dtype(raw_config)
     compute_dtype = compute_dtype_for(device, store_dtype, calibrate, req.reproducible)
     # methods may ask for larger calibration batches (fewer, bigger ops: much faster on CPU)
-    batch = getattr(quantizer, "calib_batch_size", 1)
+    batch = quantizer.calib_batch_size
     if offload:  # GPU memory is short: smaller forwards too (what the plan assumed)
         batch = min(batch, OFFLOAD_BATCH)
         if calib is not None:  # the first block's pinned host memory, got while the scan reads
@@ -415,7 +415,7 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
     ckpt = None
     # data-parallel ranks hold only their shard's hidden states: no per-block checkpoints
     # GGUF keeps cross-block state; KV-cache scales are not checkpointed (yet)
-    if req.resume and dp is None and not hasattr(quantizer, "quantize_rest") and not req.kv_cache:
+    if req.resume and dp is None and not quantizer.quantizes_outside_blocks and not req.kv_cache:
         describe = {"model": str(source.path), "model_files": model_fingerprint(source.path),
                     "method": req.method, "format": writer.name,
                     "scheme": dataclasses.asdict(req.scheme), "options": req.method_options,
@@ -439,10 +439,10 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
                               kv_absmax=kv_absmax)
     if dp is not None and not dp.is_main:  # rank 0 alone writes the artifact
         return {"rank": dp.rank, "world_size": dp.world}
-    if hasattr(quantizer, "quantize_rest"):  # tensors outside the blocks (GGUF embeddings)
+    if quantizer.quantizes_outside_blocks:  # tensors outside the blocks (GGUF embeddings)
         # the final norm too for a method that reads the head's input (GGUF auto)
-        wanted = (spec.embed, spec.lm_head) + ((spec.final_norm,) if getattr(
-            quantizer, "reads_final_norm", False) else ())
+        wanted = (spec.embed, spec.lm_head) + ((spec.final_norm,) if quantizer.reads_final_norm
+                                           else ())
         present = dict(model.named_modules())
         outside = [m for m in wanted if streaming and m in present]
         for name in outside:
@@ -481,7 +481,7 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
         **({"fallbacks": fb} if (fb := {n: r.fallback for n, r in results.items()
                                          if r.fallback}) else {}),
         # per-tensor types the method chose itself (GGUF auto: the budget, the solve, each type)
-        **({"gguf_auto": quantizer.allocation} if getattr(quantizer, "allocation", None) else {}),
+        **({"gguf_auto": quantizer.allocation} if quantizer.allocation else {}),
         "device": device, "compute_dtype": str(compute_dtype).removeprefix("torch."),
         # which float32 kernels ran: artifacts whose facts differ may differ in their codes
         **({"kernels": kernel_facts()} if device == "cpu" else {}),
