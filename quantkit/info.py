@@ -106,7 +106,7 @@ def nominal_bits_per_weight(scheme: dict | None) -> float | None:
     if not scheme:
         return None
     if scheme.get("kind") == "kquant" or scheme.get("gguf_type"):
-        from quantkit.pipeline.plan import GGUF_NOMINAL_BPW
+        from quantkit.methods.kquants import GGUF_NOMINAL_BPW
 
         return GGUF_NOMINAL_BPW.get(str(scheme.get("gguf_type")))
     if scheme.get("kind") == "fp8":

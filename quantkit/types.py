@@ -17,6 +17,7 @@ __all__ = [
     "QuantResult",
     "BlockContext",
     "Quantizer",
+    "PlanFacts",
     "ProgressFn",
     "int_qrange",
     "EXPERT_MIN_TOKENS",
@@ -149,6 +150,30 @@ class BlockContext:
     arch: Any = None  # quantkit.arch.ArchSpec
     options: dict[str, Any] = field(default_factory=dict)
     collect: Callable[[list[str], tuple[str, ...]], dict[str, dict[str, Any]]] | None = None
+
+
+@dataclass(frozen=True)
+class PlanFacts:
+    """What `quantkit plan` knows of a run when it asks a method for its own memory and disk
+    terms (quantkit.pipeline.plan): shapes from the config, sizes in bytes."""
+
+    config: Any
+    spec: Any  # quantkit.arch.ArchSpec
+    scheme: QuantScheme
+    linears: list[dict[str, tuple[int, int]]]  # per block: Linear name -> [N, K]
+    tokens: int  # calibration tokens (0 without calibration)
+    cuda: bool
+    hidden: int
+    inter: int
+    act_bytes: int  # bytes per activation value (the compute dtype's)
+    block_params: int  # the largest block's parameters
+    moe: bool
+    moe_all_experts: bool
+    expert_input_bytes: int | None  # AWQQuantizer's expert_input_bytes (None: its default)
+    quantized: int  # quantized weights of the blocks
+    scales: int  # scale groups of the blocks
+    outside: int  # parameters outside the blocks
+    dense_outside: int  # their bytes in the stored dtype
 
 
 class Quantizer:

@@ -47,6 +47,7 @@ from pathlib import Path
 import torch
 
 from quantkit.formats.common import (
+    FormatRecord,
     linear_tensors,
     load_tensors,
     read_config,
@@ -206,3 +207,7 @@ def read_awq_gemm(path: Path, dtype: torch.dtype = torch.float32) -> dict[str, t
         elif not key.endswith(_SUFFIXES):
             out[key] = t.to(dtype) if t.is_floating_point() else t
     return out
+
+
+# AutoAWQ GEMM (vLLM awq / awq_marlin); per-expert tensors vLLM's FusedMoE loader reads
+RECORD = FormatRecord("awq", AWQGemmWriter, read=read_awq_gemm, stores_experts=lambda spec: True)

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -12,7 +15,7 @@ from safetensors.torch import save_file
 from quantkit.readers import read_config_json, safetensors_files, safetensors_headers
 
 __all__ = ["save_tensors", "load_tensors", "read_config", "write_config", "read_safetensors_headers",
-           "linear_tensors", "SHARD_BYTES"]
+           "linear_tensors", "SHARD_BYTES", "FormatRecord"]
 
 SHARD_BYTES = 4 * 1024**3
 
@@ -81,3 +84,25 @@ def linear_tensors(dense: dict[str, torch.Tensor], results: dict, pack, bias_dty
         if r.bias is not None:
             tensors[f"{name}.bias"] = r.bias.to(bias_dtype)
     return tensors
+
+
+def _stores_no_experts(_spec) -> bool:
+    return False
+
+
+@dataclass(frozen=True)
+class FormatRecord:
+    """Everything the conductor and the readers know about one artifact format.
+
+    `writer()` builds its writer; `read(path, dtype)` its weights dequantized (None: no dense
+    reader); `prepare(model, path)` the run-time behaviour beyond the weights (inputs rounded
+    the way the engine does); `kv_cache`: the engine loads k/v scales from it;
+    `stores_experts(spec)`: its tensor names for a mixture-of-experts model are verified
+    (what the engine's MoE loader reads)."""
+
+    name: str
+    writer: Callable[[], Any]
+    read: Callable[[Path, torch.dtype], dict[str, torch.Tensor]] | None = None
+    prepare: Callable[[torch.nn.Module, Path], None] | None = None
+    kv_cache: bool = False
+    stores_experts: Callable[[Any], bool] = _stores_no_experts

@@ -24,7 +24,13 @@ import torch
 
 from quantkit.errors import ModelLoadError, SchemeMismatch
 from quantkit.formats.activations import install_input_quant, quantized_linear_inputs
-from quantkit.formats.common import load_tensors, read_config, save_tensors, write_config
+from quantkit.formats.common import (
+    FormatRecord,
+    load_tensors,
+    read_config,
+    save_tensors,
+    write_config,
+)
 from quantkit.types import QuantResult, QuantScheme
 
 __all__ = ["FP8CompressedTensorsWriter", "VllmFP8Writer", "KindDispatch", "FP8Layout",
@@ -324,3 +330,9 @@ def prepare_fp8_model(model: torch.nn.Module, path: Path, fmt: str) -> int:
     if mode == "static" and any(s is None for _, _, s in plan.values()):
         raise ModelLoadError(f"{path}: static FP8 activations but some Linears lack input_scale.")
     return install_input_quant(model, plan, fake_quant_input)
+
+
+# vLLM's native quant_method "fp8"
+RECORD = FormatRecord("fp8", VllmFP8Writer, read=read_vllm_fp8,
+                      prepare=lambda model, path: prepare_fp8_model(model, path, "fp8"),
+                      kv_cache=True)

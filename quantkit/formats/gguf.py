@@ -41,6 +41,7 @@ from gguf import (
 
 from quantkit.arch import ArchSpec, spec_for_config
 from quantkit.errors import SchemeMismatch, UnsupportedArchitecture
+from quantkit.formats.common import FormatRecord
 from quantkit.formats.gguf_tokenizer import read_tokenizer
 from quantkit.readers import GGUFTensor, bad_gguf, read_gguf
 from quantkit.types import QuantResult, QuantScheme
@@ -678,3 +679,9 @@ def gguf_metadata(path: str | Path, kv: dict | None = None) -> dict:
         if (None if ftype is None else int(ftype)) not in written:
             return {}  # inherited from the input of another tool's rewrite
     return meta
+
+
+# llama.cpp's 3-D ffn_*_exps, for the architectures with GGUF expert names
+RECORD = FormatRecord(
+    "gguf", GGUFFileWriter,
+    stores_experts=lambda spec: spec.gguf_slot(spec.experts.linear("gate", 0)) is not None)

@@ -35,6 +35,7 @@ from quantkit.methods.intquant import (
     rtn_fallback,
 )
 from quantkit.methods.jit import compiled_available
+from quantkit.methods.options import MethodRecord, int_scheme, int_scheme_args
 from quantkit.types import BlockContext, Quantizer, QuantResult, QuantScheme, int_qrange
 
 __all__ = ["GPTQQuantizer", "GPTQOutput", "gptq_quantize", "inverse_hessian_factor",
@@ -461,3 +462,10 @@ def shared_input_sets(ctx: BlockContext, names: list[str]) -> list[list[str]]:
         else:
             sets.append([lname])
     return sets
+
+
+RECORDS = (MethodRecord(
+    name="gptq", quantizer=GPTQQuantizer, build=int_scheme, command_args=int_scheme_args,
+    reads_calibration=lambda options: True, handles_experts=True, solves_hessians=True,
+    # GPTQ onto GGML grids is the gguf method's gptq rounding
+    format_aliases={"gguf": ("gguf", {"rounding": "gptq"})}),)

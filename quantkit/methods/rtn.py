@@ -5,9 +5,10 @@ from __future__ import annotations
 import time
 
 from quantkit.methods.intquant import check_int_scheme, check_no_act_order, rtn_quantize_weight
+from quantkit.methods.options import MethodRecord, int_scheme, int_scheme_args
 from quantkit.types import BlockContext, Quantizer, QuantResult, QuantScheme
 
-__all__ = ["RTNQuantizer"]
+__all__ = ["RTNQuantizer", "RECORDS"]
 
 
 class RTNQuantizer(Quantizer):
@@ -30,3 +31,8 @@ class RTNQuantizer(Quantizer):
             res.seconds = time.perf_counter() - t0
             results[name] = res
         return results
+
+
+RECORDS = (MethodRecord(
+    name="rtn", quantizer=RTNQuantizer, build=int_scheme, command_args=int_scheme_args,
+    handles_experts=True),)
