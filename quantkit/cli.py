@@ -27,6 +27,7 @@ from quantkit.methods.options import (
     FORMAT_FLAG,
     Flag,
     FlagValues,
+    shared_options,
 )
 
 # emoji off: rich would turn ":train:" in user input (hf:wikitext:...:train:text) into a symbol;
@@ -174,7 +175,7 @@ def _request(**extra):
     if alias:  # the format makes it another method's request (GPTQ onto GGML grids)
         method, overrides = alias
         ctx.params.update(overrides)
-    values = check_flags_apply(ctx, method)  # before the methods' math is imported: instant
+    values = check_flags_apply(ctx, method)  # before the pipeline and the model load
     from quantkit.pipeline.quantize import QuantizeRequest
 
     record = method_record(method)
@@ -183,14 +184,7 @@ def _request(**extra):
         if FORMAT_FLAG in values.explicit:
             raise QuantkitError(*record.native_format_refusal)
         p[FORMAT_FLAG] = record.native_format
-    options: dict = {}  # GPTQ's flags, whichever method reads them
-    if p["damp"] is not None:
-        options["damp"] = p["damp"]
-    if p["true_sequential"] is False:
-        options["true_sequential"] = False
-    if p["gptq_v_hessian"] not in (None, "tokens"):  # the default is left out: same request as before
-        options["v_hessian"] = p["gptq_v_hessian"]
-    built = record.build(values, options)
+    built = record.build(values, shared_options(values))
     return QuantizeRequest(model=model, method=method, scheme=built.scheme,
                            out=Path(p.get("output") or "."), format=built.format,
                            force=bool(p.get("force")), calib=p["calib"],

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from quantkit.formats import WRITERS, format_record, get_writer, kv_cache_formats
+from quantkit.formats.common import FormatWriter
 from quantkit.methods import CLI_METHODS, get_quantizer, method_record, registry
 from quantkit.methods.options import FLAG_READERS, FLAGS
 from quantkit.types import Quantizer
@@ -43,14 +44,15 @@ def test_unknown_names_are_refused_with_the_registered_ones():
 @pytest.mark.parametrize("name", WRITERS)
 def test_every_format_is_registered_under_its_writers_name(name):
     assert format_record(name).name == name
-    assert get_writer(name).name == name
+    writer = get_writer(name)
+    assert writer.name == name and isinstance(writer, FormatWriter)
 
 
 def test_kv_cache_formats():
     assert kv_cache_formats() == ("compressed-tensors", "fp8", "modelopt")
 
 
-def test_the_pipeline_reads_quantizer_hooks_without_probing():
-    probes = re.compile(r"(hasattr|getattr)\(quantizer\b")
+def test_the_pipeline_reads_quantizer_and_writer_hooks_without_probing():
+    probes = re.compile(r"(hasattr|getattr)\((quantizer|writer)\b")
     for path in (ROOT / "pipeline").glob("*.py"):
         assert not probes.search(path.read_text()), path.name

@@ -48,6 +48,7 @@ import torch
 
 from quantkit.formats.common import (
     FormatRecord,
+    FormatWriter,
     linear_tensors,
     load_tensors,
     read_config,
@@ -151,9 +152,10 @@ def quantization_config(scheme: QuantScheme, ignore: list[str]) -> dict:
             "zero_point": True, "modules_to_not_convert": list(ignore)}
 
 
-class AWQGemmWriter:
+class AWQGemmWriter(FormatWriter):
     name = "awq"
     engines = ("vllm",)
+    checks_modules = True  # modules_to_not_convert is matched by substring
 
     def check(self, scheme: QuantScheme, shapes: dict[str, tuple[int, int]]) -> list[str]:
         """What the layout cannot hold; runs before calibration."""

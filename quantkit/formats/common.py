@@ -106,3 +106,41 @@ class FormatRecord:
     prepare: Callable[[torch.nn.Module, Path], None] | None = None
     kv_cache: bool = False
     stores_experts: Callable[[Any], bool] = _stores_no_experts
+
+
+class FormatWriter:
+    """An artifact format's writer. Every writer derives from this class; each hook the
+    pipeline reads is declared here with its default, so the pipeline reads attributes
+    directly and a writer overrides only what it changes."""
+
+    name: str = ""
+    engines: tuple[str, ...] = ()  # the engines the artifact is meant for
+    # one file (GGUF): write() gets a file path, and the run's metadata goes inside the file
+    single_file: bool = False
+    # the artifact embeds the source's tokenizer and config: check_source checks them (and
+    # loads the tokenizer) before any work
+    embeds_source: bool = False
+    # an ignore list matched by substring (AutoAWQ's modules_to_not_convert): check_modules
+    # must see every module the artifact keeps unquantized
+    checks_modules: bool = False
+    # overhead_bytes knows what the file holds besides the weight matrices (a whole-file
+    # size budget needs it before any data is read)
+    sizes_overhead: bool = False
+
+    def check(self, scheme, shapes: dict[str, tuple[int, int]]) -> list[str]:
+        """Problems with storing `scheme` for these Linear shapes, before any calibration."""
+        return []
+
+    def check_modules(self, ignore: list[str], kept, quantized) -> list[str]:
+        """Problems with naming the kept modules apart from the quantized ones."""
+        return []
+
+    def check_source(self, source_dir: Path, config) -> None:
+        """Refuse a source whose tokenizer or config the artifact cannot embed."""
+
+    def overhead_bytes(self, config, float_values: int, n_tensors: int) -> int:
+        """Bytes of the file besides the weight matrices."""
+        return 0
+
+    def write(self, out_dir: Path, **kw) -> None:
+        raise NotImplementedError

@@ -32,6 +32,7 @@ from quantkit.formats.activations import (
 )
 from quantkit.formats.common import (
     FormatRecord,
+    FormatWriter,
     load_tensors,
     read_config,
     save_tensors,
@@ -111,7 +112,7 @@ def int_quantized_config(activations: str, ignore: list[str]) -> dict:
     return out
 
 
-class CompressedTensorsWriter:
+class CompressedTensorsWriter(FormatWriter):
     name = "compressed-tensors"
     engines = ("vllm",)
 

@@ -41,7 +41,7 @@ from gguf import (
 
 from quantkit.arch import ArchSpec, spec_for_config
 from quantkit.errors import SchemeMismatch, UnsupportedArchitecture
-from quantkit.formats.common import FormatRecord
+from quantkit.formats.common import FormatRecord, FormatWriter
 from quantkit.formats.gguf_tokenizer import read_tokenizer
 from quantkit.readers import GGUFTensor, bad_gguf, read_gguf
 from quantkit.types import QuantResult, QuantScheme
@@ -352,10 +352,12 @@ def _check_qwen3moe(config: dict) -> None:
             "Use --format compressed-tensors for this model.")
 
 
-class GGUFFileWriter:
+class GGUFFileWriter(FormatWriter):
     name = "gguf"
     engines = ("llama.cpp",)
     single_file = True  # the pipeline hands write() a file path, and no side files are written
+    embeds_source = True  # tokenizer and config go into the file's metadata
+    sizes_overhead = True
 
     def check(self, scheme: QuantScheme, shapes: dict[str, tuple[int, int]]) -> list[str]:
         problems = []

@@ -34,6 +34,7 @@ import torch
 
 from quantkit.formats.common import (
     FormatRecord,
+    FormatWriter,
     linear_tensors,
     load_tensors,
     read_config,
@@ -115,7 +116,7 @@ def quantization_config(scheme: QuantScheme, desc_act: bool) -> dict:
     }
 
 
-class GPTQv1Writer:
+class GPTQv1Writer(FormatWriter):
     name = "gptq"
     engines = ("vllm",)
 

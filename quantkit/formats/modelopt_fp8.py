@@ -29,7 +29,13 @@ import torch
 
 import quantkit
 from quantkit.errors import ModelLoadError, SchemeMismatch
-from quantkit.formats.common import FormatRecord, load_tensors, save_tensors, write_config
+from quantkit.formats.common import (
+    FormatRecord,
+    FormatWriter,
+    load_tensors,
+    save_tensors,
+    write_config,
+)
 from quantkit.formats.fp8 import FP8Layout, KindDispatch, dequantize_fp8, prepare_fp8_model
 from quantkit.readers import read_config_json, read_json
 from quantkit.types import QuantResult, QuantScheme
@@ -91,7 +97,7 @@ def _exclusions(ignore: list[str], dense: dict[str, torch.Tensor], skipped: list
     return sorted(names)
 
 
-class ModelOptFP8Writer:
+class ModelOptFP8Writer(FormatWriter):
     name = "modelopt"
     engines: tuple[str, ...] = ("trtllm",)
 

@@ -18,7 +18,7 @@ from quantkit.errors import QuantkitError
 from quantkit.types import EXPERT_MIN_TOKENS, PlanFacts, Quantizer, QuantScheme
 
 __all__ = ["Flag", "FLAGS", "FLAG_READERS", "CALIB_FLAGS", "MOE_FLAGS", "FlagValues",
-           "MethodRequest", "MethodRecord", "parse_size", "int_scheme_args",
+           "MethodRequest", "MethodRecord", "parse_size", "int_scheme_args", "shared_options",
            "check_gptq_rounding_flags"]
 
 _DEFAULT = QuantScheme()
@@ -255,6 +255,19 @@ def parse_size(text: str, flag: str = "--target-size") -> int:
     if size < 1:
         raise QuantkitError(f"{flag} {text!r} is not a positive size.", "e.g. 80MB or 1.5GiB.")
     return size
+
+
+def shared_options(v: FlagValues) -> dict:
+    """The options of the flags several methods read alike (GPTQ's), before a record's
+    builder adds its own: their order is the order quantkit.json records."""
+    options: dict = {}
+    if v["damp"] is not None:
+        options["damp"] = v["damp"]
+    if v["true_sequential"] is False:
+        options["true_sequential"] = False
+    if v["gptq_v_hessian"] not in (None, "tokens"):  # the default is left out: same request
+        options["v_hessian"] = v["gptq_v_hessian"]
+    return options
 
 
 def check_gptq_rounding_flags(method: str, v: FlagValues) -> None:

@@ -329,11 +329,11 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
         raise SchemeMismatch(f"Format {writer.name} cannot store this: " + "; ".join(problems) + ".",
                              f"Choose another --format ({FORMAT_CHOICES}) or the scheme flags "
                              "the message names.")
-    if hasattr(writer, "check_modules"):  # an ignore list matched by substring (AutoAWQ's)
+    if writer.checks_modules:  # an ignore list matched by substring (AutoAWQ's)
         check_kept_modules(writer, config, spec, shapes)
-    if hasattr(writer, "check_source"):  # writers that embed tokenizer/config (GGUF) check them now
+    if writer.embeds_source:  # writers that embed tokenizer/config (GGUF) check them now
         writer.check_source(source.path, config)
-    if quantizer.file_overhead_bytes is not None and hasattr(writer, "overhead_bytes"):
+    if quantizer.file_overhead_bytes is not None and writer.sizes_overhead:
         # a whole-file size budget (GGUF auto --target-size): what the file holds besides the
         # weight matrices, known before any data is read
         floats, n_tensors = _non_matrix_values(config, spec, shapes)
@@ -359,7 +359,7 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
     # before any work, so a broken tokenizer fails fast; a writer that embeds the tokenizer
     # (GGUF) has loaded and checked it in check_source, and only calibration needs it again
     tokenizer = None
-    if calibrate or not hasattr(writer, "check_source"):
+    if calibrate or not writer.embeds_source:
         tokenizer = load_tokenizer(source.path, trust_remote_code=req.trust_remote_code)
 
     calib = None
@@ -474,7 +474,7 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
     if spec.checkpoint_renames:  # the engines load the checkpoint's names (Mixtral's)
         dense = {spec.checkpoint_name(k): v for k, v in dense.items()}
         results = CheckpointNamed(results, spec)
-    if getattr(writer, "single_file", False):  # one file (GGUF): metadata goes inside it
+    if writer.single_file:  # one file (GGUF): metadata goes inside it
         meta["seconds"]["total"] = round(time.perf_counter() - t_start, 3)
         with atomic_output(out, req.force, is_dir=False) as tmp:
             writer.write(tmp, config=out_config, dense=dense, results=results,
