@@ -134,7 +134,7 @@ def run_quantkit(variant: str, args, shape: dict) -> dict:
         quantizer, true_sequential = AWQQuantizer(), False
     else:
         quantizer = GPTQQuantizer(true_sequential=true_sequential)
-    batch = getattr(quantizer, "calib_batch_size", 1)
+    batch = quantizer.calib_batch_size
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 128000, (args.samples, args.seqlen), generator=g)
     batches = list(ids.split(batch))

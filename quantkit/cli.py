@@ -7,6 +7,7 @@ import os
 import shlex
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import click
@@ -17,16 +18,22 @@ from rich.table import Table
 from rich.text import Text
 
 from quantkit.errors import QuantkitError
-from quantkit.types import EXPERT_MIN_TOKENS as _EXPERT_MIN_TOKENS
-from quantkit.types import QuantScheme
+from quantkit.formats import DEFAULT_FORMAT, FORMAT_CHOICES
+from quantkit.methods import CLI_METHODS
+from quantkit.methods.options import (
+    CALIB_FLAGS,
+    FLAG_READERS,
+    FLAGS,
+    FORMAT_FLAG,
+    Flag,
+    FlagValues,
+    shared_options,
+)
 
 # emoji off: rich would turn ":train:" in user input (hf:wikitext:...:train:text) into a symbol;
 # user- and engine-supplied text is passed through escape() / Text, never read as markup
 console = Console(stderr=True, emoji=False)
 out = Console(emoji=False)
-
-_DEFAULT = QuantScheme()
-
 
 class _Progress:
     """Turns the core's on_progress(stage, done, total) calls into rich bars."""
@@ -87,128 +94,42 @@ def main() -> None:
     """
 
 
+def _click_option(flag: Flag) -> Callable:
+    """The click option of one of quantkit.methods.options.FLAGS."""
+    kw: dict = {"default": flag.default, "help": flag.help}
+    if flag.kind == "flag":
+        kw = {"is_flag": True, "help": flag.help}
+    elif flag.kind == "choice":
+        kw["type"] = click.Choice(list(flag.choices))
+    elif flag.kind == "float_range":
+        kw["type"] = click.FloatRange(*flag.bounds)
+    elif flag.kind == "int_range":
+        kw["type"] = click.IntRange(*flag.bounds)
+    elif flag.kind == "path":
+        kw["type"] = click.Path(dir_okay=False)
+    elif flag.kind in ("int", "float"):
+        kw["type"] = int if flag.kind == "int" else float
+    if flag.name == FORMAT_FLAG:  # the formats' registry knows their names
+        kw.update(default=DEFAULT_FORMAT, show_default=True,
+                  help=f"Artifact format: {FORMAT_CHOICES}.")
+    if flag.show_default:
+        kw["show_default"] = True
+    if flag.metavar:
+        kw["metavar"] = flag.metavar
+    if kw.get("help") is None:
+        kw.pop("help")
+    return click.option(*flag.decls, **kw)
+
+
 def _method_options(f):
     """The flags `quantize` and `plan` share (one definition, so they cannot drift apart)."""
-    opts = [
-        click.argument("model"),
-        click.option("--method", type=click.Choice(["rtn", "gptq", "awq", "fp8", "int8", "nvfp4", "mxfp4",
-                                                    "gguf"]),
-                     required=True, help="Quantization algorithm."),
-        click.option("--bits", type=int, default=_DEFAULT.bits, show_default=True,
-                     help="Weight bits."),
-        click.option("--group-size", type=int, default=None,
-                     help=f"Columns per scale group (-1: one group per row). Default: "
-                          f"{_DEFAULT.group_size} where it divides every Linear's input width, "
-                          "else the largest of 64 / 32 that does (printed and recorded)."),
-        click.option("--sym/--asym", default=_DEFAULT.symmetric, show_default=True,
-                     help="Symmetric (no zero point) or asymmetric grid."),
-        click.option("--act-order", is_flag=True, help="GPTQ: quantize columns in activation order."),
-        click.option("--damp", type=float, default=None,
-                     help="GPTQ: Hessian dampening (share of mean diag)."),
-        click.option("--true-sequential/--no-true-sequential", default=None,
-                     help="GPTQ: calibrate q/k/v -> o -> gate/up -> down each on the previous "
-                          "ones' quantized outputs (default), or all on the unquantized block "
-                          "(fewer forwards on a GPU, slightly less accurate)."),
-        click.option("--gptq-v-hessian", "gptq_v_hessian", type=click.Choice(["tokens", "attention"]),
-                     default=None,
-                     help="GPTQ (--method gptq, or --rounding gptq): the Hessian of v_proj: "
-                          "tokens (X^T X, every token alike; default) or attention (weighted "
-                          "by the block's attention probabilities, the error v_proj's output "
-                          "really makes; llama, mistral, qwen2, qwen3, qwen3_moe, mixtral)."),
-        click.option("--format", "fmt", default="compressed-tensors", show_default=True,
-                     help="Artifact format: compressed-tensors, gptq, awq, fp8, modelopt, gguf."),
-        click.option("--gguf-type", default=None,
-                     help="GGUF: f16, bf16, q8_0, q6_k, q5_k_m, q5_k_s, q5_1, q5_0, q4_k_m, "
-                          "q4_k_s, q4_1, q4_0, iq4_nl, iq4_xs, q3_k_l, q3_k_m, q3_k_s, q2_k, q2_k_s, iq3_m, "
-                          "iq3_s, iq3_xs, iq3_xxs, iq2_m, iq2_s, iq2_xs, iq2_xxs, iq1_m, iq1_s "
-                          "(q2_k_s, iq3_xs and below need --imatrix or --calib) (llama.cpp's names "
-                          "and per-tensor rules), or auto: each tensor's type chosen by its "
-                          "measured sensitivity to fit --target-bpw / --target-size."),
-        click.option("--target-bpw", "target_bpw", type=float, default=None,
-                     help="GGUF --gguf-type auto: bits per weight of the file's weight matrices "
-                          "(block Linears, token_embd, output), e.g. 4.5."),
-        click.option("--target-size", "target_size", default=None, metavar="SIZE",
-                     help="GGUF --gguf-type auto: the whole file's size, e.g. 80MB, 1.5GiB or "
-                          "bytes."),
-        click.option("--imatrix", type=click.Path(dir_okay=False), default=None,
-                     help="GGUF: importance matrix file (llama.cpp's or quantkit's); or give "
-                          "--calib to collect one from calibration data."),
-        click.option("--scheme", "fp8_scheme", default=None,
-                     help="FP8: dynamic, static or block. int8: dynamic (per-token inputs) or "
-                          "static (one calibrated per-tensor input scale). nvfp4: w4a16 "
-                          "(weights only, default) or w4a4 (NVFP4 inputs, calibrated global "
-                          "input scales). awq: w4a16 (default) or w4a8 (FP8 static inputs, "
-                          "TensorRT-LLM's W4A8_AWQ; --format modelopt)."),
-        click.option("--smoothquant", "smoothquant", type=click.FloatRange(0.0, 1.0), default=None,
-                     metavar="ALPHA",
-                     help="int8: migrate activation outliers into the weights with strength "
-                          "ALPHA (0.5 usual), folded into the preceding norm / Linear."),
-        click.option("--smoothquant-pairs", "smoothquant_pairs", type=click.Choice(["all", "norms"]),
-                     default=None,
-                     help="int8 --smoothquant: all (default: norm -> q/k/v, norm -> gate/up, "
-                          "up -> down, v -> o where shapes allow) or norms (the two norm groups "
-                          "only: llm-compressor's default SmoothQuant mappings)."),
-        click.option("--rounding", type=click.Choice(["rtn", "gptq"]), default=None,
-                     help="int8, nvfp4, mxfp4, gguf: round the weights to nearest (rtn, default) "
-                          "or with GPTQ onto the same grid (reads calibration data; gguf: "
-                          "llama.cpp's scales per super-block from the error-updated weights; "
-                          "--method gptq --format gguf is the same)."),
-        click.option("--kv-cache", "kv_cache", type=click.Choice(["fp8"]), default=None,
-                     help="Also calibrate per-layer FP8 E4M3 k/v scales for the engine's KV "
-                          "cache (formats compressed-tensors, fp8, modelopt)."),
-        click.option("--calib", default="mixed", show_default=True,
-                     help="Calibration data: built-in set (mixed, prose, code, techdoc), a "
-                          ".txt/.jsonl/.parquet file, or hf:DATASET[:CONFIG][:SPLIT][:COLUMN]."),
-        click.option("--text-column", default=None,
-                     help="Column holding the text (or chat messages) of a .jsonl/.parquet/hf: "
-                          "calibration source (default: text, content or messages)."),
-        click.option("--calib-samples", type=int, default=128, show_default=True),
-        click.option("--calib-seqlen", type=int, default=512, show_default=True),
-        click.option("--chat", is_flag=True, help="Render calibration text through the chat template."),
-        click.option("--seed", type=int, default=0, show_default=True),
-        click.option("--device", default=None, help="cpu or cuda (default: cuda when present)."),
-        click.option("--allow-pickle", is_flag=True, help="Allow loading pickle (.bin) weights."),
-        click.option("--trust-remote-code", is_flag=True, help="Allow the model's own Python code."),
-        click.option("--stream/--no-stream", default=None,
-                     help="Read one decoder block at a time from the shards (default: whenever "
-                          "the checkpoint allows it) or load the whole model."),
-        click.option("--moe-calibrate-all-experts", is_flag=True,
-                     help="Mixture of experts: send every calibration token through every "
-                          "expert for statistics (the block output keeps the real routing)."),
-        click.option("--awq-expert-inputs", "awq_expert_inputs", default=None, metavar="SIZE",
-                     help="AWQ on mixture of experts: the most memory the experts' search "
-                          "inputs may take at once (default 1GiB); above it the experts are "
-                          "searched a chunk at a time (same artifact, less memory), e.g. 512MiB."),
-        click.option("--moe-min-tokens", "expert_min_tokens", type=click.IntRange(min=0),
-                     default=_EXPERT_MIN_TOKENS, show_default=True,
-                     help="Mixture of experts: warn about experts calibrated on fewer routed "
-                          "tokens (an expert with none falls back to RTN)."),
-    ]
+    opts = [click.argument("model"),
+            click.option("--method", type=click.Choice(list(CLI_METHODS)), required=True,
+                         help="Quantization algorithm."),
+            *(_click_option(flag) for flag in FLAGS)]
     for opt in reversed(opts):
         f = opt(f)
     return f
-
-
-_INT_METHODS = ("rtn", "gptq", "awq")
-_CALIBRATED = ("gptq", "awq", "gguf", "fp8", "int8", "nvfp4", "mxfp4")
-_CALIB_FLAGS = ("calib", "calib_samples", "calib_seqlen", "chat", "seed", "text_column")
-_MOE_FLAGS = ("moe_calibrate_all_experts", "expert_min_tokens")
-# which methods read each flag (click parameter names); given explicitly to another method, a
-# flag is refused rather than silently ignored or recorded as if it had been applied
-FLAG_READERS: dict[str, tuple[str, ...]] = {
-    "bits": _INT_METHODS, "group_size": _INT_METHODS, "sym": _INT_METHODS,
-    "act_order": ("gptq",), "damp": ("gptq", "int8", "nvfp4", "mxfp4", "gguf"),
-    "true_sequential": ("gptq",),
-    "gptq_v_hessian": ("gptq", "int8", "nvfp4", "mxfp4", "gguf"),
-    "gguf_type": ("gguf",), "imatrix": ("gguf",), "target_bpw": ("gguf",), "target_size": ("gguf",), "fp8_scheme": ("fp8", "int8", "nvfp4", "awq"),
-    "smoothquant": ("int8",), "smoothquant_pairs": ("int8",), "awq_expert_inputs": ("awq",),
-    "rounding": ("int8", "nvfp4", "mxfp4", "gguf"),
-    **dict.fromkeys(_CALIB_FLAGS, _CALIBRATED),
-    # per-expert statistics of mixture-of-experts blocks: GPTQ's Hessians, AWQ's activation
-    # means, FP8 static / int8 static / NVFP4 W4A4 input scales, SmoothQuant ranges, FP4 /
-    # int8 GPTQ rounding
-    **dict.fromkeys(_MOE_FLAGS, ("gptq", "awq", "fp8", "int8", "nvfp4", "mxfp4")),
-}
 
 
 def _given_flags(ctx: click.Context) -> dict[str, str]:
@@ -222,192 +143,59 @@ def _given_flags(ctx: click.Context) -> dict[str, str]:
     return given
 
 
-def check_flags_apply(ctx: click.Context, method: str, fp8_scheme: str | None,
-                      imatrix: str | None) -> None:
-    """Refuse a flag that --method (with its other flags) would not read."""
+def check_flags_apply(ctx: click.Context, method: str) -> FlagValues:
+    """Refuse a flag that --method (with its other flags) would not read; the flags as the
+    method's record sees them."""
+    from quantkit.methods import method_record
+
+    record = method_record(method)
     given = _given_flags(ctx)
-    if ctx.params.get("kv_cache") and method != "gguf":  # KV scales calibrate on the data
-        given = {n: f for n, f in given.items() if n not in _CALIB_FLAGS}
+    if ctx.params.get("kv_cache") and record.kv_cache_calibrates:  # KV scales calibrate on the data
+        given = {n: f for n, f in given.items() if n not in CALIB_FLAGS}
     for name, flag in given.items():
         readers = FLAG_READERS[name]
         if method not in readers:
             raise QuantkitError(
                 f"{flag} is read by --method {' / '.join(readers)} only; --method {method} does "
                 "not use it.", f"Drop {flag}, or use --method {readers[0]}.")
-    calib = [given[n] for n in (*_CALIB_FLAGS, *_MOE_FLAGS) if n in given]
-    rounding = ctx.params.get("rounding") or "rtn"
-    for flag in ("damp", "gptq_v_hessian"):
-        if method in ("int8", "nvfp4", "mxfp4", "gguf") and flag in given and rounding != "gptq":
-            raise QuantkitError(f"{given[flag]} is read by --method {method} only with "
-                                "--rounding gptq.", f"Drop {given[flag]}, or pass --rounding gptq.")
-    if method == "int8":
-        if "smoothquant_pairs" in given and ctx.params.get("smoothquant") is None:
-            raise QuantkitError("--smoothquant-pairs is read by --method int8 only with "
-                                "--smoothquant.", "Drop --smoothquant-pairs, or pass "
-                                "--smoothquant ALPHA.")
-        reads = ((fp8_scheme or "dynamic") == "static" or ctx.params.get("smoothquant") is not None
-                 or rounding == "gptq")
-        if calib and not reads:
-            raise QuantkitError(
-                f"{calib[0]} is read by --method int8 only with --scheme static, --smoothquant "
-                "or --rounding gptq; dynamic int8 with round-to-nearest needs no calibration.",
-                f"Drop {calib[0]}, or pass one of those flags.")
-    if method == "awq" and fp8_scheme not in (None, "w4a16", "w4a8"):
-        raise QuantkitError(f"Unknown AWQ scheme {fp8_scheme!r}.",
-                            "Choose w4a16 (default) or w4a8 (FP8 inputs, --format modelopt).")
-    if method == "awq" and fp8_scheme == "w4a8" and ctx.params.get("fmt") != "modelopt":
-        raise QuantkitError(
-            f"--scheme w4a8 (int4 weights, FP8 inputs) is written only as ModelOpt W4A8_AWQ for "
-            f"TensorRT-LLM; --format {ctx.params.get('fmt')} has no FP8 input scales.",
-            "Pass --format modelopt, or drop --scheme w4a8.")
-    if method == "nvfp4" and calib and (fp8_scheme or "w4a16") != "w4a4" and rounding != "gptq":
-        raise QuantkitError(
-            f"{calib[0]} is read by --method nvfp4 only with --scheme w4a4 (input scales) or "
-            "--rounding gptq; W4A16 rounded to nearest needs no calibration.",
-            f"Drop {calib[0]}, or pass --scheme w4a4 or --rounding gptq.")
-    if method == "mxfp4" and calib and rounding != "gptq":
-        raise QuantkitError(
-            f"{calib[0]} is read by --method mxfp4 only with --rounding gptq; MXFP4 rounded "
-            "to nearest computes its scales from the weights alone.",
-            f"Drop {calib[0]}, or pass --rounding gptq.")
-    if method == "fp8" and calib and (fp8_scheme or "dynamic") != "static":
-        raise QuantkitError(
-            f"{calib[0]} is read by --method fp8 only with --scheme static; --scheme "
-            f"{fp8_scheme or 'dynamic'} computes its scales from the weights alone.",
-            f"Drop {calib[0]}, or pass --scheme static.")
-    auto = str(ctx.params.get("gguf_type") or "").lower() == "auto"
-    if method == "gguf" and calib and imatrix and rounding != "gptq" and not auto:
-        raise QuantkitError(
-            f"--imatrix {imatrix} and {calib[0]} both give the importance matrix: one is read "
-            "from the file, the other collected from calibration data.",
-            f"Drop {calib[0]} to use the file, or drop --imatrix to collect one.")
-    auto = str(ctx.params.get("gguf_type") or "").lower() == "auto"
-    for flag in ("target_bpw", "target_size"):
-        if method == "gguf" and flag in given and not auto:
-            raise QuantkitError(f"{given[flag]} sets the size budget of --gguf-type auto; "
-                                f"--gguf-type {ctx.params.get('gguf_type') or 'q4_k_m'} has a "
-                                "fixed mix.", f"Pass --gguf-type auto, or drop {given[flag]}.")
-    if method == "gguf" and auto and not ({"target_bpw", "target_size"} & set(given)):
-        raise QuantkitError("--gguf-type auto needs a size budget.",
-                            "Pass --target-bpw (e.g. 4.5) or --target-size (e.g. 80MB).")
-    if method == "gguf" and auto and {"target_bpw", "target_size"} <= set(given):
-        raise QuantkitError("--target-bpw and --target-size both set the budget of --gguf-type auto.",
-                            "Pass one of them.")
-    if method == "gguf" and calib and "calib" not in given and rounding != "gptq" and not auto:
-        raise QuantkitError(
-            f"{calib[0]} shapes the importance matrix that --method gguf collects only when "
-            "--calib names the data.", f"Pass --calib SET (e.g. --calib mixed), or drop {calib[0]}.")
+    explicit = {name for name in ctx.params
+                if ctx.get_parameter_source(name) not in (None, click.core.ParameterSource.DEFAULT)}
+    values = FlagValues(dict(ctx.params), given, explicit)
+    record.check_flags(values)
+    return values
 
 
-def _request(model, method, bits, group_size, sym, act_order, damp, true_sequential, fmt,
-             gguf_type, imatrix, fp8_scheme, calib, calib_samples, calib_seqlen, chat, seed,
-             device, allow_pickle, trust_remote_code, stream, smoothquant=None, rounding=None,
-             target_bpw=None, target_size=None,
-             smoothquant_pairs=None, awq_expert_inputs=None,
-             moe_calibrate_all_experts=False,
-             expert_min_tokens=_EXPERT_MIN_TOKENS, text_column=None, output=".", force=False,
-             kv_cache=None, gptq_v_hessian=None, **extra):
+def _request(**extra):
+    """The QuantizeRequest of this `quantize` / `plan` command line; `extra`: its other fields."""
+    from quantkit.methods import method_record
+
     ctx = click.get_current_context()
-    if method == "gptq" and fmt == "gguf":  # GPTQ onto GGML grids: the gguf method's gptq rounding
-        method, rounding = "gguf", "gptq"
-        ctx.params["rounding"] = "gptq"
-    check_flags_apply(ctx, method, fp8_scheme, imatrix)  # before torch is imported: instant
+    model, method = ctx.params["model"], ctx.params["method"]
+    alias = method_record(method).format_aliases.get(ctx.params[FORMAT_FLAG])
+    if alias:  # the format makes it another method's request (GPTQ onto GGML grids)
+        method, overrides = alias
+        ctx.params.update(overrides)
+    values = check_flags_apply(ctx, method)  # before the pipeline and the model load
     from quantkit.pipeline.quantize import QuantizeRequest
 
-    options: dict = {}
-    kind = "int"
-    group_size_auto = group_size is None
-    group_size = _DEFAULT.group_size if group_size_auto else group_size
-    if damp is not None:
-        options["damp"] = damp
-    if true_sequential is False:
-        options["true_sequential"] = False
-    if gptq_v_hessian not in (None, "tokens"):  # the default is left out: same request as before
-        options["v_hessian"] = gptq_v_hessian
-    if method == "gguf":
-        kind = "kquant"
-        if ctx.get_parameter_source("fmt") != click.core.ParameterSource.DEFAULT \
-                and fmt == "compressed-tensors":
-            raise QuantkitError("--method gguf writes GGUF files; --format compressed-tensors "
-                                "cannot hold K-quants.", "Drop --format, or pass --format gguf.")
-        fmt = "gguf" if fmt == "compressed-tensors" else fmt
-        # --calib given explicitly (not --imatrix): collect the imatrix from that data
-        calib_given = "calib" in _given_flags(ctx)
-        gptq_rounding = rounding == "gptq"
-        # GPTQ rounding: the Hessian's diagonal weights the scale search unless --imatrix is given
-        auto = str(gguf_type or "").lower() == "auto"
-        # auto weighs every tensor's error by the activations: it always has an imatrix
-        options.update(gguf_type=gguf_type or "q4_k_m",
-                       imatrix=imatrix or ("calib" if (calib_given or auto) and not gptq_rounding
-                                           else None))
-        if target_bpw is not None:
-            options["target_bpw"] = target_bpw
-        if target_size is not None:
-            options["target_size"] = parse_size(target_size, "--target-size")
-        if gptq_rounding:
-            options["rounding"] = "gptq"
-    if method == "awq" and fmt == "modelopt":  # TensorRT-LLM reads pre_quant_scale (GQA o_proj)
-        options["pre_quant_scale"] = True
-    if awq_expert_inputs is not None:
-        options["expert_input_bytes"] = parse_size(awq_expert_inputs, "--awq-expert-inputs")
-    if method == "fp8":
-        from quantkit.methods.fp8 import fp8_scheme as _fp8_scheme
-
-        kind = "fp8"
-        options["scheme"] = fp8_scheme or "dynamic"
-        bits, group_size = 8, _fp8_scheme(options["scheme"]).group_size  # what quantkit.json records
-    scheme = QuantScheme(kind=kind, bits=bits, group_size=group_size, symmetric=sym,
-                         act_order=act_order, gguf_type=gguf_type,
-                         activations="fp8" if method == "awq" and fp8_scheme == "w4a8" else None)
-    if method == "int8":
-        from quantkit.methods.int8 import int8_scheme
-
-        options["scheme"] = fp8_scheme or "dynamic"
-        if smoothquant is not None:
-            options["smoothquant"] = smoothquant
-        if smoothquant_pairs:
-            options["smoothquant_pairs"] = smoothquant_pairs
-        if rounding:
-            options["rounding"] = rounding
-        scheme = int8_scheme(options["scheme"])  # per-channel weights: no group size to fit
-        group_size_auto = False
-    if method in ("nvfp4", "mxfp4"):
-        from quantkit.methods.fp4 import fp4_scheme
-
-        if fp8_scheme is not None:
-            options["scheme"] = fp8_scheme
-        if rounding:
-            options["rounding"] = rounding
-        scheme = fp4_scheme(method, options.get("scheme", "w4a16"))  # groups fixed: 16 / 32
-        group_size_auto = False
-    return QuantizeRequest(model=model, method=method, scheme=scheme, out=Path(output), format=fmt,
-                           force=force, calib=calib, calib_samples=calib_samples,
-                           calib_seqlen=calib_seqlen, seed=seed, chat=chat,
-                           allow_pickle=allow_pickle, trust_remote_code=trust_remote_code,
-                           device=device, method_options=options, stream=stream,
-                           group_size_auto=group_size_auto, text_column=text_column,
-                           moe_calibrate_all_experts=moe_calibrate_all_experts,
-                           expert_min_tokens=expert_min_tokens, kv_cache=kv_cache,
+    record = method_record(method)
+    p = values.values
+    if record.native_format and p[FORMAT_FLAG] == DEFAULT_FORMAT:  # its only format
+        if FORMAT_FLAG in values.explicit:
+            raise QuantkitError(*record.native_format_refusal)
+        p[FORMAT_FLAG] = record.native_format
+    built = record.build(values, shared_options(values))
+    return QuantizeRequest(model=model, method=method, scheme=built.scheme,
+                           out=Path(p.get("output") or "."), format=built.format,
+                           force=bool(p.get("force")), calib=p["calib"],
+                           calib_samples=p["calib_samples"], calib_seqlen=p["calib_seqlen"],
+                           seed=p["seed"], chat=p["chat"], allow_pickle=p["allow_pickle"],
+                           trust_remote_code=p["trust_remote_code"], device=p["device"],
+                           method_options=built.options, stream=p["stream"],
+                           group_size_auto=built.group_size_auto, text_column=p["text_column"],
+                           moe_calibrate_all_experts=p["moe_calibrate_all_experts"],
+                           expert_min_tokens=p["expert_min_tokens"], kv_cache=p["kv_cache"],
                            command="quantkit " + shlex.join(sys.argv[1:]), **extra)
-
-
-_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_size(text: str, flag: str = "--target-size") -> int:
-    """'80MB' -> 80_000_000, '1.5GiB' -> 1610612736, '123456' -> 123456 bytes (> 0)."""
-    import re
-
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
-    unit = m.group(2).lower() if m else None
-    if m is None or unit not in _SIZE_UNITS:
-        raise QuantkitError(f"{flag} {text!r} is not a size.",
-                            "Write it as a number of bytes or with a unit: 80MB, 80MiB, 1.5GB.")
-    size = int(float(m.group(1)) * _SIZE_UNITS[unit])
-    if size < 1:
-        raise QuantkitError(f"{flag} {text!r} is not a positive size.", "e.g. 80MB or 1.5GiB.")
-    return size
 
 
 @main.command()
@@ -432,7 +220,7 @@ def quantize(resume, no_memory_check, reproducible, **kw) -> None:
         mode.reexec_with_mode()
     from quantkit.pipeline.quantize import quantize as run
 
-    req = _request(**kw, resume=resume, memory_check=not no_memory_check,
+    req = _request(resume=resume, memory_check=not no_memory_check,
                    reproducible=mode.active())
     if os.environ.get("RANK", "0") != "0":  # a data-parallel worker (torchrun): rank 0 reports
         run(req)
@@ -452,7 +240,7 @@ def plan_cmd(as_json, **kw) -> None:
     from quantkit.pipeline.plan import available_memory
     from quantkit.pipeline.quantize import plan
 
-    p, info = plan(_request(**kw))
+    p, info = plan(_request())
     avail, why = available_memory()
     record = {**info, **p.to_dict(), "available_ram_bytes": avail, "available_ram_source": why}
     if as_json:

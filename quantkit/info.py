@@ -106,9 +106,9 @@ def nominal_bits_per_weight(scheme: dict | None) -> float | None:
     if not scheme:
         return None
     if scheme.get("kind") == "kquant" or scheme.get("gguf_type"):
-        from quantkit.pipeline.plan import GGUF_NOMINAL_BPW
+        from quantkit.ggml.catalogue import bits_per_weight
 
-        return GGUF_NOMINAL_BPW.get(str(scheme.get("gguf_type")))
+        return bits_per_weight(scheme.get("gguf_type"))
     if scheme.get("kind") == "fp8":
         return 8.0
     if scheme.get("kind") in ("nvfp4", "mxfp4"):  # E2M1 + one 8-bit scale (E4M3 / E8M0) per group

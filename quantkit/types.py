@@ -8,17 +8,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from enum import Enum
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 __all__ = [
-    "Method",
     "QuantScheme",
     "QuantResult",
     "BlockContext",
     "Quantizer",
+    "PlanFacts",
     "ProgressFn",
     "int_qrange",
     "EXPERT_MIN_TOKENS",
@@ -26,17 +25,6 @@ __all__ = [
 
 # MoE: experts calibrated on fewer routed tokens than this are named in a warning
 EXPERT_MIN_TOKENS = 16
-
-
-class Method(str, Enum):
-    RTN = "rtn"
-    GPTQ = "gptq"
-    AWQ = "awq"
-    FP8 = "fp8"
-    INT8 = "int8"
-    NVFP4 = "nvfp4"
-    MXFP4 = "mxfp4"
-    GGUF = "gguf"
 
 
 ProgressFn = Callable[[str, int, int], None]
@@ -164,20 +152,86 @@ class BlockContext:
     collect: Callable[[list[str], tuple[str, ...]], dict[str, dict[str, Any]]] | None = None
 
 
-class Quantizer(Protocol):
-    """A quantization method: math only, no file formats.
+@dataclass(frozen=True)
+class PlanFacts:
+    """What `quantkit plan` knows of a run when it asks a method for its own memory and disk
+    terms (quantkit.pipeline.plan): shapes from the config, sizes in bytes."""
 
-    Optional hooks the pipeline calls when a method has them: check(scheme) before any work,
-    prepare(config=, spec=, shapes=) once the config is read, warm_up(scheme, device) before
-    the calibration inputs are captured (e.g. start compiling a GPU kernel),
-    observe_embedding(module, batches) once block 0's inputs are captured (the embedding
-    table is real then; batches are the calibration token ids), and quantize_rest(model,
-    spec) after the blocks (with `reads_final_norm`, the final norm is loaded for it too).
-    """
+    config: Any
+    spec: Any  # quantkit.arch.ArchSpec
+    scheme: QuantScheme
+    linears: list[dict[str, tuple[int, int]]]  # per block: Linear name -> [N, K]
+    tokens: int  # calibration tokens (0 without calibration)
+    cuda: bool
+    hidden: int
+    inter: int
+    act_bytes: int  # bytes per activation value (the compute dtype's)
+    block_params: int  # the largest block's parameters
+    moe: bool
+    moe_all_experts: bool
+    expert_input_bytes: int | None  # AWQQuantizer's expert_input_bytes (None: its default)
+    quantized: int  # quantized weights of the blocks
+    scales: int  # scale groups of the blocks
+    outside: int  # parameters outside the blocks
+    dense_outside: int  # their bytes in the stored dtype
 
-    name: str
-    stats: tuple[str, ...]  # statistics the pipeline gathers per Linear, e.g. ("hessian",)
-    propagate_quantized: bool  # next block sees this block's quantized outputs
-    needs_calibration: bool
 
-    def quantize_block(self, ctx: BlockContext) -> dict[str, QuantResult]: ...
+class Quantizer:
+    """A quantization method: math only, no file formats. Every method derives from this
+    class; each hook the pipeline reads is declared here with its default, so the pipeline
+    reads attributes directly and a new method overrides only what it changes."""
+
+    name: str = ""
+    # statistics the pipeline gathers per Linear, e.g. ("hessian",); none: no forward hooks
+    stats: tuple[str, ...] = ()
+    # the next group / block calibrates on this one's quantized outputs (GPTQ's error feedback)
+    propagate_quantized: bool = False
+    # calibration batches are captured and run through the blocks only when a method reads them
+    needs_calibration: bool = False
+    # q/k/v -> o -> gate/up -> down each on the previous groups' outputs, not all at once
+    true_sequential: bool = False
+    # samples per calibration forward: larger batches are fewer, bigger ops (faster on a CPU)
+    calib_batch_size: int = 1
+    # torchrun runs: False (refused), True (summed statistics, solved on rank 0) or "block"
+    # (each block's search runs on rank 0 over every rank's inputs)
+    data_parallel: bool | str = False
+    # per-expert statistics, and a fallback for an expert the router fed no calibration token
+    moe_calibrated: bool = False
+    # v_proj's Hessian: "tokens" (X^T X) or "attention" (one more eager attention forward)
+    v_hessian: str = "tokens"
+    # "rtn" / "gptq" for methods that offer both roundings (shown by `quantkit plan`); None: no
+    # choice to show
+    rounding: str | None = None
+    # AWQ on MoE: the most bytes the experts' search inputs may take at once (None: no such cap)
+    expert_input_bytes: int | None = None
+    # the method quantizes tensors outside the blocks (quantize_rest) and keeps state across
+    # blocks, so per-block checkpoints cannot resume it
+    quantizes_outside_blocks: bool = False
+    # quantize_rest reads the final norm too (the head's input), so it is loaded for it
+    reads_final_norm: bool = False
+    # a whole-file size budget: what the writer adds besides the weight matrices, set by the
+    # pipeline before prepare(); None: the method has no such budget
+    file_overhead_bytes: int | None = None
+    # per-tensor choices the method made itself, recorded in quantkit.json (GGUF auto)
+    allocation: dict | None = None
+
+    def check(self, scheme: QuantScheme) -> None:
+        """Refuse a scheme this method cannot produce, before any work."""
+
+    def prepare(self, *, config: Any = None, spec: Any = None,
+                shapes: dict[str, tuple[int, int]] | None = None) -> None:
+        """Per-tensor plans from the config alone, once it is read (nothing to plan here)."""
+
+    def warm_up(self, scheme: QuantScheme, device: torch.device) -> None:
+        """Start slow set-up (e.g. compile a GPU kernel) while the inputs are captured."""
+
+    def observe_embedding(self, module: torch.nn.Module, batches: list[torch.Tensor]) -> None:
+        """Block 0's inputs are captured: the embedding table is real now; batches are the
+        calibration token ids."""
+
+    def quantize_block(self, ctx: BlockContext) -> dict[str, QuantResult]:
+        raise NotImplementedError
+
+    def quantize_rest(self, model: torch.nn.Module, spec: Any) -> dict[str, QuantResult]:
+        """Tensors outside the blocks, after them (read only with quantizes_outside_blocks)."""
+        return {}

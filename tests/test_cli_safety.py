@@ -19,7 +19,8 @@ from cli_runner import run_cli
 from click.testing import CliRunner
 from tiny_models import make_tiny_model
 
-from quantkit.cli import FLAG_READERS, main
+from quantkit.cli import main
+from quantkit.methods.options import FLAG_READERS
 from quantkit.pipeline.checkpoint import checkpoint_dir
 
 REPO = Path(__file__).resolve().parents[1]

@@ -18,7 +18,7 @@ from click.testing import CliRunner
 from gguf import GGML_QUANT_SIZES
 from heldout import heldout_text
 
-from quantkit.cli import main, parse_size
+from quantkit.cli import main
 from quantkit.errors import QuantkitError, SchemeMismatch
 from quantkit.formats.gguf import gguf_metadata, read_gguf
 from quantkit.ggml.catalogue import FALLBACK
@@ -27,6 +27,7 @@ from quantkit.info import artifact_info
 from quantkit.methods.bit_allocation import Option, allocate, budget_range, hull
 from quantkit.methods.gguf_auto import candidate_types, measure_options
 from quantkit.methods.kquants import GGUFQuantizer
+from quantkit.methods.options import parse_size
 from quantkit.pipeline.quantize import QuantizeRequest, quantize
 from quantkit.types import QuantScheme
 

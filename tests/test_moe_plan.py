@@ -74,7 +74,7 @@ def test_plan_counts_awq_expert_chunks_under_all_experts_calibration():
                         scheme=QuantScheme(bits=4, group_size=128), calib_samples=128,
                         calib_seqlen=2048, calibrated=True, device="cuda",
                         calib_batch=1 if method == "awq" else 8, true_sequential=method == "gptq",
-                        moe_all_experts=all_experts, awq_expert_input_bytes=budget)
+                        moe_all_experts=all_experts, expert_input_bytes=budget)
 
     routed, everything = plan("awq", False), plan("awq", True)
     per_expert = 65536 * 768 * 2

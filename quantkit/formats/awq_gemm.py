@@ -47,6 +47,8 @@ from pathlib import Path
 import torch
 
 from quantkit.formats.common import (
+    FormatRecord,
+    FormatWriter,
     linear_tensors,
     load_tensors,
     read_config,
@@ -150,9 +152,10 @@ def quantization_config(scheme: QuantScheme, ignore: list[str]) -> dict:
             "zero_point": True, "modules_to_not_convert": list(ignore)}
 
 
-class AWQGemmWriter:
+class AWQGemmWriter(FormatWriter):
     name = "awq"
     engines = ("vllm",)
+    checks_modules = True  # modules_to_not_convert is matched by substring
 
     def check(self, scheme: QuantScheme, shapes: dict[str, tuple[int, int]]) -> list[str]:
         """What the layout cannot hold; runs before calibration."""
@@ -206,3 +209,7 @@ def read_awq_gemm(path: Path, dtype: torch.dtype = torch.float32) -> dict[str, t
         elif not key.endswith(_SUFFIXES):
             out[key] = t.to(dtype) if t.is_floating_point() else t
     return out
+
+
+# AutoAWQ GEMM (vLLM awq / awq_marlin); per-expert tensors vLLM's FusedMoE loader reads
+RECORD = FormatRecord("awq", AWQGemmWriter, read=read_awq_gemm, stores_experts=lambda spec: True)

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -12,7 +15,7 @@ from safetensors.torch import save_file
 from quantkit.readers import read_config_json, safetensors_files, safetensors_headers
 
 __all__ = ["save_tensors", "load_tensors", "read_config", "write_config", "read_safetensors_headers",
-           "linear_tensors", "SHARD_BYTES"]
+           "linear_tensors", "SHARD_BYTES", "FormatRecord"]
 
 SHARD_BYTES = 4 * 1024**3
 
@@ -81,3 +84,63 @@ def linear_tensors(dense: dict[str, torch.Tensor], results: dict, pack, bias_dty
         if r.bias is not None:
             tensors[f"{name}.bias"] = r.bias.to(bias_dtype)
     return tensors
+
+
+def _stores_no_experts(_spec) -> bool:
+    return False
+
+
+@dataclass(frozen=True)
+class FormatRecord:
+    """Everything the conductor and the readers know about one artifact format.
+
+    `writer()` builds its writer; `read(path, dtype)` its weights dequantized (None: no dense
+    reader); `prepare(model, path)` the run-time behaviour beyond the weights (inputs rounded
+    the way the engine does); `kv_cache`: the engine loads k/v scales from it;
+    `stores_experts(spec)`: its tensor names for a mixture-of-experts model are verified
+    (what the engine's MoE loader reads)."""
+
+    name: str
+    writer: Callable[[], Any]
+    read: Callable[[Path, torch.dtype], dict[str, torch.Tensor]] | None = None
+    prepare: Callable[[torch.nn.Module, Path], None] | None = None
+    kv_cache: bool = False
+    stores_experts: Callable[[Any], bool] = _stores_no_experts
+
+
+class FormatWriter:
+    """An artifact format's writer. Every writer derives from this class; each hook the
+    pipeline reads is declared here with its default, so the pipeline reads attributes
+    directly and a writer overrides only what it changes."""
+
+    name: str = ""
+    engines: tuple[str, ...] = ()  # the engines the artifact is meant for
+    # one file (GGUF): write() gets a file path, and the run's metadata goes inside the file
+    single_file: bool = False
+    # the artifact embeds the source's tokenizer and config: check_source checks them (and
+    # loads the tokenizer) before any work
+    embeds_source: bool = False
+    # an ignore list matched by substring (AutoAWQ's modules_to_not_convert): check_modules
+    # must see every module the artifact keeps unquantized
+    checks_modules: bool = False
+    # overhead_bytes knows what the file holds besides the weight matrices (a whole-file
+    # size budget needs it before any data is read)
+    sizes_overhead: bool = False
+
+    def check(self, scheme, shapes: dict[str, tuple[int, int]]) -> list[str]:
+        """Problems with storing `scheme` for these Linear shapes, before any calibration."""
+        return []
+
+    def check_modules(self, ignore: list[str], kept, quantized) -> list[str]:
+        """Problems with naming the kept modules apart from the quantized ones."""
+        return []
+
+    def check_source(self, source_dir: Path, config) -> None:
+        """Refuse a source whose tokenizer or config the artifact cannot embed."""
+
+    def overhead_bytes(self, config, float_values: int, n_tensors: int) -> int:
+        """Bytes of the file besides the weight matrices."""
+        return 0
+
+    def write(self, out_dir: Path, **kw) -> None:
+        raise NotImplementedError

@@ -30,7 +30,25 @@ from quantkit.formats.activations import (
     install_input_quant,
     quantized_linear_inputs,
 )
-from quantkit.formats.common import load_tensors, read_config, save_tensors, write_config
+from quantkit.formats.common import (
+    FormatRecord,
+    FormatWriter,
+    load_tensors,
+    read_config,
+    save_tensors,
+    write_config,
+)
+from quantkit.formats.fp4 import (
+    FP4CompressedTensorsWriter,
+    prepare_nvfp4_model,
+    read_fp4_pack_quantized,
+)
+from quantkit.formats.fp8 import (
+    FP8CompressedTensorsWriter,
+    KindDispatch,
+    prepare_fp8_model,
+    read_float_quantized,
+)
 from quantkit.types import QuantResult, QuantScheme
 
 __all__ = ["CompressedTensorsWriter", "read_compressed_tensors", "quantization_config",
@@ -94,7 +112,7 @@ def int_quantized_config(activations: str, ignore: list[str]) -> dict:
     return out
 
 
-class CompressedTensorsWriter:
+class CompressedTensorsWriter(FormatWriter):
     name = "compressed-tensors"
     engines = ("vllm",)
 
@@ -228,3 +246,35 @@ def prepare_int8_model(model: torch.nn.Module, path: Path) -> int:
     if mode == "static" and any(s is None for _, _, s in plan.values()):
         raise ModelLoadError(f"{path}: static int8 activations but some Linears lack input_scale.")
     return install_input_quant(model, plan, fake_quant_int8_input)
+
+
+def _writer() -> KindDispatch:
+    """pack-quantized for int schemes, float-quantized for fp8, nvfp4/mxfp4-pack-quantized for
+    FP4."""
+    return KindDispatch("compressed-tensors", {"fp8": FP8CompressedTensorsWriter,
+                                               "nvfp4": FP4CompressedTensorsWriter,
+                                               "mxfp4": FP4CompressedTensorsWriter},
+                        CompressedTensorsWriter)
+
+
+def _read(path: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    ct_format = read_config(path)["quantization_config"].get("format")
+    if ct_format == "float-quantized":
+        return read_float_quantized(path, dtype)
+    if ct_format in ("nvfp4-pack-quantized", "mxfp4-pack-quantized"):
+        return read_fp4_pack_quantized(path, dtype)
+    return read_compressed_tensors(path, dtype)
+
+
+def _prepare(model: torch.nn.Module, path: Path) -> None:
+    ct_format = read_config(path)["quantization_config"].get("format")
+    if ct_format == "int-quantized":  # int8 W8A8: inputs rounded through int8
+        prepare_int8_model(model, path)
+    elif ct_format == "nvfp4-pack-quantized":  # W4A4: inputs rounded through NVFP4
+        prepare_nvfp4_model(model, path)
+    elif ct_format == "float-quantized":
+        prepare_fp8_model(model, path, "compressed-tensors")
+
+
+RECORD = FormatRecord("compressed-tensors", _writer, read=_read, prepare=_prepare, kv_cache=True,
+                      stores_experts=lambda spec: True)

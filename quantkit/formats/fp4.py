@@ -27,7 +27,13 @@ import torch
 from quantkit.e2m1 import E2M1_VALUES, dequantize_fp4, fake_quant_nvfp4
 from quantkit.errors import ModelLoadError
 from quantkit.formats.activations import install_input_quant
-from quantkit.formats.common import load_tensors, read_config, save_tensors, write_config
+from quantkit.formats.common import (
+    FormatWriter,
+    load_tensors,
+    read_config,
+    save_tensors,
+    write_config,
+)
 from quantkit.types import QuantResult, QuantScheme
 
 __all__ = ["FP4CompressedTensorsWriter", "fp4_quantization_config", "read_fp4_pack_quantized",
@@ -72,7 +78,7 @@ def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
                       for i in range(0, values.shape[0], _PACK_ROWS)])
 
 
-class FP4CompressedTensorsWriter:
+class FP4CompressedTensorsWriter(FormatWriter):
     name = "compressed-tensors"
     engines = ("vllm",)  # Blackwell GPUs (NVFP4 W4A4) / any vLLM GPU (weight-only via Marlin)
 
@@ -192,7 +198,7 @@ def modelopt_fp4_algo(scheme: QuantScheme) -> str:
     return NVFP4_ALGO if scheme.activations else NVFP4A16_ALGO
 
 
-class ModelOptNVFP4Writer:
+class ModelOptNVFP4Writer(FormatWriter):
     """ModelOpt NVFP4 (W4A4), W4A16_NVFP4 and MXFP4 (W4A8_MXFP4_FP8) for TensorRT-LLM."""
 
     name = "modelopt"

@@ -24,7 +24,14 @@ import torch
 
 from quantkit.errors import ModelLoadError, SchemeMismatch
 from quantkit.formats.activations import install_input_quant, quantized_linear_inputs
-from quantkit.formats.common import load_tensors, read_config, save_tensors, write_config
+from quantkit.formats.common import (
+    FormatRecord,
+    FormatWriter,
+    load_tensors,
+    read_config,
+    save_tensors,
+    write_config,
+)
 from quantkit.types import QuantResult, QuantScheme
 
 __all__ = ["FP8CompressedTensorsWriter", "VllmFP8Writer", "KindDispatch", "FP8Layout",
@@ -128,7 +135,7 @@ def float_quantized_config(weights: str, activations: str, block: int, ignore: l
     return out
 
 
-class FP8CompressedTensorsWriter:
+class FP8CompressedTensorsWriter(FormatWriter):
     name = "compressed-tensors"
     engines: tuple[str, ...] = ("vllm",)
 
@@ -185,7 +192,7 @@ def _dequantized_state(raw: dict[str, torch.Tensor], scale_name: str, block: int
 
 # ------------------------------------------------------------------ vLLM native fp8 ----
 
-class VllmFP8Writer:
+class VllmFP8Writer(FormatWriter):
     name = "fp8"
     engines: tuple[str, ...] = ("vllm",)
 
@@ -233,7 +240,7 @@ def read_vllm_fp8(path: Path, dtype: torch.dtype = torch.float32) -> dict[str, t
 
 # ------------------------------------------------------- one format name, two kinds ----
 
-class KindDispatch:
+class KindDispatch(FormatWriter):
     """One `--format` name served by two writers, picked by the scheme's kind (int / fp8).
 
     `check` sees the scheme before any work; `write` sees the results (a kind "none" result is
@@ -260,7 +267,7 @@ class KindDispatch:
         kinds = {r.scheme.kind for r in kw["results"].values()} - {"none"}
         self._pick("fp8" if "fp8" in kinds else next(iter(kinds), "int")).write(out_dir, **kw)
 
-    def __getattr__(self, item):  # single_file, check_source, ... of the chosen writer
+    def __getattr__(self, item):  # what FormatWriter does not declare, of the chosen writer
         if item.startswith("_") or self.__dict__.get("_chosen") is None:
             raise AttributeError(item)
         return getattr(self._chosen, item)
@@ -324,3 +331,9 @@ def prepare_fp8_model(model: torch.nn.Module, path: Path, fmt: str) -> int:
     if mode == "static" and any(s is None for _, _, s in plan.values()):
         raise ModelLoadError(f"{path}: static FP8 activations but some Linears lack input_scale.")
     return install_input_quant(model, plan, fake_quant_input)
+
+
+# vLLM's native quant_method "fp8"
+RECORD = FormatRecord("fp8", VllmFP8Writer, read=read_vllm_fp8,
+                      prepare=lambda model, path: prepare_fp8_model(model, path, "fp8"),
+                      kv_cache=True)

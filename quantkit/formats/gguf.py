@@ -42,6 +42,7 @@ from gguf import (
 
 from quantkit.arch import ArchSpec, gguf_architectures, spec_for_config
 from quantkit.errors import SchemeMismatch, UnsupportedArchitecture
+from quantkit.formats.common import FormatRecord, FormatWriter
 from quantkit.formats.gguf_tokenizer import read_tokenizer
 from quantkit.ggml.catalogue import GGUF_TYPES, file_type
 from quantkit.readers import GGUFTensor, bad_gguf, read_gguf
@@ -292,10 +293,12 @@ def _check_config(spec: ArchSpec, config: dict) -> None:
         spec.gguf_check(config)
 
 
-class GGUFFileWriter:
+class GGUFFileWriter(FormatWriter):
     name = "gguf"
     engines = ("llama.cpp",)
     single_file = True  # the pipeline hands write() a file path, and no side files are written
+    embeds_source = True  # tokenizer and config go into the file's metadata
+    sizes_overhead = True
 
     def check(self, scheme: QuantScheme, shapes: dict[str, tuple[int, int]]) -> list[str]:
         problems = []
@@ -619,3 +622,9 @@ def gguf_metadata(path: str | Path, kv: dict | None = None) -> dict:
         if (None if ftype is None else int(ftype)) not in written:
             return {}  # inherited from the input of another tool's rewrite
     return meta
+
+
+# llama.cpp's 3-D ffn_*_exps, for the architectures with GGUF expert names
+RECORD = FormatRecord(
+    "gguf", GGUFFileWriter,
+    stores_experts=lambda spec: spec.gguf_slot(spec.experts.linear("gate", 0)) is not None)

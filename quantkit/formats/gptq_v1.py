@@ -33,6 +33,8 @@ from pathlib import Path
 import torch
 
 from quantkit.formats.common import (
+    FormatRecord,
+    FormatWriter,
     linear_tensors,
     load_tensors,
     read_config,
@@ -114,7 +116,7 @@ def quantization_config(scheme: QuantScheme, desc_act: bool) -> dict:
     }
 
 
-class GPTQv1Writer:
+class GPTQv1Writer(FormatWriter):
     name = "gptq"
     engines = ("vllm",)
 
@@ -167,3 +169,6 @@ def read_gptq_v1(path: Path, dtype: torch.dtype = torch.float32) -> dict[str, to
         elif not key.endswith(_SUFFIXES):
             out[key] = t.to(dtype) if t.is_floating_point() else t
     return out
+
+
+RECORD = FormatRecord("gptq", GPTQv1Writer, read=read_gptq_v1)

@@ -24,10 +24,9 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["KV_FORMATS", "declares_fp8_kv_cache", "kv_scale_tensors", "add_kv_cache_config", "is_kv_scale",
+__all__ = ["declares_fp8_kv_cache", "kv_scale_tensors", "add_kv_cache_config", "is_kv_scale",
            "read_kv_scales", "fake_quant_kv", "prepare_kv_cache", "ct_kv_cache_scheme"]
 
-KV_FORMATS = ("compressed-tensors", "fp8", "modelopt")
 FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
 _MODELOPT_KV_SCHEME = {"dynamic": False, "num_bits": 8, "type": "float"}
 

@@ -42,7 +42,13 @@ from pathlib import Path
 import torch
 
 from quantkit.arch import spec_for_config
-from quantkit.formats.common import load_tensors, read_config, save_tensors, write_config
+from quantkit.formats.common import (
+    FormatWriter,
+    load_tensors,
+    read_config,
+    save_tensors,
+    write_config,
+)
 from quantkit.readers import read_json
 from quantkit.types import QuantResult, QuantScheme
 
@@ -93,7 +99,7 @@ def _unfused_linears(config: dict, names: list[str]) -> set[str]:
     return {n for n in names if block.sub("", n, count=1) not in after_norm}
 
 
-class ModelOptAWQWriter:
+class ModelOptAWQWriter(FormatWriter):
     name = "modelopt"
     engines = ("tensorrt-llm",)
 

@@ -29,8 +29,14 @@ import torch
 
 import quantkit
 from quantkit.errors import ModelLoadError, SchemeMismatch
-from quantkit.formats.common import load_tensors, save_tensors, write_config
-from quantkit.formats.fp8 import FP8Layout, KindDispatch, dequantize_fp8
+from quantkit.formats.common import (
+    FormatRecord,
+    FormatWriter,
+    load_tensors,
+    save_tensors,
+    write_config,
+)
+from quantkit.formats.fp8 import FP8Layout, KindDispatch, dequantize_fp8, prepare_fp8_model
 from quantkit.readers import read_config_json, read_json
 from quantkit.types import QuantResult, QuantScheme
 
@@ -91,7 +97,7 @@ def _exclusions(ignore: list[str], dense: dict[str, torch.Tensor], skipped: list
     return sorted(names)
 
 
-class ModelOptFP8Writer:
+class ModelOptFP8Writer(FormatWriter):
     name = "modelopt"
     engines: tuple[str, ...] = ("trtllm",)
 
@@ -210,3 +216,22 @@ def read_modelopt(path: Path, dtype: torch.dtype = torch.float32) -> dict[str, t
         else:
             out[key] = t.to(dtype) if t.is_floating_point() else t
     return out
+
+
+def _prepare(model: torch.nn.Module, path: Path) -> None:
+    from quantkit.formats.fp4 import MODELOPT_FP4_ALGOS, prepare_modelopt_nvfp4_model
+
+    algo = read_hf_quant_config(path).get("quant_algo")
+    if algo in MODELOPT_FP4_ALGOS:
+        prepare_modelopt_nvfp4_model(model, path, algo)
+    elif algo == "W4A8_AWQ":  # int4 weights, FP8 static inputs (x * pre_quant_scale)
+        from quantkit.formats.modelopt import prepare_modelopt_w4a8_model
+
+        prepare_modelopt_w4a8_model(model, path)
+    else:
+        prepare_fp8_model(model, path, "modelopt")
+
+
+# TensorRT-LLM: FP8 here, NVFP4 in formats/fp4.py, W4A16_AWQ / W4A8_AWQ in formats/modelopt.py
+RECORD = FormatRecord("modelopt", ModelOptDispatch, read=read_modelopt, prepare=_prepare,
+                      kv_cache=True)

@@ -60,6 +60,7 @@ import torch
 
 from quantkit.arch import ArchSpec
 from quantkit.errors import CalibrationError, SchemeMismatch
+from quantkit.methods.awq_record import awq_request, check_awq_flags, search_bytes
 from quantkit.methods.intquant import (
     announce_rtn_fallback,
     check_int_scheme,
@@ -69,6 +70,7 @@ from quantkit.methods.intquant import (
     relative_error,
     rtn_quantize_weight,
 )
+from quantkit.methods.options import MethodRecord, int_scheme_args
 from quantkit.methods.scaling import (
     ScalePlan,
     fold_scale,
@@ -77,7 +79,7 @@ from quantkit.methods.scaling import (
     scale_plans,
     submodule,
 )
-from quantkit.types import BlockContext, QuantResult, QuantScheme
+from quantkit.types import BlockContext, Quantizer, QuantResult, QuantScheme
 
 __all__ = ["AWQQuantizer", "fake_quantize", "candidate_scales", "search_clip", "weight_mean",
            "DEFAULT_GRID", "MIN_CALIB_TOKENS"]
@@ -274,7 +276,7 @@ def search_clip(w: torch.Tensor, x: torch.Tensor, scheme: QuantScheme, n_grid: i
 
 # ---------------------------------------------------------------- the pipeline-facing side
 
-class AWQQuantizer:
+class AWQQuantizer(Quantizer):
     """AWQ for the block pipeline. Options (all keyword):
 
     n_grid (20) alpha points; duo_scaling (True) uses w_mean too; clip (True) searches
@@ -963,3 +965,10 @@ def _module_loss(mod: torch.nn.Module, ref: _Seen) -> torch.Tensor:
     if total is None:
         return torch.zeros((), dtype=torch.float64)
     return total / max(1, count)
+
+
+RECORDS = (MethodRecord(
+    name="awq", quantizer=AWQQuantizer, build=awq_request, check_flags=check_awq_flags,
+    command_args=int_scheme_args, reads_calibration=lambda options: True, handles_experts=True,
+    plan_passes=8,
+    plan_stats=lambda f: search_bytes(f, AUTO_SEARCH_TOKENS, EXPERT_INPUT_BYTES)),)

@@ -51,7 +51,7 @@ from quantkit.e2m1 import (
     quantize_mxfp4,
     quantize_nvfp4,
 )
-from quantkit.errors import CalibrationError, SchemeMismatch
+from quantkit.errors import CalibrationError, QuantkitError, SchemeMismatch
 from quantkit.methods.fp8 import fused_groups
 from quantkit.methods.gptq import (
     DEFAULT_BLOCK_SIZE,
@@ -64,7 +64,14 @@ from quantkit.methods.gptq import (
     shared_input_sets,
 )
 from quantkit.methods.intquant import announce_rtn_fallback, borrow_input_scales, starved_experts
-from quantkit.types import BlockContext, QuantResult, QuantScheme
+from quantkit.methods.options import (
+    FlagValues,
+    MethodRecord,
+    MethodRequest,
+    check_gptq_rounding_flags,
+    rounding_args,
+)
+from quantkit.types import BlockContext, PlanFacts, Quantizer, QuantResult, QuantScheme
 
 __all__ = ["FP4Quantizer", "FP4ColumnGrid", "fp4_scheme", "gptq_fp4", "NVFP4_SCHEMES", "GROUPS",
            "ROUNDINGS"]
@@ -122,7 +129,7 @@ def gptq_fp4(weight: torch.Tensor, hessian: torch.Tensor, step: torch.Tensor, gr
 
 # ---------------------------------------------------------------- the quantizer ----
 
-class FP4Quantizer:
+class FP4Quantizer(Quantizer):
     """NVFP4 (W4A16 / W4A4) or MXFP4 (W4A16) weights. Options:
 
     method    nvfp4 | mxfp4
@@ -296,3 +303,54 @@ def _stored_dtype(config) -> torch.dtype:
     if isinstance(name, torch.dtype):
         return name
     return {"float16": torch.float16, "float32": torch.float32}.get(str(name), torch.bfloat16)
+
+
+def _fp4_request(method: str):
+    def build(v: FlagValues, options: dict) -> MethodRequest:
+        if v["fp8_scheme"] is not None:
+            options["scheme"] = v["fp8_scheme"]
+        if v["rounding"]:
+            options["rounding"] = v["rounding"]
+        # groups fixed: 16 / 32
+        return MethodRequest(fp4_scheme(method, options.get("scheme", "w4a16")), options, False,
+                             v["fmt"])
+    return build
+
+
+def _check_nvfp4_flags(v: FlagValues) -> None:
+    check_gptq_rounding_flags("nvfp4", v)
+    if v.calib and (v["fp8_scheme"] or "w4a16") != "w4a4" and v.rounding != "gptq":
+        raise QuantkitError(
+            f"{v.calib[0]} is read by --method nvfp4 only with --scheme w4a4 (input scales) or "
+            "--rounding gptq; W4A16 rounded to nearest needs no calibration.",
+            f"Drop {v.calib[0]}, or pass --scheme w4a4 or --rounding gptq.")
+
+
+def _check_mxfp4_flags(v: FlagValues) -> None:
+    check_gptq_rounding_flags("mxfp4", v)
+    if v.calib and v.rounding != "gptq":
+        raise QuantkitError(
+            f"{v.calib[0]} is read by --method mxfp4 only with --rounding gptq; MXFP4 rounded "
+            "to nearest computes its scales from the weights alone.",
+            f"Drop {v.calib[0]}, or pass --rounding gptq.")
+
+
+def _fp4_disk(f: PlanFacts) -> int:
+    """Two E2M1 codes per byte, one-byte scales (E4M3 / E8M0)."""
+    return f.quantized // 2 + f.scales + f.dense_outside
+
+
+RECORDS = (
+    MethodRecord(
+        name="nvfp4", quantizer=lambda **options: FP4Quantizer(method="nvfp4", **options),
+        build=_fp4_request("nvfp4"), check_flags=_check_nvfp4_flags,
+        command_args=lambda req: ["--scheme", str(req.method_options.get("scheme", "w4a16"))]
+        + rounding_args(req),
+        reads_calibration=lambda o: o.get("scheme") == "w4a4" or o.get("rounding") == "gptq",
+        plan_passes=1, plan_disk=_fp4_disk),
+    MethodRecord(
+        name="mxfp4", quantizer=lambda **options: FP4Quantizer(method="mxfp4", **options),
+        build=_fp4_request("mxfp4"), check_flags=_check_mxfp4_flags, command_args=rounding_args,
+        reads_calibration=lambda o: o.get("rounding") == "gptq", plan_passes=1,
+        plan_disk=_fp4_disk),
+)

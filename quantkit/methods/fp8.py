@@ -26,9 +26,10 @@ from dataclasses import dataclass
 import torch
 
 from quantkit.arch import EXPERT
-from quantkit.errors import CalibrationError, SchemeMismatch
+from quantkit.errors import CalibrationError, QuantkitError, SchemeMismatch
 from quantkit.methods.intquant import borrow_input_scales, starved_experts
-from quantkit.types import BlockContext, QuantResult, QuantScheme
+from quantkit.methods.options import FlagValues, MethodRecord, MethodRequest
+from quantkit.types import BlockContext, PlanFacts, Quantizer, QuantResult, QuantScheme
 
 __all__ = ["FP8Quantizer", "FP8Layout", "PRESETS", "fp8_scheme", "resolve_layout", "fused_groups",
            "quantize_fp8_weight", "dequantize_fp8", "FP8_MAX"]
@@ -172,7 +173,7 @@ def _with_fused_partners(names, shapes: dict, spec) -> set[str]:
     return out
 
 
-class FP8Quantizer:
+class FP8Quantizer(Quantizer):
     """FP8 E4M3 weights (+ static input scales when asked). Options:
 
     scheme        dynamic | static | block (presets, see PRESETS)
@@ -418,3 +419,31 @@ def benchmark_scaled_mm(tokens: tuple[int, ...] = (1, 16, 128, 1024, 4096),
                 rows.append({"layer": name, "n": n, "k": k, "tokens": m, "variant": label,
                              "ms": start.elapsed_time(end) / iters, "rel_err_vs_bf16": rel})
     return rows
+
+
+def _fp8_request(v: FlagValues, options: dict) -> MethodRequest:
+    options["scheme"] = v["fp8_scheme"] or "dynamic"
+    scheme = QuantScheme(kind="fp8", bits=8, group_size=fp8_scheme(options["scheme"]).group_size,
+                         symmetric=v["sym"], act_order=v["act_order"], gguf_type=v["gguf_type"])
+    return MethodRequest(scheme, options, v["group_size"] is None, v["fmt"])
+
+
+def _check_fp8_flags(v: FlagValues) -> None:
+    scheme = v["fp8_scheme"]
+    if v.calib and (scheme or "dynamic") != "static":
+        raise QuantkitError(
+            f"{v.calib[0]} is read by --method fp8 only with --scheme static; --scheme "
+            f"{scheme or 'dynamic'} computes its scales from the weights alone.",
+            f"Drop {v.calib[0]}, or pass --scheme static.")
+
+
+def one_byte_disk(f: PlanFacts) -> int:
+    """FP8 / int8 artifacts: one byte per weight, float32 scales."""
+    return f.quantized + f.scales * 4 + f.dense_outside
+
+
+RECORDS = (MethodRecord(
+    name="fp8", quantizer=FP8Quantizer, build=_fp8_request, check_flags=_check_fp8_flags,
+    command_args=lambda req: ["--scheme", str(req.method_options.get("scheme", "dynamic"))],
+    reads_calibration=lambda options: options.get("scheme") == "static",
+    plan_passes=1, plan_disk=one_byte_disk),)

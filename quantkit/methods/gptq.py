@@ -35,7 +35,8 @@ from quantkit.methods.intquant import (
     relative_error,
     rtn_fallback,
 )
-from quantkit.types import BlockContext, QuantResult, QuantScheme, int_qrange
+from quantkit.methods.options import MethodRecord, int_scheme, int_scheme_args
+from quantkit.types import BlockContext, Quantizer, QuantResult, QuantScheme, int_qrange
 
 __all__ = ["GPTQQuantizer", "GPTQOutput", "gptq_quantize", "inverse_hessian_factor",
            "ColumnGrid", "IntColumnGrid", "gptq_column_loop", "prepare_hessian",
@@ -341,7 +342,7 @@ def _gptq(weight: torch.Tensor, hessian: torch.Tensor, scheme: QuantScheme, damp
                       g_idx=g_idx, damp=used_damp)
 
 
-class GPTQQuantizer:
+class GPTQQuantizer(Quantizer):
     """The pipeline-facing side: Hessians in, QuantResults out, one sequential group at a time.
 
     Options: damp (fraction of mean diag H, default 0.01), block_size (128),
@@ -461,3 +462,10 @@ def shared_input_sets(ctx: BlockContext, names: list[str]) -> list[list[str]]:
         else:
             sets.append([lname])
     return sets
+
+
+RECORDS = (MethodRecord(
+    name="gptq", quantizer=GPTQQuantizer, build=int_scheme, command_args=int_scheme_args,
+    reads_calibration=lambda options: True, handles_experts=True, solves_hessians=True,
+    # GPTQ onto GGML grids is the gguf method's gptq rounding
+    format_aliases={"gguf": ("gguf", {"rounding": "gptq"})}),)

@@ -27,14 +27,21 @@ import time
 
 import torch
 
-from quantkit.errors import CalibrationError, SchemeMismatch
-from quantkit.methods.fp8 import fused_groups
+from quantkit.errors import CalibrationError, QuantkitError, SchemeMismatch
+from quantkit.methods.fp8 import fused_groups, one_byte_disk
 from quantkit.methods.gptq import DEFAULT_BLOCK_SIZE, DEFAULT_DAMP, GPTQQuantizer, check_v_hessian
 from quantkit.methods.intquant import (
     borrow_input_scales,
     relative_error,
     rtn_quantize_weight,
     starved_experts,
+)
+from quantkit.methods.options import (
+    FlagValues,
+    MethodRecord,
+    MethodRequest,
+    check_gptq_rounding_flags,
+    rounding_args,
 )
 from quantkit.methods.scaling import require_scaling_table
 from quantkit.methods.smoothquant import (
@@ -44,7 +51,7 @@ from quantkit.methods.smoothquant import (
     check_alpha,
     smooth_block,
 )
-from quantkit.types import BlockContext, QuantResult, QuantScheme
+from quantkit.types import BlockContext, Quantizer, QuantResult, QuantScheme
 
 __all__ = ["Int8Quantizer", "int8_scheme", "SCHEMES", "ROUNDINGS", "STATIC_QMAX"]
 
@@ -63,7 +70,7 @@ def int8_scheme(scheme: str = "dynamic") -> QuantScheme:
     return QuantScheme(kind="int", bits=8, group_size=-1, symmetric=True, activations=scheme)
 
 
-class Int8Quantizer:
+class Int8Quantizer(Quantizer):
     """W8A8 int8 for the block pipeline. Options:
 
     scheme       dynamic (per-token inputs, no calibration needed) | static (per-tensor)
@@ -225,3 +232,48 @@ def _static_input_scale(ctx: BlockContext, group: tuple[str, ...],
     amax = amax.double()
     scale = torch.where(amax > 0, amax / STATIC_QMAX, torch.ones_like(amax))
     return scale.float().reshape(1).cpu()
+
+
+def _int8_request(v: FlagValues, options: dict) -> MethodRequest:
+    options["scheme"] = v["fp8_scheme"] or "dynamic"
+    if v["smoothquant"] is not None:
+        options["smoothquant"] = v["smoothquant"]
+    if v["smoothquant_pairs"]:
+        options["smoothquant_pairs"] = v["smoothquant_pairs"]
+    if v["rounding"]:
+        options["rounding"] = v["rounding"]
+    # per-channel weights: no group size to fit
+    return MethodRequest(int8_scheme(options["scheme"]), options, False, v["fmt"])
+
+
+def _check_int8_flags(v: FlagValues) -> None:
+    check_gptq_rounding_flags("int8", v)
+    if "smoothquant_pairs" in v.given and v["smoothquant"] is None:
+        raise QuantkitError("--smoothquant-pairs is read by --method int8 only with "
+                            "--smoothquant.", "Drop --smoothquant-pairs, or pass "
+                            "--smoothquant ALPHA.")
+    reads = ((v["fp8_scheme"] or "dynamic") == "static" or v["smoothquant"] is not None
+             or v.rounding == "gptq")
+    if v.calib and not reads:
+        raise QuantkitError(
+            f"{v.calib[0]} is read by --method int8 only with --scheme static, --smoothquant "
+            "or --rounding gptq; dynamic int8 with round-to-nearest needs no calibration.",
+            f"Drop {v.calib[0]}, or pass one of those flags.")
+
+
+def _int8_args(req) -> list[str]:
+    o = req.method_options
+    args = ["--scheme", str(o.get("scheme", "dynamic"))]
+    if o.get("smoothquant") is not None:
+        args += ["--smoothquant", str(o["smoothquant"])]
+    if o.get("smoothquant_pairs"):
+        args += ["--smoothquant-pairs", str(o["smoothquant_pairs"])]
+    return args + rounding_args(req)
+
+
+RECORDS = (MethodRecord(
+    name="int8", quantizer=Int8Quantizer, build=_int8_request, check_flags=_check_int8_flags,
+    command_args=_int8_args,
+    reads_calibration=lambda o: (o.get("scheme") == "static" or o.get("smoothquant") is not None
+                                 or o.get("rounding") == "gptq"),
+    plan_passes=1, plan_disk=one_byte_disk),)

@@ -20,13 +20,28 @@ import torch
 from gguf import GGMLQuantizationType
 
 from quantkit.arch import gguf_linear_name
-from quantkit.errors import SchemeMismatch
-from quantkit.ggml.catalogue import AUTO_BASE, FALLBACK, PRESETS, block_size, type_size
+from quantkit.errors import QuantkitError, SchemeMismatch
+from quantkit.ggml.catalogue import (
+    AUTO_BASE,
+    FALLBACK,
+    PRESETS,
+    bits_per_weight,
+    block_size,
+    type_size,
+)
 from quantkit.ggml.codec import dequantize_tensor, preload_compiled, quantize_tensor
 from quantkit.ggml.mix import TensorPlan, layer_of, plan_types
 from quantkit.methods.bit_allocation import Option
 from quantkit.methods.imatrix import ImatrixData, load_imatrix, save_imatrix
-from quantkit.types import BlockContext, QuantResult, QuantScheme
+from quantkit.methods.options import (
+    FlagValues,
+    MethodRecord,
+    MethodRequest,
+    check_gptq_rounding_flags,
+    parse_size,
+    rounding_args,
+)
+from quantkit.types import BlockContext, PlanFacts, Quantizer, QuantResult, QuantScheme
 
 __all__ = ["GGUFQuantizer"]
 
@@ -35,7 +50,7 @@ log = logging.getLogger("quantkit.gguf")
 
 
 
-class GGUFQuantizer:
+class GGUFQuantizer(Quantizer):
     """llama.cpp's quantization, in Python: per-tensor type mix + K-quant encoders.
 
     Options: gguf_type (a PRESETS key), imatrix (None, a llama.cpp imatrix file - GGUF or
@@ -57,6 +72,7 @@ class GGUFQuantizer:
     name = "gguf"
     propagate_quantized = False  # like llama-imatrix: statistics of the float model
     calib_batch_size = 8  # sums of x^2 do not care how tokens are batched; bigger is faster
+    quantizes_outside_blocks = True  # token_embd / output, and the auto solve over all blocks
 
     def __init__(self, gguf_type: str = "q4_k_m", imatrix: str | Path | bool | None = None,
                  imatrix_out: str | Path | None = None, imatrix_dataset: str | None = None,
@@ -750,3 +766,104 @@ class GGUFQuantizer:
             save_imatrix(self.imatrix_out, self.collected, datasets=[self.imatrix_dataset or "quantkit"],
                          chunk_count=self.chunks[0], chunk_size=self.chunks[1])
         return results
+
+
+# ---------------------------------------------------------------- the method's record ----
+
+
+def _gguf_request(v: FlagValues, options: dict) -> MethodRequest:
+    gguf_type = v["gguf_type"]
+    # --calib given explicitly (not --imatrix): collect the imatrix from that data
+    calib_given = "calib" in v.given
+    # GPTQ rounding: the Hessian's diagonal weights the scale search unless --imatrix is given
+    gptq_rounding = v["rounding"] == "gptq"
+    # auto weighs every tensor's error by the activations: it always has an imatrix
+    auto = str(gguf_type or "").lower() == "auto"
+    options.update(gguf_type=gguf_type or "q4_k_m",
+                   imatrix=v["imatrix"] or ("calib" if (calib_given or auto) and not gptq_rounding
+                                            else None))
+    if v["target_bpw"] is not None:
+        options["target_bpw"] = v["target_bpw"]
+    if v["target_size"] is not None:
+        options["target_size"] = parse_size(v["target_size"], "--target-size")
+    if gptq_rounding:
+        options["rounding"] = "gptq"
+    auto_group = v["group_size"] is None  # recorded as asked; K-quants fix their own blocks
+    scheme = QuantScheme(kind="kquant", bits=v["bits"],
+                         group_size=QuantScheme().group_size if auto_group else v["group_size"],
+                         symmetric=v["sym"], act_order=v["act_order"], gguf_type=gguf_type)
+    return MethodRequest(scheme, options, auto_group, v["fmt"])
+
+
+def _check_gguf_flags(v: FlagValues) -> None:
+    check_gptq_rounding_flags("gguf", v)
+    calib, given, imatrix, rounding = v.calib, v.given, v["imatrix"], v.rounding
+    auto = str(v["gguf_type"] or "").lower() == "auto"
+    if calib and imatrix and rounding != "gptq" and not auto:
+        raise QuantkitError(
+            f"--imatrix {imatrix} and {calib[0]} both give the importance matrix: one is read "
+            "from the file, the other collected from calibration data.",
+            f"Drop {calib[0]} to use the file, or drop --imatrix to collect one.")
+    for flag in ("target_bpw", "target_size"):
+        if flag in given and not auto:
+            raise QuantkitError(f"{given[flag]} sets the size budget of --gguf-type auto; "
+                                 f"--gguf-type {v['gguf_type'] or 'q4_k_m'} has a "
+                                 "fixed mix.", f"Pass --gguf-type auto, or drop {given[flag]}.")
+    if auto and not ({"target_bpw", "target_size"} & set(given)):
+        raise QuantkitError("--gguf-type auto needs a size budget.",
+                             "Pass --target-bpw (e.g. 4.5) or --target-size (e.g. 80MB).")
+    if auto and {"target_bpw", "target_size"} <= set(given):
+        raise QuantkitError("--target-bpw and --target-size both set the budget of --gguf-type "
+                             "auto.", "Pass one of them.")
+    if calib and "calib" not in given and rounding != "gptq" and not auto:
+        raise QuantkitError(
+            f"{calib[0]} shapes the importance matrix that --method gguf collects only when "
+            "--calib names the data.", f"Pass --calib SET (e.g. --calib mixed), or drop {calib[0]}.")
+
+
+def _gguf_args(req) -> list[str]:
+    o = req.method_options
+    args = ["--gguf-type", str(o.get("gguf_type") or req.scheme.gguf_type)]
+    for key in ("target_bpw", "target_size"):
+        if o.get(key) is not None:
+            args += ["--" + key.replace("_", "-"), str(o[key])]
+    return args + rounding_args(req)
+
+
+def _gguf_imatrix_arg(req) -> list[str]:
+    imatrix = req.method_options.get("imatrix")
+    return ["--imatrix", imatrix] if isinstance(imatrix, str) and imatrix != "calib" else []
+
+
+def _gguf_reads_calibration(options: dict) -> bool:
+    return options.get("imatrix") in ("calib", True) or options.get("rounding") == "gptq" or (
+        options.get("gguf_type") == "auto" and options.get("gain_batches", 2) > 0)
+
+
+def _nominal_bpw(scheme: QuantScheme, default: float) -> float:
+    return bits_per_weight(str(scheme.gguf_type or "q4_k_m"), default)
+
+
+def _gguf_disk(f: PlanFacts) -> int:
+    return int(f.quantized * _nominal_bpw(f.scheme, 5.0) / 8 + f.outside * 2)
+
+
+def _gguf_write(f: PlanFacts) -> int:
+    """The writer stacks one block's experts into a 3-D tensor."""
+    if not f.moe:
+        return 0
+    experts = [n * k for lin in f.linears for name, (n, k) in lin.items()
+               if f.spec.is_expert_linear(name)]
+    return int(f.spec.experts.count(f.config) * max(experts, default=0)
+               * _nominal_bpw(f.scheme, 16.0) / 8)
+
+
+RECORDS = (MethodRecord(
+    name="gguf", quantizer=GGUFQuantizer, build=_gguf_request, check_flags=_check_gguf_flags,
+    command_args=_gguf_args, command_tail=_gguf_imatrix_arg,
+    reads_calibration=_gguf_reads_calibration, native_format="gguf",
+    native_format_refusal=("--method gguf writes GGUF files; --format compressed-tensors cannot "
+                           "hold K-quants.", "Drop --format, or pass --format gguf."),
+    # K-quants need no statistics; an imatrix is gathered per expert (sq_mean)
+    kv_cache_calibrates=False, plan_passes=1, plan_stats=lambda f: 2 * f.block_params * 4,
+    plan_disk=_gguf_disk, plan_write=_gguf_write),)

@@ -5,12 +5,13 @@ from __future__ import annotations
 import time
 
 from quantkit.methods.intquant import check_int_scheme, check_no_act_order, rtn_quantize_weight
-from quantkit.types import BlockContext, QuantResult, QuantScheme
+from quantkit.methods.options import MethodRecord, int_scheme, int_scheme_args
+from quantkit.types import BlockContext, Quantizer, QuantResult, QuantScheme
 
-__all__ = ["RTNQuantizer"]
+__all__ = ["RTNQuantizer", "RECORDS"]
 
 
-class RTNQuantizer:
+class RTNQuantizer(Quantizer):
     name = "rtn"
     stats: tuple[str, ...] = ()
     propagate_quantized = False  # RTN reads no activations, so nothing needs propagating
@@ -30,3 +31,8 @@ class RTNQuantizer:
             res.seconds = time.perf_counter() - t0
             results[name] = res
         return results
+
+
+RECORDS = (MethodRecord(
+    name="rtn", quantizer=RTNQuantizer, build=int_scheme, command_args=int_scheme_args,
+    handles_experts=True),)

@@ -37,8 +37,7 @@ WEIGHTS_BUDGET = 256 << 20
 
 
 def wants_attention_v(quantizer) -> bool:
-    return getattr(quantizer, "v_hessian", "tokens") == "attention" \
-        and "hessian" in getattr(quantizer, "stats", ())
+    return quantizer.v_hessian == "attention" and "hessian" in quantizer.stats
 
 
 def check_attention_v(spec: ArchSpec, quantizer) -> None:

@@ -152,9 +152,7 @@ def quantize_blocks(
     blocks = get_blocks(model, spec)
     results: dict[str, QuantResult] = {}
     inputs: BlockInputs | None = None
-    warm_up = getattr(quantizer, "warm_up", None)
-    if warm_up is not None:  # e.g. compile a GPU kernel while the inputs are captured
-        warm_up(scheme, torch.device(device))
+    quantizer.warm_up(scheme, torch.device(device))  # e.g. compile a GPU kernel meanwhile
     if quantizer.needs_calibration or kv_absmax is not None:
         if not batches:
             raise ValueError("this method needs calibration batches")
@@ -164,9 +162,8 @@ def quantize_blocks(
         with source.embedding():
             inputs = capture_block_inputs(model, blocks, batches, compute_dtype).to(
                 device, offload=offload)
-            observe = getattr(quantizer, "observe_embedding", None)
-            if observe is not None and dp is None:  # while the embedding table is real
-                observe(model.get_submodule(spec.embed), batches)
+            if dp is None:  # while the embedding table is real
+                quantizer.observe_embedding(model.get_submodule(spec.embed), batches)
     total = len(blocks)
     start = 0
     resumed = checkpoint.resume(total, needs_hidden=inputs is not None) \
@@ -212,7 +209,7 @@ def _run_blocks(blocks, start: int, total: int, spec: ArchSpec, quantizer: Quant
     checkpoint does not hold) and `dense`. `handoff` holds the first block's inputs: taken
     out, so that no caller keeps them alive."""
     inputs = handoff.pop()
-    true_sequential = getattr(quantizer, "true_sequential", False)
+    true_sequential = quantizer.true_sequential
     for i, block in enumerate(blocks):
         if i < start:
             continue
@@ -281,7 +278,7 @@ def _run_blocks(blocks, start: int, total: int, spec: ArchSpec, quantizer: Quant
                         if name in stats:
                             res.calib_tokens = int(stats[name]["tokens"])
                         results[prefix + name] = res  # still on the device: fetched once per block
-                if dp is not None and getattr(quantizer, "data_parallel", None) == "block":
+                if dp is not None and quantizer.data_parallel == "block":
                     dp.broadcast_module(block)  # the method also changed other tensors (AWQ norms)
                 elif dp is not None:
                     dp.broadcast_linears(linears)

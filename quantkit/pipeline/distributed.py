@@ -64,7 +64,7 @@ class DataParallel:
                          "method solved on rank 0, weights broadcast"}
 
     def check_method(self, quantizer) -> None:
-        if not getattr(quantizer, "data_parallel", False):
+        if not quantizer.data_parallel:
             raise SchemeMismatch(
                 f"--method {quantizer.name} does not support data-parallel runs "
                 f"(WORLD_SIZE={self.world}): its search reads calibration activations "

@@ -28,9 +28,8 @@ import torch
 
 from quantkit.arch import ArchSpec
 from quantkit.errors import NotEnoughMemory
-from quantkit.methods.awq import AUTO_SEARCH_TOKENS as AWQ_SEARCH_TOKENS
-from quantkit.methods.awq import EXPERT_INPUT_BYTES as AWQ_EXPERT_INPUT_BYTES
-from quantkit.types import QuantScheme
+from quantkit.methods import method_record
+from quantkit.types import PlanFacts, QuantScheme
 
 __all__ = ["MemoryPlan", "estimate", "available_memory", "check_memory", "BASELINE_BYTES",
            "MEMORY_LIMIT_ENV", "OFFLOAD_BATCH", "offload_activations"]
@@ -54,13 +53,6 @@ _DENSE_FLOPS = {"cpu": 2e11, "cuda": 5e13}
 # weight model took 30 s on 2 CPU cores)
 _PER_WEIGHT_S = {"cpu": 5.5e-8, "cuda": 5e-9}
 _BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
-# GGUF bits per weight of the quantized tensors (llama.cpp's numbers, mixes averaged)
-GGUF_NOMINAL_BPW = {"f16": 16, "bf16": 16, "q8_0": 8.5, "q6_k": 6.5625, "q5_k_m": 5.7, "q4_k_m": 4.9,
-                    "q4_k_s": 4.6, "q5_k_s": 5.5, "q5_1": 6.0, "q5_0": 5.5, "q4_1": 5.0, "q4_0": 4.5,
-                    "q3_k_l": 4.3, "q3_k_m": 3.9, "q3_k_s": 3.5, "q2_k": 3.0, "iq4_nl": 4.5,
-                    "iq4_xs": 4.25, "iq3_xxs": 3.06, "iq3_s": 3.44, "iq3_xs": 3.3, "iq3_m": 3.66,
-                    "iq2_xxs": 2.06, "iq2_xs": 2.31, "iq2_s": 2.5, "iq2_m": 2.7, "iq1_s": 1.56,
-                    "iq1_m": 1.75, "q2_k_s": 2.8}
 
 
 @dataclass
@@ -133,35 +125,6 @@ def _staged_floats_per_token(hidden: int, inter: int, q_dim: int, kv_dim: int) -
     return max(at_o, at_down)
 
 
-def _awq_expert_down_inputs(search: int, experts: int, top_k: int, width: int, act_bytes: int,
-                            all_experts: bool, budget: int = AWQ_EXPERT_INPUT_BYTES) -> int:
-    """Bytes of the experts' down_proj search inputs AWQ holds at once (quantkit.methods.awq):
-    all of them where they fit `budget` (AWQQuantizer's expert_input_bytes), else one chunk
-    of experts. An expert reads every search token with all experts calibrated, top_k /
-    experts of them routed."""
-    per_expert = search * (1 if all_experts else top_k / max(1, experts)) * width * act_bytes
-    if per_expert * experts <= budget:
-        return int(per_expert * experts)
-    return int(max(1, budget // per_expert) * per_expert)
-
-
-def _awq_expert_gate_up_inputs(search: int, experts: int, top_k: int, hidden: int,
-                               act_bytes: int, all_experts: bool,
-                               budget: int = AWQ_EXPERT_INPUT_BYTES) -> tuple[int, bool]:
-    """(bytes, chunked) of the routed experts' gate/up search inputs AWQ holds at once: each
-    expert its own routed rows (top_k per search token in all), in the one-pass capture where
-    they fit `budget`, else replayed one chunk of experts at a time for their clip after the
-    fold (chunked). With all experts calibrated they read one shared hidden-wide tensor,
-    counted with the block's other inputs: 0."""
-    if all_experts:
-        return 0, False
-    total = search * top_k * hidden * act_bytes
-    if total <= budget:
-        return int(total), False
-    per_expert = total / max(1, experts)
-    return int(max(1, budget // per_expert) * per_expert), True
-
-
 def _attention_v_bytes(batch: int, seqlen: int, hidden: int, heads: int) -> int:
     """Memory of the attention-v forward: [n, heads, S, S] float32 weights for as many
     sequences of a calibration batch as WEIGHTS_BUDGET holds (at least one), and their
@@ -192,7 +155,7 @@ def estimate(config, spec: ArchSpec, *, method: str, scheme: QuantScheme, calib_
              resume: bool = True, true_sequential: bool = True,
              hessians: bool | None = None, moe_all_experts: bool = False,
              compute_dtype: torch.dtype | None = None,
-             awq_expert_input_bytes: int | None = None, attention_v: bool = False) -> MemoryPlan:
+             expert_input_bytes: int | None = None, attention_v: bool = False) -> MemoryPlan:
     """Expected peaks for `quantize` with these settings (see the module docstring).
 
     `hessians`: the method gathers GPTQ Hessians and solves with them (default: method gptq;
@@ -200,7 +163,7 @@ def estimate(config, spec: ArchSpec, *, method: str, scheme: QuantScheme, calib_
 
     `moe_all_experts` (--moe-calibrate-all-experts): every expert reads every token; AWQ
     then searches the experts' up -> down groups on chunks of experts whose down_proj inputs
-    (over all search tokens) fill at most `awq_expert_input_bytes` (AWQQuantizer's
+    (over all search tokens) fill at most `expert_input_bytes` (the quantizer's
     expert_input_bytes); routed, the experts' gate/up inputs too (each expert its own rows).
 
     `compute_dtype`: what the blocks run in (default bf16 on a GPU, float32 on the CPU;
@@ -215,8 +178,8 @@ def estimate(config, spec: ArchSpec, *, method: str, scheme: QuantScheme, calib_
     sequences, up to WEIGHTS_BUDGET unless one sequence is larger) and the A_h X products of
     the sampled query rows beside the statistics; its flops in the time.
     """
+    record = method_record(method)
     per_block, linears, outside, largest = _param_counts(config, spec)
-    awq_expert_input_bytes = awq_expert_input_bytes or AWQ_EXPERT_INPUT_BYTES
     cuda = str(device).startswith("cuda")
     if compute_dtype is None:
         compute_dtype = torch.bfloat16 if cuda else torch.float32
@@ -248,7 +211,7 @@ def estimate(config, spec: ArchSpec, *, method: str, scheme: QuantScheme, calib_
         (min(calib_batch, calib_samples) * heads * calib_seqlen**2 * act_bytes
          if calibrated and not cuda else 0)
     moe = spec.experts is not None and spec.experts.count(config) > 0
-    solves = method == "gptq" if hessians is None else hessians  # GPTQ Hessians gathered
+    solves = record.solves_hessians if hessians is None else hessians  # GPTQ Hessians gathered
     # one-pass true-sequential (CPU): every batch paused mid-block; MoE blocks replay instead
     if solves and true_sequential and not cuda and not moe:
         forward = max(forward, int(tokens * act_bytes * _staged_floats_per_token(
@@ -260,6 +223,11 @@ def estimate(config, spec: ArchSpec, *, method: str, scheme: QuantScheme, calib_
     groups = scheme.groups
     scales = sum(n * groups(k) for lin in linears for n, k in lin.values())
 
+    facts = PlanFacts(config=config, spec=spec, scheme=scheme, linears=linears, tokens=tokens,
+                      cuda=cuda, hidden=hidden, inter=inter, act_bytes=act_bytes,
+                      block_params=block_params, moe=moe, moe_all_experts=moe_all_experts,
+                      expert_input_bytes=expert_input_bytes, quantized=quantized,
+                      scales=scales, outside=outside, dense_outside=outside * sb)
     stats = 0
     group_hessians: list[int] = []  # bytes of each sequential group's Hessians
     gram_phase = 0  # GPU GPTQ: Hessians alive while the forward accumulates them
@@ -284,38 +252,8 @@ def estimate(config, spec: ArchSpec, *, method: str, scheme: QuantScheme, calib_
             widest_h = max(group_hessians)
             gram_phase = (widest_h if true_sequential else sum(group_hessians)) + widest_h
             stats += 0 if true_sequential else others
-    elif method == "awq":
-        # the scale search holds every Linear's input over its search tokens (q/k/v, o,
-        # gate/up: hidden wide; down: intermediate), the attention and MLP outputs, x / s
-        # copies of the norm-fed inputs, and fp32 copies of one group's weights (measured on
-        # the H100: 13.7 GiB for Llama-3.1-8B shapes, 9.1 GiB for 3.2-3B)
-        search = min(tokens, AWQ_SEARCH_TOKENS["accel" if cuda else "cpu"])
-        down = search * inter * act_bytes  # a dense block's down_proj input
-        group_weights = 2 * block_params * 4
-        if moe:
-            # the experts' down_proj inputs: at most one chunk of them at a time (all experts
-            # calibrated, H100, Qwen3-30B-A3B shapes: 10 of 128 experts x 65536 x 768 x 2 B
-            # = 0.94 GiB instead of all 12 GiB; benchmarks/README.md)
-            n_exp = spec.experts.count(config)
-            top_k = int(getattr(config, "num_experts_per_tok", 1) or 1)
-            widest = max(linears, key=len, default={})
-            expert_inter = max((k for name, (_, k) in widest.items()
-                                if spec.is_expert_linear(name) and k != hidden), default=inter)
-            dense_blocks = any(not any(spec.is_expert_linear(n) for n in lin) for lin in linears)
-            down = max(down if dense_blocks else 0, _awq_expert_down_inputs(
-                search, n_exp, top_k, expert_inter, act_bytes, moe_all_experts,
-                awq_expert_input_bytes))
-            # routed gate/up: in the capture beside the rest, or (chunked) one chunk after
-            # the fold, when the search's fp32 group weights are gone
-            gate_up, chunked = _awq_expert_gate_up_inputs(
-                search, n_exp, top_k, hidden, act_bytes, moe_all_experts, awq_expert_input_bytes)
-            if chunked:
-                group_weights = max(group_weights, gate_up)
-            else:
-                down += gate_up
-        stats = search * 7 * hidden * act_bytes + down + group_weights
-    elif method == "gguf":
-        stats = 2 * block_params * 4
+    elif record.plan_stats is not None:  # the method's own statistics (AWQ's search inputs)
+        stats = record.plan_stats(facts)
     if attention_v and solves and calibrated:  # counted beside the Hessians and the solve
         stats += _attention_v_bytes(min(calib_batch, calib_samples), calib_seqlen, hidden, heads)
     # uint8 codes + fp32 scale + int32 zero; with checkpoints (resume) finished blocks' results
@@ -352,23 +290,16 @@ def estimate(config, spec: ArchSpec, *, method: str, scheme: QuantScheme, calib_
         # int32 reshaped and shifted copies while packing)
         "write": packed + scales * sb + dense_outside + results_ram + 9 * largest_linear,
     }
-    if method == "gguf" and moe:  # the writer stacks one block's experts into a 3-D tensor
-        experts = [n * k for lin in linears for name, (n, k) in lin.items() if spec.is_expert_linear(name)]
-        bpw = GGUF_NOMINAL_BPW.get(str(scheme.gguf_type or "q4_k_m"), 16.0)
-        phases["write"] += int(spec.experts.count(config) * max(experts, default=0) * bpw / 8)
+    if record.plan_write is not None:  # e.g. GGUF's experts stacked into one 3-D tensor
+        phases["write"] += record.plan_write(facts)
     if not streaming:
         model_load = (sum(per_block.values()) + outside) * load_bytes
         phases = {k: v + model_load for k, v in phases.items()}
     peak = BASELINE_BYTES + max(phases.values())
 
-    if method == "gguf":
-        bpw = GGUF_NOMINAL_BPW.get(str(scheme.gguf_type or "q4_k_m"), 5.0)
-        disk = int(quantized * bpw / 8 + outside * 2)
-    elif method in ("fp8", "int8"):  # one byte per weight, float32 scales
-        disk = quantized + scales * 4 + dense_outside
-    elif method in ("nvfp4", "mxfp4"):  # two E2M1 codes per byte, one-byte scales (E4M3 / E8M0)
-        disk = quantized // 2 + scales + dense_outside
-    else:
+    if record.plan_disk is not None:  # the method's own storage
+        disk = record.plan_disk(facts)
+    else:  # packed integer codes, scales (and zero points) in the stored dtype
         disk = packed + scales * sb + (scales * scheme.bits // 8 if not scheme.symmetric else 0) \
             + dense_outside
     total_params = sum(per_block.values()) + outside
@@ -376,8 +307,7 @@ def estimate(config, spec: ArchSpec, *, method: str, scheme: QuantScheme, calib_
     disk += block_norms
 
     gptq_passes = (3.5 if cuda else 1) if true_sequential else 2
-    passes = gptq_passes if solves else {"awq": 8, "fp8": 1, "gguf": 1, "int8": 1, "nvfp4": 1,
-                                         "mxfp4": 1}.get(method, 0)
+    passes = gptq_passes if solves else record.plan_passes
     flops = 2 * quantized * tokens * passes
     if solves:
         flops += sum(n * k * k * 2 + k**3 for lin in linears for n, k in lin.values())

@@ -20,9 +20,15 @@ import torch
 import quantkit
 from quantkit.arch import ArchSpec, spec_for_config
 from quantkit.errors import ModelLoadError, QuantkitError, SchemeMismatch
-from quantkit.formats import get_writer
-from quantkit.formats.kv_cache import KV_FORMATS, add_kv_cache_config, kv_scale_tensors
-from quantkit.methods import get_quantizer
+from quantkit.formats import (
+    DEFAULT_FORMAT,
+    FORMAT_CHOICES,
+    format_record,
+    get_writer,
+    kv_cache_formats,
+)
+from quantkit.formats.kv_cache import add_kv_cache_config, kv_scale_tensors
+from quantkit.methods import MOE_METHODS_HINT, get_quantizer, method_record
 from quantkit.methods.kvcache import fp8_kv_scales
 from quantkit.model_io import (
     TOKENIZER_FILES,
@@ -85,7 +91,7 @@ class QuantizeRequest:
     method: str
     scheme: QuantScheme
     out: Path
-    format: str = "compressed-tensors"
+    format: str = DEFAULT_FORMAT
     force: bool = False
     calib: str = "mixed"
     calib_samples: int = 128
@@ -114,34 +120,11 @@ class QuantizeRequest:
         """The `quantkit quantize` command that makes this request (for API callers)."""
         import shlex
 
-        s = self.scheme
-        # GGUF files are the gguf method's only format (the CLI refuses any other --format)
-        fmt = "gguf" if self.method == "gguf" else self.format
-        args = [self.model, "--method", self.method, "--format", fmt]
-        if self.method == "gguf":
-            args += ["--gguf-type", str(self.method_options.get("gguf_type") or s.gguf_type)]
-        elif self.method == "fp8":
-            args += ["--scheme", str(self.method_options.get("scheme", "dynamic"))]
-        elif self.method == "nvfp4":
-            args += ["--scheme", str(self.method_options.get("scheme", "w4a16"))]
-        elif self.method == "mxfp4":
-            pass
-        elif self.method == "int8":
-            args += ["--scheme", str(self.method_options.get("scheme", "dynamic"))]
-            if self.method_options.get("smoothquant") is not None:
-                args += ["--smoothquant", str(self.method_options["smoothquant"])]
-            if self.method_options.get("smoothquant_pairs"):
-                args += ["--smoothquant-pairs", str(self.method_options["smoothquant_pairs"])]
-        else:
-            args += ["--bits", str(s.bits), "--group-size", str(s.group_size),
-                     "--sym" if s.symmetric else "--asym"] + (["--act-order"] if s.act_order else [])
-            if s.activations == "fp8":
-                args += ["--scheme", "w4a8"]
-        for key in ("target_bpw", "target_size"):
-            if self.method == "gguf" and self.method_options.get(key) is not None:
-                args += ["--" + key.replace("_", "-"), str(self.method_options[key])]
-        if self.method in ("int8", "nvfp4", "mxfp4", "gguf") and self.method_options.get("rounding"):
-            args += ["--rounding", str(self.method_options["rounding"])]
+        record = method_record(self.method)
+        # a method's native format is its only one (the CLI refuses any other --format)
+        args = [self.model, "--method", self.method, "--format",
+                record.native_format or self.format]
+        args += record.command_args(self)
         if "damp" in self.method_options:
             args += ["--damp", str(self.method_options["damp"])]
         if self.method_options.get("true_sequential") is False:
@@ -154,18 +137,8 @@ class QuantizeRequest:
             args += ["--kv-cache", self.kv_cache]
         if self.reproducible:
             args += ["--reproducible"]
-        imatrix = self.method_options.get("imatrix")
-        if self.method == "gguf" and isinstance(imatrix, str) and imatrix != "calib":
-            args += ["--imatrix", imatrix]
-        reads_calib = (self.method in ("gptq", "awq")
-                       or self.method_options.get("scheme") in ("static", "w4a4")
-                       or (self.method == "gguf" and imatrix in ("calib", True))
-                       or (self.method == "gguf" and self.method_options.get("gguf_type") == "auto"
-                           and self.method_options.get("gain_batches", 2) > 0)
-                       or (self.method == "int8"
-                           and self.method_options.get("smoothquant") is not None)
-                       or self.method_options.get("rounding") == "gptq"
-                       or bool(self.kv_cache))
+        args += record.command_tail(self)
+        reads_calib = record.reads_calibration(self.method_options) or bool(self.kv_cache)
         if reads_calib:  # the CLI refuses calibration flags a method would not read
             args += ["--calib", self.calib, "--calib-samples", str(self.calib_samples),
                      "--calib-seqlen", str(self.calib_seqlen), "--seed", str(self.seed)]
@@ -238,17 +211,17 @@ def plan_request(req: QuantizeRequest, config, spec: ArchSpec, quantizer,
                     calib_samples=req.calib_samples, calib_seqlen=req.calib_seqlen,
                     calibrated=quantizer.needs_calibration or bool(req.kv_cache),
                     device=_device(req.device),
-                    calib_batch=getattr(quantizer, "calib_batch_size", 1),
+                    calib_batch=quantizer.calib_batch_size,
                     store_dtype=_storage_dtype(raw_config), streaming=req.stream is not False,
                     compute_dtype=compute_dtype_for(
                         _device(req.device), _storage_dtype(raw_config),
                         quantizer.needs_calibration or bool(req.kv_cache), req.reproducible),
-                    resume=req.resume and not hasattr(quantizer, "quantize_rest")
+                    resume=req.resume and not quantizer.quantizes_outside_blocks
                     and not req.kv_cache,
-                    true_sequential=getattr(quantizer, "true_sequential", False),
+                    true_sequential=quantizer.true_sequential,
                     moe_all_experts=req.moe_calibrate_all_experts,
-                    awq_expert_input_bytes=getattr(quantizer, "expert_input_bytes", None),
-                    hessians="hessian" in getattr(quantizer, "stats", ()),
+                    expert_input_bytes=quantizer.expert_input_bytes,
+                    hessians="hessian" in quantizer.stats,
                     attention_v=wants_attention_v(quantizer) and spec.attention_v)
 
 
@@ -269,7 +242,7 @@ def plan(req: QuantizeRequest) -> tuple[MemoryPlan, dict]:
             "scheme": req.scheme.describe(), "device": _device(req.device),
             "calib_samples": req.calib_samples if calibrated else 0,
             "calib_seqlen": req.calib_seqlen if calibrated else 0,
-            **({"rounding": quantizer.rounding} if hasattr(quantizer, "rounding") else {}),
+            **({"rounding": quantizer.rounding} if quantizer.rounding is not None else {}),
             **({"kv_cache": req.kv_cache} if req.kv_cache else {}),
             **({"group_size_choice": group_note} if group_note else {})}
     return plan_request(req, config, spec, quantizer, raw_config), info
@@ -340,7 +313,7 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
     raw_config = read_config_json(source.path)
     spec = spec_for_config(raw_config)  # before transformers parses it: cheap, clear errors
     check_moe_support(spec, req.method, writer.name, quantizer.needs_calibration,
-                      getattr(quantizer, "moe_calibrated", False))
+                      quantizer.moe_calibrated)
     check_attention_v(spec, quantizer)
     if req.kv_cache:
         check_kv_cache(req.kv_cache, writer.name, spec, dp is not None)
@@ -354,19 +327,19 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
     problems = writer.check(req.scheme, shapes)
     if problems:
         raise SchemeMismatch(f"Format {writer.name} cannot store this: " + "; ".join(problems) + ".",
-                             "Choose another --format (compressed-tensors, gptq, awq, fp8, "
-                             "modelopt, gguf) or the scheme flags the message names.")
-    if hasattr(writer, "check_modules"):  # an ignore list matched by substring (AutoAWQ's)
+                             f"Choose another --format ({FORMAT_CHOICES}) or the scheme flags "
+                             "the message names.")
+    if writer.checks_modules:  # an ignore list matched by substring (AutoAWQ's)
         check_kept_modules(writer, config, spec, shapes)
-    if hasattr(writer, "check_source"):  # writers that embed tokenizer/config (GGUF) check them now
+    if writer.embeds_source:  # writers that embed tokenizer/config (GGUF) check them now
         writer.check_source(source.path, config)
-    if hasattr(quantizer, "file_overhead_bytes") and hasattr(writer, "overhead_bytes"):
+    if quantizer.file_overhead_bytes is not None and writer.sizes_overhead:
         # a whole-file size budget (GGUF auto --target-size): what the file holds besides the
         # weight matrices, known before any data is read
         floats, n_tensors = _non_matrix_values(config, spec, shapes)
         quantizer.file_overhead_bytes = writer.overhead_bytes(config, floats, n_tensors)
-    if hasattr(quantizer, "prepare"):  # per-tensor plans (GGUF type mix) from the config alone
-        quantizer.prepare(config=config, spec=spec, shapes=shapes)
+    # per-tensor plans (GGUF type mix) from the config alone
+    quantizer.prepare(config=config, spec=spec, shapes=shapes)
     device = dp_device or _device(req.device)
     mem_plan = plan_request(req, config, spec, quantizer, raw_config)
     if req.memory_check:
@@ -386,7 +359,7 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
     # before any work, so a broken tokenizer fails fast; a writer that embeds the tokenizer
     # (GGUF) has loaded and checked it in check_source, and only calibration needs it again
     tokenizer = None
-    if calibrate or not hasattr(writer, "check_source"):
+    if calibrate or not writer.embeds_source:
         tokenizer = load_tokenizer(source.path, trust_remote_code=req.trust_remote_code)
 
     calib = None
@@ -400,7 +373,7 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
     store_dtype = _storage_dtype(raw_config)
     compute_dtype = compute_dtype_for(device, store_dtype, calibrate, req.reproducible)
     # methods may ask for larger calibration batches (fewer, bigger ops: much faster on CPU)
-    batch = getattr(quantizer, "calib_batch_size", 1)
+    batch = quantizer.calib_batch_size
     if offload:  # GPU memory is short: smaller forwards too (what the plan assumed)
         batch = min(batch, OFFLOAD_BATCH)
         if calib is not None:  # the first block's pinned host memory, got while the scan reads
@@ -415,7 +388,7 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
     ckpt = None
     # data-parallel ranks hold only their shard's hidden states: no per-block checkpoints
     # GGUF keeps cross-block state; KV-cache scales are not checkpointed (yet)
-    if req.resume and dp is None and not hasattr(quantizer, "quantize_rest") and not req.kv_cache:
+    if req.resume and dp is None and not quantizer.quantizes_outside_blocks and not req.kv_cache:
         describe = {"model": str(source.path), "model_files": model_fingerprint(source.path),
                     "method": req.method, "format": writer.name,
                     "scheme": dataclasses.asdict(req.scheme), "options": req.method_options,
@@ -439,10 +412,10 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
                               kv_absmax=kv_absmax)
     if dp is not None and not dp.is_main:  # rank 0 alone writes the artifact
         return {"rank": dp.rank, "world_size": dp.world}
-    if hasattr(quantizer, "quantize_rest"):  # tensors outside the blocks (GGUF embeddings)
+    if quantizer.quantizes_outside_blocks:  # tensors outside the blocks (GGUF embeddings)
         # the final norm too for a method that reads the head's input (GGUF auto)
-        wanted = (spec.embed, spec.lm_head) + ((spec.final_norm,) if getattr(
-            quantizer, "reads_final_norm", False) else ())
+        wanted = (spec.embed, spec.lm_head) + ((spec.final_norm,) if quantizer.reads_final_norm
+                                           else ())
         present = dict(model.named_modules())
         outside = [m for m in wanted if streaming and m in present]
         for name in outside:
@@ -481,7 +454,7 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
         **({"fallbacks": fb} if (fb := {n: r.fallback for n, r in results.items()
                                          if r.fallback}) else {}),
         # per-tensor types the method chose itself (GGUF auto: the budget, the solve, each type)
-        **({"gguf_auto": quantizer.allocation} if getattr(quantizer, "allocation", None) else {}),
+        **({"gguf_auto": quantizer.allocation} if quantizer.allocation else {}),
         "device": device, "compute_dtype": str(compute_dtype).removeprefix("torch."),
         # which float32 kernels ran: artifacts whose facts differ may differ in their codes
         **({"kernels": kernel_facts()} if device == "cpu" else {}),
@@ -501,7 +474,7 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
     if spec.checkpoint_renames:  # the engines load the checkpoint's names (Mixtral's)
         dense = {spec.checkpoint_name(k): v for k, v in dense.items()}
         results = CheckpointNamed(results, spec)
-    if getattr(writer, "single_file", False):  # one file (GGUF): metadata goes inside it
+    if writer.single_file:  # one file (GGUF): metadata goes inside it
         meta["seconds"]["total"] = round(time.perf_counter() - t_start, 3)
         with atomic_output(out, req.force, is_dir=False) as tmp:
             writer.write(tmp, config=out_config, dense=dense, results=results,
@@ -570,12 +543,6 @@ def _input_paths(req: QuantizeRequest, model_dir: Path) -> dict[str, Path]:
     return paths
 
 
-# writers whose MoE tensor names are verified: per-expert tensors vLLM's FusedMoE loader
-# reads (compressed-tensors, AutoAWQ GEMM), and llama.cpp's 3-D ffn_*_exps (for the archs with
-# GGUF expert names)
-MOE_FORMATS = ("compressed-tensors", "awq", "gguf")
-
-
 # Uncalibrated schemes (FP8 dynamic / block, NVFP4 W4A16 and MXFP4 rounded to nearest, int8
 # W8A8 with dynamic inputs) quantize every expert from its weights alone, whatever the router
 # chose. Calibrated ones run on experts where the quantizer says `moe_calibrated` (FP8 static,
@@ -590,19 +557,18 @@ def check_moe_support(spec: ArchSpec, method: str, format_name: str, calibrated:
     router fed no calibration token (static input scales: borrowed from the widest expert)."""
     if spec.experts is None:
         return
-    if format_name not in MOE_FORMATS or (format_name == "gguf"
-                                          and spec.gguf_slot(spec.experts.linear("gate", 0)) is None):
+    if not format_record(format_name).stores_experts(spec):
         raise SchemeMismatch(
             f"Format {format_name} cannot store the experts of {spec.name} (mixture of experts) yet.",
-            f"Use --format {MOE_FORMATS[0]} (per-expert tensors vLLM's FusedMoE loader reads).")
-    if format_name == "gguf" and method == "gguf":
-        return  # K-quants need no statistics; an imatrix is gathered per expert (sq_mean)
-    if method in ("rtn", "gptq", "awq") or not calibrated or moe_calibrated:
+            f"Use --format {DEFAULT_FORMAT} (per-expert tensors vLLM's FusedMoE loader reads).")
+    record = method_record(method)
+    if format_name == record.native_format:
+        return  # the method's own format stores what it makes of every expert
+    if record.handles_experts or not calibrated or moe_calibrated:
         return
     raise SchemeMismatch(
         f"Method {method} does not handle the experts of {spec.name} (mixture of experts) yet.",
-        "Use --method gptq, awq or rtn, --method fp8, int8, nvfp4 or mxfp4 (every scheme) to "
-        "--format compressed-tensors, or --method gguf to --format gguf.")
+        MOE_METHODS_HINT)
 
 
 def check_kept_modules(writer, config, spec: ArchSpec, shapes: dict[str, tuple[int, int]]) -> None:
@@ -620,18 +586,19 @@ def check_kept_modules(writer, config, spec: ArchSpec, shapes: dict[str, tuple[i
             f"Format {writer.name} cannot keep the unquantized modules of {spec.name} apart from "
             f"the quantized ones: {problems[0]}" + (f" (and {len(problems) - 1} more)"
                                                     if len(problems) > 1 else "") + ".",
-            "Use --format compressed-tensors (its ignore list takes exact patterns).")
+            f"Use --format {DEFAULT_FORMAT} (its ignore list takes exact patterns).")
 
 
 def check_kv_cache(kv_cache: str, format_name: str, spec: ArchSpec, data_parallel: bool) -> None:
     """Refuse, before any work, a KV-cache request the artifact or the run cannot carry."""
     if kv_cache != "fp8":
         raise SchemeMismatch(f"--kv-cache {kv_cache!r} is not known.", "Use --kv-cache fp8.")
-    if format_name not in KV_FORMATS:
+    kv_formats = kv_cache_formats()
+    if format_name not in kv_formats:
         raise SchemeMismatch(
             f"Format {format_name} cannot carry KV-cache scales (--kv-cache fp8): its engine "
             "loads no k_scale / v_scale from it.",
-            f"Use --format {' or --format '.join(KV_FORMATS)}, or drop --kv-cache "
+            f"Use --format {' or --format '.join(kv_formats)}, or drop --kv-cache "
             "(llama.cpp picks its KV-cache type at run time: --cache-type-k / --cache-type-v).")
     if data_parallel:
         raise SchemeMismatch("--kv-cache fp8 is not wired into data-parallel (torchrun) runs yet.",
