@@ -170,7 +170,7 @@ def test_awq_folds_keep_both_block_kinds_and_routing(deepseek_model):
 def test_methods_both_layouts(deepseek_model, tmp_path, method):
     """Streamed per-expert shards and transformers 5's fused in-memory experts give the same
     bytes (GPTQ, AWQ: the runs whose statistics depend on the layout; RTN and FP8's layouts
-    slice the same way, tests/test_moe.py runs them on Qwen3-MoE and Mixtral); every MLA, dense, routed and shared Linear is quantized, the router and its
+    slice the same way, tests/test_moe_*.py runs them on Qwen3-MoE and Mixtral); every MLA, dense, routed and shared Linear is quantized, the router and its
     score-correction bias are kept (the bias byte for byte), tokens per expert are recorded
     (group-limited top-2 of 4: they sum to 2 x the calibration tokens), and quantkit's loader
     runs the artifact."""
