@@ -449,7 +449,7 @@ def quantize(resume, no_memory_check, reproducible, **kw) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def plan_cmd(as_json, **kw) -> None:
     """Expected peak RAM / GPU memory, artifact size and time of `quantize`, before any work."""
-    from quantkit.pipeline.plan import available_memory
+    from quantkit.machine import available_memory
     from quantkit.pipeline.quantize import plan
 
     p, info = plan(_request(**kw))

@@ -13,13 +13,13 @@ import torch
 
 from quantkit.formats import detect_format, prepare_model, read_dense_state
 from quantkit.model_io import (
-    causal_lm_class,
     load_config,
     load_model,
     load_tokenizer,
     resolve_model,
 )
 from quantkit.readers import read_json
+from quantkit.transformers_lean import causal_lm_class
 
 __all__ = ["LoadedModel", "load_artifact", "artifact_meta"]
 

@@ -34,8 +34,8 @@ from quantkit.formats.common import load_tensors
 from quantkit.formats.fp4 import pack_e2m1, read_fp4_pack_quantized, read_modelopt_nvfp4
 from quantkit.info import artifact_info
 from quantkit.loader import load_artifact
+from quantkit.machine import cache_dir
 from quantkit.methods.fp4 import fp4_scheme
-from quantkit.model_io import cache_dir
 from quantkit.pipeline.quantize import QuantizeRequest, quantize
 
 LLMC_VENV = "llmcompressor-0.14.0.1"  # scripts/setup.sh builds it

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from quantkit.engines.forkserver import WorkerResult, run_script, share
 from quantkit.errors import EngineError
+from quantkit.machine import cache_dir
 
 __all__ = ["vllm_python", "vllm_env", "run_vllm", "run_vllm_worker", "share_vllm_forkserver",
            "vllm_failure", "VLLM_VENV_NAME"]
@@ -24,8 +25,6 @@ _WORKER = Path(__file__).with_name("vllm_worker.py")
 
 def vllm_python() -> Path:
     """QUANTKIT_VLLM_PYTHON, else the venv scripts/setup.sh builds under the quantkit cache."""
-    from quantkit.model_io import cache_dir
-
     env = os.environ.get("QUANTKIT_VLLM_PYTHON")
     path = Path(env) if env else cache_dir() / "venvs" / VLLM_VENV_NAME / "bin" / "python"
     if not path.is_file():
@@ -119,7 +118,6 @@ def vllm_failure(what: str, log: str, returncode: int) -> EngineError:
     from datetime import datetime
 
     from quantkit.engines.capabilities import explain_vllm_failure
-    from quantkit.model_io import cache_dir
 
     cause = _root_cause(log) or f"exit {returncode}"
     log_path = cache_dir() / "logs" / f"vllm-{datetime.now():%Y%m%d-%H%M%S}-{os.getpid()}.log"

@@ -22,6 +22,7 @@ from quantkit.arch import ArchSpec, spec_for_config
 from quantkit.errors import ModelLoadError, QuantkitError, SchemeMismatch
 from quantkit.formats import get_writer
 from quantkit.formats.kv_cache import KV_FORMATS, add_kv_cache_config, kv_scale_tensors
+from quantkit.machine import torch_cpu_bf16_native
 from quantkit.methods import get_quantizer
 from quantkit.methods.kvcache import fp8_kv_scales
 from quantkit.model_io import (
@@ -39,7 +40,6 @@ from quantkit.pipeline.checkpoint import (
     BlockCheckpoint,
     checkpoint_dir,
     checkpoint_note,
-    model_fingerprint,
     request_key,
 )
 from quantkit.pipeline.experts import linearize_experts
@@ -67,7 +67,7 @@ from quantkit.pipeline.streaming import (
     stream_plan_ok,
     to_meta,
 )
-from quantkit.readers import read_config_json, scan_finite
+from quantkit.readers import model_fingerprint, read_config_json, scan_finite
 from quantkit.reproducible import ENV_VAR as REPRODUCIBLE_ENV
 from quantkit.reproducible import active as reproducible_active
 from quantkit.reproducible import check_cpu, kernel_facts
@@ -731,8 +731,6 @@ def compute_dtype_for(device: str, store_dtype: torch.dtype, calibrated: bool,
     overrides the CPU choice, e.g. to match artifacts made on CPUs of the other kind."""
     if device != "cpu":
         return torch.bfloat16
-    from quantkit.engines.capabilities import torch_cpu_bf16_native
-
     forced = os.environ.get(CPU_DTYPE_ENV)
     if forced:
         if forced not in ("float32", "bfloat16"):
