@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from quantkit.engines.vllm_venv import vllm_env, vllm_python
 from quantkit.errors import EngineError
 from quantkit.machine import (
     available_memory,
@@ -159,8 +160,6 @@ def _from_probe(raw: dict, python: Path, cache_file: Path) -> VllmCapabilities:
 
 
 def _run_probe(python: Path) -> dict:
-    from quantkit.engines.vllm import vllm_env
-
     with tempfile.TemporaryDirectory(prefix="quantkit-probe-") as tmp:
         resp = Path(tmp) / "probe.json"
         try:
@@ -181,8 +180,6 @@ def _run_probe(python: Path) -> dict:
 
 @functools.cache
 def _capabilities(python_env: str | None, refresh: bool) -> VllmCapabilities:
-    from quantkit.engines.vllm import vllm_python
-
     try:
         python = vllm_python()
     except EngineError as exc:
@@ -311,6 +308,8 @@ def vllm_dtype(model_dir: Path) -> str:
         return "bfloat16"
     if not (model_dir / "config.json").is_file():
         return "bfloat16"
+    # imported on use: readers (and the loader behind artifact_meta) load the gguf package,
+    # which the probe and `quantkit doctor` never need
     from quantkit.formats.kv_cache import declares_fp8_kv_cache
     from quantkit.loader import artifact_meta
     from quantkit.readers import read_json
