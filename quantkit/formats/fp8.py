@@ -25,10 +25,11 @@ import torch
 from quantkit.errors import ModelLoadError, SchemeMismatch
 from quantkit.formats.activations import install_input_quant, quantized_linear_inputs
 from quantkit.formats.common import load_tensors, read_config, save_tensors, write_config
+from quantkit.formats.modelopt_config import modelopt_activation_plan
 from quantkit.types import QuantResult, QuantScheme
 
 __all__ = ["FP8CompressedTensorsWriter", "VllmFP8Writer", "KindDispatch", "FP8Layout",
-           "fp8_layout", "read_float_quantized", "read_vllm_fp8", "dequantize_fp8",
+           "read_float_quantized", "read_vllm_fp8", "dequantize_fp8",
            "prepare_fp8_model", "float_quantized_config", "FP8_ENGINES"]
 
 FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
@@ -56,10 +57,6 @@ class FP8Layout:
     @property
     def activations(self) -> str:
         return "static" if self.static else "dynamic"
-
-
-def fp8_layout(results: dict[str, QuantResult]) -> FP8Layout:
-    return FP8Layout(results)
 
 
 def dequantize_fp8(codes: torch.Tensor, scale: torch.Tensor, block: int = 128) -> torch.Tensor:
@@ -315,8 +312,6 @@ def prepare_fp8_model(model: torch.nn.Module, path: Path, fmt: str) -> int:
     the reader; here each FP8 Linear also rounds its input through E4M3."""
     names, scales = quantized_linear_inputs(path, "F8_E4M3")
     if fmt == "modelopt":
-        from quantkit.formats.modelopt_fp8 import modelopt_activation_plan
-
         mode, group = modelopt_activation_plan(path, bool(scales))
     else:
         mode, group, _ = _activation_plan(path, fmt)
