@@ -805,7 +805,7 @@ def _print_compare(summary: dict) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def verify(artifact, engine, as_json) -> None:
     """Check ARTIFACT against an engine's loader rules; exit 0 = conformant, 1 = not."""
-    from quantkit.verify import verify as run_verify
+    from quantkit.engines.trtllm_rules import verify as run_verify
 
     report = run_verify(artifact, engine)
     if as_json:

@@ -70,7 +70,8 @@ def dequantize_fp8(codes: torch.Tensor, scale: torch.Tensor, block: int = 128) -
     return codes.float() * s
 
 
-# which engines load each layout (formats.md + TensorRT-LLM's loader, see quantkit/verify.py)
+# which engines load each layout (formats.md + TensorRT-LLM's loader, see
+# quantkit/engines/trtllm_rules.py)
 FP8_ENGINES = {
     ("compressed-tensors", "tensor"): ("vllm",),
     ("compressed-tensors", "channel"): ("vllm", "trtllm"),
