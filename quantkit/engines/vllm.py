@@ -17,6 +17,7 @@ from quantkit.engines.capabilities import explain_vllm_failure, vllm_dtype
 from quantkit.engines.forkserver import WorkerResult, run_script, share
 from quantkit.engines.vllm_venv import vllm_env, vllm_python
 from quantkit.errors import EngineError
+from quantkit.formats.kv_cache import declares_fp8_kv_cache
 from quantkit.machine import cache_dir
 
 __all__ = ["run_vllm", "run_vllm_worker", "share_vllm_forkserver", "vllm_failure"]
@@ -54,8 +55,6 @@ def run_vllm(model_dir: Path, *, generate: list[dict] | None = None,
     default "auto" would ignore them), else "auto". `kv_scales`: also return the k/v scale
     each attention layer of vLLM's model holds after loading."""
     if kv_cache_dtype is None:
-        from quantkit.formats.kv_cache import declares_fp8_kv_cache
-
         kv_cache_dtype = "fp8" if declares_fp8_kv_cache(Path(model_dir)) else "auto"
     if dtype is None:
         dtype = "bfloat16" if kv_cache_dtype == "fp8" else vllm_dtype(Path(model_dir))

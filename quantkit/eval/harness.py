@@ -13,14 +13,17 @@ import torch
 
 import quantkit
 from quantkit.calibration import load_heldout_text
+from quantkit.engines.llamacpp import LlamaCppModel, llama_cpp_version
 from quantkit.errors import ModelLoadError, QuantkitError
+from quantkit.eval.lmeval import flips, run_tasks
 from quantkit.eval.logits import LogitsFn, PPLConvention, make_windows, score
 from quantkit.formats import detect_format
 from quantkit.info import artifact_info
 from quantkit.loader import load_artifact
 from quantkit.machine import available_memory, hardware, rss_bytes
-from quantkit.model_io import load_tokenizer
+from quantkit.model_io import load_tokenizer, resolve_model
 from quantkit.readers import safetensors_headers
+from quantkit.transformers_lean import trim_transformers_extras
 
 __all__ = ["evaluate", "eval_memory_cap", "EVAL_MEMORY_ENV", "SCHEMA"]
 
@@ -198,8 +201,6 @@ def _load_for_eval(spec, tokenizers: dict | None = None) -> _EvalModel:
     if path.suffix == ".gguf":
         return _load_gguf(path)
     if not path.exists():
-        from quantkit.model_io import resolve_model
-
         path = resolve_model(str(spec)).path
     detect_format(path)  # not an artifact: one clear error before any group is scored
     if path.is_dir():  # truncated / overlapping shards too, before the first group's work
@@ -218,7 +219,8 @@ def _load_for_eval(spec, tokenizers: dict | None = None) -> _EvalModel:
 
 
 def _load_gguf(path: Path) -> _EvalModel:
-    from quantkit.engines.llamacpp import LlamaCppModel, llama_cpp_version
+    # imported on use: the GGUF reader loads the gguf package, which scoring safetensors
+    # artifacts never needs
     from quantkit.formats.gguf import read_gguf
 
     read_gguf(path)  # a truncated or foreign file: one clear error before llama.cpp sees it
@@ -236,8 +238,6 @@ def _load_gguf(path: Path) -> _EvalModel:
         return logits
 
     try:  # transformers reads the tokenizer stored in the GGUF (used when no base is given)
-        from quantkit.transformers_lean import trim_transformers_extras
-
         trim_transformers_extras()
         from transformers import AutoTokenizer
 
@@ -253,8 +253,6 @@ def _load_gguf(path: Path) -> _EvalModel:
 def _record(artifact, base, metrics: dict, convention: dict | None, text_info: dict,
             command: str, engine: dict | None = None) -> dict:
     if base is not None and not Path(str(base)).exists():
-        from quantkit.model_io import resolve_model
-
         base = resolve_model(str(base)).path
     return {
         "schema": SCHEMA,
@@ -277,8 +275,6 @@ def _artifact_path(spec) -> Path:
     p = Path(str(spec))
     if p.exists():
         return p
-    from quantkit.model_io import resolve_model
-
     return resolve_model(str(spec)).path
 
 
@@ -287,8 +283,6 @@ def task_record(record: dict, artifact: str, base: str | None, tasks: list[str],
     """Add lm-eval task metrics (and flips vs `base`, run on the same backend) to a record.
     The base's results come from the results cache when an identical run is stored there
     (`reuse_base`): evaluating several quantized versions runs the base once."""
-    from quantkit.eval.lmeval import flips, run_tasks
-
     res = run_tasks(str(_artifact_path(artifact)), tasks, backend=backend, **settings)
     record["metrics"]["tasks"] = res["tasks"]
     record["lm_eval"] = {**res["settings"], "version": res["lm_eval_version"], "tasks": tasks}
