@@ -36,6 +36,7 @@ def main() -> None:
 
     import quantkit.methods.awq as awq
     import quantkit.pipeline.blocks as blocks
+    import quantkit.pipeline.replay as replay
     from quantkit.formats import get_writer
     from quantkit.pipeline.quantize import QuantizeRequest, quantize
     from quantkit.types import QuantScheme
@@ -47,7 +48,7 @@ def main() -> None:
     timed(blocks, "run_block", "block forwards (run_block)")
     timed(blocks, "_group_stats", "separate statistics pass")
     timed(awq.AWQQuantizer, "quantize_block", "awq quantize_block (all)")
-    timed(awq, "_capture", "  capture search inputs")
+    timed(replay.BlockReplay, "record", "  capture search inputs")
     timed(awq.AWQQuantizer, "_search", "  scale search (all groups)")
     timed(awq, "_module_loss", "    module-group losses")
     timed(awq, "module_scale_losses", "    module-group losses")

@@ -31,7 +31,7 @@ def main() -> None:
     from torch.profiler import ProfilerActivity, profile
     from transformers import AutoModelForCausalLM
 
-    from quantkit.engines.capabilities import cpu_info
+    from quantkit.machine import cpu_info
     from quantkit.model_io import resolve_model
 
     model = AutoModelForCausalLM.from_pretrained(resolve_model("smollm2-135m").path,

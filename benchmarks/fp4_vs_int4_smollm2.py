@@ -29,8 +29,9 @@ from pathlib import Path
 import torch
 from llmc_peer import calibration_ids, llmc_artifacts, score
 
+from quantkit.machine import cache_dir
 from quantkit.methods.fp4 import fp4_scheme
-from quantkit.model_io import cache_dir, resolve_model
+from quantkit.model_io import resolve_model
 from quantkit.pipeline.quantize import QuantizeRequest, quantize
 from quantkit.types import QuantScheme
 

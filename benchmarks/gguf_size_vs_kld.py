@@ -50,8 +50,8 @@ sys.path.insert(0, str(REPO / "tests"))
 
 from gguf_vs_llamacpp import _llama_cpp, _model_dir, _quantkit, _same_tensors, _score  # noqa: E402
 
-from quantkit.engines.capabilities import cpu_info  # noqa: E402
 from quantkit.info import artifact_info  # noqa: E402
+from quantkit.machine import cpu_info  # noqa: E402
 from quantkit.methods.imatrix import load_imatrix  # noqa: E402
 
 TYPES = "q2_k,q3_k_m,q4_k_m,q5_k_m,q6_k,q8_0"

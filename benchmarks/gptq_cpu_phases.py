@@ -89,7 +89,7 @@ def main() -> None:
     import quantkit.pipeline.blocks as blocks
     import quantkit.pipeline.staged as staged
     from quantkit.formats import get_writer
-    from quantkit.pipeline.heap import huge_page_state
+    from quantkit.machine import huge_page_state
     from quantkit.pipeline.quantize import QuantizeRequest, quantize
     from quantkit.types import QuantScheme
 

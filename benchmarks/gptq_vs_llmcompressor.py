@@ -24,7 +24,7 @@ This file also runs as the worker of each side (--worker quantkit|llmc); the llm
 worker imports nothing from quantkit, since it runs in the other venv.
 
 Process environment: quantkit's worker runs in the environment the `quantkit` command gives
-itself (quantkit.pipeline.heap.huge_page_env: glibc's malloc asks for transparent huge pages
+itself (quantkit.machine.huge_page_env: glibc's malloc asks for transparent huge pages
 where the kernel's THP mode is madvise), the peer in the environment it is started with, as its
 users run it. `--llmc-huge-pages` adds a control run of each peer setting under quantkit's
 environment (keys `..._huge_pages`), so the effect of that setting on the peer is measured too.
@@ -75,8 +75,9 @@ def worker_quantkit(a: argparse.Namespace) -> dict:
     from quantkit.calibration import load_calibration
     from quantkit.formats import get_writer
     from quantkit.methods import get_quantizer
-    from quantkit.model_io import causal_lm_class, load_tokenizer, resolve_model
+    from quantkit.model_io import load_tokenizer, resolve_model
     from quantkit.pipeline.quantize import QuantizeRequest, quantize
+    from quantkit.transformers_lean import causal_lm_class
     from quantkit.types import QuantScheme
 
     _set_threads(a.threads)
@@ -89,7 +90,7 @@ def worker_quantkit(a: argparse.Namespace) -> dict:
     opts = {"damp": a.damp} if a.method == "gptq" else {}
     get_writer("compressed-tensors"), get_quantizer(a.method)  # imports, as the peer's are done
     # transformers' model classes too, as the peer imports AutoModelForCausalLM before its timer
-    causal_lm_class()  # as quantkit imports it (model_io.trim_transformers_extras first)
+    causal_lm_class()  # as quantkit imports it (transformers_lean.trim_transformers_extras first)
     # and the compressed-tensors library, which the peer's `import llmcompressor` loads before
     # its timer and quantkit's writer loads when it packs (~2 s on 2 AVX2 cores: its quant_args
     # module applies torch.compile, which imports torch._dynamo)
@@ -180,7 +181,7 @@ def run_worker(python: Path, side: str, args: argparse.Namespace, out: Path,
     if side == "llmc" and not args.llmc_keep_pythonpath:
         env.pop("PYTHONPATH", None)
     if side == "quantkit" or huge_pages:  # as the `quantkit` command starts itself
-        from quantkit.pipeline.heap import huge_page_env
+        from quantkit.machine import huge_page_env
 
         env = huge_page_env(env) or env
     print(f"[{time.strftime('%H:%M:%S')}] {side} {extra.get('method', '')}: {out}", flush=True)
@@ -243,7 +244,7 @@ def main(argv: list[str] | None = None) -> None:
     from safetensors.torch import save_file
 
     from quantkit.calibration import load_calibration
-    from quantkit.engines.capabilities import cpu_info
+    from quantkit.machine import cpu_info
     from quantkit.model_io import load_tokenizer, resolve_model
 
     args.workdir.mkdir(parents=True, exist_ok=True)

@@ -411,7 +411,7 @@ def run_quantkit_disk(method: str, ckpt: dict, args, variant: str) -> dict | Non
     cmd = [sys.executable, str(child), *(["--force-offload"] if variant == "offload" else []),
            "--", *cli]
     # the environment the `quantkit` command gives itself (quantkit.launch: malloc huge pages)
-    from quantkit.pipeline.heap import huge_page_env
+    from quantkit.machine import huge_page_env
 
     rows, seen = _child(cmd, out_dir, huge_page_env(dict(os.environ)))
     if not rows:

@@ -90,7 +90,7 @@ def main() -> None:
                     cli.append("--no-resume")
                 stacks = work / "stacks.json"
                 print("page cache:", bench.drop_page_cache(), flush=True)
-                from quantkit.pipeline.heap import huge_page_env
+                from quantkit.machine import huge_page_env
 
                 cmd = [sys.executable, str(Path(__file__).with_name("quantkit_disk_run.py")),
                        *(["--force-offload"] if variant == "offload" else []),

@@ -74,7 +74,7 @@ def time_phases(device: str):
     from phase_timer import PhaseTimer
 
     from quantkit.methods import awq, gptq
-    from quantkit.pipeline import blocks, experts
+    from quantkit.pipeline import blocks, experts, replay
 
     timer = PhaseTimer(sync=torch.cuda.synchronize if device == "cuda" else None)
     timer.wrap(experts, "linearize_experts", "linearize experts")
@@ -89,8 +89,8 @@ def time_phases(device: str):
     timer.wrap(gptq, "relative_error", "GPTQ: relative error")
     timer.wrap(blocks, "_block_and_results_to_cpu", "block + results to CPU")
     timer.wrap(awq.AWQQuantizer, "quantize_block", "AWQ (all)")
-    timer.wrap(awq, "_capture", "AWQ: capture search inputs")
-    timer.wrap(awq, "_replay_inputs", "AWQ: replay expert chunks")
+    timer.wrap(replay.BlockReplay, "record", "AWQ: capture search inputs")
+    timer.wrap(replay.BlockReplay, "expert_inputs", "AWQ: replay expert chunks")
     timer.wrap(awq, "_module_loss", "AWQ: block-loss forwards (shared groups)")
     timer.wrap(awq, "linear_scale_losses", "AWQ: Linear-pair losses (up -> down)")
     timer.wrap(awq, "search_clip", "AWQ: clip search")

@@ -60,8 +60,9 @@ def main() -> None:
     p.add_argument("--seqlen", type=int, default=512)
     args = p.parse_args()
 
-    from quantkit.engines.capabilities import cpu_info, vllm_capabilities, vllm_dtype
+    from quantkit.engines.capabilities import vllm_capabilities, vllm_dtype
     from quantkit.engines.vllm import run_vllm
+    from quantkit.machine import cpu_info
 
     caps = vllm_capabilities()
     rng = random.Random(0)

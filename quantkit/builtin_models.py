@@ -15,6 +15,8 @@ import tempfile
 from pathlib import Path
 
 from quantkit.errors import ModelLoadError
+from quantkit.machine import cache_dir
+from quantkit.transformers_lean import causal_lm_class
 
 __all__ = ["BUILTIN_MODELS", "ensure_builtin", "builtin_gguf_path"]
 
@@ -54,8 +56,6 @@ def _built(stamp: Path) -> bool:
 
 def ensure_builtin(alias: str, on_progress=None) -> Path:
     """Path of the bf16 HF checkpoint of a built-in model, building it on first use."""
-    from quantkit.model_io import cache_dir
-
     target = cache_dir() / "models" / f"{alias}-bf16"
     stamp = target / "quantkit-built.json"
     if _built(stamp):
@@ -100,8 +100,6 @@ def gguf_special_ids(gguf_file: Path) -> dict[str, int]:
 
 def _build_from_gguf(gguf_file: Path, out: Path, entry: dict) -> None:
     import torch
-
-    from quantkit.model_io import causal_lm_class
 
     model_class = causal_lm_class()  # first: it trims transformers' imports
     from transformers import AutoTokenizer

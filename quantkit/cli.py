@@ -237,7 +237,7 @@ def quantize(resume, no_memory_check, reproducible, **kw) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def plan_cmd(as_json, **kw) -> None:
     """Expected peak RAM / GPU memory, artifact size and time of `quantize`, before any work."""
-    from quantkit.pipeline.plan import available_memory
+    from quantkit.machine import available_memory
     from quantkit.pipeline.quantize import plan
 
     p, info = plan(_request())
@@ -593,7 +593,7 @@ def _print_compare(summary: dict) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def verify(artifact, engine, as_json) -> None:
     """Check ARTIFACT against an engine's loader rules; exit 0 = conformant, 1 = not."""
-    from quantkit.verify import verify as run_verify
+    from quantkit.engines.trtllm_rules import verify as run_verify
 
     report = run_verify(artifact, engine)
     if as_json:

@@ -11,15 +11,18 @@ from pathlib import Path
 
 import torch
 
+from quantkit.arch import spec_for_config
+from quantkit.errors import UnsupportedArchitecture
 from quantkit.formats import detect_format, prepare_model, read_dense_state
 from quantkit.model_io import (
-    causal_lm_class,
     load_config,
     load_model,
     load_tokenizer,
     resolve_model,
 )
+from quantkit.pipeline.experts import linearize_experts
 from quantkit.readers import read_json
+from quantkit.transformers_lean import causal_lm_class
 
 __all__ = ["LoadedModel", "load_artifact", "artifact_meta"]
 
@@ -78,10 +81,6 @@ def _per_expert_linears(model, config):
     """MoE artifacts store per-expert Linears (the names vLLM loads): give the model those
     modules instead of transformers 5's fused 3-D experts (quantkit.pipeline.experts).
     Returns the architecture's row (None where quantkit has none)."""
-    from quantkit.arch import spec_for_config
-    from quantkit.errors import UnsupportedArchitecture
-    from quantkit.pipeline.experts import linearize_experts
-
     try:
         spec = spec_for_config(config)
     except UnsupportedArchitecture:

@@ -11,23 +11,17 @@ from pathlib import Path
 
 import torch
 
+from quantkit.builtin_models import BUILTIN_MODELS, ensure_builtin
 from quantkit.errors import BadWeights, ModelLoadError
 from quantkit.readers import INDEX_FILE, read_config_json, tensor_files
+from quantkit.transformers_lean import causal_lm_class, trim_transformers_extras
 
 __all__ = ["ModelSource", "resolve_model", "load_config", "load_model", "load_tokenizer",
-           "check_finite", "cache_dir", "causal_lm_class", "trim_transformers_extras",
-           "TOKENIZER_FILES"]
+           "check_finite", "TOKENIZER_FILES"]
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja",
                    "added_tokens.json", "generation_config.json")
-
-
-def cache_dir() -> Path:
-    """Where built-in models are built once (outside the repo)."""
-    root = os.environ.get("QUANTKIT_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "quantkit")
-    return Path(root)
 
 
 @dataclass
@@ -39,8 +33,6 @@ class ModelSource:
 
 def resolve_model(spec: str, *, allow_pickle: bool = False, on_progress=None) -> ModelSource:
     """Alias -> built-in model; existing path -> local dir; otherwise a Hub id."""
-    from quantkit.builtin_models import BUILTIN_MODELS, ensure_builtin
-
     if spec in BUILTIN_MODELS:
         return ModelSource(spec, ensure_builtin(spec, on_progress=on_progress), alias=spec)
     p = Path(spec).expanduser()
@@ -96,39 +88,6 @@ def _check_local_dir(path: Path, *, allow_pickle: bool) -> None:
                                  "The directory must contain model.safetensors or its shards.")
         return
     tensor_files(path)  # every header, the index and its shard paths, validated
-
-
-def trim_transformers_extras() -> None:
-    """Tell transformers that scikit-learn and scipy are absent, before it first loads.
-
-    Where they are installed (lm-eval brings them), transformers' auto classes import
-    scikit-learn (with pandas and scipy behind it) for assisted generation's `roc_curve`, and
-    scipy.optimize for object-detection losses: +123 MiB resident and ~1 s in every process
-    that reads a config (measured: 524 -> 401 MiB after the imports of a GPTQ run, CPU torch).
-    No LLM path calls either; quantkit imports scipy.linalg's BLAS itself (the Hessians) and
-    lm-eval its own metrics. Once transformers' generation code has loaded this changes nothing;
-    every quantkit function that imports from transformers calls it first."""
-    import sys
-
-    if "transformers.generation.candidate_generator" in sys.modules:
-        return
-    import transformers.utils as hf_utils
-
-    for flag in ("is_sklearn_available", "is_scipy_available"):
-        if hasattr(hf_utils, flag):
-            setattr(hf_utils, flag, _absent)
-
-
-def _absent() -> bool:
-    return False
-
-
-def causal_lm_class():
-    """transformers' AutoModelForCausalLM, after trim_transformers_extras()."""
-    trim_transformers_extras()
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM
 
 
 def __getattr__(name: str):

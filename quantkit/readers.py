@@ -14,6 +14,7 @@ may be symlinks and are followed: the Hugging Face cache builds every snapshot f
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -27,7 +28,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from quantkit.errors import BadWeights, ModelLoadError
 
 __all__ = ["read_json", "read_config_json", "safetensors_header", "safetensors_files",
-           "safetensors_headers", "tensor_files", "scan_finite",
+           "safetensors_headers", "tensor_files", "model_fingerprint", "scan_finite",
            "SAFETENSORS_ITEMSIZE", "INDEX_FILE", "read_gguf", "bad_gguf", "GGUFTensor"]
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -237,6 +238,15 @@ def safetensors_headers(path: Path) -> dict[str, dict]:
     for file in safetensors_files(path):
         out.update(safetensors_header(file)[0])
     return out
+
+
+def model_fingerprint(path: Path) -> dict:
+    """config.json's hash plus each weight file's name, size and mtime (cheap, no full read)."""
+    path = Path(path)
+    files = {p.name: [p.stat().st_size, p.stat().st_mtime_ns]
+             for p in sorted(path.glob("*.safetensors"))}
+    cfg = hashlib.sha256((path / "config.json").read_bytes()).hexdigest()
+    return {"config_sha256": cfg, "weights": files}
 
 
 # ------------------------------------------------------------------ NaN / Inf

@@ -150,6 +150,9 @@ class BlockContext:
     arch: Any = None  # quantkit.arch.ArchSpec
     options: dict[str, Any] = field(default_factory=dict)
     collect: Callable[[list[str], tuple[str, ...]], dict[str, dict[str, Any]]] | None = None
+    # quantkit.pipeline.replay.BlockReplay: record what submodules receive on a rerun, replay
+    # an experts module's calls for some experts (AWQ's search inputs)
+    replay: Any = None
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from quantkit.model_io import cache_dir
+from quantkit.machine import cache_dir
 
 LLAMA_CPP_SDIST = "llama_cpp_python-0.3.36"
 # keys whose values are provenance, not the model (general.name, size label, ...)

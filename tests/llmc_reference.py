@@ -38,7 +38,7 @@ STATIC_INT8 = "W8A8-STATIC"  # W8A8 with static per-tensor int8 inputs (no prese
 
 def llmc_python() -> Path:
     """The reference venv's python (quantkit side: reads quantkit's cache dir)."""
-    from quantkit.model_io import cache_dir
+    from quantkit.machine import cache_dir
 
     python = cache_dir() / "venvs" / LLMC_VENV / "bin" / "python"
     if not python.is_file():

@@ -17,7 +17,6 @@ from vllm_checks import vllm_runs
 from quantkit.engines.capabilities import (
     FP8_SLOW_FACTOR,
     explain_vllm_failure,
-    torch_cpu_bf16_native,
     vllm_cannot_run,
     vllm_capabilities,
     vllm_dtype,
@@ -25,6 +24,7 @@ from quantkit.engines.capabilities import (
 )
 from quantkit.engines.vllm import run_vllm
 from quantkit.errors import EngineError, QuantkitError
+from quantkit.machine import torch_cpu_bf16_native
 from quantkit.pipeline.quantize import CPU_DTYPE_ENV, compute_dtype_for
 from quantkit.types import QuantScheme
 
@@ -290,7 +290,7 @@ def test_the_quantkit_command_starts_with_malloc_huge_pages_where_they_help():
     spent ~11 % of its time faulting in fresh 4 KiB pages), keeps the user's other tunables,
     and leaves malloc alone when asked (QUANTKIT_HUGE_PAGES=0) or when GLIBC_TUNABLES already
     names hugetlb. `quantkit doctor` reports the state of its own process."""
-    from quantkit.pipeline.heap import _glibc_version, _thp_mode, huge_page_env
+    from quantkit.machine import _glibc_version, _thp_mode, huge_page_env
 
     script = Path(sys.executable).parent / "quantkit"
     assert script.is_file(), f"{script}: the console script of this venv"

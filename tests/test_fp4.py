@@ -34,8 +34,8 @@ from quantkit.formats.common import load_tensors
 from quantkit.formats.fp4 import pack_e2m1, read_fp4_pack_quantized, read_modelopt_nvfp4
 from quantkit.info import artifact_info
 from quantkit.loader import load_artifact
+from quantkit.machine import cache_dir
 from quantkit.methods.fp4 import fp4_scheme
-from quantkit.model_io import cache_dir
 from quantkit.pipeline.quantize import QuantizeRequest, quantize
 
 LLMC_VENV = "llmcompressor-0.14.0.1"  # scripts/setup.sh builds it
@@ -291,7 +291,7 @@ def test_modelopt_nvfp4_equals_nvidia_modelopt(fp4_artifacts, modelopt_fp4_refs,
     quantkit keeps) multiplies by a bf16-rounded 2688 / amax, so a few codes and scales sit one
     step apart (share printed). `verify --engine trtllm` passes both; quantkit's loader reads
     ModelOpt's and its own back to the same weights as the compressed-tensors artifact."""
-    from quantkit.verify import verify
+    from quantkit.engines.trtllm_rules import verify
 
     model, ours_ct, _ = fp4_artifacts
     ref_root = modelopt_fp4_refs
@@ -381,7 +381,7 @@ def test_modelopt_nvfp4a16_equals_nvidia_modelopt(fp4_artifacts, modelopt_fp4_re
     codes and E4M3 scales one step apart at most (the amax / 2688 rounding as for NVFP4),
     identical shares printed. Both pass `verify --engine trtllm`; the loader reads quantkit's
     back to the compressed-tensors NVFP4A16 weights and leaves the inputs in bf16."""
-    from quantkit.verify import verify
+    from quantkit.engines.trtllm_rules import verify
 
     model, ours_ct, _ = fp4_artifacts
     ref = modelopt_fp4_refs / "W4A16_NVFP4_CFG"
@@ -438,8 +438,8 @@ def test_modelopt_mxfp4_layout_and_modelopt_scale_rule(fp4_artifacts, modelopt_f
     2^(floor(log2 amax) - 2) (mantissa >= 1.75 rounds up): ModelOpt's exponent is the same or
     one higher (share printed), and where the exponents agree the codes are within one E2M1
     step (ModelOpt rounds ties down, not to even)."""
+    from quantkit.engines.trtllm_rules import verify
     from quantkit.model_io import load_model
-    from quantkit.verify import verify
 
     model, ours_ct, _ = fp4_artifacts
     ref = modelopt_fp4_refs / "W4A8_MXFP4_FP8_CFG"
@@ -531,9 +531,9 @@ def test_modelopt_w4a8_awq_equals_nvidia_modelopt(fp4_artifacts, modelopt_fp4_re
     each Linear's effective weight error no worse than 1.5x ModelOpt's + 0.02. `verify --engine
     trtllm` passes both and catches a missing o_proj pre_quant_scale; the loader emulates the
     FP8 inputs on every Linear."""
+    from quantkit.engines.trtllm_rules import verify
     from quantkit.formats.modelopt import read_modelopt_awq
     from quantkit.model_io import load_model
-    from quantkit.verify import verify
 
     model = fp4_artifacts[0]
     ref = modelopt_fp4_refs / "W4A8_AWQ_BETA_CFG"

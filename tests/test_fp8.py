@@ -22,6 +22,7 @@ from compressed_tensors.quantization import preset_name_to_scheme
 from tiny_models import tensor_headers
 
 from quantkit.cli import main
+from quantkit.engines.trtllm_rules import verify
 from quantkit.errors import CalibrationError, SchemeMismatch
 from quantkit.formats.common import load_tensors
 from quantkit.formats.fp8 import fake_quant_input
@@ -30,7 +31,6 @@ from quantkit.loader import load_artifact
 from quantkit.methods.fp8 import FP8Quantizer, dequantize_fp8, fp8_scheme, quantize_fp8_weight
 from quantkit.pipeline.quantize import QuantizeRequest, quantize
 from quantkit.types import BlockContext, QuantScheme
-from quantkit.verify import verify
 
 PROMPT = "The capital of France is"
 FP8_MAX = 448.0

@@ -493,7 +493,7 @@ def test_quantize_end_to_end(tiny_llama, tmp_path, fmt, act_order):
 
 
 def _vllm_python():
-    from quantkit.engines.vllm import vllm_python
+    from quantkit.engines.vllm_venv import vllm_python
     from quantkit.errors import EngineError
 
     try:

@@ -70,9 +70,9 @@ def test_awq_gemm_moe_decodes_to_the_compressed_tensors_weights(awq_gemm_pair):
     TensorRT-LLM cannot read it."""
     from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
 
+    from quantkit.engines.trtllm_rules import verify
     from quantkit.formats.awq_gemm import read_awq_gemm
     from quantkit.loader import load_artifact
-    from quantkit.verify import verify
 
     awq, ct = (_tensors(awq_gemm_pair[f]) for f in ("awq", "compressed-tensors"))
     bases = sorted(k.removesuffix(".qweight") for k in awq if k.endswith(".qweight"))

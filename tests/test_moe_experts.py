@@ -118,8 +118,7 @@ def test_awq_loss_forwards_run_only_routed_tokens_under_all_experts_calibration(
     """AWQ's per-candidate loss reads the MoE output, which sums routed tokens only: under
     --moe-calibrate-all-experts the experts must run just their routed tokens there (not all
     tokens, 16x the work for Qwen3-30B-A3B), with the same output, and the flag comes back."""
-    from quantkit.methods.awq import _routed_only
-    from quantkit.pipeline.experts import LinearExperts
+    from quantkit.pipeline.experts import LinearExperts, routed_only
 
     experts = _random_experts(4, seed=4)
     module = LinearExperts(experts, calibrate_all=True)
@@ -127,7 +126,7 @@ def test_awq_loss_forwards_run_only_routed_tokens_under_all_experts_calibration(
     seen: list[int] = []
     experts[0].gate_proj.register_forward_hook(lambda _m, args, _o: seen.append(args[0].shape[0]))
     everything = module(hidden, top_k_index, top_k_weights)
-    with pytest.raises(RuntimeError), _routed_only(torch.nn.Sequential(module)):
+    with pytest.raises(RuntimeError), routed_only(torch.nn.Sequential(module)):
         routed = module(hidden, top_k_index, top_k_weights)
         raise RuntimeError("the flag must come back after an error too")
     assert seen == [40, int((top_k_index == 0).sum())]

@@ -392,7 +392,7 @@ def test_heavy_libraries_stay_out_of_a_quantize_run(tiny_llama, tmp_path):
     """What a CPU GPTQ run keeps resident besides its tensors: the compressed-tensors library
     (~54 MiB of RSS) is imported when the artifact is written, not while blocks are calibrated;
     scikit-learn (with pandas) and scipy.optimize, which transformers' auto classes import
-    whenever they are installed (~123 MiB, model_io.trim_transformers_extras), never. One
+    whenever they are installed (~123 MiB, transformers_lean.trim_transformers_extras), never. One
     subprocess: the writer and quantizer are looked up and every block is quantized without
     them; the finished artifact needed compressed-tensors. lm-eval installs scikit-learn in
     this environment, so the check is real (asserted)."""

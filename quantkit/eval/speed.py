@@ -195,7 +195,7 @@ def speed_settings(engine: str, prompt_tokens: int = 256, gen_tokens: int = 32,
     """The settings a speed record is measured (and reused) under; malloc_huge_pages: whether
     this process (and the engine processes it starts) run with glibc's malloc huge pages
     (quantkit.launch), which changes how fast fresh memory comes."""
-    from quantkit.pipeline.heap import huge_page_state
+    from quantkit.machine import huge_page_state
 
     return {"engine": engine, "prompt_tokens": prompt_tokens, "gen_tokens": gen_tokens,
             "batches": list(batches), "repeats": repeats, "repeat_budget_s": repeat_budget_s,

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from quantkit.calibration import builtin_sets, load_heldout_text
 from quantkit.errors import QuantkitError
+from quantkit.machine import cache_dir
 
 __all__ = ["offline_task_dir", "task_manager", "only_offline", "OFFLINE_TASKS", "resolve_tasks"]
 
@@ -75,8 +76,6 @@ def _cloze_items(passages: list[str], seed: int = 1234) -> list[dict]:
 
 def offline_task_dir(sets: tuple[str, ...] | None = None) -> Path:
     """Build (once) the JSONL data and task YAMLs for the built-in sets; return their folder."""
-    from quantkit.model_io import cache_dir
-
     sets = sets or tuple(builtin_sets())
     texts = {s: load_heldout_text(s) for s in sets}
     key = hashlib.sha1(json.dumps([_VERSION, CLOZE_ITEMS] + [t[1].get("sha256") for t in texts.values()]).encode()).hexdigest()[:10]

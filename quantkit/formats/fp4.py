@@ -20,13 +20,17 @@ The config differs only where the library version does: `version`, and empty
 
 from __future__ import annotations
 
+import json
+import warnings
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
+import quantkit
 from quantkit.e2m1 import E2M1_VALUES, dequantize_fp4, fake_quant_nvfp4
 from quantkit.errors import ModelLoadError
-from quantkit.formats.activations import install_input_quant
+from quantkit.formats.activations import install_input_quant, quantized_linear_inputs
 from quantkit.formats.common import (
     FormatWriter,
     load_tensors,
@@ -34,6 +38,9 @@ from quantkit.formats.common import (
     save_tensors,
     write_config,
 )
+from quantkit.formats.fp8 import fake_quant_input
+from quantkit.formats.modelopt_config import QUANT_CONFIG_FILE, excluded_modules
+from quantkit.readers import safetensors_files
 from quantkit.types import QuantResult, QuantScheme
 
 __all__ = ["FP4CompressedTensorsWriter", "fp4_quantization_config", "read_fp4_pack_quantized",
@@ -54,6 +61,7 @@ def preset_for(scheme: QuantScheme) -> str:
 
 def fp4_quantization_config(scheme: QuantScheme, ignore: list[str]) -> dict:
     """quantization_config of an FP4 artifact: the library's preset under target Linear."""
+    # compressed-tensors imported on use: a slow import that most commands never need
     from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme
     from compressed_tensors.quantization.quant_scheme import preset_name_to_scheme
 
@@ -70,6 +78,7 @@ def fp4_quantization_config(scheme: QuantScheme, ignore: list[str]) -> dict:
 def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
     """uint8 [N, K/2] from E2M1 codes [N, K], through compressed-tensors' own packer (a sign-bit
     zero is packed as -0.0, keeping its code)."""
+    # compressed-tensors imported on use: a slow import that most commands never need
     from compressed_tensors.compressors.nvfp4.helpers import pack_fp4_to_uint8
 
     values = torch.where(codes >= 8, -E2M1_VALUES[(codes & 7).long()],
@@ -118,6 +127,7 @@ class FP4CompressedTensorsWriter(FormatWriter):
 def read_fp4_pack_quantized(path: Path, dtype: torch.dtype = torch.float32
                             ) -> dict[str, torch.Tensor]:
     """A dense state dict (dequantized weights) of an nvfp4/mxfp4-pack-quantized artifact."""
+    # compressed-tensors imported on use: a slow import that most commands never need
     from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
 
     raw = load_tensors(path)
@@ -151,10 +161,6 @@ def prepare_nvfp4_model(model: torch.nn.Module, path: Path) -> int:
     qcfg = read_config(path)["quantization_config"]
     if not next(iter(qcfg["config_groups"].values())).get("input_activations"):
         return 0
-    from safetensors import safe_open
-
-    from quantkit.readers import safetensors_files
-
     scales = {}
     for file in safetensors_files(path):
         with safe_open(str(file), framework="pt") as f:
@@ -211,19 +217,12 @@ class ModelOptNVFP4Writer(FormatWriter):
 
     def write(self, out_dir: Path, *, config: dict, dense: dict[str, torch.Tensor],
               results: dict[str, QuantResult], ignore: list[str], dtype: torch.dtype) -> None:
-        import json
-
-        import quantkit
-        from quantkit.formats.modelopt_fp8 import QUANT_CONFIG_FILE, _exclusions
-
         schemes = {r.scheme for r in results.values()}
         if len(schemes) != 1:
             raise ValueError(f"one FP4 scheme per artifact, got {sorted(map(str, schemes))}")
         scheme = schemes.pop()
         algo = modelopt_fp4_algo(scheme)
         if algo == MXFP4_ALGO:
-            import warnings
-
             warnings.warn("ModelOpt MXFP4 is written as quant_algo W4A8_MXFP4_FP8: TensorRT-LLM's "
                           "only dense MXFP4 Linear casts the inputs to FP8 per tensor at run time "
                           "(quantkit eval emulates that); it has no weight-only MXFP4 Linear.",
@@ -241,7 +240,7 @@ class ModelOptNVFP4Writer(FormatWriter):
             if r.bias is not None:
                 tensors[f"{name}.bias"] = r.bias.to(dtype)
         quant = {"quant_algo": algo, "kv_cache_quant_algo": None, "group_size": scheme.group_size,
-                 "exclude_modules": _exclusions(list(ignore), dense, [])}
+                 "exclude_modules": excluded_modules(list(ignore), dense, [])}
         hf_quant = {"producer": {"name": "quantkit", "version": quantkit.__version__},
                     "quantization": quant}
         inline: dict = {}
@@ -264,6 +263,7 @@ MODELOPT_FP4_ALGOS = (NVFP4_ALGO, NVFP4A16_ALGO, MXFP4_ALGO, "mxfp4")
 def read_modelopt_nvfp4(path: Path, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """A dense state dict of a ModelOpt FP4 checkpoint (uint8 `.weight` + scales): NVFP4 /
     W4A16_NVFP4 (E4M3 weight_scale, weight_scale_2) or MXFP4 (uint8 E8M0 weight_scale)."""
+    # compressed-tensors imported on use: a slow import that most commands never need
     from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
 
     raw = load_tensors(path)
@@ -292,9 +292,6 @@ def prepare_modelopt_nvfp4_model(model: torch.nn.Module, path: Path, algo: str =
     W4A8_MXFP4_FP8 casts them to FP8 E4M3 with one dynamic scale per tensor
     (W4A8MXFP4FP8LinearMethod's quantize_e4m3_per_tensor); W4A16_NVFP4 leaves them alone."""
     if algo == MXFP4_ALGO:
-        from quantkit.formats.activations import quantized_linear_inputs
-        from quantkit.formats.fp8 import fake_quant_input
-
         names, _ = quantized_linear_inputs(path, "U8")
         plan = {n: ("tensor", 0, None) for n in sorted(names)}
         return install_input_quant(model, plan, fake_quant_input)

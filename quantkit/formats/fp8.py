@@ -32,10 +32,11 @@ from quantkit.formats.common import (
     save_tensors,
     write_config,
 )
+from quantkit.formats.modelopt_config import modelopt_activation_plan
 from quantkit.types import QuantResult, QuantScheme
 
 __all__ = ["FP8CompressedTensorsWriter", "VllmFP8Writer", "KindDispatch", "FP8Layout",
-           "fp8_layout", "read_float_quantized", "read_vllm_fp8", "dequantize_fp8",
+           "read_float_quantized", "read_vllm_fp8", "dequantize_fp8",
            "prepare_fp8_model", "float_quantized_config", "FP8_ENGINES"]
 
 FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
@@ -65,10 +66,6 @@ class FP8Layout:
         return "static" if self.static else "dynamic"
 
 
-def fp8_layout(results: dict[str, QuantResult]) -> FP8Layout:
-    return FP8Layout(results)
-
-
 def dequantize_fp8(codes: torch.Tensor, scale: torch.Tensor, block: int = 128) -> torch.Tensor:
     """float32 codes * scale; [], [1] and [N, 1] broadcast, a block grid is repeated B times."""
     n, k = codes.shape
@@ -80,7 +77,8 @@ def dequantize_fp8(codes: torch.Tensor, scale: torch.Tensor, block: int = 128) -
     return codes.float() * s
 
 
-# which engines load each layout (formats.md + TensorRT-LLM's loader, see quantkit/verify.py)
+# which engines load each layout (formats.md + TensorRT-LLM's loader, see
+# quantkit/engines/trtllm_rules.py)
 FP8_ENGINES = {
     ("compressed-tensors", "tensor"): ("vllm",),
     ("compressed-tensors", "channel"): ("vllm", "trtllm"),
@@ -322,8 +320,6 @@ def prepare_fp8_model(model: torch.nn.Module, path: Path, fmt: str) -> int:
     the reader; here each FP8 Linear also rounds its input through E4M3."""
     names, scales = quantized_linear_inputs(path, "F8_E4M3")
     if fmt == "modelopt":
-        from quantkit.formats.modelopt_fp8 import modelopt_activation_plan
-
         mode, group = modelopt_activation_plan(path, bool(scales))
     else:
         mode, group, _ = _activation_plan(path, fmt)

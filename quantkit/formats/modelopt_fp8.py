@@ -36,19 +36,20 @@ from quantkit.formats.common import (
     save_tensors,
     write_config,
 )
+from quantkit.formats.fp4 import MODELOPT_FP4_ALGOS, ModelOptNVFP4Writer, read_modelopt_nvfp4
 from quantkit.formats.fp8 import FP8Layout, KindDispatch, dequantize_fp8, prepare_fp8_model
-from quantkit.readers import read_config_json, read_json
+from quantkit.formats.modelopt import ModelOptAWQWriter, read_modelopt_awq
+from quantkit.formats.modelopt_config import (
+    QUANT_CONFIG_FILE,
+    excluded_modules,
+    read_hf_quant_config,
+)
 from quantkit.types import QuantResult, QuantScheme
 
-__all__ = ["ModelOptFP8Writer", "ModelOptDispatch", "read_modelopt", "read_hf_quant_config",
-           "modelopt_activation_plan", "quant_algo_for", "inline_quantization_config",
-           "FUSED_TRTLLM_NAMES", "QUANT_CONFIG_FILE"]
+__all__ = ["ModelOptFP8Writer", "ModelOptDispatch", "read_modelopt", "quant_algo_for",
+           "inline_quantization_config"]
 
-QUANT_CONFIG_FILE = "hf_quant_config.json"
 FP8_ALGOS = ("FP8", "FP8_PER_CHANNEL_PER_TOKEN", "FP8_BLOCK_SCALES")
-# HF shard names -> the one Linear TensorRT-LLM builds for them (llama/mistral/qwen2/qwen3)
-FUSED_TRTLLM_NAMES = {("q_proj", "k_proj", "v_proj"): "qkv_proj",
-                      ("gate_proj", "up_proj"): "gate_up_proj"}
 
 
 def quant_algo_for(weights: str, activations: str, block: int = 128) -> str:
@@ -85,18 +86,6 @@ def inline_quantization_config(hf_quant: dict) -> dict:
     return out
 
 
-def _exclusions(ignore: list[str], dense: dict[str, torch.Tensor], skipped: list[str]) -> list[str]:
-    """Unquantized Linears/Embeddings (2-D `.weight`s left dense) + TRT-LLM fused names."""
-    names = set(ignore) | set(skipped)
-    names |= {k[: -len(".weight")] for k, t in dense.items() if k.endswith(".weight") and t.dim() == 2}
-    for shards, fused in FUSED_TRTLLM_NAMES.items():
-        for name in skipped:
-            parent, _, leaf = name.rpartition(".")
-            if leaf == shards[0] and all(f"{parent}.{s}" in skipped for s in shards):
-                names.add(f"{parent}.{fused}")
-    return sorted(names)
-
-
 class ModelOptFP8Writer(FormatWriter):
     name = "modelopt"
     engines: tuple[str, ...] = ("trtllm",)
@@ -130,7 +119,7 @@ class ModelOptFP8Writer(FormatWriter):
         quant = {"quant_algo": algo, "kv_cache_quant_algo": None}
         if algo == "FP8_BLOCK_SCALES":
             quant["group_size"] = lay.block
-        quant["exclude_modules"] = _exclusions(list(ignore), dense, sorted(lay.full))
+        quant["exclude_modules"] = excluded_modules(list(ignore), dense, sorted(lay.full))
         hf_quant = {"producer": {"name": "quantkit", "version": quantkit.__version__},
                     "quantization": quant}
         save_tensors(out_dir, tensors)
@@ -138,70 +127,22 @@ class ModelOptFP8Writer(FormatWriter):
         write_config(out_dir, {**config, "quantization_config": inline_quantization_config(hf_quant)})
 
 
-def _awq_writer():
-    """The W4A16_AWQ writer of quantkit/formats/modelopt.py (the AWQ backend's module)."""
-    try:
-        from quantkit.formats import modelopt as awq_mod
-    except ImportError as exc:
-        raise SchemeMismatch("The ModelOpt W4A16_AWQ writer (quantkit/formats/modelopt.py) is not "
-                             "available in this build.", "Use --method fp8 for ModelOpt.") from exc
-    for obj in vars(awq_mod).values():
-        if isinstance(obj, type) and obj.__name__.endswith("Writer") and getattr(obj, "name", "") == "modelopt":
-            return obj()
-    raise SchemeMismatch("quantkit/formats/modelopt.py defines no writer named 'modelopt'.")
-
-
 def ModelOptDispatch() -> KindDispatch:  # noqa: N802 (a factory that reads like the class it builds)
     """`--format modelopt`: FP8 schemes here, NVFP4 / MXFP4 in quantkit/formats/fp4.py, integer
     (W4A16_AWQ) in quantkit/formats/modelopt.py."""
-    from quantkit.formats.fp4 import ModelOptNVFP4Writer
-
     return KindDispatch("modelopt", {"fp8": ModelOptFP8Writer, "nvfp4": ModelOptNVFP4Writer,
-                                     "mxfp4": ModelOptNVFP4Writer}, _awq_writer)
+                                     "mxfp4": ModelOptNVFP4Writer}, ModelOptAWQWriter)
 
 
 # --------------------------------------------------------------------------- reading ----
 
-def read_hf_quant_config(path: Path) -> dict:
-    """The `quantization` dict of hf_quant_config.json (legacy nested shape) or of the flat shape."""
-    f = Path(path) / QUANT_CONFIG_FILE
-    if f.is_file():
-        raw = read_json(f)
-    else:
-        raw = read_config_json(path).get("quantization_config") or {}
-    if "quantization" in raw:
-        return raw["quantization"]
-    return {"quant_algo": raw.get("quant_algo"), "exclude_modules": raw.get("ignore") or [],
-            "group_size": raw.get("group_size"), "kv_cache_quant_algo": None}
-
-
-def modelopt_activation_plan(path: Path, has_input_scales: bool) -> tuple[str, int]:
-    algo = read_hf_quant_config(path).get("quant_algo")
-    if algo == "FP8":
-        return ("static", 0) if has_input_scales else ("tensor", 0)
-    if algo == "FP8_PER_CHANNEL_PER_TOKEN":
-        return "token", 0
-    if algo == "FP8_BLOCK_SCALES":
-        return "group", 128
-    return "none", 0
-
-
 def read_modelopt(path: Path, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """Dense state dict of a ModelOpt checkpoint: FP8 here, W4A16_AWQ via formats/modelopt.py."""
     algo = read_hf_quant_config(path).get("quant_algo")
-    from quantkit.formats.fp4 import MODELOPT_FP4_ALGOS, read_modelopt_nvfp4
-
     if algo in MODELOPT_FP4_ALGOS:
         return read_modelopt_nvfp4(path, dtype)
     if algo not in FP8_ALGOS:
-        try:
-            from quantkit.formats import modelopt as awq_mod
-        except ImportError as exc:
-            raise ModelLoadError(f"{path}: ModelOpt quant_algo {algo!r} is not readable here.") from exc
-        reader = getattr(awq_mod, "read_modelopt", None) or getattr(awq_mod, "read_modelopt_awq", None)
-        if reader is None:
-            raise ModelLoadError(f"{path}: quantkit/formats/modelopt.py has no reader for {algo!r}.")
-        return reader(path, dtype)
+        return read_modelopt_awq(path, dtype)
     raw = load_tensors(path)
     out: dict[str, torch.Tensor] = {}
     for key, t in raw.items():

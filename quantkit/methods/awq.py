@@ -42,6 +42,9 @@ they are not captured with the rest: the experts module replays its recorded cal
 chunk of experts at a time (only those experts run), each expert's scale is searched and its
 down_proj's clip found on the chunk, and the chunk is freed. Every expert sees the same
 tensors as in a one-pass capture, so the artifact is the same bytes (tests/test_moe.py).
+The capture, the replays and the chunking are the pipeline's (`ctx.replay`,
+quantkit.pipeline.replay.BlockReplay); this module keeps the math and the choice of what to
+capture.
 
 Propagation: the next block sees this block's UNQUANTIZED outputs (`propagate_quantized =
 False`, AutoAWQ's choice; folding alone leaves outputs unchanged, so scaled-but-unquantized
@@ -51,16 +54,16 @@ quantized outputs of the previous ones instead (GPTQ's choice).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
-from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from quantkit.arch import ArchSpec
 from quantkit.errors import CalibrationError, SchemeMismatch
 from quantkit.methods.awq_record import awq_request, check_awq_flags, search_bytes
+from quantkit.methods.fp8 import fused_groups
 from quantkit.methods.intquant import (
     announce_rtn_fallback,
     check_int_scheme,
@@ -97,40 +100,6 @@ _MAX_CHUNK_ELEMS = 1 << 25  # bounds temporaries of the vectorised searches (128
 # the most bytes of expert Linears' search inputs held at once (see the module docstring);
 # routed Qwen3-30B-A3B shapes hold 0.75 GiB and stay in the one-pass capture
 EXPERT_INPUT_BYTES = 1 << 30
-
-
-class _Enough(Exception):
-    """Raised by a pre-hook to stop a capture rerun once enough batches were seen (private)."""
-
-
-@dataclass
-class _Seen:
-    """What one submodule received (and returned) on the captured calibration batches."""
-
-    args: list[tuple] = field(default_factory=list)
-    kwargs: list[dict] = field(default_factory=list)
-    outs: list[torch.Tensor] = field(default_factory=list)
-
-    def x(self) -> torch.Tensor:
-        """The first input of every batch, flattened to [tokens, features], compute dtype."""
-        xs = [a[0] if a else kw["hidden_states"] for a, kw in zip(self.args, self.kwargs, strict=True)]
-        return torch.cat([t.reshape(-1, t.shape[-1]) for t in xs])
-
-    def take_x(self) -> torch.Tensor:
-        """x(), but the record lets go of its batches as they are copied, so a captured input
-        is never held twice (down_proj's: 65536 x 14336 bf16 = 1.75 GiB on the accelerator)."""
-        xs = [a[0] if a else kw["hidden_states"] for a, kw in zip(self.args, self.kwargs, strict=True)]
-        self.args, self.kwargs = [], []
-        width = xs[0].shape[-1]
-        out = torch.empty(sum(t.numel() // width for t in xs), width, dtype=xs[0].dtype,
-                          device=xs[0].device)
-        pos = 0
-        while xs:
-            t = xs.pop(0).reshape(-1, width)
-            out[pos:pos + t.shape[0]].copy_(t)
-            pos += t.shape[0]
-            del t
-        return out
 
 
 # ---------------------------------------------------------------- math on plain tensors
@@ -391,13 +360,13 @@ class AWQQuantizer(Quantizer):
         inspect = {p.group.inspect: submodule(ctx.block, p.group.inspect) for p in plans
                    if p.mode != "skip" and not _is_single_linear(p)}
         linears = {n: lin for n, lin in ctx.linears.items() if n not in deferred and n not in late}
-        seen = _capture(ctx, inspect, linears, batches,
-                        {spec.experts.module: experts} if replay else {})
+        seen = ctx.replay.record(inspect, linears, batches,
+                                 {spec.experts.module: experts} if replay else {})
         calls = seen.pop("in:" + spec.experts.module) if replay else None
         for key in list(seen):
             if key.startswith("mod:"):
-                seen[key] = _merge_batches(seen[key])
-        xs = _linear_inputs(seen, linears)
+                seen[key] = ctx.replay.merge_batches(seen[key])
+        xs = ctx.replay.linear_inputs(seen, linears)
         skip_clip = {spec.roles.get("attn_q"), spec.roles.get("attn_k")}
 
         # 1-2: search every group on the unmodified block (the deferred experts' chunk by chunk)
@@ -509,7 +478,7 @@ class AWQQuantizer(Quantizer):
         statistics: tokens x (search tokens / calibration tokens), exact when every expert
         reads every token (--moe-calibrate-all-experts)."""
         spec = ctx.arch
-        if _linear_experts(ctx) is None:
+        if ctx.replay.linear_experts() is None:
             return []
         own = [p for p in plans if p.mode != "skip" and _is_single_linear(p)
                and spec.is_expert_linear(p.group.inspect)]
@@ -529,15 +498,7 @@ class AWQQuantizer(Quantizer):
             need[n] = -(-tokens * used // total) * lin.in_features * lin.weight.element_size()
         if sum(need.values()) <= self.expert_input_bytes:
             return []
-        chunks: list[list[str]] = []
-        held = 0
-        for n in names:
-            if not chunks or (held + need[n] > self.expert_input_bytes and chunks[-1]):
-                chunks.append([])
-                held = 0
-            chunks[-1].append(n)
-            held += need[n]
-        return chunks
+        return ctx.replay.chunks_within(need, self.expert_input_bytes)
 
     def _expert_clip_chunks(self, ctx: BlockContext, plans: list[ScalePlan], batches: int,
                             deferred: set[str]) -> list[list[str]]:
@@ -550,7 +511,7 @@ class AWQQuantizer(Quantizer):
         8 of 128 experts per token, 65536 search tokens: 8 x 65536 x 2048 x 2 B = 2 GiB. With
         clip=False nothing reads them: every such Linear is left out of the capture."""
         spec = ctx.arch
-        experts = _linear_experts(ctx)
+        experts = ctx.replay.linear_experts()
         if experts is None or experts.calibrate_all:
             return []
         inspected = {p.group.inspect for p in plans if p.mode != "skip" and _is_single_linear(p)}
@@ -572,17 +533,10 @@ class AWQQuantizer(Quantizer):
             need[e] = -(-tokens * used // total) * lin.in_features * lin.weight.element_size()
         if sum(need.values()) <= self.expert_input_bytes:
             return []
-        chunks: list[list[str]] = []
-        held = 0
-        for e, names in by_expert.items():
-            if not chunks or (held + need[e] > self.expert_input_bytes and chunks[-1]):
-                chunks.append([])
-                held = 0
-            chunks[-1] += names
-            held += need[e]
-        return chunks
+        return [[n for e in chunk for n in by_expert[e]]
+                for chunk in ctx.replay.chunks_within(need, self.expert_input_bytes)]
 
-    def _clip_expert_chunks(self, ctx: BlockContext, chunks: list[list[str]], calls: _Seen,
+    def _clip_expert_chunks(self, ctx: BlockContext, chunks: list[list[str]], calls: Any,
                             experts: torch.nn.Module, in_scales: dict[str, list[torch.Tensor]],
                             clip_of: dict, skip_clip: set) -> int:
         """After the fold: replay the experts module's recorded `calls` for one chunk of
@@ -594,7 +548,7 @@ class AWQQuantizer(Quantizer):
             return 0
         largest = 0
         for chunk in chunks:
-            xs = _replay_inputs(experts, calls, {n: ctx.linears[n] for n in chunk})
+            xs = ctx.replay.expert_inputs(experts, calls, {n: ctx.linears[n] for n in chunk})
             largest = max(largest, _held_bytes(xs))
             scaled: dict[int, torch.Tensor] = {}  # gate and up share one input, so x / s
             for n in chunk:
@@ -614,7 +568,7 @@ class AWQQuantizer(Quantizer):
         return largest
 
     def _search_expert_chunks(self, ctx: BlockContext, chunks: list[list[str]],
-                              plans: list[ScalePlan], plan_of: dict[str, int], calls: _Seen,
+                              plans: list[ScalePlan], plan_of: dict[str, int], calls: Any,
                               experts: torch.nn.Module, searched: dict, clip_of: dict,
                               skip_clip: set, dev: torch.device) -> int:
         """Search the deferred experts' groups chunk by chunk: replay the experts module's
@@ -624,7 +578,7 @@ class AWQQuantizer(Quantizer):
         largest chunk's bytes."""
         largest = 0
         for chunk in chunks:
-            xs = _replay_inputs(experts, calls, {n: ctx.linears[n] for n in chunk})
+            xs = ctx.replay.expert_inputs(experts, calls, {n: ctx.linears[n] for n in chunk})
             largest = max(largest, _held_bytes(xs))
             for n in chunk:
                 searched[plan_of[n]] = self._search(ctx, plans[plan_of[n]], xs, {}, dev)
@@ -684,7 +638,7 @@ class AWQQuantizer(Quantizer):
                 # one read-back per round (float64 -> float32 as the old per-item store)
                 return torch.stack(per_cand).cpu().float()
             try:
-                with _routed_only(mod):
+                with ctx.replay.routed_only(mod):
                     losses = _grid_losses(module_losses, self.n_grid, self.coarse_to_fine)
             finally:
                 for n, w in zip(names, weights, strict=True):
@@ -707,8 +661,6 @@ def fp8_scales(ctx: BlockContext, results: dict[str, QuantResult], col: dict) ->
       weight_scale_2  max |q * scale| / 448: the int4 weight rescaled into FP8 range at run time
     Linears the engine fuses (q/k/v, gate/up) share the largest of each (TensorRT-LLM asserts
     one value per fused GEMM)."""
-    from quantkit.methods.fp8 import fused_groups
-
     for group in fused_groups(ctx):
         members = [n for n in group if n in results]
         if not members:
@@ -770,112 +722,9 @@ def _grid_losses(losses_of, n_grid: int, coarse_to_fine: bool) -> torch.Tensor:
     return losses
 
 
-def _linear_experts(ctx: BlockContext):
-    """The block's per-expert Linear container (pipeline.experts.LinearExperts) when it has
-    one and captured inputs to chunk, else None."""
-    from quantkit.pipeline.experts import LinearExperts
-
-    spec = ctx.arch
-    if spec.experts is None or not ctx.inputs:
-        return None
-    try:
-        experts = ctx.block.get_submodule(spec.experts.module)
-    except AttributeError:
-        return None
-    return experts if isinstance(experts, LinearExperts) else None
-
-
 def _is_single_linear(plan: ScalePlan) -> bool:
     """The inspect module is the (only) balance Linear: its loss is computed vectorised."""
     return list(plan.balance) == [plan.group.inspect]
-
-
-def _recorder(seen: dict[str, _Seen], key: str, keep_out: bool):
-    """A forward hook appending a module's call (and output) to seen[key]."""
-    rec = seen.setdefault(key, _Seen())
-
-    def fn(_m, args, kwargs, out):
-        rec.args.append(args)
-        rec.kwargs.append(kwargs)
-        if keep_out:
-            rec.outs.append(out[0] if isinstance(out, tuple) else out)
-    return fn
-
-
-def _capture(ctx: BlockContext, modules: dict[str, torch.nn.Module],
-             linears: dict[str, torch.nn.Linear], n_batches: int,
-             calls: dict[str, torch.nn.Module] | None = None) -> dict[str, _Seen]:
-    """Rerun the block on its first `n_batches` cached batches, recording what `modules`
-    receive and return ("mod:NAME"), what every Linear receives ("lin:NAME") and the calls
-    of `calls` without their outputs ("in:NAME": a later replay's arguments)."""
-    seen: dict[str, _Seen] = {}
-    handles = []
-    for name, mod in modules.items():
-        handles.append(mod.register_forward_hook(_recorder(seen, "mod:" + name, True), with_kwargs=True))
-    for name, lin in linears.items():
-        handles.append(lin.register_forward_hook(_recorder(seen, "lin:" + name, False), with_kwargs=True))
-    for name, mod in (calls or {}).items():
-        handles.append(mod.register_forward_hook(_recorder(seen, "in:" + name, False), with_kwargs=True))
-    count = [0]
-
-    def stop(_m, _args, _kwargs):
-        if count[0] >= n_batches:
-            raise _Enough
-        count[0] += 1
-
-    handles.append(ctx.block.register_forward_pre_hook(stop, with_kwargs=True))
-    try:
-        ctx.rerun()
-    except _Enough:
-        pass
-    finally:
-        for h in handles:
-            h.remove()
-    return seen
-
-
-def _linear_inputs(seen: dict[str, _Seen], linears: dict) -> dict[str, torch.Tensor]:
-    """[tokens, K] input of every Linear; Linears fed the same tensors (q/k/v) share one copy.
-
-    The "lin:" records are emptied on the way (nothing reads them later): a batch that only a
-    Linear's record held (o_proj's, down_proj's inputs) is freed as soon as it is copied.
-    """
-    out: dict[str, torch.Tensor] = {}
-    by_ids: dict[tuple, torch.Tensor] = {}
-    for name, lin in linears.items():
-        rec = seen["lin:" + name]
-        if not rec.args:  # an expert no search token was routed to: [0, K]
-            w = lin.weight
-            out[name] = torch.empty(0, lin.in_features, dtype=w.dtype, device=w.device)
-            continue
-        ids = tuple(id(a[0]) if a else id(kw["hidden_states"]) for a, kw in zip(rec.args, rec.kwargs, strict=True))
-        if ids not in by_ids:
-            by_ids[ids] = rec.take_x()
-        rec.args, rec.kwargs = [], []
-        out[name] = by_ids[ids]
-    return out
-
-
-def _replay_inputs(experts: torch.nn.Module, calls: _Seen,
-                   linears: dict[str, torch.nn.Linear]) -> dict[str, torch.Tensor]:
-    """What `linears` (Linears of some experts of the LinearExperts `experts`) receive when
-    `experts` runs its recorded calls again with only their experts running: the same
-    tensors the block's capture would have given them (same inputs, same routing)."""
-    wanted = {id(lin) for lin in linears.values()}
-    keep = {e for e, expert in enumerate(experts) if any(id(m) in wanted for m in expert.modules())}
-    seen: dict[str, _Seen] = {}
-    handles = [lin.register_forward_hook(_recorder(seen, "lin:" + name, False), with_kwargs=True)
-               for name, lin in linears.items()]
-    experts.only = keep
-    try:
-        with torch.no_grad():
-            for args, kwargs in zip(calls.args, calls.kwargs, strict=True):
-                experts(*args, **kwargs)
-    finally:
-        experts.only = None
-        for h in handles:
-            h.remove()
-    return _linear_inputs(seen, linears)
 
 
 def _held_bytes(xs: dict[str, torch.Tensor]) -> int:
@@ -893,61 +742,7 @@ def _divide_tokens(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     return out
 
 
-_MERGE_TOKENS = 16384  # tokens per merged call of an inspect module
-
-
-def _same(a, b) -> bool:
-    if torch.is_tensor(a) or torch.is_tensor(b):
-        return torch.is_tensor(a) and torch.is_tensor(b) and a.shape == b.shape and (
-            a is b or bool(torch.equal(a, b)))
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
-    return a is b or (isinstance(a, (int, float, str, bool, type(None))) and a == b)
-
-
-def _merge_batches(rec: _Seen) -> _Seen:
-    """Concatenate consecutive batches along the batch dim where every other argument is the
-    same (rotary tables, causal mask, flags): one module call instead of one per sample."""
-    out = _Seen()
-    for args, kwargs, o in zip(rec.args, rec.kwargs, rec.outs, strict=True):
-        h = args[0] if args else kwargs["hidden_states"]
-        rest = (args[1:], {k: v for k, v in kwargs.items() if k != "hidden_states"})
-        if out.args:
-            la, lk, lo = out.args[-1], out.kwargs[-1], out.outs[-1]
-            lh = la[0] if la else lk["hidden_states"]
-            lrest = (la[1:], {k: v for k, v in lk.items() if k != "hidden_states"})
-            if (lh.shape[1:] == h.shape[1:] and lh.shape[:-1].numel() + h.shape[:-1].numel()
-                    <= _MERGE_TOKENS and _same(rest, lrest)):
-                hh = torch.cat([lh, h])
-                out.args[-1] = (hh, *la[1:]) if la else la
-                out.kwargs[-1] = lk if la else {**lk, "hidden_states": hh}
-                out.outs[-1] = torch.cat([lo, o])
-                continue
-        out.args.append(args)
-        out.kwargs.append(kwargs)
-        out.outs.append(o)
-    return out
-
-
-@contextlib.contextmanager
-def _routed_only(mod: torch.nn.Module):
-    """Experts modules under `mod` in all-experts calibration (`calibrate_all`, statistics
-    only) run just their routed tokens meanwhile. The loss reads the module's output, which
-    sums the routed tokens' results either way; every token through every expert there was
-    top_k / experts of the work wasted per candidate (16x the expert FLOPs of Qwen3-30B-A3B)."""
-    flagged = [m for m in mod.modules() if getattr(m, "calibrate_all", False) is True]
-    for m in flagged:
-        m.calibrate_all = False
-    try:
-        yield
-    finally:
-        for m in flagged:
-            m.calibrate_all = True
-
-
-def _module_loss(mod: torch.nn.Module, ref: _Seen) -> torch.Tensor:
+def _module_loss(mod: torch.nn.Module, ref: Any) -> torch.Tensor:
     """MSE between `mod`'s outputs now and the recorded unquantized outputs (0-dim float64).
 
     Summed in float64 on the module's device: the same IEEE sums as adding Python floats

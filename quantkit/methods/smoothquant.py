@@ -33,7 +33,7 @@ from quantkit.methods.intquant import starved_experts
 from quantkit.methods.scaling import fold_scale, scale_plans
 from quantkit.types import BlockContext
 
-__all__ = ["smoothing_scales", "smooth_block", "group_input_range", "Smoothing", "check_alpha", "input_range",
+__all__ = ["smoothing_scales", "smooth_block", "group_input_range", "Smoothing", "check_alpha",
            "SMOOTHQUANT_STATS", "SMOOTHQUANT_PAIRS"]
 
 MIN_SCALE = 1e-5
@@ -58,11 +58,6 @@ def smoothing_scales(act_range: torch.Tensor, weights: list[torch.Tensor],
     s = a.pow(alpha) / w.pow(1 - alpha)
     ok = (a > 0) & (w > 0) & torch.isfinite(s)
     return torch.where(ok, s, torch.ones_like(s)).clamp(min=MIN_SCALE)
-
-
-def input_range(st: dict) -> torch.Tensor:
-    """Per-channel max x - min x from the pipeline's colmax / colmin statistics."""
-    return st["colmax"].float() - st["colmin"].float()
 
 
 def group_input_range(stats: dict, names: list[str]) -> torch.Tensor | None:

@@ -23,6 +23,7 @@ from quantkit.pipeline.experts import num_experts
 from quantkit.pipeline.heap import reuse_freed_memory
 from quantkit.pipeline.kvcache import kv_absmax as observe_kv
 from quantkit.pipeline.offload import fast_pinned_memory
+from quantkit.pipeline.replay import BlockReplay
 from quantkit.pipeline.staged import StagedForward
 from quantkit.pipeline.stats import StatCollector
 from quantkit.pipeline.transfer import any_finite_problem, fetch_to_cpu
@@ -270,6 +271,8 @@ def _run_blocks(blocks, start: int, total: int, spec: ArchSpec, quantizer: Quant
                     inputs=inputs.hidden if inputs is not None else [], rerun=rerun, arch=spec,
                     options=dict(options or {}),
                     collect=lambda names, st, block=block, inputs=inputs: _collect(block, names, st, inputs),
+                    replay=BlockReplay(block, rerun, spec,
+                                       inputs.hidden if inputs is not None else []),
                 )
                 if dp is None or dp.is_main:
                     for name, res in quantizer.quantize_block(ctx).items():

@@ -80,15 +80,6 @@ def request_key(parts: dict) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def model_fingerprint(path: Path) -> dict:
-    """config.json's hash plus each weight file's name, size and mtime (cheap, no full read)."""
-    path = Path(path)
-    files = {p.name: [p.stat().st_size, p.stat().st_mtime_ns]
-             for p in sorted(path.glob("*.safetensors"))}
-    cfg = hashlib.sha256((path / "config.json").read_bytes()).hexdigest()
-    return {"config_sha256": cfg, "weights": files}
-
-
 @dataclass
 class Resumed:
     start: int

@@ -9,13 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import os
-import sys
-from pathlib import Path
 
 __all__ = ["trim_heap", "keep_heap_small", "end_small_heap", "reuse_freed_memory",
-           "REUSE_MMAP_THRESHOLD", "huge_page_env", "huge_page_state", "reexec_with_huge_pages",
-           "HUGE_PAGE_TUNABLE"]
+           "REUSE_MMAP_THRESHOLD"]
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
@@ -95,90 +91,3 @@ def reuse_freed_memory():
         libc.mallopt(_M_MMAP_THRESHOLD, _SMALL["mmap"])
         libc.mallopt(_M_TRIM_THRESHOLD, _SMALL["trim"])
         trim_heap()
-
-
-# Transparent huge pages for malloc's mmapped chunks (glibc >= 2.35). keep_heap_small gives every
-# activation tensor its own mapping, which the kernel faults in and zeroes page by page: with 4 KiB
-# pages that was ~11 % of a CPU GPTQ run of SmolLM2 (64 x 512 tokens, 2 cores: 115.5 -> 102.5 s,
-# peak RSS 1103 -> 1108 MiB; benchmarks/gptq_cpu_phases.py). glibc reads its tunables only when a
-# process starts, so the `quantkit` command sets it and starts itself again (quantkit.launch).
-HUGE_PAGE_TUNABLE = "glibc.malloc.hugetlb=1"
-_THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-_OPT_OUT = "QUANTKIT_HUGE_PAGES"  # "0": leave malloc as it is
-
-
-def _glibc_version() -> tuple[int, int] | None:
-    try:
-        name, version = os.confstr("CS_GNU_LIBC_VERSION").split()  # "glibc 2.36"
-        major, minor = version.split(".")[:2]
-        return (int(major), int(minor)) if name == "glibc" else None
-    except (AttributeError, ValueError, OSError):
-        return None
-
-
-def _thp_mode() -> str | None:
-    """The kernel's transparent huge page mode (always / madvise / never), None if unknown."""
-    try:
-        text = _THP_MODE.read_text()
-    except OSError:
-        return None
-    return text[text.index("[") + 1:text.index("]")] if "[" in text and "]" in text else None
-
-
-def _no_help(env) -> str | None:
-    """Why adding the tunable to `env` would change nothing here, or None where it helps."""
-    glibc, mode = _glibc_version(), _thp_mode()
-    if env.get(_OPT_OUT) == "0":
-        return f"{_OPT_OUT}=0"
-    if "glibc.malloc.hugetlb" in env.get("GLIBC_TUNABLES", ""):
-        return "GLIBC_TUNABLES already names glibc.malloc.hugetlb (the user's choice is kept)"
-    if not sys.platform.startswith("linux") or mode is None or glibc is None:
-        return "not Linux with glibc and transparent huge pages"
-    if mode != "madvise":  # always: the kernel already does it; never: it cannot
-        return f"the kernel's THP mode is {mode}"
-    if glibc < (2, 35):
-        return f"glibc {glibc[0]}.{glibc[1]} has no malloc huge page tunable (2.35+)"
-    return None
-
-
-def huge_page_state(environ: dict | None = None) -> dict:
-    """Whether this process's malloc asks for huge pages, and why (for `quantkit doctor`)."""
-    env = os.environ if environ is None else environ
-    tunables = env.get("GLIBC_TUNABLES", "")
-    glibc, mode = _glibc_version(), _thp_mode()
-    on = any(t in ("glibc.malloc.hugetlb=1", "glibc.malloc.hugetlb=2")
-             for t in tunables.split(":")) or mode == "always"
-    if mode == "always":
-        why = "the kernel gives every large mapping huge pages (THP mode always)"
-    elif on:
-        why = f"GLIBC_TUNABLES={tunables} (THP mode {mode})"
-    else:
-        why = _no_help(env) or "the process was not started by the quantkit command"
-    return {"on": on, "thp_mode": mode, "glibc": None if glibc is None else f"{glibc[0]}.{glibc[1]}",
-            "why": why}
-
-
-def huge_page_env(environ: dict | None = None) -> dict | None:
-    """`environ` plus glibc's malloc huge page tunable (after any tunables already there), or
-    None where it would change nothing (_no_help says why)."""
-    env = dict(os.environ if environ is None else environ)
-    if _no_help(env) is not None:
-        return None
-    tunables = env.get("GLIBC_TUNABLES", "")
-    env["GLIBC_TUNABLES"] = f"{tunables}:{HUGE_PAGE_TUNABLE}" if tunables else HUGE_PAGE_TUNABLE
-    return env
-
-
-def reexec_with_huge_pages() -> None:
-    """Start this process again (same PID, same command line) with huge_page_env, once; returns
-    where nothing would change or the exec fails. Call before anything heavy is imported."""
-    env = huge_page_env()
-    if env is None:
-        return
-    argv = list(getattr(sys, "orig_argv", None) or [sys.executable, *sys.argv])
-    try:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os.execve(sys.executable, argv, env)
-    except OSError:
-        return

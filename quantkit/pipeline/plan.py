@@ -19,25 +19,22 @@ memory (`offload_activations`).
 
 from __future__ import annotations
 
-import os
-import resource
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 
 from quantkit.arch import ArchSpec
 from quantkit.errors import NotEnoughMemory
+from quantkit.machine import available_memory
 from quantkit.methods import method_record
 from quantkit.types import PlanFacts, QuantScheme
 
-__all__ = ["MemoryPlan", "estimate", "available_memory", "check_memory", "BASELINE_BYTES",
-           "MEMORY_LIMIT_ENV", "OFFLOAD_BATCH", "offload_activations"]
+__all__ = ["MemoryPlan", "estimate", "check_memory", "BASELINE_BYTES",
+           "OFFLOAD_BATCH", "offload_activations"]
 
 # RSS of `python -m quantkit.cli quantize` before any weights load: interpreter, torch,
 # transformers, compressed-tensors, tokenizer (measured 0.55-0.6 GiB on CPU, torch 2.13)
 BASELINE_BYTES = 600 * 2**20
-MEMORY_LIMIT_ENV = "QUANTKIT_MEMORY_LIMIT_BYTES"
 _CUDA_CONTEXT_BYTES = 512 * 2**20  # CUDA context + cuBLAS workspaces, not measured here
 # samples per forward when the activations are offloaded: GPU memory is short then, and a
 # forward's intermediates grow with the batch (Llama-3.1-8B MLP: ~0.9 GiB per 4 x 2048 tokens)
@@ -322,51 +319,6 @@ def estimate(config, spec: ArchSpec, *, method: str, scheme: QuantScheme, calib_
                       disk_bytes=int(disk), seconds=round(seconds, 1), phase_bytes=phases,
                       model_bytes=int(total_params * sb), block_params=int(block_params),
                       total_params=int(total_params), streaming=streaming)
-
-
-def _read_int(path: str) -> int | None:
-    try:
-        v = Path(path).read_text().strip()
-        return None if v in ("max", "") else int(v)
-    except (OSError, ValueError):
-        return None
-
-
-def _proc_status(key: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
-def available_memory() -> tuple[int, str]:
-    """Bytes this process may grow to (its RSS now + what it can still get), and why.
-
-    The tightest of: $QUANTKIT_MEMORY_LIMIT_BYTES, MemAvailable, the cgroup limit, RLIMIT_AS.
-    """
-    rss = _proc_status("VmRSS")
-    options: list[tuple[int, str]] = []
-    env = os.environ.get(MEMORY_LIMIT_ENV)
-    if env:
-        options.append((int(env), f"${MEMORY_LIMIT_ENV}"))
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                options.append((rss + int(line.split()[1]) * 1024, "MemAvailable"))
-    except OSError:
-        pass
-    for limit, usage in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-                         ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
-                          "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
-        lim, used = _read_int(limit), _read_int(usage)
-        if lim is not None and used is not None and lim < 2**60:
-            options.append((rss + max(0, lim - used), "cgroup memory limit"))
-    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
-    if soft != resource.RLIM_INFINITY:
-        options.append((rss + max(0, soft - _proc_status("VmSize")), "RLIMIT_AS (ulimit -v)"))
-    if not options:
-        return 2**62, "unknown"
-    return min(options)
 
 
 def offload_activations(plan: MemoryPlan, free_gpu_bytes: int) -> bool:

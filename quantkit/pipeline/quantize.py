@@ -28,6 +28,7 @@ from quantkit.formats import (
     kv_cache_formats,
 )
 from quantkit.formats.kv_cache import add_kv_cache_config, kv_scale_tensors
+from quantkit.machine import torch_cpu_bf16_native
 from quantkit.methods import MOE_METHODS_HINT, get_quantizer, method_record
 from quantkit.methods.kvcache import fp8_kv_scales
 from quantkit.model_io import (
@@ -45,7 +46,6 @@ from quantkit.pipeline.checkpoint import (
     BlockCheckpoint,
     checkpoint_dir,
     checkpoint_note,
-    model_fingerprint,
     request_key,
 )
 from quantkit.pipeline.experts import linearize_experts
@@ -73,7 +73,7 @@ from quantkit.pipeline.streaming import (
     stream_plan_ok,
     to_meta,
 )
-from quantkit.readers import read_config_json, scan_finite
+from quantkit.readers import model_fingerprint, read_config_json, scan_finite
 from quantkit.reproducible import ENV_VAR as REPRODUCIBLE_ENV
 from quantkit.reproducible import active as reproducible_active
 from quantkit.reproducible import check_cpu, kernel_facts
@@ -700,8 +700,6 @@ def compute_dtype_for(device: str, store_dtype: torch.dtype, calibrated: bool,
     overrides the CPU choice, e.g. to match artifacts made on CPUs of the other kind."""
     if device != "cpu":
         return torch.bfloat16
-    from quantkit.engines.capabilities import torch_cpu_bf16_native
-
     forced = os.environ.get(CPU_DTYPE_ENV)
     if forced:
         if forced not in ("float32", "bfloat16"):

@@ -14,10 +14,11 @@ import torch
 from safetensors import safe_open
 
 from quantkit.arch import ArchSpec
-from quantkit.model_io import causal_lm_class, check_finite
+from quantkit.model_io import check_finite
 from quantkit.pipeline.blocks import BlockSource
 from quantkit.pipeline.heap import trim_heap
 from quantkit.readers import safetensors_header, tensor_files
+from quantkit.transformers_lean import causal_lm_class
 
 __all__ = ["ShardReader", "StreamingSource", "skeleton", "stream_plan_ok", "materialise",
            "to_meta"]

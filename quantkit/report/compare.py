@@ -31,6 +31,7 @@ from pathlib import Path
 import quantkit
 from quantkit.errors import QuantkitError
 from quantkit.eval.logits import PPLConvention
+from quantkit.machine import cache_dir, hardware
 
 __all__ = ["SUMMARY_SCHEMA", "RECORD_FILE", "collect", "summarize", "read_records"]
 
@@ -146,8 +147,6 @@ def _model_ids(spec: str | None, path: str | None = None) -> set[str]:
             from quantkit.builtin_models import BUILTIN_MODELS
 
             if s in BUILTIN_MODELS:
-                from quantkit.model_io import cache_dir
-
                 ids.add(os.path.realpath(cache_dir() / "models" / f"{s}-bf16"))
     return ids
 
@@ -287,8 +286,6 @@ def _store(entry: _Entry) -> None:
 
 def _speed_reusable(stored: dict | None, settings: dict) -> bool:
     """A stored speed result (or reason) was measured with these settings on this machine."""
-    from quantkit.eval.harness import hardware
-
     if not isinstance(stored, dict) or not isinstance(stored.get("settings"), dict):
         return False
     keys = ("engine", "prompt_tokens", "gen_tokens", "batches", "repeats", "repeat_budget_s",
@@ -310,7 +307,6 @@ def _same_dtype(stored: dict, path: str) -> bool:
 def _speed(path: str, stored: dict | None, options: dict) -> dict:
     """The artifact's speed in its own engine: reused when measured alike, else measured now;
     where the engine cannot run it, the record names the reason instead of numbers."""
-    from quantkit.eval.harness import hardware
     from quantkit.eval.speed import default_engine, speed_or_reason, speed_settings
 
     engine = default_engine(path)
@@ -329,10 +325,9 @@ def _base_speed(base_spec: str, options: dict, fresh: bool = False) -> dict:
     quantized versions."""
     import hashlib
 
-    from quantkit.eval.harness import hardware
     from quantkit.eval.speed import speed_settings
-    from quantkit.model_io import cache_dir, resolve_model
-    from quantkit.pipeline.checkpoint import model_fingerprint
+    from quantkit.model_io import resolve_model
+    from quantkit.readers import model_fingerprint
 
     try:
         path = Path(base_spec) if Path(base_spec).exists() else resolve_model(base_spec).path

@@ -28,8 +28,10 @@ import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from quantkit.arch import spec_for_config
 from quantkit.errors import ModelLoadError, QuantkitError
-from quantkit.formats.common import read_safetensors_headers
+from quantkit.formats.common import load_tensors, read_safetensors_headers
+from quantkit.model_io import load_config
 from quantkit.readers import read_config_json, read_json
 
 __all__ = ["verify", "VerifyReport", "Problem", "ENGINES", "NOTE"]
@@ -37,7 +39,7 @@ __all__ = ["verify", "VerifyReport", "Problem", "ENGINES", "NOTE"]
 ENGINES = ("trtllm",)
 NOTE = ("TensorRT-LLM cannot run on this machine: this is a check of the artifact against "
         "TensorRT-LLM's loader rules (1.x PyTorch backend, as docs/formats.md and "
-        "quantkit/verify.py cite them), not a load in TensorRT-LLM.")
+        "quantkit/engines/trtllm_rules.py cite them), not a load in TensorRT-LLM.")
 
 # tensorrt_llm/quantization/mode.py QuantAlgo values
 QUANT_ALGOS = {"W8A16", "W4A16", "W4A16_AWQ", "W4A8_AWQ", "W8A16_GPTQ", "W4A16_GPTQ",
@@ -276,8 +278,8 @@ def _linears(path: Path, config: dict, headers: dict) -> dict[str, tuple[int, in
     """Every decoder Linear the model builds -> [N, K] (from the config when quantkit knows the
     architecture, else the 2-D `.weight`s of the checkpoint)."""
     try:
-        from quantkit.arch import spec_for_config
-        from quantkit.model_io import load_config
+        # imported on use: the quantize pipeline loads every method and writer, which the
+        # tensor checks never need
         from quantkit.pipeline.quantize import linear_shapes
 
         spec = spec_for_config(config)
@@ -424,8 +426,6 @@ def _check_mxfp4(name, n, k, w, headers, rep) -> None:
 
 def _scalars(path: Path, names: list[str]) -> list[float | None]:
     """Values of one-element tensors (fused-shard global scales), read from the shards."""
-    from quantkit.formats.common import load_tensors
-
     found = load_tensors(path, set(names))
     return [float(found[n].float().reshape(-1)[0]) if n in found else None for n in names]
 
