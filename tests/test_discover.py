@@ -147,3 +147,16 @@ def test_trace_needs_no_weights():
     assert discover_layout(model).sequential[0] == (
         "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
     assert torch.get_default_device().type == "cpu"
+
+
+def test_deepseek_v32_indexer_keys_stay_dense_as_vllm_builds_them():
+    """vLLM builds the indexer's wk + weights_proj without a quantization method: a discovered
+    DeepSeek-V3.2 spec keeps them out of the groups and in the dense list; wq_b is quantized."""
+    config_cls, model_cls, kwargs = NEW_FAMILIES["deepseek_v32"]
+    config = getattr(transformers, config_cls)(**{**_COMMON, **kwargs})
+    config.architectures = [model_cls]
+    spec = spec_for_config(config.to_dict())
+    linears = {n for g in spec.sequential for n in g}
+    assert "self_attn.indexer.wq_b" in linears
+    assert not {"self_attn.indexer.wk", "self_attn.indexer.weights_proj"} & linears
+    assert {"self_attn.indexer.wk", "self_attn.indexer.weights_proj"} <= set(spec.dense_linears)

@@ -8,7 +8,16 @@ Code outside this package asks the spec, never a family name.
 
 from __future__ import annotations
 
-from quantkit.arch import deepseek_v3, gemma3, gpt_oss, llama, mixtral, phi3, qwen3_moe
+from quantkit.arch import (
+    deepseek_v3,
+    deepseek_v32,
+    gemma3,
+    gpt_oss,
+    llama,
+    mixtral,
+    phi3,
+    qwen3_moe,
+)
 from quantkit.arch.discover import discovered_spec
 from quantkit.arch.spec import EXPERT, ArchSpec, AwqGroup, ExpertsSpec, gguf_linear_name, gguf_name
 from quantkit.errors import UnsupportedArchitecture
@@ -20,6 +29,12 @@ __all__ = ["ArchSpec", "AwqGroup", "ExpertsSpec", "ARCHS", "EXPERT", "spec_for_c
 FAMILIES = (llama, qwen3_moe, mixtral, gpt_oss, deepseek_v3, gemma3, phi3)
 
 ARCHS: tuple[ArchSpec, ...] = tuple(spec for family in FAMILIES for spec in family.SPECS)
+
+# families carried by discovery that need a fact no model can tell (what the engine keeps
+# dense): model_type -> block-relative Linears
+DISCOVERED_FAMILIES = (deepseek_v32,)
+ENGINE_DENSE: dict[str, tuple[str, ...]] = {
+    t: names for family in DISCOVERED_FAMILIES for t, names in family.DISCOVERED_DENSE.items()}
 
 
 def supported_architectures() -> list[str]:
@@ -43,7 +58,7 @@ def spec_for_config(config) -> ArchSpec:
             return spec
     name = ", ".join(classes) or f"model_type={model_type!r}"
     try:
-        return discovered_spec(config)
+        return discovered_spec(config, ENGINE_DENSE)
     except UnsupportedArchitecture as exc:
         raise UnsupportedArchitecture(
             f"Architecture {name} is not supported by quantkit: {exc.message}",

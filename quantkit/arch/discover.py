@@ -280,10 +280,12 @@ _DISCOVERED: dict[str, ArchSpec] = {}
 
 
 
-def discovered_spec(config) -> ArchSpec:
+def discovered_spec(config, engine_dense: dict[str, tuple[str, ...]] | None = None) -> ArchSpec:
     """An ArchSpec for a config no family module describes, from its model built on fake
     tensors (transformers' own class, named by the config; never remote code). Cached per
-    config. Only what discovery finds is set: no AWQ pairs, no GGUF layout. Refusals are
+    config. Only what discovery finds is set: no AWQ pairs, no GGUF layout. `engine_dense`:
+    per model_type, block-relative Linears the engine builds without a quantization method
+    (facts no model can tell; they leave the groups and stay dense). Refusals are
     UnsupportedArchitecture whose message says why (the caller names the architecture)."""
     import json
 
@@ -316,13 +318,16 @@ def discovered_spec(config) -> ArchSpec:
         raise UnsupportedArchitecture(
             f"its blocks ({layout.block_path}) hold no torch.nn.Linear to quantize.")
     router = layout.experts.router if layout.experts is not None else ""
+    kept = tuple((engine_dense or {}).get(model_type, ()))
+    sequential = tuple(g for g in (tuple(n for n in group if n not in kept)
+                                   for group in layout.sequential) if g)
     spec = ArchSpec(model_type or classes[0], tuple(classes), (model_type,),
                     block_path=layout.block_path, embed=layout.embed,
                     final_norm=layout.final_norm, lm_head=layout.lm_head,
-                    sequential=layout.sequential, experts=layout.experts,
+                    sequential=sequential, experts=layout.experts,
                     awq_groups=(), roles={}, attention_v=False,
                     checkpoint_renames=layout.checkpoint_renames,
-                    dense_linears=tuple(n for n in layout.dense_linears if n != router),
+                    dense_linears=tuple(n for n in layout.dense_linears if n != router) + kept,
                     kv_cache_gap="per-layer k/v scales are checked on the families that have "
                                  "a family module only")
     _DISCOVERED[key] = spec
