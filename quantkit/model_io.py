@@ -170,7 +170,7 @@ def check_finite(named_tensors) -> None:
         if not t.is_floating_point() or t.numel() == 0:
             continue
         # NaN or Inf anywhere makes the float32 sum non-finite: one fast reduction per tensor
-        # (isfinite on bf16 runs ~10x slower on CPU); only a non-finite sum, which finite
+        # (isfinite on bf16 runs much slower on CPU); only a non-finite sum, which finite
         # values can also give by overflowing, needs the exact element check.
         if torch.isfinite(t.sum(dtype=torch.float32)) or torch.isfinite(t).all():
             continue

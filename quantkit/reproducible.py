@@ -28,10 +28,11 @@ PINNED = {
     "ATEN_CPU_CAPABILITY": "avx2",  # torch's own vectorised kernels (norms, softmax, reductions)
     "ONEDNN_MAX_CPU_ISA": "AVX2",  # oneDNN (torch's mkldnn ops)
     "DNNL_MAX_CPU_ISA": "AVX2",
-    # OpenBLAS splits ssyrk's sums by thread count (measured: 1 vs 2 threads differ by up to
-    # 1.2e-4 on a [4096, 576] Gram); one thread is the count every machine has. torch's own
-    # threads stay as they are: MKL_CBWR STRICT sgemm and ATen's ops do not depend on them,
-    # and the GPTQ factorisation runs on one thread in this mode (methods/gptq.py).
+    # OpenBLAS splits ssyrk's sums by thread count (measured: 1 vs 2 threads give different
+    # Grams; benchmarks/README.md, Determinism across CPU kernels); one thread is the count
+    # every machine has. torch's own threads stay as they are: MKL_CBWR STRICT sgemm and
+    # ATen's ops do not depend on them, and the GPTQ factorisation runs on one thread in this
+    # mode (methods/gptq.py).
     "OPENBLAS_NUM_THREADS": "1",
 }
 _APPLIED = False

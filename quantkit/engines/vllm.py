@@ -25,7 +25,7 @@ __all__ = ["run_vllm", "run_vllm_worker", "share_vllm_forkserver", "vllm_failure
 _WORKER = Path(__file__).with_name("vllm_worker.py")
 
 
-# what every vLLM worker imports first: 10-16 s a start, paid once per fork server
+# what every vLLM worker imports first: seconds a start, paid once per fork server
 _PRELOAD = "vllm:LLM,vllm:SamplingParams"
 
 

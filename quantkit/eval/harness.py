@@ -229,7 +229,7 @@ def _load_gguf(path: Path) -> _EvalModel:
     def make(ctx: int):
         holder["m"] = LlamaCppModel(path, n_ctx=ctx, logits_all=True)
         # llama.cpp writes its buffers only when it runs, and RSS counts pages once written
-        # (a q8_0 GGUF of the tiny test model: +30 MiB once made, +321 MiB after one window):
+        # (a q8_0 GGUF of the tiny test model grew far more after one window than once made):
         # one full window now, so the harness sizes its groups by what scoring will hold
         holder["m"].logits([0] * ctx)
 

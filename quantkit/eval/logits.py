@@ -120,7 +120,7 @@ class _Acc:
 # rows of one window whose log-softmax and KLD terms are computed at once: [64, vocab] float32
 # temporaries (12.6 MB for a 49k vocabulary) come from the heap and are reused, where whole-batch
 # [batch, ctx, vocab] ones were each a fresh mmap the kernel faulted in and zeroed (SmolLM2, 4 x
-# 512 tokens, base + one artifact: 3.1 s -> 0.6 s of math per batch on 2 cores, same values)
+# 512 tokens, base + one artifact: far less math time per batch on the CPU, same values)
 SCORE_ROWS = 64
 
 

@@ -93,8 +93,9 @@ DEFAULT_GRID = 20  # alpha points in [0, 1) (AutoAWQ / llm-compressor: 20)
 DEFAULT_CLIP_GRID = 20
 DEFAULT_MAX_SHRINK = 0.5  # clip max|w| down to at most half (AutoAWQ)
 MIN_CALIB_TOKENS = 256  # below this x_mean is noise: refuse rather than scale on it
-# AutoAWQ's default is 128 x 512 = 65536. CPU: SmolLM2 demo KLD 0.2305 with 2048 as with 4096
-# (benchmarks/README.md, AWQ on the CPU) at half the search's cost
+# AutoAWQ's default is 128 x 512 = 65536. CPU: the SmolLM2 demo's KLD is the same with 2048 as
+# with 4096, at half the search's cost (benchmarks/results/awq_cpu_phases_xeon_2threads.txt;
+# benchmarks/README.md, AWQ on the CPU)
 AUTO_SEARCH_TOKENS = {"cpu": 2048, "accel": 65536}
 _MAX_CHUNK_ELEMS = 1 << 25  # bounds temporaries of the vectorised searches (128 MiB fp32)
 # the most bytes of expert Linears' search inputs held at once (see the module docstring);

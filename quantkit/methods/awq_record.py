@@ -70,8 +70,9 @@ def search_bytes(f: PlanFacts, search_tokens: dict[str, int], default_budget: in
     group_weights = 2 * f.block_params * 4
     if f.moe:
         # the experts' down_proj inputs: at most one chunk of them at a time (all experts
-        # calibrated, H100, Qwen3-30B-A3B shapes: 10 of 128 experts x 65536 x 768 x 2 B
-        # = 0.94 GiB instead of all 12 GiB; benchmarks/README.md)
+        # calibrated, Qwen3-30B-A3B shapes: 10 of 128 experts x 65536 x 768 x 2 B = 0.94 GiB
+        # instead of all 12 GiB;
+        # benchmarks/results/moe_awq_2_layers_h100_chunked_vs_llmcompressor.json)
         spec, config = f.spec, f.config
         n_exp = spec.experts.count(config)
         top_k = int(getattr(config, "num_experts_per_tok", 1) or 1)

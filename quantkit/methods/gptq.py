@@ -359,8 +359,8 @@ class GPTQQuantizer(Quantizer):
     propagate_quantized = True  # the next group/block calibrates on quantized outputs
     needs_calibration = True
     true_sequential = True  # q/k/v -> o -> gate/up -> down, each on the previous' outputs
-    # 8 samples per forward: the same sums as batch 1, but 8x fewer small ops (on 2 busy CPU
-    # cores a SmolLM2 block ran 2.8x faster with 8 x 512 tokens per call than with 1 x 512)
+    # 8 samples per forward: the same sums as batch 1, but 8x fewer small ops (on a busy CPU
+    # a SmolLM2 block ran much faster with 8 x 512 tokens per call than with 1 x 512)
     calib_batch_size = 8
     # reads calibration data only through the summed Hessians: data-parallel ranks can each
     # sum their shard (quantkit.pipeline.distributed)

@@ -150,8 +150,8 @@ def gptq_block(w1: torch.Tensor, hinv1: torch.Tensor, scale: torch.Tensor, zero:
     err = torch.empty_like(codes)
     qmax = 2**bits - 1
     # rows per program: at most two [bn, bs] fp32 tiles in registers. One fixed value for
-    # every N (was 8/16/64 by N): each distinct BN is a separate JIT compile (~0.5 s each on
-    # a fresh machine, paid inside the first block), and 16 rows still give >= 256 programs
+    # every N (was 8/16/64 by N): each distinct BN is a separate JIT compile (each paid on
+    # a fresh machine, inside the first block), and 16 rows still give >= 256 programs
     # for N = 4096. Rows are independent, so BN never changes the results.
     bn = max(1, min(_ROWS_PER_PROGRAM, 8192 // bs))
     grid = (triton.cdiv(n, bn),)

@@ -182,7 +182,7 @@ def quantize_blocks(
     # the loop replaces the hidden states block after block: handed over, not kept here, so
     # the first block's inputs are freed once block 0 is done (kept, they held 2 GiB of GPU or
     # pinned host memory for the whole run on 8B shapes, and the offloaded block 1 had to pin
-    # 2 GiB more: 1.0 s)
+    # 2 GiB more, which cost time: benchmarks/results/gpu_where_time_goes_h200_handoff.json)
     handoff, resumed = [inputs], None
     del inputs
     try:
@@ -231,8 +231,8 @@ def _run_blocks(blocks, start: int, total: int, spec: ArchSpec, quantizer: Quant
                 and not experts
             # batch after batch, the forwards reuse freed activation memory (trimmed after); not
             # while every batch is paused mid-block at once: the freed tensors then sit between
-            # live ones and the heap keeps them (SmolLM2 GPTQ, 64 x 512 tokens: peak RSS 2123
-            # MiB with reuse, 1202 without, ~2 % apart in time)
+            # live ones and the heap keeps them (SmolLM2 GPTQ, 64 x 512 tokens: a much higher
+            # peak RSS with reuse, about the same time; benchmarks/README.md, Memory 2026-11-26)
             if inputs is not None and not one_pass:
                 scope.enter_context(reuse_freed_memory())
             outputs_fp, first_stats = None, None

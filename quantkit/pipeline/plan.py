@@ -33,7 +33,7 @@ __all__ = ["MemoryPlan", "estimate", "check_memory", "BASELINE_BYTES",
            "OFFLOAD_BATCH", "offload_activations"]
 
 # RSS of `python -m quantkit.cli quantize` before any weights load: interpreter, torch,
-# transformers, compressed-tensors, tokenizer (measured 0.55-0.6 GiB on CPU, torch 2.13)
+# transformers, compressed-tensors, tokenizer (measured on CPU)
 BASELINE_BYTES = 600 * 2**20
 _CUDA_CONTEXT_BYTES = 512 * 2**20  # CUDA context + cuBLAS workspaces, not measured here
 # samples per forward when the activations are offloaded: GPU memory is short then, and a
@@ -43,11 +43,11 @@ _FREE_GPU_MARGIN = 0.9  # of the free memory: the caching allocator's fragmentat
 _GIB = 2**30
 # rough sustained throughput of the block forward + method math (FLOP/s); time is a hint only
 _FLOPS = {"cpu": 5e10, "cuda": 1.5e14}
-# large float32 matmuls alone (the attention-v forward): SmolLM2 int4 GPTQ, 64 x 512 tokens, spent
-# +35 s on its ~6.9 TFLOP (results/gptq_int4_v_hessian_smollm2.json, 2 cores)
+# large float32 matmuls alone (the attention-v forward), from the extra time a SmolLM2 int4
+# GPTQ run with 64 x 512 tokens spent on them (benchmarks/results/gptq_int4_v_hessian_smollm2.json)
 _DENSE_FLOPS = {"cpu": 2e11, "cuda": 5e13}
-# per quantized weight: rounding, packing, checkpoint and artifact writes (RTN of a 0.5 B
-# weight model took 30 s on 2 CPU cores)
+# per quantized weight: rounding, packing, checkpoint and artifact writes (from the time of a
+# CPU RTN run of a 0.5 B weight model)
 _PER_WEIGHT_S = {"cpu": 5.5e-8, "cuda": 5e-9}
 _BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
 
@@ -202,8 +202,8 @@ def estimate(config, spec: ArchSpec, *, method: str, scheme: QuantScheme, calib_
     kwargs_bytes = rotary_tables(calib_batch)
     # one batch through a block: MLP intermediates (gate, up, act) + attention scores
     # attention scores: materialised by the CPU path; CUDA's SDPA kernels (flash / memory-
-    # efficient) never hold them (measured on the H100: GPTQ 8.8 GiB peak, 2 GiB below the
-    # plan that counted them)
+    # efficient) never hold them (the measured GPU GPTQ peak sat well below a plan that
+    # counted them: benchmarks/plan_vs_gpu.py, benchmarks/results/plan_vs_h100.json)
     forward = batch_tokens * (3 * inter + 4 * hidden) * act_bytes + \
         (min(calib_batch, calib_samples) * heads * calib_seqlen**2 * act_bytes
          if calibrated and not cuda else 0)
