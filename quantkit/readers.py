@@ -19,6 +19,7 @@ import json
 import math
 import os
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
@@ -263,9 +264,11 @@ _NONFINITE_BITS = {"F64": (np.uint64, 0x7FFF_FFFF_FFFF_FFFF, 0x7FF0_0000_0000_00
 
 
 def scan_finite(path: Path, on_progress=None, chunk_bytes: int = 16 * 2**20,
-                workers: int | None = None) -> None:
+                workers: int | None = None,
+                checked_later: Callable[[str], bool] | None = None) -> None:
     """Refuse a model directory whose safetensors hold NaN/Inf in any floating tensor, naming
-    the tensor: one streamed pass over the shards before any work.
+    the tensor: one streamed pass over the shards before any work. Tensors for which
+    `checked_later(name)` is true are left out: the caller checks them as it reads them.
 
     Pieces of at most `chunk_bytes` are read (os.pread) and checked (numpy, which releases the
     GIL) by `workers` threads, so the pass runs at the disk's speed rather than one core's
@@ -278,7 +281,7 @@ def scan_finite(path: Path, on_progress=None, chunk_bytes: int = 16 * 2**20,
         with open(file, "rb") as f:
             data_start = 8 + int.from_bytes(f.read(8), "little")
         for name, info in header.items():
-            if info["dtype"] not in _NONFINITE_BITS:
+            if info["dtype"] not in _NONFINITE_BITS or (checked_later and checked_later(name)):
                 continue
             itemsize = SAFETENSORS_ITEMSIZE[info["dtype"]]
             begin, end = (data_start + o for o in info["data_offsets"])

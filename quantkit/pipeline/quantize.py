@@ -68,6 +68,7 @@ from quantkit.pipeline.plan import (
 from quantkit.pipeline.streaming import (
     ShardReader,
     StreamingSource,
+    block_tensor,
     materialise,
     skeleton,
     stream_plan_ok,
@@ -347,10 +348,15 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
     # NaN/Inf in any tensor (embeddings and lm_head too) stops the run before the model is
     # opened, not after every block was quantized: one streamed pass over the shards, read by
     # threads while the tokenizer and the calibration text are loaded (it waits on the disk,
-    # they on a core), and waited for below
+    # they on a core), and waited for below. On a GPU the decoder blocks are left to the
+    # block loop, which checks each block as it reads it (before anything is written): the
+    # whole-checkpoint pass cost about as much as the disk read of every block, which the
+    # loop reads anyway, overlapped with the previous block's compute
     t_checked = time.perf_counter()
+    gpu_stream = dp is None and str(device).startswith("cuda")
     scan_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="quantkit-scan")
-    scan = scan_pool.submit(scan_finite, source.path)
+    scan = scan_pool.submit(scan_finite, source.path,
+                            checked_later=block_tensor(spec) if gpu_stream else None)
     scan_pool.shutdown(wait=False)
     # calibration activations in host memory when they would not fit the GPU (one process
     # per GPU: data-parallel ranks keep their smaller shards on it)
@@ -407,7 +413,8 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
                               compute_dtype=compute_dtype, options=req.method_options,
                               on_progress=on_progress, checkpoint=ckpt, dense=kept,
                               dense_dtype=store_dtype, expert_min_tokens=req.expert_min_tokens,
-                              source=StreamingSource(model, reader, spec, load_dtype)
+                              source=StreamingSource(model, reader, spec, load_dtype,
+                                                     read_ahead=gpu_stream)
                               if streaming else None, dp=dp, offload_activations=offload,
                               kv_absmax=kv_absmax)
     if dp is not None and not dp.is_main:  # rank 0 alone writes the artifact

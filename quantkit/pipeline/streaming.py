@@ -8,6 +8,7 @@ about one block instead of the whole model (see quantkit.pipeline.plan for the n
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -21,7 +22,7 @@ from quantkit.readers import safetensors_header, tensor_files
 from quantkit.transformers_lean import causal_lm_class
 
 __all__ = ["ShardReader", "StreamingSource", "skeleton", "stream_plan_ok", "materialise",
-           "to_meta"]
+           "to_meta", "block_tensor"]
 
 
 class ShardReader:
@@ -138,6 +139,14 @@ class ShardReader:
         return out
 
 
+def block_tensor(spec: ArchSpec) -> Callable[[str], bool]:
+    """Whether a checkpoint tensor belongs to a decoder block: the block loop checks those
+    for NaN/Inf as it reads them (blocks.quantize_blocks), as load_model does when the model
+    is loaded whole."""
+    blocks = spec.block_path + "."
+    return lambda name: spec.module_name(name).startswith(blocks)
+
+
 def skeleton(config, dtype: torch.dtype, trust_remote_code: bool = False):
     """The model with every parameter on `meta` (buffers such as rotary inv_freq stay real)."""
     from accelerate import init_empty_weights
@@ -171,19 +180,28 @@ def _set(module: torch.nn.Module, name: str, value: torch.Tensor) -> None:
         owner._buffers[leaf] = value
 
 
+def _read_values(names: list[str], prefix: str, reader: ShardReader,
+                 dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The tensors prefix + name from the shards, floats cast to `dtype` (keyed by name)."""
+    values = reader.get_many([prefix + n for n in names])
+    return {n: v.to(dtype) if v.is_floating_point() else v
+            for n, v in ((n, values[prefix + n]) for n in names)}
+
+
 def materialise(module: torch.nn.Module, prefix: str, reader: ShardReader, dtype: torch.dtype,
-                *, root=None) -> None:
-    """Read `module`'s state-dict tensors (named prefix + local name) from the shards."""
+                *, root=None, values: dict[str, torch.Tensor] | None = None) -> None:
+    """Read `module`'s state-dict tensors (named prefix + local name) from the shards, or take
+    them from `values` (what _read_values gave for the same names, read ahead)."""
     names = list(module.state_dict())
     tied = [n for n in names if prefix + n not in reader and prefix + n == "lm_head.weight"
             and root is not None and _tied(root)]
     for name in tied:
         _set(module, name, root.get_input_embeddings().weight)
-    values = reader.get_many([prefix + n for n in names if n not in tied])
+    if values is None:
+        values = _read_values([n for n in names if n not in tied], prefix, reader, dtype)
     for name in names:
         if name not in tied:
-            value = values[prefix + name]
-            _set(module, name, value.to(dtype) if value.is_floating_point() else value)
+            _set(module, name, values[name])
 
 
 def to_meta(module: torch.nn.Module) -> None:
@@ -193,15 +211,45 @@ def to_meta(module: torch.nn.Module) -> None:
 
 
 class StreamingSource(BlockSource):
-    """Blocks come from the shards in `dtype` (the in-memory path's load dtype) and go back to meta."""
+    """Blocks come from the shards in `dtype` (the in-memory path's load dtype) and go back to meta.
 
-    def __init__(self, model, reader: ShardReader, spec: ArchSpec, dtype: torch.dtype):
+    With `read_ahead`, block i+1's tensors are read by a worker thread while block i computes
+    (one more block in host memory). Why: on a GPU the blocks compute in about the time the
+    disk takes to deliver them, and read in turn the two added up; the worker waits on the
+    disk and on copies that release the GIL. The values are the same either way. Off on the
+    CPU, where the block loop is compute-bound and host memory is what the plan counts.
+    """
+
+    def __init__(self, model, reader: ShardReader, spec: ArchSpec, dtype: torch.dtype,
+                 read_ahead: bool = False):
         self.model, self.reader, self.spec, self.dtype = model, reader, spec, dtype
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="quantkit-read") \
+            if read_ahead else None
+        self._ahead: tuple[int, Future] | None = None
+
+    def _prefix(self, index: int) -> str:
+        return f"{self.spec.block_path}.{index}."
 
     def load(self, index: int, block: torch.nn.Module) -> None:
-        prefix = f"{self.spec.block_path}.{index}."
         trim_heap()
-        materialise(block, prefix, self.reader, self.dtype)
+        ahead, self._ahead = self._ahead, None
+        values = ahead[1].result() if ahead is not None and ahead[0] == index else None
+        materialise(block, self._prefix(index), self.reader, self.dtype, values=values)
+        if self._pool is None:
+            return
+        blocks = self.model.get_submodule(self.spec.block_path)
+        if index + 1 < len(blocks):
+            names = list(blocks[index + 1].state_dict())
+            self._ahead = (index + 1, self._pool.submit(
+                _read_values, names, self._prefix(index + 1), self.reader, self.dtype))
+        else:
+            self.close()
+
+    def close(self) -> None:
+        """Stop the read-ahead worker (a read in flight is dropped)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool, self._ahead = None, None
 
     def release(self, index: int, block: torch.nn.Module) -> None:
         to_meta(block)
