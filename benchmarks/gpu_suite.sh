@@ -8,6 +8,10 @@
 # -> artifact on disk (page cache dropped before each disk run).
 #   bash benchmarks/gpu_suite.sh [gptq] [awq]      (both when none is named; one per device
 #                                                   call keeps each call under 10 minutes)
+# Parts `gptq32` / `awq32`: the whole 32-block model, disk scope only (default variant),
+# quantkit then llm-compressor. Part `ab`: benchmarks/gpu_disk_ab.py, the artifacts of the
+# tree at $OLD_ROOT (e.g. main's quantkit/, carried) and of this tree from the same checkpoint
+# compared byte for byte on the GPU, and the NaN-in-a-block refusal there.
 # Results land in $OUT (copy them to benchmarks/results/ with the GPU's name in the file name).
 set -uo pipefail
 OUT="${OUT:-benchmarks/results}"
@@ -23,7 +27,16 @@ for part in $PARTS; do
   case "$part" in
     gptq) layers=8 ;;
     awq) layers=4 ;;
-    *) echo "unknown part $part (gptq, awq)"; exit 2 ;;
+    gptq32|awq32)
+      python3 benchmarks/gpu_quantkit_vs_llmcompressor.py --methods "${part%32}" --layers 32 \
+        --scopes disk --disk-variants default --drop-page-cache \
+        --out "$OUT/${part%32}_32_layers_disk.json" 2>&1 | grep -v "AWQ: skipping"
+      continue ;;
+    ab)
+      python3 benchmarks/gpu_disk_ab.py --old-root "${OLD_ROOT:?OLD_ROOT: the tree to compare}" \
+        --layers 2 --methods "${AB_METHODS:-gptq}" --out "$OUT/disk_ab.json"
+      continue ;;
+    *) echo "unknown part $part (gptq, awq, gptq32, awq32, ab)"; exit 2 ;;
   esac
   python3 benchmarks/gpu_quantkit_vs_llmcompressor.py --check --methods "$part" \
     --layers "$layers" --scopes memory,disk --disk-variants default,offload,no-resume \
