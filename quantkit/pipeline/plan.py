@@ -261,9 +261,11 @@ def estimate(config, spec: ArchSpec, *, method: str, scheme: QuantScheme, calib_
     largest_linear = max((n * k for lin in linears for n, k in lin.values()), default=0)
     embed_bytes = int(getattr(config, "vocab_size", 0) or 0) * hidden * sb
     dense_outside = outside * sb
-    # one block in the load dtype, the tensor being read (stored dtype), the method's
+    # one block in the load dtype (on a GPU the streamed next block, read ahead while the
+    # current one computes there), the tensor being read (stored dtype), the method's
     # temporaries (~4 fp32 copies of the largest Linear: scales, rounding, dequantize)
-    block_ram = (0 if cuda else block_params * load_bytes) + largest * sb + 4 * largest_linear * 4
+    block_ram = (block_params * load_bytes if streaming or not cuda else 0) + largest * sb \
+        + 4 * largest_linear * 4
 
     def working_set(fwd: int) -> int:
         if group_hessians:
