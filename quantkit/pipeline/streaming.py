@@ -58,13 +58,14 @@ class ShardReader:
                 prefix = spec.module_name(name[: -len(tail)]) + f".{es.module}."
                 shape = self._shapes[name]
                 if suffix:  # MXFP4 blocks (E, out, in/32, 16): rows are output channels
-                    n, two_inter, hidden = shape[0], shape[1], shape[2] * shape[3] * 2
+                    n, rows, hidden = shape[0], shape[1], shape[2] * shape[3] * 2
                 elif es.fused_transposed:  # (E, in, out)
-                    n, hidden, two_inter = shape
+                    n, hidden, rows = shape
                 else:
-                    n, two_inter, hidden = shape
-                inter = two_inter // 2
-                out = {es.gate: (inter, hidden), es.up: (inter, hidden), es.down: (hidden, inter)}
+                    n, rows, hidden = shape
+                inter = rows // len(es.inputs)
+                out = {getattr(es, w): (inter, hidden) for w in es.inputs}
+                out[es.down] = (hidden, inter)
                 for e in range(n):
                     for linear, wshape in out.items():
                         self._virtual(f"{prefix}{e}.{linear}.weight", wshape, prefix, e)
