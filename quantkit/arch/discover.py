@@ -47,6 +47,8 @@ class Layout:
     # (module substring, checkpoint substring) where the checkpoint names tensors otherwise
     # (transformers' WeightRenaming, reversed), as ArchSpec.checkpoint_renames
     checkpoint_renames: tuple[tuple[str, str], ...] = ()
+    # the decoder's Linears outside the blocks, but the head (ArchSpec.outer_linears)
+    outer_linears: tuple[str, ...] = ()
 
 
 def _path_of(model: nn.Module, target: nn.Module | None) -> str:
@@ -265,9 +267,13 @@ def discover_layout(model: nn.Module) -> Layout:
     head = _path_of(model, model.get_output_embeddings()) if model.get_output_embeddings() is not None else ""
     experts, renames = _experts_spec(model, blocks)
     per_block = trace_groups(model, blocks, experts)
+    decoder = block_path.rpartition(".")[0]
+    outer = tuple(n for n, m in model.named_modules() if isinstance(m, nn.Linear)
+                  and n != head and not n.startswith(block_path + ".")
+                  and (not decoder or n.startswith(decoder + ".")))
     return Layout(block_path, embed, _final_norm(model, block_path), head,
                   _union(per_block), experts,
-                  dense_linears(blocks, experts), renames)
+                  dense_linears(blocks, experts), renames, outer)
 
 
 def _union(per_block: list[list[tuple[str, ...]]]) -> tuple[tuple[str, ...], ...]:
@@ -340,6 +346,7 @@ def discovered_spec(config, engine_dense: dict[str, tuple[str, ...]] | None = No
                     sequential=sequential, experts=layout.experts,
                     awq_groups=(), roles={}, attention_v=False,
                     checkpoint_renames=layout.checkpoint_renames,
+                    outer_linears=layout.outer_linears,
                     dense_linears=tuple(n for n in layout.dense_linears if n != router) + kept,
                     kv_cache_gap="per-layer k/v scales are checked on the families that have "
                                  "a family module only")

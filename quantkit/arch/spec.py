@@ -199,6 +199,10 @@ class ArchSpec:
     # block-relative Linears that stay unquantized besides the router (listed in the artifact's
     # ignore list): a scalar gate the engine builds without a quantization method
     dense_linears: tuple[str, ...] = ()
+    # full names of the decoder's Linears outside the blocks besides the head, kept dense and
+    # listed in the ignore list (Gemma 4's per_layer_model_projection, which vLLM builds with
+    # the checkpoint's quantization method: unlisted, it would expect packed weights)
+    outer_linears: tuple[str, ...] = ()
     # a separate v_proj Linear next to a transformers attention module whose eager path
     # returns softmax(q k^T) itself, so GPTQ's attention-weighted v_proj Hessian applies
     # (quantkit.pipeline.attention_v; fused qkv_proj, MLA's latent, sinks: not this)

@@ -221,8 +221,19 @@ class EmbeddingCast:
         self.prefix = spec.embed + "."
         self.reader, self.dtype = reader, dtype
         self.exact = type(self.module) is torch.nn.Embedding
+        # the decoder's other modules outside the blocks that the capture forward runs before
+        # block 0 (Gemma 4's per-layer embeddings and their projection); the final norm and
+        # head never run there (the capture stops at the last block)
+        owner_path = spec.block_path.rpartition(".")[0]
+        owner = model.get_submodule(owner_path) if owner_path else model
+        skip = {spec.block_path, spec.embed, spec.final_norm, spec.lm_head}
+        self.others = [(m, f"{n}.") for n, m in (
+            (f"{owner_path}.{c}" if owner_path else c, child) for c, child in owner.named_children())
+            if n not in skip and any(True for _ in m.state_dict())]
 
     def __enter__(self):
+        for module, prefix in self.others:
+            materialise(module, prefix, self.reader, self.dtype)
         if self.exact:
             _set(self.module, "weight", self.reader.get(self.prefix + "weight"))
             self._hook = self.module.register_forward_hook(
@@ -236,3 +247,5 @@ class EmbeddingCast:
         if self.exact:
             self._hook.remove()
         to_meta(self.module)
+        for module, _ in self.others:
+            to_meta(module)
