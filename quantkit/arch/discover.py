@@ -90,17 +90,20 @@ def _fused_experts(block: nn.Module) -> list[tuple[str, nn.Module]]:
             and any(p.dim() == 3 and "proj" in n for n, p in m.named_parameters(recurse=False))]
 
 
-def _checkpoint_expert_names(model: nn.Module) -> tuple[tuple[str, str, str], tuple[tuple[str, str], ...]]:
+def _checkpoint_expert_names(model: nn.Module
+                             ) -> tuple[tuple[str, str, str], tuple[tuple[str, str], ...], bool]:
     """(gate, up, down) per-expert Linear names the checkpoint uses ("" gate: experts without
-    one, whose fused `up_proj` merges per-expert up Linears), and the renames between module
-    and checkpoint names, from transformers' checkpoint conversion mapping."""
+    one, whose fused `up_proj` merges per-expert up Linears), the renames between module and
+    checkpoint names, and whether the checkpoint stores experts per expert (a converter merges
+    them) rather than fused as the module holds them (Llama 4, Granite 4), from transformers'
+    checkpoint conversion mapping."""
     names = ("gate_proj", "up_proj", "down_proj")
     renames: list[tuple[str, str]] = []
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import WeightConverter, WeightRenaming
     except ImportError:  # an older transformers without conversion mappings
-        return names, ()
+        return names, (), True
     gate = up = down = None
     for t in get_model_conversion_mapping(model, add_legacy=False):
         sources = list(getattr(t, "source_patterns", []) or [])
@@ -115,12 +118,14 @@ def _checkpoint_expert_names(model: nn.Module) -> tuple[tuple[str, str, str], tu
             elif targets[0].endswith("experts.down_proj") and len(found) == 1:
                 down = found[0]
         elif isinstance(t, WeightRenaming) and len(sources) == 1 and len(targets) == 1:
-            src, dst = sources[0], targets[0]
+            # plain names, or regexes that only escape their dots (Granite's
+            # block_sparse_moe\.input_linear\.weight -> block_sparse_moe.experts.gate_up_proj)
+            src, dst = (p.replace("\\.", ".") for p in (sources[0], targets[0]))
             if re.fullmatch(r"[\w.]+", src) and re.fullmatch(r"[\w.]+", dst):
                 renames.append((dst, src))  # (module substring, checkpoint substring)
     if gate is not None and up and down:
         names = (gate, up, down)
-    return names, tuple(renames)
+    return names, tuple(renames), gate is not None and bool(up and down)
 
 
 def _experts_spec(model: nn.Module, blocks: nn.ModuleList) -> tuple[ExpertsSpec | None, tuple]:
@@ -129,11 +134,13 @@ def _experts_spec(model: nn.Module, blocks: nn.ModuleList) -> tuple[ExpertsSpec 
         if not fused:
             continue
         module, experts = fused[0]
-        (gate, up, down), renames = _checkpoint_expert_names(model)
+        (gate, up, down), renames, per_expert = _checkpoint_expert_names(model)
         # gated: gate_up_proj (E, 2I, H); without a gate (Nemotron-H): up_proj (E, I, H)
         fused_in = next((p for p in ("gate_up_proj", "up_proj")
                          if isinstance(getattr(experts, p, None), torch.Tensor)
                          and getattr(experts, p).dim() == 3), None)
+        if not per_expert and fused_in is not None:  # stored fused: the module's own names
+            gate = "gate_proj" if fused_in == "gate_up_proj" else ""
         if fused_in is None or (fused_in == "up_proj") != (gate == ""):
             raise UnsupportedArchitecture(
                 f"{type(model).__name__}: the routed experts at {module} have neither a fused "
@@ -151,9 +158,28 @@ def _experts_spec(model: nn.Module, blocks: nn.ModuleList) -> tuple[ExpertsSpec 
         keys = tuple(k for k in ("num_experts", "num_local_experts", "n_routed_experts")
                      if getattr(config, k, None) == n) or ("num_experts",)
         has_bias = isinstance(getattr(experts, f"{fused_in}_bias", None), torch.Tensor)
+        # a converter merges F.linear weights: (E, out, in); stored fused, it may be either
+        transposed = not per_expert and _transposed(model, module, getattr(experts, fused_in),
+                                                    experts.down_proj)
         return ExpertsSpec(module=module, count_keys=keys, gate=gate, up=up, down=down,
-                           router=router, fused_gate_up=fused_in, bias=has_bias), renames
+                           router=router, fused_gate_up=fused_in, bias=has_bias,
+                           fused_transposed=transposed, stored_fused=not per_expert), renames
     return None, ()
+
+
+def _transposed(model: nn.Module, module: str, fused_in: torch.Tensor, down: torch.Tensor) -> bool:
+    """Whether fused experts are (E, in, out), applied as x @ W (Llama 4), not F.linear's
+    (E, out, in): the input side's middle axis is the hidden size (its last axis then is not)."""
+    hidden = model.get_input_embeddings().weight.shape[-1]
+    for w, in_axis in ((fused_in, 1), (down, 2)):  # where the hidden size sits if transposed
+        if w.shape[in_axis] == hidden and w.shape[3 - in_axis] != hidden:
+            return True
+        if w.shape[3 - in_axis] == hidden and w.shape[in_axis] != hidden:
+            return False
+    raise UnsupportedArchitecture(
+        f"{type(model).__name__}: the fused experts at {module} are as wide as the hidden size "
+        "on both axes, so their layout ((E, out, in) or (E, in, out)) cannot be told apart.",
+        "Quantize with a family module that describes these experts (quantkit/arch/).")
 
 
 def dense_linears(blocks: nn.ModuleList, experts: ExpertsSpec | None) -> tuple[str, ...]:

@@ -112,8 +112,10 @@ class LinearExperts(nn.ModuleList):
         self.calibrate_all = calibrate_all
         self.only: set[int] | None = None
 
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                top_k_weights: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor | None = None,
+                top_k_weights: torch.Tensor | None = None) -> torch.Tensor:
+        if top_k_index is None:
+            return self._forward_stacked(hidden_states)
         out = torch.zeros_like(hidden_states)
         tokens = hidden_states.shape[0]
         # one stable sort of the (slot, token) pairs by expert instead of a torch.where per
@@ -139,6 +141,22 @@ class LinearExperts(nn.ModuleList):
             y = y * top_k_weights[tok, pos, None]
             out.index_add_(0, tok, y.to(out.dtype))
         return out
+
+
+    def _forward_stacked(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Llama 4's call: every expert's copy of the tokens, stacked (E * tokens, H), each
+        already multiplied by its router score (zero where the token is not routed there);
+        the outputs stacked alike. Each expert runs on its routed (non-zero) rows only, so its
+        statistics see just its tokens; a zero row gives zero (no biases), as the module's."""
+        x = hidden_states.view(len(self), -1, hidden_states.shape[-1])
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self):
+            if self.only is not None and e not in self.only:
+                continue
+            rows = (x[e] != 0).any(-1)
+            if rows.any():
+                out[e, rows] = expert(x[e, rows]).to(out.dtype)
+        return out.view(-1, hidden_states.shape[-1])
 
 
 def num_experts(block: nn.Module, spec: ArchSpec) -> int:

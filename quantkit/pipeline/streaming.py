@@ -51,11 +51,12 @@ class ShardReader:
     def _index_fused_experts(self, spec: ArchSpec) -> None:
         es = spec.experts
         for name in list(self._shapes):
+            module_name = spec.module_name(name)  # Granite's input_linear -> experts.gate_up_proj
             for suffix in ("", "_blocks"):
                 tail = f".{es.module}.{es.fused_gate_up}{suffix}"
-                if not name.endswith(tail):
+                if not module_name.endswith(tail):
                     continue
-                prefix = spec.module_name(name[: -len(tail)]) + f".{es.module}."
+                prefix = module_name[: -len(tail)] + f".{es.module}."
                 shape = self._shapes[name]
                 if suffix:  # MXFP4 blocks (E, out, in/32, 16): rows are output channels
                     n, rows, hidden = shape[0], shape[1], shape[2] * shape[3] * 2
