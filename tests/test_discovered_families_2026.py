@@ -157,3 +157,29 @@ def test_2026_family_quantizes_keeping_every_tensor(family, models, tmp_path):
         print(f"{family} {method}: logits cosine {cos:.4f}, {len(quantized)} Linears quantized")
         assert cos > _FLOOR.get(family, {}).get(method, 0.97 if method == "fp8" else 0.75), \
             (method, cos)
+
+
+@pytest.mark.engine
+def test_2026_families_in_vllm(models, tmp_path):
+    """Gemma 4 (dense int4) generates in real vLLM; Qwen3-Next's quantized experts get vLLM's
+    exact refusal where its int4 MoE CPU kernel is missing (the probe says which)."""
+    from vllm_checks import vllm_runs
+
+    from quantkit.engines.vllm import run_vllm
+    from quantkit.errors import EngineError
+
+    prompt = [{"prompt": "The capital of France is", "max_tokens": 4}]
+    gemma = _quantize(models["gemma4"], tmp_path / "gemma4", "rtn")
+    if vllm_runs("int4"):
+        assert len(run_vllm(gemma, generate=prompt, max_model_len=128)["generate"][0]) > 0
+    else:
+        with pytest.raises(EngineError) as e:
+            run_vllm(gemma, generate=prompt, max_model_len=128)
+        assert "object has no attribute 'cpu_gemm_wna16'" in str(e.value) + e.value.log
+    nxt = _quantize(models["qwen3_next"], tmp_path / "qwen3_next", "rtn")
+    if vllm_runs("int4", moe=True):
+        assert len(run_vllm(nxt, generate=prompt, max_model_len=128)["generate"][0]) > 0
+    else:
+        with pytest.raises(EngineError) as e:
+            run_vllm(nxt, generate=prompt, max_model_len=128)
+        assert "No WNA16 MoE backend supports the deployment configuration." in str(e.value)
