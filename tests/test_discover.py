@@ -15,7 +15,6 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from quantkit.arch import EXPERT, spec_for_config
 from quantkit.arch.discover import discover_layout, trace_groups
-from quantkit.errors import UnsupportedArchitecture
 
 pytestmark = pytest.mark.fast
 
@@ -90,6 +89,11 @@ NEW_FAMILIES = {
                         num_experts_per_tok=2)),
     "ministral3": ("Ministral3Config", "Ministral3ForCausalLM", dict(intermediate_size=512)),
     "olmo3": ("Olmo3Config", "Olmo3ForCausalLM", dict(intermediate_size=512)),
+    "nemotron_h": ("NemotronHConfig", "NemotronHForCausalLM",
+                   dict(num_hidden_layers=4, hybrid_override_pattern="ME*-", mamba_num_heads=8,
+                        mamba_head_dim=64, ssm_state_size=16, n_groups=2, n_routed_experts=4,
+                        moe_intermediate_size=256, moe_shared_expert_intermediate_size=256,
+                        intermediate_size=512, head_dim=64)),
     "deepseek_v32": ("DeepseekV32Config", "DeepseekV32ForCausalLM",
                      dict(num_key_value_heads=4, n_routed_experts=4, moe_intermediate_size=128,
                           intermediate_size=512, first_k_dense_replace=1,
@@ -116,7 +120,7 @@ def test_discovery_leaves_no_linear_out_on_families_no_table_names(family):
         templates = {n for n in names if EXPERT in n}
         if layout.experts and layout.experts.module in dict(block.named_modules()):
             fused_seen = True
-            assert templates == {layout.experts.linear(w) for w in ("gate", "up", "down")}
+            assert templates == {*layout.experts.input_linears(), layout.experts.linear("down")}
         else:
             assert not templates
     assert fused_seen == any(k in kwargs for k in ("num_experts", "n_routed_experts",
@@ -132,12 +136,20 @@ def test_minimax_m2_experts_keep_the_checkpoints_w1_w3_w2_names():
     assert (".mlp.", ".block_sparse_moe.") in layout.checkpoint_renames
 
 
-def test_experts_without_a_gated_mlp_are_refused_by_name():
-    """Nemotron-H's experts (up/down, no gate) do not fit the per-expert SwiGLU layout: refused
-    with the module named, not quantized wrong."""
-    model = _fake("NemotronHConfig", "NemotronHForCausalLM")
-    with pytest.raises(UnsupportedArchitecture, match="mixer.experts"):
-        discover_layout(model)
+def test_experts_without_a_gate_are_up_and_down_only():
+    """Nemotron-H's experts are down(relu^2(up(x))): no gate, the fused `up_proj` merges the
+    checkpoint's per-expert up_proj (its conversion mapping says so); the (up) group reads the
+    MoE input with the shared expert's up_proj, then (down) with its down_proj."""
+    model = _fake(*NEW_FAMILIES["nemotron_h"][:2], **NEW_FAMILIES["nemotron_h"][2])
+    layout = discover_layout(model)
+    es = layout.experts
+    assert (es.gate, es.up, es.down, es.fused_gate_up, es.router) == \
+        ("", "up_proj", "down_proj", "up_proj", "mixer.gate")
+    assert not es.gated and es.input_linears(0) == ("mixer.experts.0.up_proj",)
+    assert ("mixer.experts.{e}.up_proj", "mixer.shared_experts.up_proj") in layout.sequential
+    assert ("mixer.experts.{e}.down_proj", "mixer.shared_experts.down_proj") in layout.sequential
+    with pytest.raises(ValueError, match="no gate projection"):
+        es.linear("gate")
 
 
 def test_trace_needs_no_weights():

@@ -11,7 +11,7 @@ the model transformers builds:
   needed) with a pre-hook on every Linear; consecutive Linears that read the very same tensor
   form one group, in the order the forward runs them (the rule the staged forward checks);
 - routed experts: transformers 5 keeps them fused as 3-D `gate_up_proj` / `down_proj`
-  parameters; the per-expert names the checkpoints (and vLLM) use come from transformers' own
+  parameters (`up_proj` / `down_proj` for experts without a gate, Nemotron-H's); the per-expert names the checkpoints (and vLLM) use come from transformers' own
   checkpoint conversion mapping, which says how it fused them.
 A family module then only overrides what cannot be discovered (AWQ pairs, GGUF names, engine
 gaps, layouts stored differently in the checkpoint).
@@ -47,6 +47,8 @@ class Layout:
     # (module substring, checkpoint substring) where the checkpoint names tensors otherwise
     # (transformers' WeightRenaming, reversed), as ArchSpec.checkpoint_renames
     checkpoint_renames: tuple[tuple[str, str], ...] = ()
+    # the decoder's Linears outside the blocks, but the head (ArchSpec.outer_linears)
+    outer_linears: tuple[str, ...] = ()
 
 
 def _path_of(model: nn.Module, target: nn.Module | None) -> str:
@@ -88,16 +90,20 @@ def _fused_experts(block: nn.Module) -> list[tuple[str, nn.Module]]:
             and any(p.dim() == 3 and "proj" in n for n, p in m.named_parameters(recurse=False))]
 
 
-def _checkpoint_expert_names(model: nn.Module) -> tuple[tuple[str, str, str], tuple[tuple[str, str], ...]]:
-    """(gate, up, down) per-expert Linear names the checkpoint uses, and the renames between
-    module and checkpoint names, from transformers' checkpoint conversion mapping."""
+def _checkpoint_expert_names(model: nn.Module
+                             ) -> tuple[tuple[str, str, str], tuple[tuple[str, str], ...], bool]:
+    """(gate, up, down) per-expert Linear names the checkpoint uses ("" gate: experts without
+    one, whose fused `up_proj` merges per-expert up Linears), the renames between module and
+    checkpoint names, and whether the checkpoint stores experts per expert (a converter merges
+    them) rather than fused as the module holds them (Llama 4, Granite 4), from transformers'
+    checkpoint conversion mapping."""
     names = ("gate_proj", "up_proj", "down_proj")
     renames: list[tuple[str, str]] = []
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import WeightConverter, WeightRenaming
     except ImportError:  # an older transformers without conversion mappings
-        return names, ()
+        return names, (), True
     gate = up = down = None
     for t in get_model_conversion_mapping(model, add_legacy=False):
         sources = list(getattr(t, "source_patterns", []) or [])
@@ -107,15 +113,19 @@ def _checkpoint_expert_names(model: nn.Module) -> tuple[tuple[str, str, str], tu
             found = [m.group(1) for m in per_expert if m]
             if targets[0].endswith("experts.gate_up_proj") and len(found) == 2:
                 gate, up = found
+            elif targets[0].endswith("experts.up_proj") and len(found) == 1:
+                gate, up = "", found[0]
             elif targets[0].endswith("experts.down_proj") and len(found) == 1:
                 down = found[0]
         elif isinstance(t, WeightRenaming) and len(sources) == 1 and len(targets) == 1:
-            src, dst = sources[0], targets[0]
+            # plain names, or regexes that only escape their dots (Granite's
+            # block_sparse_moe\.input_linear\.weight -> block_sparse_moe.experts.gate_up_proj)
+            src, dst = (p.replace("\\.", ".") for p in (sources[0], targets[0]))
             if re.fullmatch(r"[\w.]+", src) and re.fullmatch(r"[\w.]+", dst):
                 renames.append((dst, src))  # (module substring, checkpoint substring)
-    if gate and up and down:
+    if gate is not None and up and down:
         names = (gate, up, down)
-    return names, tuple(renames)
+    return names, tuple(renames), gate is not None and bool(up and down)
 
 
 def _experts_spec(model: nn.Module, blocks: nn.ModuleList) -> tuple[ExpertsSpec | None, tuple]:
@@ -124,13 +134,20 @@ def _experts_spec(model: nn.Module, blocks: nn.ModuleList) -> tuple[ExpertsSpec 
         if not fused:
             continue
         module, experts = fused[0]
-        (gate, up, down), renames = _checkpoint_expert_names(model)
-        if not isinstance(getattr(experts, "gate_up_proj", None), torch.Tensor):
+        (gate, up, down), renames, per_expert = _checkpoint_expert_names(model)
+        # gated: gate_up_proj (E, 2I, H); without a gate (Nemotron-H): up_proj (E, I, H)
+        fused_in = next((p for p in ("gate_up_proj", "up_proj")
+                         if isinstance(getattr(experts, p, None), torch.Tensor)
+                         and getattr(experts, p).dim() == 3), None)
+        if not per_expert and fused_in is not None:  # stored fused: the module's own names
+            gate = "gate_proj" if fused_in == "gate_up_proj" else ""
+        if fused_in is None or (fused_in == "up_proj") != (gate == ""):
             raise UnsupportedArchitecture(
-                f"{type(model).__name__}: the routed experts at {module} have no gate_up_proj "
-                "(experts without a gated MLP are not supported yet).",
+                f"{type(model).__name__}: the routed experts at {module} have neither a fused "
+                "gate_up_proj nor (without a gate) an up_proj that the checkpoint's "
+                "conversion mapping names per expert.",
                 "Quantize with a family module that describes these experts (quantkit/arch/).")
-        n = int(experts.gate_up_proj.shape[0])
+        n = int(getattr(experts, fused_in).shape[0])
         owner = module.rpartition(".")[0]
         router = next((f"{owner}.{c}" if owner else c
                        for c, m in (block.get_submodule(owner) if owner else block).named_children()
@@ -140,10 +157,29 @@ def _experts_spec(model: nn.Module, blocks: nn.ModuleList) -> tuple[ExpertsSpec 
             else model.config
         keys = tuple(k for k in ("num_experts", "num_local_experts", "n_routed_experts")
                      if getattr(config, k, None) == n) or ("num_experts",)
-        has_bias = isinstance(getattr(experts, "gate_up_proj_bias", None), torch.Tensor)
+        has_bias = isinstance(getattr(experts, f"{fused_in}_bias", None), torch.Tensor)
+        # a converter merges F.linear weights: (E, out, in); stored fused, it may be either
+        transposed = not per_expert and _transposed(model, module, getattr(experts, fused_in),
+                                                    experts.down_proj)
         return ExpertsSpec(module=module, count_keys=keys, gate=gate, up=up, down=down,
-                           router=router, bias=has_bias), renames
+                           router=router, fused_gate_up=fused_in, bias=has_bias,
+                           fused_transposed=transposed, stored_fused=not per_expert), renames
     return None, ()
+
+
+def _transposed(model: nn.Module, module: str, fused_in: torch.Tensor, down: torch.Tensor) -> bool:
+    """Whether fused experts are (E, in, out), applied as x @ W (Llama 4), not F.linear's
+    (E, out, in): the input side's middle axis is the hidden size (its last axis then is not)."""
+    hidden = model.get_input_embeddings().weight.shape[-1]
+    for w, in_axis in ((fused_in, 1), (down, 2)):  # where the hidden size sits if transposed
+        if w.shape[in_axis] == hidden and w.shape[3 - in_axis] != hidden:
+            return True
+        if w.shape[3 - in_axis] == hidden and w.shape[in_axis] != hidden:
+            return False
+    raise UnsupportedArchitecture(
+        f"{type(model).__name__}: the fused experts at {module} are as wide as the hidden size "
+        "on both axes, so their layout ((E, out, in) or (E, in, out)) cannot be told apart.",
+        "Quantize with a family module that describes these experts (quantkit/arch/).")
 
 
 def dense_linears(blocks: nn.ModuleList, experts: ExpertsSpec | None) -> tuple[str, ...]:
@@ -161,7 +197,8 @@ def trace_groups(model: nn.Module, blocks: nn.ModuleList, experts: ExpertsSpec |
     """Per block, its sequential groups, from one meta-device forward of the whole model.
 
     Fused experts are not run (their forward is replaced by zeros of the right shape: routing
-    needs real values); the experts module counts as two template groups, (gate, up) reading
+    needs real values); the experts module counts as two template groups, (gate, up) (or (up)
+    without a gate) reading
     its input and (down) reading what they make, at the point where the module is called.
     """
     if seq_len is None:  # fake tensors cost nothing: long enough for every top-k of the config
@@ -215,7 +252,7 @@ def _groups(calls: list[tuple[str, object]], experts: ExpertsSpec | None) -> lis
     last = None
     for name, x in calls:
         if name == "<experts>":
-            groups.append([experts.linear("gate"), experts.linear("up")])
+            groups.append(list(experts.input_linears()))
             groups.append([experts.linear("down")])
             last = None
             continue
@@ -256,9 +293,13 @@ def discover_layout(model: nn.Module) -> Layout:
     head = _path_of(model, model.get_output_embeddings()) if model.get_output_embeddings() is not None else ""
     experts, renames = _experts_spec(model, blocks)
     per_block = trace_groups(model, blocks, experts)
+    decoder = block_path.rpartition(".")[0]
+    outer = tuple(n for n, m in model.named_modules() if isinstance(m, nn.Linear)
+                  and n != head and not n.startswith(block_path + ".")
+                  and (not decoder or n.startswith(decoder + ".")))
     return Layout(block_path, embed, _final_norm(model, block_path), head,
                   _union(per_block), experts,
-                  dense_linears(blocks, experts), renames)
+                  dense_linears(blocks, experts), renames, outer)
 
 
 def _union(per_block: list[list[tuple[str, ...]]]) -> tuple[tuple[str, ...], ...]:
@@ -304,7 +345,11 @@ def discovered_spec(config, engine_dense: dict[str, tuple[str, ...]] | None = No
             f"transformers {transformers.__version__} has no model class for it "
             "(custom code is never discovered).")
     if isinstance(config, dict):
-        config = transformers.CONFIG_MAPPING[model_type].from_dict(dict(raw))
+        config_cls = transformers.CONFIG_MAPPING[model_type]
+        # a raw config.json: transformers writes inf / nan as {"__float__": ...} objects
+        # (Nemotron-H's time_step_limit) and decodes them when it reads the file itself
+        decode = getattr(config_cls, "_decode_special_floats", lambda d: d)
+        config = config_cls.from_dict(decode(dict(raw)))
     try:
         with FakeTensorMode(allow_non_fake_inputs=True):
             model = cls(config)
@@ -327,6 +372,7 @@ def discovered_spec(config, engine_dense: dict[str, tuple[str, ...]] | None = No
                     sequential=sequential, experts=layout.experts,
                     awq_groups=(), roles={}, attention_v=False,
                     checkpoint_renames=layout.checkpoint_renames,
+                    outer_linears=layout.outer_linears,
                     dense_linears=tuple(n for n in layout.dense_linears if n != router) + kept,
                     kv_cache_gap="per-layer k/v scales are checked on the families that have "
                                  "a family module only")

@@ -79,6 +79,8 @@ class ExpertsSpec:
     `{module}.{e}.{gate,up,down}` instead, which is what `linears` names. The router
     (`router`, an (E, H) weight) stays unquantized. Which blocks are MoE is the model's own
     choice (e.g. Qwen3-MoE's mlp_only_layers): a block is MoE when `module` exists in it.
+    `gate=""`: experts without a gate (Nemotron-H's down(act(up(x))), relu^2); `fused_gate_up`
+    then holds the up rows alone (E, I, H).
     """
 
     module: str = "mlp.experts"
@@ -104,9 +106,24 @@ class ExpertsSpec:
     # `{fused}_blocks` / `{fused}_scales`; per-expert tensors are sliced out as they are read
     stored_fused: bool = False
 
+    @property
+    def gated(self) -> bool:
+        return bool(self.gate)
+
+    @property
+    def inputs(self) -> tuple[str, ...]:
+        """The projections that read an expert's input: ("gate", "up"), or ("up",) ungated."""
+        return ("gate", "up") if self.gated else ("up",)
+
     def linear(self, which: str, expert: int | str = EXPERT) -> str:
         """Block-relative name of expert `expert`'s `which` Linear ("gate", "up" or "down")."""
+        if not getattr(self, which):
+            raise ValueError(f"experts at {self.module} have no {which} projection")
         return f"{self.module}.{expert}.{getattr(self, which)}"
+
+    def input_linears(self, expert: int | str = EXPERT) -> tuple[str, ...]:
+        """Block-relative names of expert `expert`'s input-side Linears (gate and up, or up)."""
+        return tuple(self.linear(w, expert) for w in self.inputs)
 
     def count(self, config) -> int:
         get = config_getter(config)
@@ -142,9 +159,9 @@ def moe_awq_groups(experts: ExpertsSpec, norm: str = "post_attention_layernorm"
     """AWQ groups of an MoE block: the norm's one scale shared by EVERY expert's gate/up (the
     router reads the same input: compensated, not quantized), loss on the whole MoE block
     with its real routing; then each expert's up -> down on its own routed tokens."""
-    gate, up, down = (experts.linear(w) for w in ("gate", "up", "down"))
+    up, down = experts.linear("up"), experts.linear("down")
     moe_block = experts.module.rpartition(".")[0]
-    return (AwqGroup(norm, (gate, up), moe_block, compensate=(experts.router,)),
+    return (AwqGroup(norm, experts.input_linears(), moe_block, compensate=(experts.router,)),
             AwqGroup(up, (down,), down))
 
 
@@ -182,6 +199,10 @@ class ArchSpec:
     # block-relative Linears that stay unquantized besides the router (listed in the artifact's
     # ignore list): a scalar gate the engine builds without a quantization method
     dense_linears: tuple[str, ...] = ()
+    # full names of the decoder's Linears outside the blocks besides the head, kept dense and
+    # listed in the ignore list (Gemma 4's per_layer_model_projection, which vLLM builds with
+    # the checkpoint's quantization method: unlisted, it would expect packed weights)
+    outer_linears: tuple[str, ...] = ()
     # a separate v_proj Linear next to a transformers attention module whose eager path
     # returns softmax(q k^T) itself, so GPTQ's attention-weighted v_proj Hessian applies
     # (quantkit.pipeline.attention_v; fused qkv_proj, MLA's latent, sinks: not this)

@@ -627,4 +627,4 @@ def gguf_metadata(path: str | Path, kv: dict | None = None) -> dict:
 # llama.cpp's 3-D ffn_*_exps, for the architectures with GGUF expert names
 RECORD = FormatRecord(
     "gguf", GGUFFileWriter,
-    stores_experts=lambda spec: spec.gguf_slot(spec.experts.linear("gate", 0)) is not None)
+    stores_experts=lambda spec: spec.gguf_slot(spec.experts.linear("down", 0)) is not None)

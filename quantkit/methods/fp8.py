@@ -149,8 +149,8 @@ def fused_groups(ctx: BlockContext) -> list[tuple[str, ...]]:
     arch = ctx.arch
     experts = 0
     if arch is not None and arch.experts is not None:
-        gate = arch.experts.linear("gate")
-        while gate.replace(EXPERT, str(experts)) in ctx.linears:
+        down = arch.experts.linear("down")
+        while down.replace(EXPERT, str(experts)) in ctx.linears:
             experts += 1
     seq = arch.fused_sets_for(experts) if arch is not None else ()
     groups = [tuple(n for n in g if n in ctx.linears) for g in seq]

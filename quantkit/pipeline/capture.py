@@ -10,6 +10,7 @@ their own masks and rotary tables (the values are shared, not copied, where bloc
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -81,8 +82,14 @@ def capture_block_inputs(model, blocks: torch.nn.ModuleList, batches, dtype: tor
     last = len(blocks) - 1
 
     def pass_through(index: int):
+        # positional arguments after the hidden states (Gemma 4 passes each block its
+        # per_layer_input so) are kept under their parameter names: blocks are replayed as
+        # block(hidden, **kwargs)
+        names = list(inspect.signature(type(blocks[index]).forward).parameters)[2:]
+
         def forward(*args, **kwargs):
             hidden = args[0] if args else kwargs.pop("hidden_states")
+            kwargs.update(zip(names, args[1:], strict=False))
             kw = {k: v for k, v in kwargs.items() if k not in ("past_key_values", "past_key_value")}
             kw["use_cache"] = False
             if index == 0:

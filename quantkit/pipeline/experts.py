@@ -28,9 +28,10 @@ __all__ = ["LinearExperts", "expert_tensors", "linearize_experts", "num_experts"
 
 
 class _Expert(nn.Module):
-    """One routed expert: down(act(gate(x)) * up(x)), the SwiGLU the fused module computes, or
-    down(glu(gate_up(x))) with the fused module's own `glu` method (gpt-oss's clamped SwiGLU
-    on the interleaved gate/up output)."""
+    """One routed expert: down(act(gate(x)) * up(x)), the SwiGLU the fused module computes,
+    down(act(up(x))) for experts without a gate (Nemotron-H's relu^2), or down(glu(gate_up(x)))
+    with the fused module's own `glu` method (gpt-oss's clamped SwiGLU on the interleaved
+    gate/up output)."""
 
     def __init__(self, spec: ExpertsSpec, hidden: int, inter: int, act_fn, dtype, device,
                  glu=None):
@@ -40,8 +41,8 @@ class _Expert(nn.Module):
         # Qwen3-30B-A3B shapes took seconds per block on the CPU
         make = lambda i, o: nn.utils.skip_init(  # noqa: E731
             nn.Linear, i, o, bias=spec.bias, dtype=dtype, device=device)
-        setattr(self, spec.gate, make(hidden, inter))
-        setattr(self, spec.up, make(hidden, inter))
+        for which in spec.inputs:
+            setattr(self, getattr(spec, which), make(hidden, inter))
         setattr(self, spec.down, make(inter, hidden))
         self._names = (spec.gate, spec.up, spec.down)
         self._interleaved = spec.gate_up_interleaved
@@ -49,7 +50,9 @@ class _Expert(nn.Module):
         self.act_fn = act_fn
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up, down = (getattr(self, n) for n in self._names)
+        gate, up, down = (getattr(self, n) if n else None for n in self._names)
+        if gate is None:
+            return down(self.act_fn(up(x)))
         if self._glu is None:
             return down(self.act_fn(gate(x)) * up(x))
         g, u = gate(x), up(x)
@@ -71,7 +74,9 @@ def expert_tensors(spec: ExpertsSpec, fused: dict[str, torch.Tensor], e: int
     gate_up, down = fused[spec.fused_gate_up][e], fused[spec.fused_down][e]
     if spec.fused_transposed:  # (in, out) -> nn.Linear's (out, in)
         gate_up, down = gate_up.T, down.T
-    if spec.gate_up_interleaved:
+    if not spec.gated:  # the fused tensor is up alone
+        halves = {spec.up: gate_up}
+    elif spec.gate_up_interleaved:
         halves = {spec.gate: gate_up[0::2], spec.up: gate_up[1::2]}
     else:
         inter = gate_up.shape[0] // 2
@@ -80,10 +85,13 @@ def expert_tensors(spec: ExpertsSpec, fused: dict[str, torch.Tensor], e: int
     out[f"{spec.down}.weight"] = down
     if spec.bias:
         gate_up_b = fused[f"{spec.fused_gate_up}_bias"][e]
-        gate_b, up_b = ((gate_up_b[0::2], gate_up_b[1::2]) if spec.gate_up_interleaved
-                        else gate_up_b.chunk(2))
-        out.update({f"{spec.gate}.bias": gate_b, f"{spec.up}.bias": up_b,
-                    f"{spec.down}.bias": fused[f"{spec.fused_down}_bias"][e]})
+        if not spec.gated:
+            out[f"{spec.up}.bias"] = gate_up_b
+        else:
+            gate_b, up_b = ((gate_up_b[0::2], gate_up_b[1::2]) if spec.gate_up_interleaved
+                            else gate_up_b.chunk(2))
+            out.update({f"{spec.gate}.bias": gate_b, f"{spec.up}.bias": up_b})
+        out[f"{spec.down}.bias"] = fused[f"{spec.fused_down}_bias"][e]
     return {k: v.contiguous() for k, v in out.items()}
 
 
@@ -104,8 +112,10 @@ class LinearExperts(nn.ModuleList):
         self.calibrate_all = calibrate_all
         self.only: set[int] | None = None
 
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                top_k_weights: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor | None = None,
+                top_k_weights: torch.Tensor | None = None) -> torch.Tensor:
+        if top_k_index is None:
+            return self._forward_stacked(hidden_states)
         out = torch.zeros_like(hidden_states)
         tokens = hidden_states.shape[0]
         # one stable sort of the (slot, token) pairs by expert instead of a torch.where per
@@ -133,6 +143,22 @@ class LinearExperts(nn.ModuleList):
         return out
 
 
+    def _forward_stacked(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Llama 4's call: every expert's copy of the tokens, stacked (E * tokens, H), each
+        already multiplied by its router score (zero where the token is not routed there);
+        the outputs stacked alike. Each expert runs on its routed (non-zero) rows only, so its
+        statistics see just its tokens; a zero row gives zero (no biases), as the module's."""
+        x = hidden_states.view(len(self), -1, hidden_states.shape[-1])
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self):
+            if self.only is not None and e not in self.only:
+                continue
+            rows = (x[e] != 0).any(-1)
+            if rows.any():
+                out[e, rows] = expert(x[e, rows]).to(out.dtype)
+        return out.view(-1, hidden_states.shape[-1])
+
+
 def num_experts(block: nn.Module, spec: ArchSpec) -> int:
     """Routed experts in this block (0 for a dense block or a dense architecture)."""
     if spec.experts is None:
@@ -151,7 +177,8 @@ def linearize_experts(model: nn.Module, spec: ArchSpec, calibrate_all: bool = Fa
     """Replace every fused experts module of `model` by a LinearExperts, in place (idempotent).
 
     Works on meta skeletons (shapes only: streaming fills them from the shards) and on loaded
-    models (the fused weights are sliced: gate = rows [:I], up = rows [I:] of gate_up_proj).
+    models (the fused weights are sliced: gate = rows [:I], up = rows [I:] of gate_up_proj;
+    without a gate, up is the whole fused up tensor).
     """
     if spec.experts is None:
         return model
@@ -167,8 +194,8 @@ def linearize_experts(model: nn.Module, spec: ArchSpec, calibrate_all: bool = Fa
         gate_up = getattr(fused, es.fused_gate_up)
         params = dict(fused.named_parameters(recurse=False))
         n = gate_up.shape[0]
-        hidden, two_inter = gate_up.shape[1:] if es.fused_transposed else gate_up.shape[:0:-1]
-        inter = two_inter // 2
+        hidden, rows = gate_up.shape[1:] if es.fused_transposed else gate_up.shape[:0:-1]
+        inter = rows // len(es.inputs)
         # gpt-oss: a bound method of a weightless copy of the fused module, the model's own
         # code with its constants (alpha, limit), not keeping the fused weights alive
         glu = getattr(_weightless(fused), es.glu) if es.glu else None

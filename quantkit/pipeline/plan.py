@@ -133,6 +133,17 @@ def _attention_v_bytes(batch: int, seqlen: int, hidden: int, heads: int) -> int:
     return n * (per_seq + heads * min(seqlen, MAX_QUERY_ROWS) * hidden * 4)
 
 
+def _largest(config, key: str):
+    """`config.key`, or its largest per-layer value where the config varies it by layer
+    (transformers' heterogeneous configs refuse the global read: Gemma 4's head_dim is 512 on
+    its global layers, 64 on the sliding ones); None where absent."""
+    try:
+        return getattr(config, key, None)
+    except RuntimeError:  # AmbiguousGlobalPerLayerAttributeError
+        values = [getattr(layer, key, None) for layer in getattr(config, "per_layer_config", ())]
+        return max((v for v in values if v is not None), default=None)
+
+
 def _attention_v_flops(samples: int, seqlen: int, hidden: int, heads: int, head_dim: int,
                        kv_heads: int) -> int:
     """One block's attention-v forward: q/k/v/o projections, QK^T and AV, then the sampled
@@ -183,10 +194,10 @@ def estimate(config, spec: ArchSpec, *, method: str, scheme: QuantScheme, calib_
     load_bytes = _BYTES[compute_dtype]
     sb = _BYTES.get(store_dtype, 2)
     hidden = int(config.hidden_size)
-    inter = int(getattr(config, "intermediate_size", 4 * hidden) or 4 * hidden)
-    heads = int(getattr(config, "num_attention_heads", 1) or 1)
-    head_dim = int(getattr(config, "head_dim", None) or hidden // heads)
-    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    inter = int(_largest(config, "intermediate_size") or 4 * hidden)
+    heads = int(_largest(config, "num_attention_heads") or 1)
+    head_dim = int(_largest(config, "head_dim") or hidden // heads)
+    kv_heads = int(_largest(config, "num_key_value_heads") or heads)
     tokens = calib_samples * calib_seqlen if calibrated else 0
     act_bytes = load_bytes
     hidden_io = 2 * tokens * hidden * act_bytes  # inputs + outputs of the current block

@@ -616,11 +616,12 @@ def check_kv_cache(kv_cache: str, format_name: str, spec: ArchSpec, data_paralle
 
 
 def _ignored(spec: ArchSpec) -> list[str]:
-    """Modules the artifact keeps unquantized: lm_head, and MoE routers (vLLM's GateLinear
-    would otherwise match the "Linear" target and expect packed router weights), under the
-    names the artifact stores."""
+    """Modules the artifact keeps unquantized: lm_head, MoE routers (vLLM's GateLinear
+    would otherwise match the "Linear" target and expect packed router weights), the dense
+    Linears in and outside the blocks, under the names the artifact stores."""
     dense = [f"re:.*{re.escape(spec.checkpoint_name(f'.{n}.').strip('.'))}$"
              for n in spec.dense_linears]
+    dense += [spec.checkpoint_name(n) for n in spec.outer_linears]
     if spec.experts is None:
         return [spec.lm_head, *dense]
     router = spec.checkpoint_name(f".{spec.experts.router}.").strip(".")

@@ -52,20 +52,22 @@ class ShardReader:
     def _index_fused_experts(self, spec: ArchSpec) -> None:
         es = spec.experts
         for name in list(self._shapes):
+            module_name = spec.module_name(name)  # Granite's input_linear -> experts.gate_up_proj
             for suffix in ("", "_blocks"):
                 tail = f".{es.module}.{es.fused_gate_up}{suffix}"
-                if not name.endswith(tail):
+                if not module_name.endswith(tail):
                     continue
-                prefix = spec.module_name(name[: -len(tail)]) + f".{es.module}."
+                prefix = module_name[: -len(tail)] + f".{es.module}."
                 shape = self._shapes[name]
                 if suffix:  # MXFP4 blocks (E, out, in/32, 16): rows are output channels
-                    n, two_inter, hidden = shape[0], shape[1], shape[2] * shape[3] * 2
+                    n, rows, hidden = shape[0], shape[1], shape[2] * shape[3] * 2
                 elif es.fused_transposed:  # (E, in, out)
-                    n, hidden, two_inter = shape
+                    n, hidden, rows = shape
                 else:
-                    n, two_inter, hidden = shape
-                inter = two_inter // 2
-                out = {es.gate: (inter, hidden), es.up: (inter, hidden), es.down: (hidden, inter)}
+                    n, rows, hidden = shape
+                inter = rows // len(es.inputs)
+                out = {getattr(es, w): (inter, hidden) for w in es.inputs}
+                out[es.down] = (hidden, inter)
                 for e in range(n):
                     for linear, wshape in out.items():
                         self._virtual(f"{prefix}{e}.{linear}.weight", wshape, prefix, e)
@@ -268,8 +270,19 @@ class EmbeddingCast:
         self.prefix = spec.embed + "."
         self.reader, self.dtype = reader, dtype
         self.exact = type(self.module) is torch.nn.Embedding
+        # the decoder's other modules outside the blocks that the capture forward runs before
+        # block 0 (Gemma 4's per-layer embeddings and their projection); the final norm and
+        # head never run there (the capture stops at the last block)
+        owner_path = spec.block_path.rpartition(".")[0]
+        owner = model.get_submodule(owner_path) if owner_path else model
+        skip = {spec.block_path, spec.embed, spec.final_norm, spec.lm_head}
+        self.others = [(m, f"{n}.") for n, m in (
+            (f"{owner_path}.{c}" if owner_path else c, child) for c, child in owner.named_children())
+            if n not in skip and any(True for _ in m.state_dict())]
 
     def __enter__(self):
+        for module, prefix in self.others:
+            materialise(module, prefix, self.reader, self.dtype)
         if self.exact:
             _set(self.module, "weight", self.reader.get(self.prefix + "weight"))
             self._hook = self.module.register_forward_hook(
@@ -283,3 +296,5 @@ class EmbeddingCast:
         if self.exact:
             self._hook.remove()
         to_meta(self.module)
+        for module, _ in self.others:
+            to_meta(module)
