@@ -212,7 +212,12 @@ def _request(**extra):
               help="Pin torch, MKL, oneDNN and OpenBLAS to their AVX2 kernels, so the same "
                    "command gives the same bytes on any x86-64 CPU with AVX2 (slower where "
                    "the CPU has AVX-512; same as QUANTKIT_REPRODUCIBLE=1).")
-def quantize(resume, no_memory_check, reproducible, **kw) -> None:
+@click.option("--quantize-vision", "quantize_vision", is_flag=True,
+              help="Vision-language checkpoints: quantize the vision encoder's Linears too "
+                   "(round-to-nearest where the method calibrates: calibration text never "
+                   "reaches the vision tower). Default: the vision tower and projector stay "
+                   "dense.")
+def quantize(resume, no_memory_check, reproducible, quantize_vision, **kw) -> None:
     """Quantize MODEL with METHOD and write an engine-ready artifact to -o."""
     from quantkit import reproducible as mode
 
@@ -221,7 +226,7 @@ def quantize(resume, no_memory_check, reproducible, **kw) -> None:
     from quantkit.pipeline.quantize import quantize as run
 
     req = _request(resume=resume, memory_check=not no_memory_check,
-                   reproducible=mode.active())
+                   reproducible=mode.active(), quantize_vision=quantize_vision)
     if os.environ.get("RANK", "0") != "0":  # a data-parallel worker (torchrun): rank 0 reports
         run(req)
         return

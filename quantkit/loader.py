@@ -22,7 +22,7 @@ from quantkit.model_io import (
 )
 from quantkit.pipeline.experts import linearize_experts
 from quantkit.readers import read_json
-from quantkit.transformers_lean import causal_lm_class
+from quantkit.transformers_lean import model_class
 
 __all__ = ["LoadedModel", "load_artifact", "artifact_meta"]
 
@@ -58,13 +58,14 @@ def load_artifact(spec: str | Path, dtype: torch.dtype = torch.float32, *,
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     with torch.device("meta"):
-        model = causal_lm_class().from_config(config, dtype=dtype)
+        model = model_class(config).from_config(config, dtype=dtype)
     spec = _per_expert_linears(model, config)
     state = read_dense_state(path, fmt, dtype)
     if spec is not None and spec.checkpoint_renames:  # Mixtral's block_sparse_moe -> mlp
         state = {spec.module_name(k): v for k, v in state.items()}
-    if getattr(config, "tie_word_embeddings", False) and "lm_head.weight" not in state:
-        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    head, embed = (spec.lm_head, spec.embed) if spec is not None else ("lm_head", "model.embed_tokens")
+    if getattr(config, "tie_word_embeddings", False) and f"{head}.weight" not in state:
+        state[f"{head}.weight"] = state[f"{embed}.weight"]
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     missing = [m for m in missing if "rotary_emb" not in m]
     if missing or unexpected:

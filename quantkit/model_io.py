@@ -14,14 +14,18 @@ import torch
 from quantkit.builtin_models import BUILTIN_MODELS, ensure_builtin
 from quantkit.errors import BadWeights, ModelLoadError
 from quantkit.readers import INDEX_FILE, read_config_json, tensor_files
-from quantkit.transformers_lean import causal_lm_class, trim_transformers_extras
+from quantkit.transformers_lean import causal_lm_class, model_class, trim_transformers_extras
 
 __all__ = ["ModelSource", "resolve_model", "load_config", "load_model", "load_tokenizer",
-           "check_finite", "TOKENIZER_FILES"]
+           "check_finite", "TOKENIZER_FILES", "PROCESSOR_FILES"]
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja",
                    "added_tokens.json", "generation_config.json")
+# a vision-language checkpoint's processor (image / video preprocessing, its chat template):
+# engines build the multimodal model's input processing from them
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json",
+                   "video_preprocessor_config.json", "chat_template.json")
 
 
 @dataclass
@@ -123,7 +127,7 @@ def meta_model(config):
     key = config.to_json_string() if hasattr(config, "to_json_string") else repr(config)
     if _META_MODEL is None or _META_MODEL[0] != key:
         with torch.device("meta"):
-            _META_MODEL = (key, causal_lm_class().from_config(config))
+            _META_MODEL = (key, model_class(config).from_config(config))
     return _META_MODEL[1]
 
 
@@ -147,7 +151,7 @@ def load_model(path: Path, *, dtype: torch.dtype = torch.float32, allow_pickle: 
     """A dense transformers model on CPU; weights are checked for NaN/Inf."""
     _check_local_dir(path, allow_pickle=allow_pickle)
     try:
-        model = causal_lm_class().from_pretrained(
+        model = model_class(read_config_json(path)).from_pretrained(
             path, dtype=dtype, use_safetensors=not allow_pickle or None,
             trust_remote_code=trust_remote_code)
     except Exception as exc:

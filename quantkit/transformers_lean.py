@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 
-__all__ = ["trim_transformers_extras", "causal_lm_class"]
+__all__ = ["trim_transformers_extras", "causal_lm_class", "model_class"]
 
 
 def trim_transformers_extras() -> None:
@@ -40,3 +40,20 @@ def causal_lm_class():
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM
+
+
+def model_class(config=None):
+    """The auto class that builds `config`'s whole checkpoint: AutoModelForImageTextToText
+    for a vision-language checkpoint (its config.architectures names an image-text-to-text
+    class: Qwen3-VL, Mistral 3, Gemma 4, Llama 4 ForConditionalGeneration), whose vision
+    tower AutoModelForCausalLM would refuse or leave out; AutoModelForCausalLM otherwise."""
+    auto = causal_lm_class()
+    if config is None:
+        return auto
+    from transformers import AutoModelForImageTextToText
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    get = config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
+    if set(get("architectures") or ()) & set(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES.values()):
+        return AutoModelForImageTextToText
+    return auto

@@ -49,6 +49,10 @@ class Layout:
     checkpoint_renames: tuple[tuple[str, str], ...] = ()
     # the decoder's Linears outside the blocks, but the head (ArchSpec.outer_linears)
     outer_linears: tuple[str, ...] = ()
+    # a vision-language model's parts beside the language model (vision / audio towers,
+    # projectors), and the vision encoders' block lists (what --quantize-vision quantizes)
+    towers: tuple[str, ...] = ()
+    vision_blocks: tuple[str, ...] = ()
 
 
 def _path_of(model: nn.Module, target: nn.Module | None) -> str:
@@ -286,6 +290,67 @@ def _merge_shared_experts(groups: list[tuple[str, ...]], experts: ExpertsSpec | 
     return [tuple(g) for g in merged if g]
 
 
+def _towers(model: nn.Module, head: str) -> tuple[str, ...]:
+    """The modules beside the text decoder under the same owner (a vision-language model's
+    `visual`, `vision_tower`, `multi_modal_projector`, `audio_tower`, ...): what the language
+    model's blocks do not hold, the output head excepted. A causal LM has none."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    path = _path_of(model, decoder)
+    if not path:
+        return ()
+    owner_path = path.rpartition(".")[0]
+    owner = model.get_submodule(owner_path) if owner_path else model
+    found = []
+    for name, child in owner.named_children():
+        full = f"{owner_path}.{name}" if owner_path else name
+        if child is not decoder and full != head and any(True for _ in child.parameters()):
+            found.append(full)
+    return tuple(found) if owner_path else ()
+
+
+def _vision_blocks(model: nn.Module, towers: tuple[str, ...]) -> tuple[str, ...]:
+    """Per vision tower (a tower whose name says vision: `visual`, `vision_tower`,
+    `vision_model`), its encoder blocks: the longest ModuleList holding Linears."""
+    out = []
+    for tower in towers:
+        if "vis" not in tower.rpartition(".")[2]:
+            continue
+        lists = [(n, m) for n, m in model.get_submodule(tower).named_modules()
+                 if isinstance(m, nn.ModuleList) and len(m)
+                 and any(isinstance(x, nn.Linear) for x in m.modules())]
+        if lists:
+            name = max(lists, key=lambda nm: (len(nm[1]), -nm[0].count(".")))[0]
+            out.append(f"{tower}.{name}")
+    return tuple(out)
+
+
+def _prefix_renames(model: nn.Module, prefixes: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
+    """(module prefix, checkpoint prefix) for the top-level parts a multimodal checkpoint
+    names otherwise (Mistral 3's `model.language_model.` is `language_model.model.` in the
+    checkpoint, `lm_head.` is `language_model.lm_head.`): transformers' own renamings,
+    reversed the way save_pretrained reverses them, applied to one tensor name of each part."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming, rename_source_key
+    except ImportError:
+        return ()
+    renamings = [t.reverse_transform() for t in get_model_conversion_mapping(model, add_legacy=False)[::-1]
+                 if isinstance(t, WeightRenaming)]
+    if not renamings:
+        return ()
+    names = list(model.state_dict())
+    out = []
+    for prefix in prefixes:
+        name = next((n for n in names if n.startswith(prefix + ".")), None)
+        if name is None:
+            continue
+        stored, _ = rename_source_key(name, renamings, [], reverse=True)
+        tail = name[len(prefix):]
+        if stored != name and stored.endswith(tail):
+            out.append((prefix + ".", stored[: -len(tail)] + "."))
+    return tuple(out)
+
+
 def discover_layout(model: nn.Module) -> Layout:
     """The layout of `model` (built on the meta device is enough)."""
     block_path, blocks = _blocks(model)
@@ -297,9 +362,13 @@ def discover_layout(model: nn.Module) -> Layout:
     outer = tuple(n for n, m in model.named_modules() if isinstance(m, nn.Linear)
                   and n != head and not n.startswith(block_path + ".")
                   and (not decoder or n.startswith(decoder + ".")))
+    towers = _towers(model, head)
+    if towers:  # a vision-language checkpoint: its parts as the checkpoint names them
+        renames += _prefix_renames(model, (decoder, *towers, head))
     return Layout(block_path, embed, _final_norm(model, block_path), head,
                   _union(per_block), experts,
-                  dense_linears(blocks, experts), renames, outer)
+                  dense_linears(blocks, experts), renames, outer_linears=outer,
+                  towers=towers, vision_blocks=_vision_blocks(model, towers))
 
 
 def _union(per_block: list[list[tuple[str, ...]]]) -> tuple[tuple[str, ...], ...]:
@@ -373,6 +442,7 @@ def discovered_spec(config, engine_dense: dict[str, tuple[str, ...]] | None = No
                     awq_groups=(), roles={}, attention_v=False,
                     checkpoint_renames=layout.checkpoint_renames,
                     outer_linears=layout.outer_linears,
+                    towers=layout.towers, vision_blocks=layout.vision_blocks,
                     dense_linears=tuple(n for n in layout.dense_linears if n != router) + kept,
                     kv_cache_gap="per-layer k/v scales are checked on the families that have "
                                  "a family module only")

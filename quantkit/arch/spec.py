@@ -207,6 +207,11 @@ class ArchSpec:
     # returns softmax(q k^T) itself, so GPTQ's attention-weighted v_proj Hessian applies
     # (quantkit.pipeline.attention_v; fused qkv_proj, MLA's latent, sinks: not this)
     attention_v: bool = False
+    # a vision-language checkpoint's modules beside the language model (vision and audio
+    # towers, projectors): dense and in the ignore list unless --quantize-vision quantizes
+    # the Linears of `vision_blocks` (the vision encoders' block lists); module-tree paths
+    towers: tuple[str, ...] = ()
+    vision_blocks: tuple[str, ...] = ()
 
     # --- GGUF (llama.cpp): the architecture, and what its loader expects beyond the names
     # llama.cpp's architecture name (gguf.MODEL_ARCH_NAMES); None: no GGUF layout

@@ -188,6 +188,8 @@ def estimate(config, spec: ArchSpec, *, method: str, scheme: QuantScheme, calib_
     """
     record = method_record(method)
     per_block, linears, outside, largest = _param_counts(config, spec)
+    # a vision-language config holds the language model's widths in its text config
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
     cuda = str(device).startswith("cuda")
     if compute_dtype is None:
         compute_dtype = torch.bfloat16 if cuda else torch.float32

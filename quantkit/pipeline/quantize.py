@@ -9,6 +9,7 @@ import re
 import shutil
 import time
 import warnings
+from collections import ChainMap
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ from quantkit.machine import torch_cpu_bf16_native
 from quantkit.methods import MOE_METHODS_HINT, get_quantizer, method_record
 from quantkit.methods.kvcache import fp8_kv_scales
 from quantkit.model_io import (
+    PROCESSOR_FILES,
     TOKENIZER_FILES,
     check_finite,
     load_config,
@@ -74,6 +76,7 @@ from quantkit.pipeline.streaming import (
     stream_plan_ok,
     to_meta,
 )
+from quantkit.pipeline.towers import quantize_vision, tower_linears, vision_quantizer
 from quantkit.readers import model_fingerprint, read_config_json, scan_finite
 from quantkit.reproducible import ENV_VAR as REPRODUCIBLE_ENV
 from quantkit.reproducible import active as reproducible_active
@@ -116,6 +119,9 @@ class QuantizeRequest:
     # same kernels on every AVX2 CPU (quantkit.reproducible); the process must have pinned
     # them before torch loaded (QUANTKIT_REPRODUCIBLE=1), else quantize() refuses
     reproducible: bool = False
+    # a vision-language checkpoint: quantize the vision encoder's Linears too (RTN where the
+    # method is calibrated: calibration text never reaches the vision tower)
+    quantize_vision: bool = False
 
     def cli_equivalent(self) -> str:
         """The `quantkit quantize` command that makes this request (for API callers)."""
@@ -138,6 +144,8 @@ class QuantizeRequest:
             args += ["--kv-cache", self.kv_cache]
         if self.reproducible:
             args += ["--reproducible"]
+        if self.quantize_vision:
+            args += ["--quantize-vision"]
         args += record.command_tail(self)
         reads_calib = record.reads_calibration(self.method_options) or bool(self.kv_cache)
         if reads_calib:  # the CLI refuses calibration flags a method would not read
@@ -318,6 +326,7 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
     check_attention_v(spec, quantizer)
     if req.kv_cache:
         check_kv_cache(req.kv_cache, writer.name, spec, dp is not None)
+    vision_method = vision_quantizer(quantizer, req.scheme, spec) if req.quantize_vision else None
     calibrate = quantizer.needs_calibration or bool(req.kv_cache)
     config = load_config(source.path, trust_remote_code=req.trust_remote_code)
     shapes = linear_shapes(config, spec)
@@ -383,7 +392,7 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
     if offload:  # GPU memory is short: smaller forwards too (what the plan assumed)
         batch = min(batch, OFFLOAD_BATCH)
         if calib is not None:  # the first block's pinned host memory, got while the scan reads
-            reserve_pinned([(len(ids), ids.shape[1], int(config.hidden_size))
+            reserve_pinned([(len(ids), ids.shape[1], int(config.get_text_config().hidden_size))
                             for ids in calib.batches(batch)], compute_dtype, copies=2)
     scan.result()  # raises BadWeights naming the first bad tensor
     if on_progress:
@@ -419,6 +428,13 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
                               kv_absmax=kv_absmax)
     if dp is not None and not dp.is_main:  # rank 0 alone writes the artifact
         return {"rank": dp.rank, "world_size": dp.world}
+    vision: dict[str, QuantResult] = {}
+    if vision_method is not None:
+        load = (lambda prefix, block: materialise(block, prefix, reader, load_dtype)) \
+            if streaming else None
+        vision = quantize_vision(model, spec, vision_method, req.scheme, load,
+                                 to_meta if streaming else None)
+        results = ChainMap(vision, results)
     if quantizer.quantizes_outside_blocks:  # tensors outside the blocks (GGUF embeddings)
         # the final norm too for a method that reads the head's input (GGUF auto)
         wanted = (spec.embed, spec.lm_head) + ((spec.final_norm,) if quantizer.reads_final_norm
@@ -462,6 +478,10 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
                                          if r.fallback}) else {}),
         # per-tensor types the method chose itself (GGUF auto: the budget, the solve, each type)
         **({"gguf_auto": quantizer.allocation} if quantizer.allocation else {}),
+        **({"towers": {"modules": [spec.checkpoint_name(t + ".")[:-1] for t in spec.towers],
+                       "vision_quantized": len(vision),
+                       **({"vision_method": vision_method.name} if vision_method else {})}}
+           if spec.towers else {}),
         "device": device, "compute_dtype": str(compute_dtype).removeprefix("torch."),
         # which float32 kernels ran: artifacts whose facts differ may differ in their codes
         **({"kernels": kernel_facts()} if device == "cpu" else {}),
@@ -478,6 +498,11 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
     out_config = without_remote_code(raw_config, "config.json")
+    # the towers' Linears left dense, by exact name: vLLM maps exact names (not regexes) to
+    # its own module names (its model's hf_to_vllm_mapper), and builds these Linears with
+    # the quantization method unless the ignore list names them
+    ignore = _ignored(spec) + [spec.checkpoint_name(n + ".")[:-1]
+                               for n in tower_linears(meta_model(config), spec) if n not in vision]
     if spec.checkpoint_renames:  # the engines load the checkpoint's names (Mixtral's)
         dense = {spec.checkpoint_name(k): v for k, v in dense.items()}
         results = CheckpointNamed(results, spec)
@@ -485,7 +510,7 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
         meta["seconds"]["total"] = round(time.perf_counter() - t_start, 3)
         with atomic_output(out, req.force, is_dir=False) as tmp:
             writer.write(tmp, config=out_config, dense=dense, results=results,
-                         ignore=_ignored(spec), dtype=store_dtype, scheme=req.scheme, meta=meta,
+                         ignore=ignore, dtype=store_dtype, scheme=req.scheme, meta=meta,
                          source_dir=source.path)
         if ckpt is not None:
             ckpt.remove()
@@ -494,7 +519,7 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
         dense.update(kv_scale_tensors(writer.name, kv_scales, store_dtype))
     with atomic_output(out, req.force) as tmp:
         writer.write(tmp, config=out_config, dense=dense, results=results,
-                     ignore=_ignored(spec), dtype=store_dtype)
+                     ignore=ignore, dtype=store_dtype)
         if req.kv_cache:
             add_kv_cache_config(tmp, writer.name)
         meta["engines"] = list(writer.engines)  # a writer may narrow them by what it wrote (FP8)
@@ -503,7 +528,7 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
                 meta["engines"].remove(engine)
                 meta.setdefault("engine_gaps", {})[engine] = why
                 warnings.warn(f"{spec.name}: {engine} cannot load this artifact: {why}", stacklevel=2)
-        for name in TOKENIZER_FILES:
+        for name in TOKENIZER_FILES + PROCESSOR_FILES:
             if (source.path / name).is_file():
                 shutil.copy2(source.path / name, tmp / name)
         tok_config = json.loads((tmp / "tokenizer_config.json").read_text()) \

@@ -19,7 +19,7 @@ from quantkit.model_io import check_finite
 from quantkit.pipeline.blocks import BlockSource
 from quantkit.pipeline.heap import trim_heap
 from quantkit.readers import safetensors_header, tensor_files
-from quantkit.transformers_lean import causal_lm_class
+from quantkit.transformers_lean import model_class
 
 __all__ = ["ShardReader", "StreamingSource", "skeleton", "stream_plan_ok", "materialise",
            "to_meta", "block_tensor"]
@@ -154,7 +154,7 @@ def skeleton(config, dtype: torch.dtype, trust_remote_code: bool = False):
     from accelerate import init_empty_weights
 
     with init_empty_weights(include_buffers=False):
-        model = causal_lm_class().from_config(config, dtype=dtype,
+        model = model_class(config).from_config(config, dtype=dtype,
                                               trust_remote_code=trust_remote_code)
     return model.eval()
 
