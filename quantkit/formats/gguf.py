@@ -576,6 +576,16 @@ _OPTIONAL_KV = {
     # writes it only from a config's scoring_func, which DeepseekV3Config lacks
     "expert_gating_sigmoid": lambda w, c: w.add_expert_gating_func(_gating("SIGMOID")),
     "yarn_log_mul": _yarn_log_mul,
+    # mistral3 (Ministral 3): the converter writes mscale_all_dim as it is
+    "yarn_log_mul_mscale": lambda w, c: w.add_rope_scaling_yarn_log_mul(
+        float(GGUFFileWriter._rope(c)["mscale_all_dim"])),
+    "attn_temperature_scale": lambda w, c: w.add_attn_temperature_scale(
+        float(GGUFFileWriter._rope(c)["llama_4_scaling_beta"])),
+    # which layers use sliding-window attention, from layer_types (OLMo 3: llama.cpp's olmo2
+    # reads it per layer; without layer_types OLMo 3's default, every 4th layer global)
+    "sliding_window_pattern": lambda w, c: w.add_sliding_window_pattern(
+        [t == "sliding_attention" for t in c["layer_types"]] if c.get("layer_types") else
+        [(i + 1) % 4 != 0 for i in range(c["num_hidden_layers"])]),
     "expert_used_count": lambda w, c: w.add_expert_used_count(int(c["num_experts_per_tok"])),
     "expert_feed_forward_length": lambda w, c: w.add_expert_feed_forward_length(
         int(c["moe_intermediate_size"])),
