@@ -83,3 +83,21 @@ def test_gguf_equals_llama_cpp_converter_and_quantize(family, tmp_path):
     assert [t for t in want if got[t][2] != want[t][2]] == []
     assert {got[t][0] for t in got} >= {"Q4_K", "Q6_K", "F32"}
     assert_generates(q4)
+
+
+@pytest.mark.fast
+def test_mtp_tensors_are_refused_before_any_work(tmp_path):
+    """A checkpoint with MTP tensors (here `mtp.fc.weight`, as Qwen3.5 ships them) is refused
+    for GGUF with the way out, and nothing is written: the nextn blocks are not written yet,
+    and a file without them would drop them silently."""
+    from safetensors.torch import save_file
+
+    from quantkit.errors import UnsupportedArchitecture
+
+    src = _make(tmp_path / "olmo3", "olmo3")
+    save_file({"mtp.fc.weight": torch.zeros(256, 512, dtype=torch.bfloat16)},
+              src / "mtp.safetensors", metadata={"format": "pt"})
+    with pytest.raises(UnsupportedArchitecture, match="MTP") as e:
+        _gguf(src, tmp_path / "out.gguf", "bf16")
+    assert "mtp.fc.weight" in e.value.message and "--format compressed-tensors" in e.value.hint
+    assert not (tmp_path / "out.gguf").exists()
