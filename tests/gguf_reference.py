@@ -48,11 +48,13 @@ def reference_converter() -> Path:
     return lc
 
 
-def convert_with_llama_cpp(src: Path, out: Path, outtype: str = "bf16") -> Path:
-    """convert_hf_to_gguf.py --outtype `outtype` of the HF directory `src` into `out`."""
+def convert_with_llama_cpp(src: Path, out: Path, outtype: str = "bf16",
+                           extra: tuple[str, ...] = ()) -> Path:
+    """convert_hf_to_gguf.py --outtype `outtype` (and `extra` options, e.g. --no-mtp) of the HF
+    directory `src` into `out`."""
     lc = reference_converter()
     proc = subprocess.run([sys.executable, str(lc / "convert_hf_to_gguf.py"), "--outtype", outtype,
-                           "--outfile", str(out), str(src)], capture_output=True, text=True,
+                           *extra, "--outfile", str(out), str(src)], capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": str(lc / "gguf-py")})
     assert proc.returncode == 0, proc.stderr[-2000:]
     return out
@@ -87,10 +89,13 @@ def gguf_body(path: Path) -> tuple[dict, bytes]:
     return {k: v for k, v in kv.items() if k != "quantkit.metadata"}, path.read_bytes()[-size:]
 
 
-def assert_same_gguf(ours: Path, ref: Path) -> tuple[dict, dict]:
-    """Same tensors (names, types, shapes, bytes) and KV (but provenance, and the tokenizer
-    flags quantkit states explicitly) in both files; returns ours' contents."""
+def assert_same_gguf(ours: Path, ref: Path, skip: tuple[str, ...] = ()) -> tuple[dict, dict]:
+    """Same tensors (names, types, shapes, bytes) and KV (but provenance, the tokenizer flags
+    quantkit states explicitly, and keys starting with one of `skip`, which the caller says
+    why) in both files; returns ours' contents."""
     (kv_a, t_a), (kv_b, t_b) = gguf_contents(ours), gguf_contents(ref)
+    if skip:
+        kv_a, kv_b = ({k: v for k, v in kv.items() if not k.startswith(skip)} for kv in (kv_a, kv_b))
     assert sorted(t_a) == sorted(t_b)
     for t in t_b:
         assert t_a[t][:2] == t_b[t][:2], (t, t_a[t][:2], t_b[t][:2])
@@ -98,7 +103,7 @@ def assert_same_gguf(ours: Path, ref: Path) -> tuple[dict, dict]:
     kv_a = dict(kv_a)
     for key, value in EXPLICIT_DEFAULTS.items():
         if key not in kv_b:
-            assert kv_a.pop(key) == value
+            assert kv_a.pop(key, value) == value
     assert kv_a == kv_b
     return kv_a, t_a
 

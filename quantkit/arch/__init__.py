@@ -8,17 +8,22 @@ Code outside this package asks the spec, never a family name.
 
 from __future__ import annotations
 
+import dataclasses
+
 from quantkit.arch import (
     deepseek_v3,
     deepseek_v32,
     gemma3,
     gpt_oss,
     llama,
+    ministral3,
     mixtral,
+    olmo3,
     phi3,
     qwen3_moe,
 )
 from quantkit.arch.discover import discovered_spec
+from quantkit.arch.gguf_names import gguf_model_arch
 from quantkit.arch.spec import EXPERT, ArchSpec, AwqGroup, ExpertsSpec, gguf_linear_name, gguf_name
 from quantkit.errors import UnsupportedArchitecture
 
@@ -36,6 +41,13 @@ DISCOVERED_FAMILIES = (deepseek_v32,)
 ENGINE_DENSE: dict[str, tuple[str, ...]] = {
     t: names for family in DISCOVERED_FAMILIES for t, names in family.DISCOVERED_DENSE.items()}
 
+# discovered families llama.cpp has an architecture for: model_type -> the ArchSpec's gguf_*
+# fields (the architecture name, its optional keys, the converter's tensor transforms), the
+# facts discovery cannot read off the model; tensor names still come from the gguf package
+GGUF_FAMILIES = (olmo3, ministral3)
+DISCOVERED_GGUF: dict[str, dict] = {
+    t: fields for family in GGUF_FAMILIES for t, fields in family.GGUF.items()}
+
 
 def supported_architectures() -> list[str]:
     return [c for a in ARCHS for c in a.hf_classes]
@@ -43,7 +55,18 @@ def supported_architectures() -> list[str]:
 
 def gguf_architectures() -> list[str]:
     """llama.cpp architectures quantkit writes GGUF for."""
-    return list(dict.fromkeys(a.gguf_arch for a in ARCHS if a.gguf_arch))
+    return list(dict.fromkeys([a.gguf_arch for a in ARCHS if a.gguf_arch]
+                              + [f["gguf_arch"] for f in DISCOVERED_GGUF.values()]))
+
+
+def with_gguf(spec: ArchSpec) -> ArchSpec:
+    """A discovered spec with its family's GGUF layout (DISCOVERED_GGUF), when llama.cpp has one;
+    the architecture must be one the gguf package knows (its MODEL_ARCH_NAMES)."""
+    fields = next((DISCOVERED_GGUF[t] for t in spec.model_types if t in DISCOVERED_GGUF), None)
+    if fields is None or spec.gguf_arch is not None:
+        return spec
+    gguf_model_arch(fields["gguf_arch"])  # KeyError: a name the gguf package lacks
+    return dataclasses.replace(spec, **fields)
 
 
 def spec_for_config(config) -> ArchSpec:
@@ -58,7 +81,7 @@ def spec_for_config(config) -> ArchSpec:
             return spec
     name = ", ".join(classes) or f"model_type={model_type!r}"
     try:
-        return discovered_spec(config, ENGINE_DENSE)
+        return with_gguf(discovered_spec(config, ENGINE_DENSE))
     except UnsupportedArchitecture as exc:
         raise UnsupportedArchitecture(
             f"Architecture {name} is not supported by quantkit: {exc.message}",

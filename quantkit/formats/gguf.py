@@ -293,6 +293,37 @@ def _check_config(spec: ArchSpec, config: dict) -> None:
         spec.gguf_check(config)
 
 
+def _mtp_tensors(spec: ArchSpec, config: dict, source_dir: Path) -> list[str]:
+    """The checkpoint's multi-token-prediction tensors: `mtp.*` (Qwen3.5 / Qwen3-Next) or
+    blocks past num_hidden_layers (DeepSeek / GLM nextn layers). transformers drops them when
+    it loads the model, so only the shards tell."""
+    from quantkit.readers import tensor_files
+
+    if not source_dir.is_dir():
+        return []
+    prefix, n_layer = spec.block_path + ".", int(config["num_hidden_layers"])
+    out = []
+    for name in tensor_files(source_dir):
+        bid = name[len(prefix):].partition(".")[0] if name.startswith(prefix) else ""
+        if name.startswith(("mtp.", "model.mtp.")) or (bid.isdigit() and int(bid) >= n_layer):
+            out.append(name)
+    return sorted(out)
+
+
+def _refuse_mtp(spec: ArchSpec, config: dict, source_dir: Path) -> None:
+    """MTP layers go into llama.cpp's GGUF as extra nextn blocks (its converter's default);
+    quantkit does not write those yet, and a file without them would silently lose the
+    model's speculative decoding: refused before any work."""
+    mtp = _mtp_tensors(spec, config, source_dir)
+    if mtp:
+        raise UnsupportedArchitecture(
+            f"The checkpoint holds {len(mtp)} multi-token-prediction (MTP) tensors (e.g. "
+            f"{mtp[0]}); quantkit's GGUF writer does not write them as llama.cpp's nextn "
+            "blocks yet, and leaving them out would drop them silently.",
+            "Use --format compressed-tensors to keep them, or convert a copy of the checkpoint "
+            "without its MTP tensors (what llama.cpp's converter writes with --no-mtp).")
+
+
 class GGUFFileWriter(FormatWriter):
     name = "gguf"
     engines = ("llama.cpp",)
@@ -311,7 +342,9 @@ class GGUFFileWriter(FormatWriter):
     def check_source(self, source_dir: Path, config) -> None:
         """Architecture, RoPE and tokenizer must be expressible before any work is done."""
         cfg = config if isinstance(config, dict) else config.to_dict()
-        _check_config(spec_for_config(cfg), cfg)
+        spec = spec_for_config(cfg)
+        _check_config(spec, cfg)
+        _refuse_mtp(spec, cfg, Path(source_dir))
         self._tokenizer = (Path(source_dir), read_tokenizer(source_dir, cfg.get("vocab_size")))
 
     def write(self, out_file: Path, *, config: dict, dense: dict[str, torch.Tensor],
@@ -576,6 +609,16 @@ _OPTIONAL_KV = {
     # writes it only from a config's scoring_func, which DeepseekV3Config lacks
     "expert_gating_sigmoid": lambda w, c: w.add_expert_gating_func(_gating("SIGMOID")),
     "yarn_log_mul": _yarn_log_mul,
+    # mistral3 (Ministral 3): the converter writes mscale_all_dim as it is
+    "yarn_log_mul_mscale": lambda w, c: w.add_rope_scaling_yarn_log_mul(
+        float(GGUFFileWriter._rope(c)["mscale_all_dim"])),
+    "attn_temperature_scale": lambda w, c: w.add_attn_temperature_scale(
+        float(GGUFFileWriter._rope(c)["llama_4_scaling_beta"])),
+    # which layers use sliding-window attention, from layer_types (OLMo 3: llama.cpp's olmo2
+    # reads it per layer; without layer_types OLMo 3's default, every 4th layer global)
+    "sliding_window_pattern": lambda w, c: w.add_sliding_window_pattern(
+        [t == "sliding_attention" for t in c["layer_types"]] if c.get("layer_types") else
+        [(i + 1) % 4 != 0 for i in range(c["num_hidden_layers"])]),
     "expert_used_count": lambda w, c: w.add_expert_used_count(int(c["num_experts_per_tok"])),
     "expert_feed_forward_length": lambda w, c: w.add_expert_feed_forward_length(
         int(c["moe_intermediate_size"])),

@@ -1,0 +1,103 @@
+"""GGUF for families carried by discovery (no ArchSpec row): quantkit's file against llama.cpp's.
+
+Per family (tiny random model from transformers' own classes, widths multiples of 256 so
+K-quants apply, SmolLM2's tokenizer): quantkit's BF16 GGUF equals what llama.cpp's own
+convert_hf_to_gguf.py writes for the same directory, tensor for tensor and key for key
+(general.* provenance excepted, and what the family's entry names); its Q4_K_M equals
+llama_model_quantize of the converter's file, type and byte for byte; real llama.cpp loads it
+and generates.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from gguf_reference import assert_generates, assert_same_gguf, convert_with_llama_cpp, gguf_contents
+from tiny_models import smollm_dir
+
+from quantkit.pipeline.quantize import QuantizeRequest, quantize
+from quantkit.types import QuantScheme
+
+pytest.importorskip("llama_cpp")
+
+_COMMON = dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, vocab_size=49152, tie_word_embeddings=False)
+# family -> (config class, model class, config settings, GGUF architecture, KV prefixes the
+# comparison leaves out, converter options)
+FAMILIES = {
+    "olmo3": ("Olmo3Config", "Olmo3ForCausalLM", dict(intermediate_size=512), "olmo2", (), ()),
+    # the converter's mistral3 (LlamaModel's vocabulary path) writes SmolLM2's byte-level BPE
+    # tokenizer.json as a SentencePiece-style "llama" vocabulary (pre "default", scores, no
+    # merges); quantkit writes it as every byte-level BPE tokenizer: gpt2 with merges, pre
+    # "smollm", which llama.cpp tokenizes as transformers does
+    "ministral3": ("Ministral3Config", "Ministral3ForCausalLM", dict(intermediate_size=512),
+                   "mistral3", ("tokenizer.",), ()),
+}
+
+
+def _make(out: Path, family: str) -> Path:
+    config_cls, model_cls, kwargs = FAMILIES[family][:3]
+    config = getattr(transformers, config_cls)(**{**_COMMON, **kwargs})
+    torch.manual_seed(5)
+    model = getattr(transformers, model_cls)(config).to(torch.bfloat16)
+    with torch.no_grad():  # norms off 1.0, so an offset or a wrong norm shows in the bytes
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(out)
+    for f in smollm_dir().iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, out / f.name)
+    return out
+
+
+def _gguf(src: Path, out: Path, gguf_type: str) -> Path:
+    quantize(QuantizeRequest(model=str(src), method="gguf", out=out, format="gguf",
+                             scheme=QuantScheme(kind="kquant", gguf_type=gguf_type),
+                             method_options={"gguf_type": gguf_type}, resume=False))
+    return out
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_gguf_equals_llama_cpp_converter_and_quantize(family, tmp_path):
+    """BF16 = convert_hf_to_gguf.py's file (tensors: names, types, shapes, bytes; keys), Q4_K_M
+    = llama_model_quantize of that file, and llama.cpp generates from quantkit's Q4_K_M."""
+    from quantkit.engines.llamacpp import llama_quantize
+
+    arch, skip, options = FAMILIES[family][3:]
+    src = _make(tmp_path / family, family)
+    ref = convert_with_llama_cpp(src, tmp_path / "ref.bf16.gguf", extra=options)
+    ours = _gguf(src, tmp_path / "ours.bf16.gguf", "bf16")
+    kv, tensors = assert_same_gguf(ours, ref, skip=skip)
+    assert f"{arch}.block_count" in kv and "blk.1.attn_q.weight" in tensors
+    lq = tmp_path / "lq.gguf"
+    llama_quantize(ref, lq, "q4_k_m")
+    q4 = _gguf(src, tmp_path / "ours.q4_k_m.gguf", "q4_k_m")
+    (_, got), (_, want) = gguf_contents(q4), gguf_contents(lq)
+    assert {t: v[:2] for t, v in got.items()} == {t: v[:2] for t, v in want.items()}
+    assert [t for t in want if got[t][2] != want[t][2]] == []
+    assert {got[t][0] for t in got} >= {"Q4_K", "Q6_K", "F32"}
+    assert_generates(q4)
+
+
+@pytest.mark.fast
+def test_mtp_tensors_are_refused_before_any_work(tmp_path):
+    """A checkpoint with MTP tensors (here `mtp.fc.weight`, as Qwen3.5 ships them) is refused
+    for GGUF with the way out, and nothing is written: the nextn blocks are not written yet,
+    and a file without them would drop them silently."""
+    from safetensors.torch import save_file
+
+    from quantkit.errors import UnsupportedArchitecture
+
+    src = _make(tmp_path / "olmo3", "olmo3")
+    save_file({"mtp.fc.weight": torch.zeros(256, 512, dtype=torch.bfloat16)},
+              src / "mtp.safetensors", metadata={"format": "pt"})
+    with pytest.raises(UnsupportedArchitecture, match="MTP") as e:
+        _gguf(src, tmp_path / "out.gguf", "bf16")
+    assert "mtp.fc.weight" in e.value.message and "--format compressed-tensors" in e.value.hint
+    assert not (tmp_path / "out.gguf").exists()
