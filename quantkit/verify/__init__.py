@@ -20,7 +20,13 @@ from pathlib import Path
 import torch
 
 from quantkit.errors import EngineError, ModelLoadError, QuantkitError
-from quantkit.verify.report import EXIT_ENGINE_CANNOT_RUN, EXIT_VERIFIED, EXIT_WRONG, Check, VerifyResult
+from quantkit.verify.report import (
+    EXIT_ENGINE_CANNOT_RUN,
+    EXIT_VERIFIED,
+    EXIT_WRONG,
+    Check,
+    VerifyResult,
+)
 from quantkit.verify.tensors import (
     gguf_coverage,
     gguf_fidelity,
@@ -391,7 +397,8 @@ def _llamacpp_parity(check: Check, ctx: _Context, model, result: VerifyResult) -
 
 def _run_trtllm(ctx: _Context, result: VerifyResult) -> None:
     """TensorRT-LLM cannot run here: its loader rules (engines.trtllm_rules) fill the load row."""
-    from quantkit.engines.trtllm_rules import NOTE, verify as rules
+    from quantkit.engines.trtllm_rules import NOTE
+    from quantkit.engines.trtllm_rules import verify as rules
 
     load = result.check("engine load")
     rep = rules(ctx.path, "trtllm")
