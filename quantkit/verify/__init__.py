@@ -115,6 +115,11 @@ def verify(artifact: str | Path, engine: str, base: str | None = None,
     else:
         say("coverage and fidelity against " + str(source))
         (_gguf_tensors if fmt == "gguf" else _safetensors_tensors)(ctx, coverage, fidelity)
+    if not result.ok:  # the artifact itself is wrong: say so now, not after an engine start
+        why = "not run: the artifact already fails the checks above (fix those first)"
+        result.check("engine load").skip(why)
+        result.check("parity").skip(why)
+        return result
     say(f"loading in {engine}")
     ENGINES[engine].run(ctx, result)
     return result

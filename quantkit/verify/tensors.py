@@ -73,24 +73,23 @@ def _ignore_list(config: dict, fmt: str) -> tuple[list[str], bool]:
                 or q.get("exclude_modules") or []), fmt == "fp8"
 
 
-def _required(fmt: str, config: dict, present: set[str], dtype: str | None) -> tuple[str, ...] | None:
-    """The scheme tensors a quantized Linear must carry (None: it is not stored quantized)."""
+def _required(fmt: str, config: dict, present: set[str]) -> tuple[str, ...]:
+    """The scheme tensors every quantized Linear of this artifact must carry."""
     q = config.get("quantization_config") or {}
-    for marker, needed in _MARKERS.items():
-        if marker in present:
-            extra = ()
-            if marker == "weight_packed":
-                group = next(iter((q.get("config_groups") or {}).values()), {})
-                w = group.get("weights") or {}
-                if "fp4" in str(q.get("format")) or w.get("type") == "float":
-                    extra = ("weight_global_scale",) if w.get("group_size") == 16 else ()
-                else:
-                    extra = ("weight_shape",) + (() if w.get("symmetric", True)
-                                                 else ("weight_zero_point",))
-            return needed + extra
-    if dtype is not None and dtype not in _FLOAT:  # int8 / FP8 codes under .weight
-        return ("weight", "weight_scale_inv" if "weight_scale_inv" in present else "weight_scale")
-    return None
+    if fmt in ("gptq", "awq"):
+        return ("qweight", "qzeros", "scales")
+    group = next(iter((q.get("config_groups") or {}).values()), {})
+    w = group.get("weights") or {}
+    if fmt == "compressed-tensors" and "pack-quantized" in str(q.get("format")):
+        if w.get("type") == "float":  # nvfp4 / mxfp4
+            return ("weight_packed", "weight_scale") + (
+                ("weight_global_scale",) if w.get("group_size") == 16 else ())
+        return ("weight_packed", "weight_scale", "weight_shape") + (
+            () if w.get("symmetric", True) else ("weight_zero_point",))
+    return ("weight", "weight_scale_inv" if "weight_scale_inv" in present else "weight_scale")
+
+
+_SCHEME_ONLY = _COMPANIONS - {"input_scale", "k_scale", "v_scale", "q_scale", "prob_scale"}
 
 
 def _linears(source: dict[str, tuple[str, list[int]]], spec) -> list[str]:
@@ -115,9 +114,9 @@ def safetensors_coverage(check: Check, artifact: dict[str, dict], source: dict[s
     type_key = _type_key(config, fmt)
     for module in _linears(source, spec):
         present = by_module.get(module, set())
-        need = _required(fmt, config, present, art.get(f"{module}.weight"))
+        weight = art.get(f"{module}.weight")
         ignored = _matches(module, ignore, substring)
-        if need is None:
+        if not (present & _SCHEME_ONLY or (weight is not None and weight not in _FLOAT)):
             if f"{module}.weight" not in art:
                 continue  # reported as a missing source tensor below
             if not ignored and not (module == "lm_head"):
@@ -128,7 +127,7 @@ def safetensors_coverage(check: Check, artifact: dict[str, dict], source: dict[s
         if ignored:
             check.fail(module, f"is stored quantized but the config's ignore list {ignore} "
                                "keeps it dense: the engine reads codes as weights")
-        missing = [s for s in need if s not in present]
+        missing = [s for s in _required(fmt, config, present) if s not in present]
         if missing:
             check.fail(module, f"declared quantized but has no {', '.join(missing)} "
                                "(deleted from its shard?)")
@@ -195,13 +194,14 @@ def _fidelity(check: Check, decoded: dict[str, torch.Tensor], source_of, pairs: 
         if err <= bound:
             continue
         why = f"relative RMSE {err:.3g} vs its source {src_name}, above {bound:.3g} ({kind})"
-        if abs(ratio - 1) > SCALE_RATIO_SLACK:
+        swapped = next((o for o in by_shape.get(tuple(d.shape), [])
+                        if o != src_name and rel_error(d, source_of(o))[0] <= bound), None)
+        if swapped is not None:
+            why += f"; it holds the values of {swapped} (swapped?)"
+        elif ratio > SCALE_RATIO_SLACK and abs(ratio - 1) > SCALE_RATIO_SLACK:
             why += f"; it decodes to {ratio:.2f}x its source: a scale is off"
         else:
-            for other in by_shape.get(tuple(d.shape), []):
-                if other != src_name and rel_error(d, source_of(other))[0] <= bound:
-                    why += f"; it holds the values of {other} (swapped?)"
-                    break
+            why += "; it does not resemble its source"
         check.fail(label(dec_name), why)
     check.measured["worst_rel_rmse"] = worst
     check.done(f"{len(pairs)} tensors decoded and compared; worst relative RMSE per type: "
