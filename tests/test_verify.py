@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_runner import run_cli
 from safetensors.torch import load_file, save_file
 from tiny_models import make_tiny_model
 from vllm_checks import vllm_runs
 
-from cli_runner import run_cli
 from quantkit.engines.capabilities import vllm_cannot_run
 from quantkit.pipeline.quantize import QuantizeRequest, quantize
 from quantkit.types import QuantScheme

@@ -79,8 +79,10 @@ def _source_path(path: Path, meta: dict, base: str | None) -> Path | None:
 
 
 def verify(artifact: str | Path, engine: str, base: str | None = None,
-           on_progress: Callable[[str], None] | None = None) -> VerifyResult:
-    """Coverage, fidelity and parity of `artifact` in `engine`."""
+           on_progress: Callable[[str], None] | None = None, *,
+           run_engine: bool = True) -> VerifyResult:
+    """Coverage, fidelity and parity of `artifact` in `engine` (`run_engine` False: the
+    artifact-level checks only)."""
     from quantkit.formats import detect_format
     from quantkit.loader import artifact_meta
 
@@ -115,6 +117,10 @@ def verify(artifact: str | Path, engine: str, base: str | None = None,
     else:
         say("coverage and fidelity against " + str(source))
         (_gguf_tensors if fmt == "gguf" else _safetensors_tensors)(ctx, coverage, fidelity)
+    if not run_engine:
+        result.check("engine load").skip("not asked")
+        result.check("parity").skip("not asked")
+        return result
     if not result.ok:  # the artifact itself is wrong: say so now, not after an engine start
         why = "not run: the artifact already fails the checks above (fix those first)"
         result.check("engine load").skip(why)
