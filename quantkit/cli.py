@@ -212,7 +212,10 @@ def _request(**extra):
               help="Pin torch, MKL, oneDNN and OpenBLAS to their AVX2 kernels, so the same "
                    "command gives the same bytes on any x86-64 CPU with AVX2 (slower where "
                    "the CPU has AVX-512; same as QUANTKIT_REPRODUCIBLE=1).")
-def quantize(resume, no_memory_check, reproducible, **kw) -> None:
+@click.option("--verify", "verify_engine", type=click.Choice(["vllm", "llamacpp", "trtllm"]),
+              default=None, help="Run `quantkit verify OUT --engine E` at the end and keep its "
+                                 "result in the artifact's metadata (compare shows it).")
+def quantize(resume, no_memory_check, reproducible, verify_engine, **kw) -> None:
     """Quantize MODEL with METHOD and write an engine-ready artifact to -o."""
     from quantkit import reproducible as mode
 
@@ -230,6 +233,16 @@ def quantize(resume, no_memory_check, reproducible, **kw) -> None:
     console.print(f"[green]wrote[/] {escape(str(req.out))} ({meta['format']}, {meta['method']}, "
                   f"{req.scheme.describe()}) in {meta['seconds']['total']:.1f} s")
     _print_info(str(req.out))
+    if verify_engine:
+        from quantkit.verify import record_verification
+        from quantkit.verify import verify as run_verify
+
+        result = run_verify(req.out, verify_engine,
+                            on_progress=lambda s: console.print(f"[dim]{escape(s)}[/]"))
+        record_verification(req.out, result)
+        _print_verify(result)
+        if not result.ok:  # the artifact is kept (and says so in its metadata), the run fails
+            sys.exit(result.exit_code)
 
 
 @main.command("plan")

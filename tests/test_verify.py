@@ -172,3 +172,18 @@ def test_verify_tolerances_come_from_the_benchmark():
                           "verify_tolerances.json").read_text())
     assert results["tolerances"] == tolerances()
     assert torch.tensor(list(tolerances()["rel_rmse"].values())).gt(0).all()
+
+
+def test_quantize_verify_kept_and_compared(tmp_path):
+    """`quantize --verify llamacpp` keeps the verdict beside the GGUF; compare shows it."""
+    model = make_tiny_model(tmp_path / "llama", "llama")
+    out = tmp_path / "q8.gguf"
+    res = run_cli(["quantize", str(model), "--method", "gguf", "--gguf-type", "q8_0", "-o",
+                   str(out), "--verify", "llamacpp"])
+    assert res.returncode == 0, res.stderr + res.stdout
+    assert "RESULT: verified" in res.stdout
+    kept = json.loads((tmp_path / "q8.gguf.verify.json").read_text())["engine_check"]
+    assert kept["ok"] and kept["engine"] == "llamacpp" and kept["checks"]["parity"] == "pass"
+    res = run_cli(["compare", str(out), "--ctx", "32", "--max-windows", "1"])
+    assert res.returncode == 0, res.stderr
+    assert "verified" in res.stdout and "llamacpp: verified" in res.stdout

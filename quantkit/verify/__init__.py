@@ -36,7 +36,7 @@ from quantkit.verify.tensors import (
     tolerances,
 )
 
-__all__ = ["verify", "ENGINES", "VerifyResult", "EXIT_VERIFIED", "EXIT_WRONG",
+__all__ = ["verify", "record_verification", "verification_file", "ENGINES", "VerifyResult", "EXIT_VERIFIED", "EXIT_WRONG",
            "EXIT_ENGINE_CANNOT_RUN", "PARITY_CTX", "PARITY_WINDOWS", "PARITY_TOPK"]
 
 PARITY_CTX, PARITY_WINDOWS = 128, 4  # a few short windows: a verify run costs less than an eval
@@ -129,6 +129,28 @@ def verify(artifact: str | Path, engine: str, base: str | None = None,
     say(f"loading in {engine}")
     ENGINES[engine].run(ctx, result)
     return result
+
+
+def verification_file(artifact: Path) -> Path:
+    """Where a verification is kept: quantkit.json of a directory, FILE.verify.json beside a
+    GGUF (its metadata lives inside the file, which is not rewritten for this)."""
+    artifact = Path(artifact)
+    return artifact / "quantkit.json" if artifact.is_dir() else \
+        artifact.with_name(artifact.name + ".verify.json")
+
+
+def record_verification(artifact: Path, result: VerifyResult) -> None:
+    """Keep result.summary() as `engine_check` in the artifact's metadata (temp + rename)."""
+    import json
+
+    from quantkit.readers import read_json
+
+    target = verification_file(artifact)
+    meta = read_json(target, target.name) if target.is_file() else {}
+    meta["engine_check"] = result.summary()
+    tmp = target.with_name(f".{target.name}.tmp")
+    tmp.write_text(json.dumps(meta, indent=2))
+    tmp.replace(target)
 
 
 def _source_tensors(source: Path):
