@@ -217,7 +217,10 @@ def _request(**extra):
                    "(round-to-nearest where the method calibrates: calibration text never "
                    "reaches the vision tower). Default: the vision tower and projector stay "
                    "dense.")
-def quantize(resume, no_memory_check, reproducible, quantize_vision, **kw) -> None:
+@click.option("--verify", "verify_engine", type=click.Choice(["vllm", "llamacpp", "trtllm"]),
+              default=None, help="Run `quantkit verify OUT --engine E` at the end and keep its "
+                                 "result in the artifact's metadata (compare shows it).")
+def quantize(resume, no_memory_check, reproducible, quantize_vision, verify_engine, **kw) -> None:
     """Quantize MODEL with METHOD and write an engine-ready artifact to -o."""
     from quantkit import reproducible as mode
 
@@ -235,6 +238,16 @@ def quantize(resume, no_memory_check, reproducible, quantize_vision, **kw) -> No
     console.print(f"[green]wrote[/] {escape(str(req.out))} ({meta['format']}, {meta['method']}, "
                   f"{req.scheme.describe()}) in {meta['seconds']['total']:.1f} s")
     _print_info(str(req.out))
+    if verify_engine:
+        from quantkit.verify import record_verification
+        from quantkit.verify import verify as run_verify
+
+        result = run_verify(req.out, verify_engine,
+                            on_progress=lambda s: console.print(f"[dim]{escape(s)}[/]"))
+        record_verification(req.out, result)
+        _print_verify(result)
+        if not result.ok:  # the artifact is kept (and says so in its metadata), the run fails
+            sys.exit(result.exit_code)
 
 
 @main.command("plan")
@@ -593,19 +606,50 @@ def _print_compare(summary: dict) -> None:
 
 @main.command()
 @click.argument("artifact")
-@click.option("--engine", type=click.Choice(["trtllm"]), default="trtllm", show_default=True,
-              help="Whose loader rules to check (TensorRT-LLM cannot run here).")
+@click.option("--engine", type=click.Choice(["vllm", "llamacpp", "trtllm"]), default="trtllm",
+              show_default=True, help="The engine that will serve ARTIFACT (TensorRT-LLM cannot "
+              "run here: its loader rules are checked).")
+@click.option("--base", default=None, help="The source model (default: the one quantkit.json "
+              "records).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def verify(artifact, engine, as_json) -> None:
-    """Check ARTIFACT against an engine's loader rules; exit 0 = conformant, 1 = not."""
-    from quantkit.engines.trtllm_rules import verify as run_verify
+def verify(artifact, engine, base, as_json) -> None:
+    """Prove ARTIFACT in ENGINE: coverage, fidelity tensor by tensor, parity of the engine's
+    log-probs with quantkit's decode. Exit 0 verified, 1 wrong, 3 the engine cannot run this
+    scheme here (what could be checked still was)."""
+    if engine == "trtllm" and base is None:  # the loader-rule report, as before
+        from quantkit.engines.trtllm_rules import verify as run_rules
 
-    report = run_verify(artifact, engine)
+        report = run_rules(artifact, engine)
+        if as_json:
+            out.print_json(json.dumps(report.to_dict()))
+        else:
+            out.print(escape(report.render()), soft_wrap=True, highlight=False)
+        sys.exit(0 if report.conformant else 1)
+    from quantkit.verify import verify as run_verify
+
+    result = run_verify(artifact, engine, base=base,
+                        on_progress=None if as_json else lambda s: console.print(f"[dim]{escape(s)}[/]"))
     if as_json:
-        out.print_json(json.dumps(report.to_dict()))
+        click.echo(json.dumps(result.to_dict(), indent=2))
     else:
-        out.print(escape(report.render()), soft_wrap=True, highlight=False)
-    sys.exit(0 if report.conformant else 1)
+        _print_verify(result)
+    sys.exit(result.exit_code)
+
+
+def _print_verify(result) -> None:
+    con = out if out.is_terminal else Console(width=max(out.width, 200), emoji=False)
+    table = Table(title=escape(f"quantkit verify {result.artifact} --engine {result.engine}"))
+    for c in ("check", "status", "what was measured"):
+        table.add_column(c)
+    for name, status, what in result.rows():
+        table.add_row(escape(name), escape(status), escape(what))
+    con.print(table)
+    for c in result.checks.values():
+        for p in c.problems:
+            con.print(f"[red]{escape(c.name)}:[/] {escape(p)}", soft_wrap=True, highlight=False)
+    for n in result.notes:
+        con.print(f"note: {escape(n)}", soft_wrap=True, highlight=False)
+    con.print(f"RESULT: {escape(result.verdict)}", soft_wrap=True, highlight=False)
 
 
 @main.command()

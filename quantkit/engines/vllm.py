@@ -46,14 +46,17 @@ def run_vllm(model_dir: Path, *, generate: list[dict] | None = None,
              score: list[list[int]] | None = None, speed: dict | None = None,
              dtype: str | None = None,
              max_model_len: int = 2048, timeout: float = 1800,
-             kv_cache_dtype: str | None = None, kv_scales: bool = False) -> dict:
+             kv_cache_dtype: str | None = None, kv_scales: bool = False,
+             score_topk: int = 1, track_weights: bool = False) -> dict:
     """Load `model_dir` in vLLM, greedy-generate and/or score token sequences.
     `dtype` None: bfloat16, or float32 where vLLM's bf16 is emulated on this CPU and the
     checkpoint's kernels take it (capabilities.vllm_dtype); the answer's "dtype" is the one
     vLLM settled on.
     `kv_cache_dtype` None: "fp8" where the artifact carries FP8 KV-cache scales (vLLM's
     default "auto" would ignore them), else "auto". `kv_scales`: also return the k/v scale
-    each attention layer of vLLM's model holds after loading."""
+    each attention layer of vLLM's model holds after loading. `score_topk`: also return the
+    top-k log-probs of every scored position. `track_weights`: also return what vLLM's loader
+    read and which parameters it filled (vllm_worker.py)."""
     if kv_cache_dtype is None:
         kv_cache_dtype = "fp8" if declares_fp8_kv_cache(Path(model_dir)) else "auto"
     if dtype is None:
@@ -63,7 +66,8 @@ def run_vllm(model_dir: Path, *, generate: list[dict] | None = None,
         req.write_text(json.dumps({"model": str(Path(model_dir).resolve()), "dtype": dtype,
                                    "max_model_len": max_model_len, "generate": generate or [],
                                    "kv_cache_dtype": kv_cache_dtype, "kv_scales": kv_scales,
-                                   "score": score or [], "speed": speed}))
+                                   "score": score or [], "speed": speed,
+                                   "score_topk": score_topk, "track_weights": track_weights}))
         proc = run_vllm_worker(_WORKER, [str(req), str(resp)], cwd=Path(tmp), timeout=timeout)
         if proc.returncode != 0 or not resp.is_file():
             raise vllm_failure(f"vLLM failed to run {model_dir}", proc.log, proc.returncode)

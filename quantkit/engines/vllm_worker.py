@@ -3,11 +3,18 @@
 Usage: python vllm_worker.py REQUEST.json RESPONSE.json
 Request: {"model": dir, "dtype": "bfloat16", "max_model_len": 2048,
           "generate": [{"prompt": str, "max_tokens": int}],
-          "score": [[token ids], ...], "kv_cache_dtype": "auto" | "fp8", "kv_scales": bool}
+          "score": [[token ids], ...], "kv_cache_dtype": "auto" | "fp8", "kv_scales": bool,
+          "score_topk": int (default 1), "track_weights": bool}
 Response: {"vllm_version", "load_seconds", "dtype", "generate": [text], "kv_scales": {layer: [k, v]},
            "score": [
-           {"logprobs": [float|null per position], "top1": [int|null per position]}]}
-Scoring uses prompt_logprobs=1: position i holds log p(token_i | tokens_<i) and the argmax token.
+           {"logprobs": [float|null per position], "top1": [int|null per position],
+            "top": [[[id, logprob] x score_topk] | null per position] (score_topk > 1 only)}],
+           "weights": {"given", "loaded", "params", "unfilled", "packed", "kernels"} (track_weights)}
+Scoring uses prompt_logprobs=score_topk: position i holds log p(token_i | tokens_<i), the argmax
+token and the top-k tokens with their log-probs.
+track_weights: the checkpoint names vLLM's loader was given, the parameter names the model's
+load_weights says it filled, every parameter, and those left unfilled (vLLM's own
+track_weights_loading exemptions applied: it runs that check only for unquantized models).
 """
 
 import json
@@ -25,6 +32,7 @@ def main(req_path: str, resp_path: str) -> None:
     from vllm import LLM, SamplingParams
 
     req = json.load(open(req_path))
+    tracked = _track_weights() if req.get("track_weights") else None
     t0 = time.perf_counter()
     llm = LLM(model=req["model"], dtype=req.get("dtype", "bfloat16"), enforce_eager=True,
               max_model_len=req.get("max_model_len", 2048), gpu_memory_utilization=0.3,
@@ -34,6 +42,9 @@ def main(req_path: str, resp_path: str) -> None:
     # the activation dtype vLLM settled on (what it runs, not only what was asked)
     dtype = str(llm.llm_engine.model_config.dtype).removeprefix("torch.")
     out = {"vllm_version": vllm.__version__, "load_seconds": load_seconds, "dtype": dtype}
+    if tracked is not None:
+        tracked["kernels"] = llm.apply_model(_kernels)[0]
+        out["weights"] = tracked
     if req.get("kv_scales"):  # the k/v scales vLLM's attention layers use (one float each)
         def scales(model):
             return {n: [m._k_scale_float, m._v_scale_float] for n, m in model.named_modules()
@@ -46,26 +57,92 @@ def main(req_path: str, resp_path: str) -> None:
         res = llm.generate(prompts, params, use_tqdm=False)
         out["generate"] = [r.outputs[0].text for r in res]
     if req.get("score"):
-        params = SamplingParams(max_tokens=1, prompt_logprobs=1, temperature=0.0)
+        topk = int(req.get("score_topk") or 1)
+        params = SamplingParams(max_tokens=1, prompt_logprobs=topk, temperature=0.0)
         res = llm.generate([{"prompt_token_ids": ids} for ids in req["score"]], params,
                            use_tqdm=False)
         scored = []
         for r, ids in zip(res, req["score"], strict=True):
-            lps, top1 = [], []
+            lps, top1, top = [], [], []
             for pos, entry in enumerate(r.prompt_logprobs):
                 if entry is None:
                     lps.append(None)
                     top1.append(None)
+                    top.append(None)
                     continue
+                top.append([[int(tid), float(lp.logprob)] for tid, lp in entry.items()])
                 actual = entry.get(ids[pos])
                 lps.append(None if actual is None else float(actual.logprob))
                 best = [tid for tid, lp in entry.items() if lp.rank == 1]
                 top1.append(int(best[0]) if best else None)
-            scored.append({"logprobs": lps, "top1": top1})
+            scored.append({"logprobs": lps, "top1": top1, **({"top": top} if topk > 1 else {})})
         out["score"] = scored
     if req.get("speed"):
         out["speed"] = _speed(llm, SamplingParams, req["speed"])
     json.dump(out, open(resp_path, "w"))
+
+
+def _track_weights() -> dict:
+    """Wrap vLLM's default loader so the load records what it read and what it filled."""
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+    tracked: dict = {}
+    original = DefaultModelLoader.load_weights
+
+    def load_weights(self, model, model_config):
+        given, real_all = [], self.get_all_weights
+        real_load = model.load_weights
+
+        def get_all_weights(mc, m):
+            for name, tensor in real_all(mc, m):
+                given.append(name)
+                yield name, tensor
+
+        def model_load_weights(weights):
+            loaded = real_load(weights)
+            tracked["loaded"] = None if loaded is None else sorted(loaded)
+            return loaded
+
+        self.get_all_weights, model.load_weights = get_all_weights, model_load_weights
+        try:
+            original(self, model, model_config)
+        finally:
+            del self.get_all_weights
+            model.__dict__.pop("load_weights", None)
+        params = sorted(name for name, _ in model.named_parameters())
+        tracked.update(given=given, params=params,
+                       packed={k: list(v) for k, v in
+                               (getattr(model, "packed_modules_mapping", None) or {}).items()})
+        if tracked.get("loaded") is not None:
+            filled = set(tracked["loaded"])
+            try:  # adds the parameters vLLM exempts (KV-cache scales, config-built ones)
+                self.track_weights_loading(model, filled,
+                                           quantized=model_config.quantization is not None)
+            except ValueError:
+                pass
+            tracked["unfilled"] = sorted(set(params) - filled)
+
+    DefaultModelLoader.load_weights = load_weights
+    return tracked
+
+
+def _kernels(model) -> dict:
+    """{quant method / scheme / kernel class names: number of modules} of the loaded model."""
+    found: dict = {}
+    for _name, module in model.named_modules():
+        method = getattr(module, "quant_method", None)
+        if method is None:
+            continue
+        parts = [type(method).__name__]
+        scheme = getattr(module, "scheme", None)
+        if scheme is not None:
+            parts.append(type(scheme).__name__)
+        kernel = getattr(scheme, "kernel", None) or getattr(method, "kernel", None)
+        if kernel is not None:
+            parts.append(type(kernel).__name__)
+        key = " / ".join(parts)
+        found[key] = found.get(key, 0) + 1
+    return found
 
 
 def _speed(llm, SamplingParams, cfg: dict) -> dict:

@@ -74,7 +74,13 @@ def _meta(path: str | Path) -> dict:
     if p.is_file() and p.suffix == ".gguf":  # a damaged GGUF is refused here, before any eval
         from quantkit.formats.gguf import gguf_metadata
 
-        return gguf_metadata(p)
+        meta = gguf_metadata(p)
+        check = p.with_name(p.name + ".verify.json")  # quantize --verify (quantkit.verify)
+        if check.is_file():
+            from quantkit.readers import read_json
+
+            meta = {**meta, "engine_check": read_json(check, check.name).get("engine_check")}
+        return meta
     return {}
 
 

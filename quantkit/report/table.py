@@ -73,6 +73,16 @@ def _method(r: dict) -> tuple:
     return (f"{m} {s}".strip() or None), None
 
 
+def _verified(r: dict) -> tuple:
+    """'vllm: verified' / 'vllm: WRONG (coverage): TENSOR: ...' from the row's engine_check."""
+    c = r.get("engine_check")
+    if not c:
+        return None, None
+    if c.get("ok"):
+        return f"{c.get('engine')}: verified", None
+    return f"{c.get('engine')}: {c.get('message') or c.get('verdict') or 'failed'}", None
+
+
 def _engine(r: dict) -> tuple:
     """The engine that scored accuracy, and the one that measured speed where that differs
     (e.g. quantkit-torch for PPL/KLD, vLLM for tokens/s): one name would hide which is which."""
@@ -173,6 +183,10 @@ def columns(rows: list[dict]) -> list[Column]:
     ]
     cols += [c for c in optional
              if any(c.get(r)[0] is not None or r.get("speed_unmeasured") for r in rows)]
+    if any(r.get("engine_check") for r in rows):
+        cols.append(Column("verified", "verified", None, _verified,
+                           "`quantkit verify` in the engine that serves it (quantize --verify)",
+                           numeric=False))
     cols += [Column("format", "format", None, _text("format"), numeric=False),
              Column("engine", "engine", None, _engine, "where accuracy (and, if different, speed) was measured",
                     numeric=False, tip=_engine_tip)]

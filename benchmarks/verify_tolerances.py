@@ -1,0 +1,113 @@
+"""The tolerances of `quantkit verify`, measured on good artifacts.
+
+Quantizes a few good artifacts (SmolLM2 RTN int4 in vLLM, a tiny Llama RTN / GPTQ int4 in
+vLLM, int8 W8A8 and FP8 dynamic (fidelity only), GGUF Q8_0 and Q4_K_M in llama.cpp), runs
+verify on each with the bounds disabled, and writes
+  benchmarks/results/verify_tolerances.json   every measurement + the tolerances
+  quantkit/verify/tolerances.json             the tolerances verify applies
+Bounds: relative RMSE per type 1.5x the worst measured (dense: 0.01, bf16 rounding is
+~0.002); parity per engine:kind:dtype mean KLD 3x the worst measured, top-1 agreement the
+lowest measured minus 0.05. Usage: python benchmarks/verify_tolerances.py [WORKDIR]
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from tiny_models import make_tiny_model  # noqa: E402
+
+from quantkit.methods.fp8 import fp8_scheme  # noqa: E402
+from quantkit.methods.int8 import int8_scheme  # noqa: E402
+from quantkit.pipeline.quantize import QuantizeRequest, quantize  # noqa: E402
+from quantkit.types import QuantScheme  # noqa: E402
+from quantkit.verify import tensors as verify_tensors  # noqa: E402
+from quantkit.verify import verify  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results" / "verify_tolerances.json"
+
+
+def _artifacts(work: Path) -> list[tuple[str, Path, str, bool]]:
+    """(label, path, engine, run the engine)."""
+    tiny = make_tiny_model(work / "tiny", "llama") if not (work / "tiny").exists() else work / "tiny"
+    g = QuantScheme(bits=4, group_size=64)
+    plans = [
+        ("smollm2 rtn int4 g64", "smollm2-135m", dict(method="rtn", scheme=g), "vllm", True),
+        ("tiny rtn int4 g64", tiny, dict(method="rtn", scheme=g), "vllm", True),
+        ("tiny gptq int4 g64", tiny, dict(method="gptq", scheme=g, calib_samples=8,
+                                          calib_seqlen=64), "vllm", True),
+        ("tiny int8 w8a8", tiny, dict(method="int8", scheme=int8_scheme("dynamic"),
+                                      calib_samples=8, calib_seqlen=64,
+                                      method_options={"scheme": "dynamic"}), "vllm", False),
+        ("tiny fp8 dynamic", tiny, dict(method="fp8", scheme=fp8_scheme("dynamic"),
+                                        method_options={"scheme": "dynamic"}), "vllm", False),
+        ("tiny gguf q8_0", tiny, dict(method="gguf", format="gguf", scheme=QuantScheme(
+            kind="kquant", gguf_type="q8_0"), method_options={"gguf_type": "q8_0"}),
+         "llamacpp", True),
+        ("tiny gguf q4_k_m", tiny, dict(method="gguf", format="gguf", scheme=QuantScheme(
+            kind="kquant", gguf_type="q4_k_m"), method_options={"gguf_type": "q4_k_m"}),
+         "llamacpp", True),
+    ]
+    out = []
+    for label, model, kw, engine, run in plans:
+        path = work / (label.replace(" ", "-") + (".gguf" if engine == "llamacpp" else ""))
+        if not path.exists():
+            quantize(QuantizeRequest(model=str(model), out=path, **kw))
+        out.append((label, path, engine, run))
+    return out
+
+
+def main() -> None:
+    work = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(tempfile.mkdtemp(prefix="verify-tol-"))
+    work.mkdir(parents=True, exist_ok=True)
+    open_bounds = {"rel_rmse": {}, "parity": {"vllm": {"any": {"kld": 1e9, "top1": 0.0}},
+                                               "llamacpp": {"any": {"kld": 1e9, "top1": 0.0}}}}
+    original = verify_tensors.TOLERANCES_FILE
+    tmp = work / "open-tolerances.json"
+    tmp.write_text(json.dumps(open_bounds))
+    verify_tensors.TOLERANCES_FILE = tmp
+    measured = []
+    try:
+        for label, path, engine, run in _artifacts(work):
+            res = verify(path, engine, run_engine=run, on_progress=lambda s, lb=label: print(lb, s))
+            parity = res.checks["parity"].measured
+            key = None
+            if parity:
+                kind = ("gguf" if engine == "llamacpp" else
+                        next(iter(res.checks["fidelity"].measured["worst_rel_rmse"].keys() - {"dense"})))
+                key = f"{kind}:{'f32' if engine == 'llamacpp' else res.dtype}"
+            row = {"artifact": label, "engine": engine, "engine_version": res.engine_version,
+                   "kernel": res.kernel, "dtype": res.dtype,
+                   "rel_rmse": res.checks["fidelity"].measured.get("worst_rel_rmse"),
+                   "parity_key": key,
+                   "parity": {k: parity[k] for k in ("mean_kld", "top1", "positions")} if parity else None,
+                   "statuses": {n: c.status for n, c in res.checks.items()}}
+            print(json.dumps(row))
+            measured.append(row)
+    finally:
+        verify_tensors.TOLERANCES_FILE = original
+    rel: dict[str, float] = {"dense": 0.01}
+    for row in measured:
+        for kind, v in (row["rel_rmse"] or {}).items():
+            if kind != "dense":
+                rel[kind] = max(rel.get(kind, 0.0), round(1.5 * v, 4))
+    parity: dict[str, dict] = {"vllm": {}, "llamacpp": {}}
+    for row in measured:
+        if row["parity"]:
+            cur = parity[row["engine"]].setdefault(row["parity_key"], {"kld": 0.0, "top1": 1.0})
+            cur["kld"] = max(cur["kld"], round(3 * row["parity"]["mean_kld"], 5))
+            cur["top1"] = min(cur["top1"], round(row["parity"]["top1"] - 0.05, 3))
+    tolerances = {"rel_rmse": rel, "parity": parity}
+    RESULTS.write_text(json.dumps({"command": "python benchmarks/verify_tolerances.py",
+                                   "measured": measured, "tolerances": tolerances}, indent=2))
+    original.write_text(json.dumps(tolerances, indent=2) + "\n")
+    print(json.dumps(tolerances, indent=2))
+
+
+if __name__ == "__main__":
+    main()

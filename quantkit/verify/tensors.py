@@ -1,0 +1,315 @@
+"""Coverage and fidelity of an artifact against its source model, tensor by tensor.
+
+Coverage: every source tensor is in the artifact (dense, or as its Linear's scheme tensors, or
+listed in quantkit.json `removed` with a reason); every artifact tensor comes from a source
+tensor; every Linear the config declares quantized carries its scheme's tensors; the ignore
+list is exactly what stayed dense.
+Fidelity: each tensor decoded by its format's reader (compressed-tensors' unpacker, gguf-py's
+`gguf.quants.dequantize`, quantkit's GPTQ v1 / AutoAWQ readers) against its source tensor:
+relative RMSE within the bound measured on good artifacts for its type (tolerances.json,
+written by benchmarks/verify_tolerances.py). A tensor beyond it is named with the likeliest
+cause: a scale off by a factor (the least-squares ratio of decoded to source), or the values of
+another source tensor of the same shape (swapped).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from quantkit.verify.report import Check
+
+__all__ = ["safetensors_coverage", "safetensors_fidelity", "gguf_coverage", "gguf_fidelity",
+           "tolerances", "rel_error", "source_for_gguf", "TOLERANCES_FILE"]
+
+TOLERANCES_FILE = Path(__file__).with_name("tolerances.json")
+DENSE_KEY = "dense"  # a tensor stored unquantized (bf16 / f16 / f32 rounding only)
+# scheme tensors per quantized Linear, by how the checkpoint marks it quantized
+_MARKERS = {"weight_packed": ("weight_packed", "weight_scale"),
+            "qweight": ("qweight", "qzeros", "scales")}
+_COMPANIONS = {"weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx",
+               "weight_global_scale", "input_global_scale", "input_scale", "input_zero_point",
+               "weight_scale_inv", "weight_scale_2", "qweight", "qzeros", "scales", "g_idx",
+               "k_scale", "v_scale", "q_scale", "prob_scale"}
+_FLOAT = {"BF16", "F16", "F32", "F64"}
+# a scale off by more than this factor is named as such (good artifacts: within a few %)
+SCALE_RATIO_SLACK = 0.25
+
+
+def tolerances() -> dict:
+    return json.loads(TOLERANCES_FILE.read_text())
+
+
+def rel_error(decoded: torch.Tensor, source: torch.Tensor) -> tuple[float, float]:
+    """(relative RMSE, least-squares ratio decoded / source)."""
+    d, s = decoded.double().flatten(), source.double().flatten()
+    norm = s.pow(2).sum().clamp_min(1e-30)
+    return (float(((d - s).pow(2).sum() / norm).sqrt()), float((d * s).sum() / norm))
+
+
+def _matches(name: str, patterns: list[str], substring: bool) -> bool:
+    for p in patterns:
+        if p.startswith("re:"):
+            if re.match(p[3:], name):
+                return True
+        elif name == p or fnmatch.fnmatchcase(name, p) or (substring and p in name):
+            return True
+    return False
+
+
+def _ignore_list(config: dict, fmt: str) -> tuple[list[str], bool]:
+    """(patterns of Linears the config keeps dense, whether they match as substrings)."""
+    q = config.get("quantization_config") or {}
+    if fmt == "awq":
+        return list(q.get("modules_to_not_convert") or []), True
+    if fmt == "gptq":
+        return ["lm_head"], False
+    return list(q.get("ignore") or q.get("ignored_layers") or q.get("modules_to_not_convert")
+                or q.get("exclude_modules") or []), fmt == "fp8"
+
+
+def _required(fmt: str, config: dict, present: set[str]) -> tuple[str, ...]:
+    """The scheme tensors every quantized Linear of this artifact must carry."""
+    q = config.get("quantization_config") or {}
+    if fmt in ("gptq", "awq"):
+        return ("qweight", "qzeros", "scales")
+    group = next(iter((q.get("config_groups") or {}).values()), {})
+    w = group.get("weights") or {}
+    if fmt == "compressed-tensors" and "pack-quantized" in str(q.get("format")):
+        if w.get("type") == "float":  # nvfp4 / mxfp4
+            return ("weight_packed", "weight_scale") + (
+                ("weight_global_scale",) if w.get("group_size") == 16 else ())
+        return ("weight_packed", "weight_scale", "weight_shape") + (
+            () if w.get("symmetric", True) else ("weight_zero_point",))
+    return ("weight", "weight_scale_inv" if "weight_scale_inv" in present else "weight_scale")
+
+
+_SCHEME_ONLY = _COMPANIONS - {"input_scale", "k_scale", "v_scale", "q_scale", "prob_scale"}
+
+
+def _linears(source: dict[str, tuple[str, list[int]]], spec) -> list[str]:
+    """Source modules vLLM builds as Linears: 2-D `.weight`s other than the embeddings."""
+    skip = {spec.embed} if spec is not None else {"model.embed_tokens"}
+    return [n[:-7] for n, (_, shape) in source.items()
+            if n.endswith(".weight") and len(shape) == 2 and n[:-7] not in skip
+            and "embed" not in n and "norm" not in n]
+
+
+def safetensors_coverage(check: Check, artifact: dict[str, dict], source: dict[str, tuple[str, list]],
+                         config: dict, fmt: str, removed: dict[str, str], spec) -> dict[str, str]:
+    """Coverage of a safetensors artifact; returns {quantized module: its type key}."""
+    art = {n: h["dtype"] for n, h in artifact.items()}
+    by_module: dict[str, set[str]] = {}
+    for n in art:
+        module, _, suffix = n.rpartition(".")
+        by_module.setdefault(module, set()).add(suffix)
+    tied = bool(config.get("tie_word_embeddings"))
+    ignore, substring = _ignore_list(config, fmt)
+    quantized: dict[str, str] = {}
+    type_key = _type_key(config, fmt)
+    for module in _linears(source, spec):
+        present = by_module.get(module, set())
+        weight = art.get(f"{module}.weight")
+        ignored = _matches(module, ignore, substring)
+        if not (present & _SCHEME_ONLY or (weight is not None and weight not in _FLOAT)):
+            if f"{module}.weight" not in art:
+                continue  # reported as a missing source tensor below
+            if not ignored and not (module == "lm_head"):
+                check.fail(module, "stayed dense but the quantization config does not ignore it: "
+                                   "the engine builds a quantized Linear and finds no scheme "
+                                   "tensors for it")
+            continue
+        if ignored:
+            check.fail(module, f"is stored quantized but the config's ignore list {ignore} "
+                               "keeps it dense: the engine reads codes as weights")
+        missing = [s for s in _required(fmt, config, present) if s not in present]
+        if missing:
+            check.fail(module, f"declared quantized but has no {', '.join(missing)} "
+                               "(deleted from its shard?)")
+        quantized[module] = type_key
+    for name, (_dtype, _shape) in source.items():
+        module = name.rpartition(".")[0]
+        if name in art or module in quantized or (name.endswith("rotary_emb.inv_freq")):
+            continue
+        if name == "lm_head.weight" and tied:
+            continue
+        if name in removed:
+            check.measured.setdefault("removed", {})[name] = removed[name]
+            continue
+        check.fail(name, "is in the source model but not in the artifact (neither dense nor "
+                         "quantized, and not listed as removed)")
+    for name in art:
+        module, _, suffix = name.rpartition(".")
+        if name in source or (module in quantized and suffix in _COMPANIONS):
+            continue
+        if suffix in ("k_scale", "v_scale", "q_scale", "prob_scale", "input_scale"):
+            continue  # KV-cache / activation scales of attention or Linears
+        check.fail(name, "matches no tensor of the source model (renamed?): the engine would "
+                         "skip it or refuse the load")
+    n_dense = sum(1 for n in art if n in source)
+    check.done(f"{len(source)} source tensors: {len(quantized)} Linears quantized "
+               f"({type_key}), {n_dense} dense; ignore list {ignore}")
+    return quantized
+
+
+def _type_key(config: dict, fmt: str) -> str:
+    """The tolerance key of a safetensors artifact's quantized Linears: int4, int8, float8, ..."""
+    q = config.get("quantization_config") or {}
+    if fmt in ("gptq", "awq"):
+        return f"int{int(q.get('bits') or 4)}"
+    if fmt in ("fp8", "modelopt"):
+        algo = str(q.get("quant_algo") or "fp8").lower()
+        return "float4" if "fp4" in algo else "float8"
+    group = next(iter((q.get("config_groups") or {}).values()), {})
+    w = group.get("weights") or {}
+    return f"{w.get('type', 'int')}{int(w.get('num_bits') or 4)}"
+
+
+def _fidelity(check: Check, decoded: dict[str, torch.Tensor], source_of, pairs: dict[str, str],
+              kinds: dict[str, str], tol: dict[str, float], label) -> None:
+    """Compare every decoded tensor named in `pairs` (decoded name -> source name) with its
+    source; `kinds` gives each one's tolerance key. Worst per kind goes in `measured`."""
+    by_shape: dict[tuple, list[str]] = {}
+    for dec_name, src_name in pairs.items():
+        by_shape.setdefault(tuple(decoded[dec_name].shape), []).append(src_name)
+    worst: dict[str, float] = {}
+    for dec_name, src_name in pairs.items():
+        d, kind = decoded[dec_name], kinds[dec_name]
+        s = source_of(src_name)
+        if tuple(d.shape) != tuple(s.shape):
+            check.fail(label(dec_name), f"decodes to shape {list(d.shape)}, its source "
+                                        f"{src_name} is {list(s.shape)}")
+            continue
+        err, ratio = rel_error(d, s)
+        worst[kind] = max(worst.get(kind, 0.0), err)
+        bound = tol.get(kind)
+        if bound is None:
+            check.measured.setdefault("no_tolerance", []).append(kind)
+            continue
+        if err <= bound:
+            continue
+        why = f"relative RMSE {err:.3g} vs its source {src_name}, above {bound:.3g} ({kind})"
+        swapped = next((o for o in by_shape.get(tuple(d.shape), [])
+                        if o != src_name and rel_error(d, source_of(o))[0] <= bound), None)
+        if swapped is not None:
+            why += f"; it holds the values of {swapped} (swapped?)"
+        elif ratio > SCALE_RATIO_SLACK and abs(ratio - 1) > SCALE_RATIO_SLACK:
+            why += f"; it decodes to {ratio:.2f}x its source: a scale is off"
+        else:
+            why += "; it does not resemble its source"
+        check.fail(label(dec_name), why)
+    check.measured["worst_rel_rmse"] = worst
+    check.done(f"{len(pairs)} tensors decoded and compared; worst relative RMSE per type: "
+               + ", ".join(f"{k} {v:.3g} (bound {tol.get(k, float('nan')):.3g})"
+                           for k, v in sorted(worst.items())))
+
+
+def safetensors_fidelity(check: Check, decoded: dict[str, torch.Tensor], source_of,
+                         source_names: set[str], quantized: dict[str, str]) -> None:
+    tol = tolerances()["rel_rmse"]
+    pairs, kinds = {}, {}
+    for name, t in decoded.items():
+        if name not in source_names or not t.is_floating_point():
+            continue
+        module = name.rpartition(".")[0]
+        pairs[name] = name
+        kinds[name] = quantized[module] if module in quantized and name.endswith(".weight") \
+            else DENSE_KEY
+    _fidelity(check, decoded, source_of, pairs, kinds, tol, lambda n: n)
+
+
+# ----------------------------------------------------------------------------- GGUF ----
+
+def _unpermute(t: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Inverse of llama.cpp's q/k row order (quantkit.formats.gguf._permute)."""
+    rows = t.shape[0]
+    return t.reshape(n_head, rows // n_head // 2, 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)
+
+
+def source_for_gguf(spec, config: dict, source_names) -> dict[str, tuple[str, int | None]]:
+    """{GGUF tensor name: (source tensor name, heads to un-permute by or None)}."""
+    from quantkit.arch import gguf_name
+
+    n_head = config["num_attention_heads"]
+    n_kv = config.get("num_key_value_heads") or n_head
+    out = {}
+    for name in source_names:
+        g = gguf_name(spec, name)
+        if g is None:
+            continue
+        heads = None
+        if spec.gguf_permute_qk and g.endswith(("attn_q.weight", "attn_k.weight")):
+            heads = n_head if "attn_q" in g else n_kv
+        out[g] = (name, heads)
+    return out
+
+
+def gguf_decode(tensor) -> torch.Tensor:
+    """gguf-py's reference dequantizer, to the tensor's row-major shape."""
+    from gguf.quants import dequantize
+
+    arr = dequantize(tensor.data, tensor.tensor_type)
+    shape = [int(x) for x in reversed(tensor.shape.tolist())]
+    return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32)).reshape(shape)
+
+
+def gguf_coverage(check: Check, tensors: dict, mapping: dict, source_names, config: dict,
+                  removed: dict[str, str]) -> None:
+    covered = {src for src, _ in mapping.values()}
+    tied = bool(config.get("tie_word_embeddings"))
+    for name in sorted(source_names):
+        if name in covered or name.endswith("rotary_emb.inv_freq"):
+            continue
+        if name == "lm_head.weight" and tied:
+            continue
+        if name in removed:
+            continue
+        check.fail(name, "is in the source model but has no GGUF tensor")
+    for g in tensors:
+        if g not in mapping and g != "rope_freqs.weight":
+            check.fail(g, "matches no tensor of the source model (renamed?)")
+    missing = [g for g in mapping if g not in tensors and not (g == "output.weight" and tied)]
+    for g in missing:
+        check.fail(g, f"source tensor {mapping[g][0]} maps to it but the file has no such tensor")
+    types: dict[str, int] = {}
+    for t in tensors.values():
+        types[t.tensor_type.name] = types.get(t.tensor_type.name, 0) + 1
+    check.measured["types"] = types
+    check.done(f"{len(tensors)} GGUF tensors ({', '.join(f'{v} {k}' for k, v in sorted(types.items()))}) "
+               f"for {len(source_names)} source tensors")
+
+
+def gguf_fidelity(check: Check, tensors: dict, mapping: dict, source_of) -> dict[str, torch.Tensor]:
+    """Fidelity of every GGUF tensor; returns the decoded state under the source's names
+    (q/k rows back in the source's order) for the parity model."""
+    tol = tolerances()["rel_rmse"]
+    decoded, pairs, kinds, permuted_src = {}, {}, {}, {}
+    for g, t in tensors.items():
+        if g not in mapping:
+            continue
+        decoded[g] = gguf_decode(t)
+        pairs[g] = mapping[g][0]
+        kinds[g] = t.tensor_type.name.lower() if t.tensor_type.name not in ("F32", "F16", "BF16") \
+            else DENSE_KEY
+    heads_of = {src: heads for src, heads in mapping.values()}
+
+    def source_permuted(src: str) -> torch.Tensor:  # the source in the GGUF's row order
+        if src not in permuted_src:
+            s = source_of(src).float()
+            if heads_of.get(src):
+                from quantkit.formats.gguf import _permute
+                s = _permute(s, heads_of[src])
+            permuted_src[src] = s
+        return permuted_src[src]
+
+    _fidelity(check, decoded, source_permuted, pairs, kinds, tol, lambda n: n)
+    state = {}
+    for g, (src, heads) in mapping.items():
+        if g in decoded:
+            state[src] = _unpermute(decoded[g], heads) if heads else decoded[g]
+    return state

@@ -1,0 +1,189 @@
+"""`quantkit verify --engine {vllm,llamacpp}`: good artifacts pass in the real engines; broken
+ones exit 1 with a message naming the tensor (quantkit.verify). One vLLM start per artifact:
+the good RTN artifact, and a renamed one whose source is not recorded (so only vLLM's own
+loader can tell). Broken artifacts are caught before any engine starts."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from cli_runner import run_cli
+from safetensors.torch import load_file, save_file
+from tiny_models import make_tiny_model
+from vllm_checks import vllm_runs
+
+from quantkit.engines.capabilities import vllm_cannot_run
+from quantkit.pipeline.quantize import QuantizeRequest, quantize
+from quantkit.types import QuantScheme
+
+SCHEME = QuantScheme(bits=4, group_size=64)
+
+
+def _verify(path: Path, engine: str, *extra: str) -> tuple[int, dict]:
+    res = run_cli(["verify", str(path), "--engine", engine, "--json", *extra])
+    assert "Traceback" not in res.stderr + res.stdout, res.stderr
+    assert res.stdout.strip(), res.stderr
+    return res.returncode, json.loads(res.stdout)
+
+
+def _problems(report: dict) -> str:
+    return "\n".join(p for c in report["checks"].values() for p in c["problems"])
+
+
+def _edit(src: Path, dst: Path, edit) -> Path:
+    """A copy of artifact `src` whose tensors `edit(tensors)` changed (the index follows)."""
+    shutil.copytree(src, dst)
+    shard = dst / "model.safetensors"
+    tensors = load_file(str(shard))
+    edit(tensors)
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    index = dst / "model.safetensors.index.json"
+    if index.is_file():
+        raw = json.loads(index.read_text())
+        raw["weight_map"] = {k: "model.safetensors" for k in tensors}
+        index.write_text(json.dumps(raw))
+    return dst
+
+
+@pytest.fixture(scope="module")
+def rtn_artifact(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("verify")
+    model = make_tiny_model(root / "llama", "llama")
+    out = root / "rtn"
+    quantize(QuantizeRequest(model=str(model), method="rtn", scheme=SCHEME, out=out))
+    return out
+
+
+def test_verify_good_rtn_in_vllm(rtn_artifact):
+    code, rep = _verify(rtn_artifact, "vllm")
+    assert rep["checks"]["coverage"]["status"] == "pass", _problems(rep)
+    assert rep["checks"]["fidelity"]["status"] == "pass", _problems(rep)
+    if not vllm_runs("int4"):
+        assert code == 3 and rep["engine_cannot_run"] == vllm_cannot_run("int4")
+        assert rep["checks"]["parity"]["status"] == "not checked"
+        return
+    assert code == 0, _problems(rep)
+    assert rep["checks"]["engine load"]["status"] == "pass"
+    assert rep["checks"]["parity"]["status"] == "pass"
+    assert "CPUWNA16LinearKernel" in rep["kernel"] and rep["engine_version"].startswith("vLLM")
+    parity = rep["checks"]["parity"]["measured"]
+    assert parity["mean_kld"] <= parity["bounds"]["kld"] and parity["positions"] > 100
+
+
+def test_verify_broken_artifacts_named(rtn_artifact, tmp_path):
+    """Each broken copy exits 1 naming the tensor or module, before vLLM starts."""
+    layer0 = "model.layers.0"
+
+    def delete(t):
+        del t[f"{layer0}.self_attn.q_proj.weight_packed"]
+
+    def double(t):
+        t[f"{layer0}.mlp.up_proj.weight_scale"] = t[f"{layer0}.mlp.up_proj.weight_scale"] * 2
+
+    def rename(t):  # vLLM's AutoWeightsLoader skips rotary_emb.inv_freq without a word
+        t[f"{layer0}.mlp.down_proj.rotary_emb.inv_freq"] = t.pop(f"{layer0}.mlp.down_proj.weight_scale")
+
+    cases = {"deleted": (delete, f"{layer0}.self_attn.q_proj: declared quantized but has no weight_packed"),
+             "doubled": (double, f"{layer0}.mlp.up_proj.weight: relative RMSE"),
+             "renamed": (rename, f"{layer0}.mlp.down_proj.rotary_emb.inv_freq: matches no tensor")}
+    for name, (edit, expected) in cases.items():
+        code, rep = _verify(_edit(rtn_artifact, tmp_path / name, edit), "vllm")
+        assert code == 1, (name, rep)
+        assert expected in _problems(rep), (name, _problems(rep))
+        assert rep["checks"]["engine load"]["status"] == "not checked"
+        if name == "doubled":
+            assert "decodes to 2.00x its source: a scale is off" in _problems(rep)
+        if name == "renamed":
+            assert f"{layer0}.mlp.down_proj: declared quantized but has no weight_scale" in _problems(rep)
+
+
+def test_verify_renamed_caught_by_vllm_loader(rtn_artifact, tmp_path):
+    """Without a source model only vLLM's loader can tell: the parameter it left unfilled."""
+    layer0 = "model.layers.0"
+    bad = _edit(rtn_artifact, tmp_path / "renamed", lambda t: t.__setitem__(
+        f"{layer0}.mlp.down_proj.rotary_emb.inv_freq", t.pop(f"{layer0}.mlp.down_proj.weight_scale")))
+    (bad / "quantkit.json").unlink()
+    code, rep = _verify(bad, "vllm")
+    assert rep["checks"]["coverage"]["status"] == "not checked"
+    if not vllm_runs("int4"):
+        assert code == 3
+        return
+    assert code == 1, rep
+    assert (f"{layer0}.mlp.down_proj.weight_scale: vLLM left this parameter at its initial value"
+            in _problems(rep)), _problems(rep)
+
+
+def test_verify_moe_expert_removed(moe_model, tmp_path):
+    out = tmp_path / "moe"
+    quantize(QuantizeRequest(model=str(moe_model), method="rtn", scheme=SCHEME, out=out))
+    expert = "model.layers.1.mlp.experts.3"
+    bad = _edit(out, tmp_path / "moe-bad", lambda t: [t.pop(k) for k in list(t)
+                                                       if k.startswith(expert + ".")])
+    code, rep = _verify(bad, "vllm")
+    assert code == 1, rep
+    assert f"{expert}.gate_proj.weight: is in the source model but not in the artifact" in _problems(rep)
+
+
+@pytest.fixture(scope="module")
+def gguf_q8(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("verify-gguf")
+    model = make_tiny_model(root / "llama", "llama")
+    out = root / "q8_0.gguf"
+    quantize(QuantizeRequest(model=str(model), method="gguf", format="gguf", out=out,
+                             scheme=QuantScheme(kind="kquant", gguf_type="q8_0"),
+                             method_options={"gguf_type": "q8_0"}))
+    return out
+
+
+def test_verify_gguf_in_llamacpp(gguf_q8, tmp_path):
+    code, rep = _verify(gguf_q8, "llamacpp")
+    assert code == 0, _problems(rep)
+    assert rep["checks"]["engine load"]["status"] == "pass"
+    assert rep["checks"]["parity"]["status"] == "pass"
+    assert "Q8_0" in rep["kernel"]
+    # two tensors of one type and shape swapped: each named, with the tensor it holds
+    from gguf import GGUFReader
+
+    bad = tmp_path / "swapped.gguf"
+    shutil.copy(gguf_q8, bad)
+    tensors = {t.name: t for t in GGUFReader(str(bad)).tensors}
+    a, b = tensors["blk.0.ffn_up.weight"], tensors["blk.1.ffn_up.weight"]
+    assert a.tensor_type == b.tensor_type and list(a.shape) == list(b.shape)
+    raw = bytearray(bad.read_bytes())
+    n = int(a.n_bytes)
+    sa, sb = int(a.data_offset), int(b.data_offset)
+    raw[sa:sa + n], raw[sb:sb + n] = raw[sb:sb + n], raw[sa:sa + n]
+    bad.write_bytes(bytes(raw))
+    code, rep = _verify(bad, "llamacpp")
+    assert code == 1, rep
+    assert ("blk.0.ffn_up.weight: relative RMSE" in _problems(rep)
+            and "it holds the values of model.layers.1.mlp.up_proj.weight (swapped?)" in _problems(rep))
+
+
+def test_verify_tolerances_come_from_the_benchmark():
+    """quantkit/verify/tolerances.json is what benchmarks/verify_tolerances.py wrote."""
+    from quantkit.verify.tensors import tolerances
+
+    results = json.loads((Path(__file__).parents[1] / "benchmarks" / "results" /
+                          "verify_tolerances.json").read_text())
+    assert results["tolerances"] == tolerances()
+    assert torch.tensor(list(tolerances()["rel_rmse"].values())).gt(0).all()
+
+
+def test_quantize_verify_kept_and_compared(tmp_path):
+    """`quantize --verify llamacpp` keeps the verdict beside the GGUF; compare shows it."""
+    model = make_tiny_model(tmp_path / "llama", "llama")
+    out = tmp_path / "q8.gguf"
+    res = run_cli(["quantize", str(model), "--method", "gguf", "--gguf-type", "q8_0", "-o",
+                   str(out), "--verify", "llamacpp"])
+    assert res.returncode == 0, res.stderr + res.stdout
+    assert "RESULT: verified" in res.stdout
+    kept = json.loads((tmp_path / "q8.gguf.verify.json").read_text())["engine_check"]
+    assert kept["ok"] and kept["engine"] == "llamacpp" and kept["checks"]["parity"] == "pass"
+    res = run_cli(["compare", str(out), "--ctx", "32", "--max-windows", "1"])
+    assert res.returncode == 0, res.stderr
+    assert "verified" in res.stdout and "llamacpp: verified" in res.stdout
