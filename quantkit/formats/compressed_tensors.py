@@ -180,6 +180,16 @@ class CompressedTensorsWriter(FormatWriter):
         write_config(out_dir, {**config, "quantization_config": qcfg})
 
 
+def _companion(raw: dict[str, torch.Tensor], base: str, leaf: str, path: Path) -> torch.Tensor:
+    """A packed weight's companion tensor, or an error naming the one that is missing."""
+    try:
+        return raw[f"{base}.{leaf}"]
+    except KeyError:
+        raise ModelLoadError(
+            f"{path}: {base}.weight_packed has no {base}.{leaf}; the artifact is incomplete "
+            "(re-run the quantize command that wrote it)") from None
+
+
 def read_compressed_tensors(path: Path, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """A dense state dict (dequantized weights) from a pack-quantized or int-quantized artifact."""
     from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
@@ -201,16 +211,16 @@ def read_compressed_tensors(path: Path, dtype: torch.dtype = torch.float32) -> d
                 out[key] = t.to(dtype) if t.is_floating_point() else t
             continue
         base = key[: -len(".weight_packed")]
-        shape = raw[f"{base}.weight_shape"].tolist()
+        shape = _companion(raw, base, "weight_shape", path).tolist()
         q = unpack_from_int32(t, bits, torch.Size(shape)).float()
-        scale = raw[f"{base}.weight_scale"].float()
+        scale = _companion(raw, base, "weight_scale", path).float()
         if f"{base}.weight_g_idx" in raw:
             gi = raw[f"{base}.weight_g_idx"].long()
         else:
             gi = torch.arange(shape[1]) // (gsize or shape[1])
         zero = 0.0
         if not sym:
-            zp = unpack_from_int32(raw[f"{base}.weight_zero_point"], bits,
+            zp = unpack_from_int32(_companion(raw, base, "weight_zero_point", path), bits,
                                    torch.Size([shape[0], scale.shape[1]]), packed_dim=0)
             zero = zp.float()[:, gi]
         out[f"{base}.weight"] = ((q - zero) * scale[:, gi]).to(dtype)

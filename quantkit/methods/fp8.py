@@ -149,8 +149,9 @@ def fused_groups(ctx: BlockContext) -> list[tuple[str, ...]]:
     arch = ctx.arch
     experts = 0
     if arch is not None and arch.experts is not None:
-        down = arch.experts.linear("down")
-        while down.replace(EXPERT, str(experts)) in ctx.linears:
+        # any expert template counts: a true-sequential group holds gate/up or down, not both
+        templates = [n for g in arch.sequential for n in g if EXPERT in n]
+        while any(t.replace(EXPERT, str(experts)) in ctx.linears for t in templates):
             experts += 1
     seq = arch.fused_sets_for(experts) if arch is not None else ()
     groups = [tuple(n for n in g if n in ctx.linears) for g in seq]

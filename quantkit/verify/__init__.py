@@ -356,7 +356,11 @@ def _reference_logits(ctx: _Context, windows: torch.Tensor) -> torch.Tensor:
 
 def _vllm_parity(check: Check, ctx: _Context, windows: torch.Tensor, scored: list[dict],
                  result: VerifyResult) -> None:
-    ref = _reference_logits(ctx, windows)
+    try:
+        ref = _reference_logits(ctx, windows)
+    except QuantkitError as exc:
+        check.fail(str(ctx.path), f"quantkit's own decoder cannot build the reference: {exc}")
+        return
     klds, agree = [], []
     for w, row in enumerate(scored):
         # prompt_logprobs at position i: the distribution of token i given tokens < i
@@ -414,7 +418,11 @@ def _llamacpp_parity(check: Check, ctx: _Context, model, result: VerifyResult) -
     from quantkit.model_io import load_tokenizer
 
     windows = _windows(load_tokenizer(ctx.source))
-    ref = _reference_logits(ctx, windows)
+    try:
+        ref = _reference_logits(ctx, windows)
+    except QuantkitError as exc:
+        check.fail(str(ctx.path), f"quantkit's own decoder cannot build the reference: {exc}")
+        return
     klds, agree = [], []
     for w in range(windows.shape[0]):
         eng = torch.log_softmax(torch.from_numpy(model.logits(windows[w].tolist())).float(), -1)
