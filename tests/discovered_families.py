@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -106,12 +107,16 @@ _FLOOR = {"gemma4": {"fp8": 0.92, "rtn": 0.6, "gptq": 0.5}}
 
 
 def make_model(out: Path, config_cls: str, model_cls: str, settings: dict,
-               tied: bool = False) -> Path:
-    """A tiny random checkpoint of a transformers class, SmolLM2's tokenizer beside it."""
+               tied: bool = False, *, seed: int = 3,
+               prepare: Callable[[torch.nn.Module], None] | None = None) -> Path:
+    """A tiny random checkpoint of a transformers class, SmolLM2's tokenizer beside it
+    (`prepare` edits the random model before it is saved)."""
     config = getattr(transformers, config_cls)(**{**_COMMON, "tie_word_embeddings": tied,
                                                   **settings})
-    torch.manual_seed(3)
+    torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config).to(torch.bfloat16)
+    if prepare is not None:
+        prepare(model)
     model.save_pretrained(out)
     for f in smollm_dir().iterdir():
         if f.name.startswith(("tokenizer", "special_tokens")):
