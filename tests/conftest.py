@@ -21,8 +21,9 @@ atexit.register(shutil.rmtree, os.environ["QUANTKIT_LMEVAL_CACHE"], True)
 
 from tiny_models import make_tiny_model  # noqa: E402
 
-# the tiny MoE models every tests/test_moe_*.py shares, built once per session
-pytest_plugins = ["moe_models"]
+# the tiny MoE models every tests/test_moe_*.py shares, and the discovered families' models
+# (tests/test_discovered_families*.py), built once per session
+pytest_plugins = ["moe_models", "discovered_families"]
 
 
 @pytest.fixture(scope="session")

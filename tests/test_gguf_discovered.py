@@ -10,22 +10,18 @@ and generates.
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
-import transformers
+from discovered_families import make_model
 from gguf_reference import assert_generates, assert_same_gguf, convert_with_llama_cpp, gguf_contents
-from tiny_models import smollm_dir
 
 from quantkit.pipeline.quantize import QuantizeRequest, quantize
 from quantkit.types import QuantScheme
 
 pytest.importorskip("llama_cpp")
 
-_COMMON = dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, vocab_size=49152, tie_word_embeddings=False)
 # family -> (config class, model class, config settings, GGUF architecture, KV prefixes the
 # comparison leaves out, converter options)
 FAMILIES = {
@@ -39,20 +35,17 @@ FAMILIES = {
 }
 
 
-def _make(out: Path, family: str) -> Path:
-    config_cls, model_cls, kwargs = FAMILIES[family][:3]
-    config = getattr(transformers, config_cls)(**{**_COMMON, **kwargs})
-    torch.manual_seed(5)
-    model = getattr(transformers, model_cls)(config).to(torch.bfloat16)
-    with torch.no_grad():  # norms off 1.0, so an offset or a wrong norm shows in the bytes
+def _norms_off_one(model: torch.nn.Module) -> None:
+    """Norms off 1.0, so an offset or a wrong norm shows in the bytes."""
+    with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 1:
                 p.add_(0.1 * torch.randn_like(p))
-    model.save_pretrained(out)
-    for f in smollm_dir().iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens")):
-            shutil.copy(f, out / f.name)
-    return out
+
+
+def _make(out: Path, family: str) -> Path:
+    config_cls, model_cls, kwargs = FAMILIES[family][:3]
+    return make_model(out, config_cls, model_cls, kwargs, seed=5, prepare=_norms_off_one)
 
 
 def _gguf(src: Path, out: Path, gguf_type: str) -> Path:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -25,7 +24,7 @@ from compressed_tensors.compressors import FloatQuantizationCompressor, PackedQu
 from compressed_tensors.quantization import QuantizationScheme
 from safetensors import safe_open
 from tiny_models import smollm_dir
-from vllm_checks import engine_check, vllm_runs
+from vllm_checks import engine_check, vllm_imports_torchvision, vllm_runs
 
 from quantkit.errors import SchemeMismatch
 from quantkit.loader import load_artifact
@@ -222,16 +221,6 @@ def test_quantize_vision_refusals(models, tmp_path):
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
-def _vllm_imports_torchvision() -> bool:
-    """Whether vLLM's environment has torchvision (its Qwen3-VL and Pixtral model files import
-    transformers' image processors, which import it); scripts/setup.sh removes it beside the
-    CPU torch, where it does not import."""
-    from quantkit.engines.vllm_venv import vllm_env, vllm_python
-
-    return subprocess.run([str(vllm_python()), "-c", "import torchvision"], env=vllm_env(),
-                          capture_output=True).returncode == 0
-
-
 @pytest.mark.engine
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_vlm_artifact_in_vllm(family, models, tmp_path):
@@ -243,7 +232,7 @@ def test_vlm_artifact_in_vllm(family, models, tmp_path):
 
     art = _run(models[family], tmp_path / "rtn", "rtn")
     prompt = [{"prompt": "The capital of France is", "max_tokens": 4}]
-    if _vllm_imports_torchvision() and vllm_runs("int4"):
+    if vllm_imports_torchvision() and vllm_runs("int4"):
         assert len(run_vllm(art, generate=prompt, max_model_len=128)["generate"][0]) > 0
         return
     engine_check(f"vllm {family}", real=False, reason="No module named 'torchvision'")

@@ -40,6 +40,18 @@ def vllm_runs(scheme: str, *, moe: bool = False) -> bool:
     return reason is None
 
 
+def vllm_imports_torchvision() -> bool:
+    """Whether vLLM's environment has torchvision (its Qwen3-VL, Qwen3.5 and Pixtral model
+    files import transformers' image processors, which import it); scripts/setup.sh removes it
+    beside the CPU torch, where it does not import."""
+    import subprocess
+
+    from quantkit.engines.vllm_venv import vllm_env, vllm_python
+
+    return subprocess.run([str(vllm_python()), "-c", "import torchvision"], env=vllm_env(),
+                          capture_output=True).returncode == 0
+
+
 def heldout_ids(tokenizer, n_tokens: int = 512) -> list[int]:
     from quantkit.calibration import load_heldout_text
 
