@@ -38,7 +38,7 @@ FAMILIES = {
     "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM",
                  dict(intermediate_size=512, n_routed_experts=4, num_experts_per_tok=2,
                       moe_intermediate_size=256, first_k_dense_replace=1, num_hidden_layers=2,
-                      num_nextn_predict_layers=1, n_group=1, topk_group=1), 1),
+                      num_nextn_predict_layers=1, n_group=1, topk_group=1, head_dim=64), 1),
     "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM",
                 dict(intermediate_size=512, head_dim=64, num_hidden_layers=4,
                      mtp_num_hidden_layers=1), 3),
@@ -210,9 +210,42 @@ def test_quantize_mtp_refusals(mtp_models, tmp_path):
     with pytest.raises(SchemeMismatch, match="format gguf does not store MTP layers"):
         quantize(QuantizeRequest(model=str(src), method="gguf",
                                  scheme=QuantScheme(kind="kquant", gguf_type="q8_0"),
-                                 format="gguf", out=tmp_path / "b.gguf", quantize_mtp=True))
+                                 method_options={"gguf_type": "q8_0"}, format="gguf", out=tmp_path / "b.gguf", quantize_mtp=True))
     with pytest.raises(SchemeMismatch, match="no forward for the MTP layers"):
         quantize(QuantizeRequest(model=str(src), method="fp8", scheme=fp8_scheme("static"),
                                  method_options={"scheme": "static"}, out=tmp_path / "c",
                                  quantize_mtp=True))
     assert not any(tmp_path.iterdir())
+
+
+def _vllm_mtp(artifact: Path, tmp_path: Path) -> dict:
+    """vLLM's MTP drafter of `artifact`, built and loaded by vLLM's own loader
+    (tests/vllm_mtp_worker.py, in vLLM's virtualenv)."""
+    from quantkit.engines.vllm import run_vllm_worker
+
+    resp = tmp_path / "mtp.json"
+    proc = run_vllm_worker(Path(__file__).with_name("vllm_mtp_worker.py"),
+                           [str(artifact.resolve()), str(resp)], cwd=tmp_path, timeout=900)
+    assert resp.is_file(), proc.log[-3000:]
+    return json.loads(resp.read_text())
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_vllm_mtp_loader_reads_them(family, mtp_models, tmp_path):
+    """vLLM 0.32's MTP model (Glm4MoeMTP / Qwen3_5MTP, chosen by its speculative config
+    "mtp") loads the int4 artifact's MTP layers: its loader is given every MTP tensor, its
+    load_weights fills every parameter of the drafter, and the dense MTP Linears (ignore
+    list) are built without a quantization method."""
+    src, _ = mtp_models[family]
+    mtp = _mtp_names(src)
+    out = _quantize(src, tmp_path / "rtn", "rtn")
+    got = _vllm_mtp(out, tmp_path)
+    assert "error" not in got, got.get("trace", "")[-3000:]
+    assert got["architecture"] == {"glm4_moe": "Glm4MoeMTPModel",
+                                   "qwen3_5": "Qwen3_5MTP"}[family]
+    assert set(mtp) <= set(got["given"])
+    assert got["loaded"] is not None and set(got["params"]) <= set(got["loaded"]), \
+        sorted(set(got["params"]) - set(got["loaded"]))[:5]
+    # no packed parameter anywhere in the drafter: every Linear is the dense one stored
+    assert not [p for p in got["params"] if p.endswith(("weight_packed", "weight_scale"))]
