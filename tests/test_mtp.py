@@ -249,3 +249,11 @@ def test_vllm_mtp_loader_reads_them(family, mtp_models, tmp_path):
         sorted(set(got["params"]) - set(got["loaded"]))[:5]
     # no packed parameter anywhere in the drafter: every Linear is the dense one stored
     assert not [p for p in got["params"] if p.endswith(("weight_packed", "weight_scale"))]
+    # and the values are the stored ones (the MTP input projection and its norms)
+    fc = {"glm4_moe": "model.layers.2.eh_proj.weight", "qwen3_5": "mtp.fc.weight"}[family]
+    norm = {"glm4_moe": "model.layers.2.enorm.weight",
+            "qwen3_5": "mtp.pre_fc_norm_embedding.weight"}[family]
+    for name in (fc, norm):
+        param = name.replace("mtp.", "model.", 1)
+        assert got["sums"][param] == pytest.approx(mtp[name].float().sum().item(), rel=1e-3,
+                                                   abs=1e-2), name

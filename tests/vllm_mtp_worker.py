@@ -7,7 +7,8 @@ is vLLM's `get_model(vllm_config, model_config=draft_model_config)` (what its EA
 proposer calls), so the MTP class, its quantization config (the artifact's ignore list) and
 its `load_weights` are vLLM's. Response: {"architecture", "given" (checkpoint names the loader
 yielded), "loaded" (parameter names load_weights says it filled), "params" (every parameter),
-"unquantized" (parameter names of modules built without a quantization method)}, or
+"unquantized" (parameter names of modules built without a quantization method), "sums"
+(each float parameter's sum, to compare with the stored tensor)}, or
 {"error": text}.
 """
 
@@ -57,6 +58,10 @@ def main(model_dir: str, resp_path: str) -> None:
             model.__dict__.pop("load_weights", None)
 
     DefaultModelLoader.load_weights = load_weights
+    import torch
+
+    if not torch.accelerator.is_available():  # vLLM's CPU worker process does not reach
+        torch.accelerator.empty_cache = lambda: None  # base_loader's empty_cache call
     with set_current_vllm_config(config):
         init_distributed_environment(world_size=1, rank=0, local_rank=0,
                                      distributed_init_method="tcp://127.0.0.1:29517",
@@ -72,6 +77,8 @@ def main(model_dir: str, resp_path: str) -> None:
         if method is not None and type(method).__name__.startswith("Unquantized"):
             unquantized += [f"{name}.{p}" for p, _ in module.named_parameters(recurse=False)]
     out["unquantized"] = sorted(unquantized)
+    out["sums"] = {n: float(p.float().sum()) for n, p in model.named_parameters()
+                   if p.is_floating_point()}
     json.dump(out, open(resp_path, "w"))
 
 

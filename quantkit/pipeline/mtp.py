@@ -29,6 +29,9 @@ __all__ = ["MtpLayers", "find_mtp", "mtp_quantizer", "quantize_mtp", "MTP_HINT"]
 
 MTP_HINT = "Drop --quantize-mtp (the MTP layers then stay dense, as the checkpoint has them)."
 # an MTP block's own prefix: nextn blocks are numbered after the trunk's; Qwen's mtp.layers.i
+# vLLM's fused Linears and their checkpoint parts (its models' packed_modules_mapping)
+_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj"),
+          "fused_qkv_a_proj": ("q_a_proj", "kv_a_proj_with_mqa")}
 _QWEN_BLOCK = re.compile(r"^((?:model\.)?mtp\.layers\.\d+)\.(.+)$")
 
 
@@ -74,9 +77,19 @@ class MtpLayers:
         """Module names of the MTP 2-D weights left dense (embeddings excepted): the exact
         names vLLM's compressed-tensors ignore matching reads (routed experts by expert 0's
         gate/up/down, every other Linear by its own prefix)."""
-        return [n[: -len(".weight")] for n in self.names
-                if n.endswith(".weight") and len(shapes[n]) == 2 and "embed_tokens" not in n
-                and n[: -len(".weight")] not in self.quantized]
+        dense = [n[: -len(".weight")] for n in self.names
+                 if n.endswith(".weight") and len(shapes[n]) == 2 and "embed_tokens" not in n
+                 and n[: -len(".weight")] not in self.quantized]
+        # vLLM's glm4_moe_mtp.py / deepseek_mtp.py classes carry no packed_modules_mapping,
+        # so vLLM matches their fused Linears' own names (qkv_proj, gate_up_proj) against the
+        # ignore list: name those too when every part is dense
+        kept = set(dense)
+        for parent in sorted({m.rpartition(".")[0] for m in dense
+                              if not re.search(r"\.experts\.\d+\.", m)}):  # FusedMoE: by part
+            for fused, parts in _FUSED.items():
+                if all(f"{parent}.{p}" in kept for p in parts):
+                    dense.append(f"{parent}.{fused}")
+        return dense
 
     def read(self, names: list[str]) -> dict[str, torch.Tensor]:
         """The stored tensors, byte for byte, each shard opened once."""
