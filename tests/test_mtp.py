@@ -218,16 +218,16 @@ def test_quantize_mtp_refusals(mtp_models, tmp_path):
     assert not any(tmp_path.iterdir())
 
 
-def _vllm_mtp(artifact: Path, tmp_path: Path) -> dict:
+def _vllm_mtp(artifact: Path, tmp_path: Path) -> tuple[dict, str]:
     """vLLM's MTP drafter of `artifact`, built and loaded by vLLM's own loader
-    (tests/vllm_mtp_worker.py, in vLLM's virtualenv)."""
+    (tests/vllm_mtp_worker.py, in vLLM's virtualenv): its answer and its log."""
     from quantkit.engines.vllm import run_vllm_worker
 
     resp = tmp_path / "mtp.json"
     proc = run_vllm_worker(Path(__file__).with_name("vllm_mtp_worker.py"),
                            [str(artifact.resolve()), str(resp)], cwd=tmp_path, timeout=900)
     assert resp.is_file(), proc.log[-3000:]
-    return json.loads(resp.read_text())
+    return json.loads(resp.read_text()), proc.log
 
 
 @pytest.mark.engine
@@ -235,12 +235,23 @@ def _vllm_mtp(artifact: Path, tmp_path: Path) -> dict:
 def test_vllm_mtp_loader_reads_them(family, mtp_models, tmp_path):
     """vLLM 0.32's MTP model (Glm4MoeMTP / Qwen3_5MTP, chosen by its speculative config
     "mtp") loads the int4 artifact's MTP layers: its loader is given every MTP tensor, its
-    load_weights fills every parameter of the drafter, and the dense MTP Linears (ignore
-    list) are built without a quantization method."""
+    load_weights fills every parameter of the drafter with the stored values, and the dense
+    MTP Linears (ignore list) are built without a quantization method. vLLM's qwen3_5.py
+    imports torchvision (through its Qwen3-VL parts), which vLLM's environment here lacks
+    (scripts/setup.sh removes it): there the test asserts vLLM's refusal."""
+    from test_vlm import _vllm_imports_torchvision
+    from vllm_checks import engine_check
+
     src, _ = mtp_models[family]
     mtp = _mtp_names(src)
     out = _quantize(src, tmp_path / "rtn", "rtn")
-    got = _vllm_mtp(out, tmp_path)
+    got, log = _vllm_mtp(out, tmp_path)
+    if family == "qwen3_5" and not _vllm_imports_torchvision():
+        engine_check(f"vllm mtp {family}", real=False, reason="No module named 'torchvision'")
+        assert "Model architectures ['Qwen3_5ForCausalLM'] failed to be inspected" in got["error"]
+        assert "No module named 'torchvision'" in log
+        return
+    engine_check(f"vllm mtp {family}", real=True)
     assert "error" not in got, got.get("trace", "")[-3000:]
     assert got["architecture"] == {"glm4_moe": "Glm4MoeMTPModel",
                                    "qwen3_5": "Qwen3_5MTP"}[family]
