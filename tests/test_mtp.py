@@ -159,6 +159,30 @@ def test_mtp_tensors_kept_dense_and_ignored(family, method, mtp_models, tmp_path
                for n in _tensor_names(out))
 
 
+@pytest.mark.parametrize("method,fmt", [("rtn", "gptq"), ("fp8", "fp8"), ("fp8", "modelopt")])
+def test_mtp_tensors_kept_in_other_formats(method, fmt, mtp_models, tmp_path):
+    """GPTQ v1, vLLM-native FP8 and ModelOpt artifacts keep every MTP tensor byte for byte
+    too (Qwen3.5: dense trunk, which every one of these formats stores); FP8 and ModelOpt name
+    the MTP Linears among their unquantized modules."""
+    from quantkit.methods.fp8 import fp8_scheme
+
+    src, _ = mtp_models["qwen3_5"]
+    mtp = _mtp_names(src)
+    preset = "block" if fmt == "fp8" else "dynamic"  # vLLM's native fp8 has no channel scales
+    scheme, opts = (I4, {}) if method == "rtn" else (fp8_scheme(preset), {"scheme": preset})
+    out = tmp_path / fmt
+    quantize(QuantizeRequest(model=str(src), method=method, scheme=scheme, out=out, format=fmt,
+                             method_options=opts))
+    got = _artifact_tensors(out, mtp)
+    assert sorted(got) == sorted(mtp)
+    for name, t in mtp.items():
+        assert got[name].dtype == t.dtype and torch.equal(got[name], t), name
+    if fmt != "gptq":
+        text = json.dumps(json.loads((out / "config.json").read_text()).get("quantization_config")
+                          or json.loads((out / "hf_quant_config.json").read_text()))
+        assert '"mtp.fc"' in text and '"mtp.layers.0.self_attn.q_proj"' in text
+
+
 @pytest.mark.parametrize("method", ["rtn", "gptq"])
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_quantize_mtp_packs_the_mtp_linears(family, method, mtp_models, tmp_path):

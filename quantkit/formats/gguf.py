@@ -305,7 +305,8 @@ def _refuse_mtp(spec: ArchSpec, config: dict, source_dir: Path) -> None:
             f"The checkpoint holds {len(mtp)} multi-token-prediction (MTP) tensors (e.g. "
             f"{mtp[0]}); quantkit's GGUF writer does not write them as llama.cpp's nextn "
             "blocks yet, and leaving them out would drop them silently.",
-            "Convert a copy of the checkpoint without its MTP tensors (as llama.cpp's "
+            "Use --format compressed-tensors (it keeps the MTP layers), or convert a copy of "
+            "the checkpoint without its MTP tensors (as llama.cpp's "
             "converter does when told not to export MTP layers), knowing that speculative "
             "decoding with them is then lost.")
 
