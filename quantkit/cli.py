@@ -217,10 +217,17 @@ def _request(**extra):
                    "(round-to-nearest where the method calibrates: calibration text never "
                    "reaches the vision tower). Default: the vision tower and projector stay "
                    "dense.")
+@click.option("--quantize-mtp", "quantize_mtp", is_flag=True,
+              help="Checkpoints with multi-token-prediction (MTP) layers (GLM-4.5, DeepSeek-V3 "
+                   "nextn blocks, Qwen3.5 / Qwen3-Next mtp.*): quantize their Linears like the "
+                   "trunk's (round-to-nearest in the same scheme where the method calibrates: "
+                   "transformers gives no forward for them). Default: they are kept dense, as "
+                   "stored. Not for GGUF.")
 @click.option("--verify", "verify_engine", type=click.Choice(["vllm", "llamacpp", "trtllm"]),
               default=None, help="Run `quantkit verify OUT --engine E` at the end and keep its "
                                  "result in the artifact's metadata (compare shows it).")
-def quantize(resume, no_memory_check, reproducible, quantize_vision, verify_engine, **kw) -> None:
+def quantize(resume, no_memory_check, reproducible, quantize_vision, quantize_mtp, verify_engine,
+             **kw) -> None:
     """Quantize MODEL with METHOD and write an engine-ready artifact to -o."""
     from quantkit import reproducible as mode
 
@@ -229,7 +236,8 @@ def quantize(resume, no_memory_check, reproducible, quantize_vision, verify_engi
     from quantkit.pipeline.quantize import quantize as run
 
     req = _request(resume=resume, memory_check=not no_memory_check,
-                   reproducible=mode.active(), quantize_vision=quantize_vision)
+                   reproducible=mode.active(), quantize_vision=quantize_vision,
+                   quantize_mtp=quantize_mtp)
     if os.environ.get("RANK", "0") != "0":  # a data-parallel worker (torchrun): rank 0 reports
         run(req)
         return

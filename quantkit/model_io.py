@@ -16,7 +16,7 @@ from quantkit.errors import BadWeights, ModelLoadError
 from quantkit.readers import INDEX_FILE, read_config_json, tensor_files
 from quantkit.transformers_lean import causal_lm_class, model_class, trim_transformers_extras
 
-__all__ = ["ModelSource", "resolve_model", "load_config", "load_model", "load_tokenizer",
+__all__ = ["mtp_tensor_names", "ModelSource", "resolve_model", "load_config", "load_model", "load_tokenizer",
            "check_finite", "TOKENIZER_FILES", "PROCESSOR_FILES"]
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -183,3 +183,24 @@ def check_finite(named_tensors) -> None:
             f"Tensor {name} contains {bad} NaN/Inf values; refusing to quantize.",
             "The checkpoint is damaged or was saved after a diverged step; fix it first.",
         )
+
+
+def mtp_tensor_names(source_dir: Path, config: dict, block_path: str) -> list[str]:
+    """The checkpoint's multi-token-prediction (MTP) tensors, sorted: `mtp.*` (Qwen3.5 /
+    Qwen3-Next, `mtp_num_hidden_layers`) or the blocks past num_hidden_layers (GLM-4.5 and
+    DeepSeek-V3 nextn layers, `num_nextn_predict_layers`). transformers drops them when it
+    loads the model, so only the shards tell; every format and method asks this one
+    function."""
+    source_dir = Path(source_dir)
+    if not source_dir.is_dir() or not any(source_dir.glob("*.safetensors")):
+        return []
+    text = config.get("text_config") or {}
+    n_layer = config.get("num_hidden_layers", text.get("num_hidden_layers"))
+    prefix = block_path + "."
+    out = []
+    for name in tensor_files(source_dir):
+        bid = name[len(prefix):].partition(".")[0] if name.startswith(prefix) else ""
+        if name.startswith(("mtp.", "model.mtp.")) or (
+                n_layer is not None and bid.isdigit() and int(bid) >= int(n_layer)):
+            out.append(name)
+    return sorted(out)

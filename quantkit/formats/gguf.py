@@ -293,34 +293,20 @@ def _check_config(spec: ArchSpec, config: dict) -> None:
         spec.gguf_check(config)
 
 
-def _mtp_tensors(spec: ArchSpec, config: dict, source_dir: Path) -> list[str]:
-    """The checkpoint's multi-token-prediction tensors: `mtp.*` (Qwen3.5 / Qwen3-Next) or
-    blocks past num_hidden_layers (DeepSeek / GLM nextn layers). transformers drops them when
-    it loads the model, so only the shards tell."""
-    from quantkit.readers import tensor_files
-
-    if not source_dir.is_dir():
-        return []
-    prefix, n_layer = spec.block_path + ".", int(config["num_hidden_layers"])
-    out = []
-    for name in tensor_files(source_dir):
-        bid = name[len(prefix):].partition(".")[0] if name.startswith(prefix) else ""
-        if name.startswith(("mtp.", "model.mtp.")) or (bid.isdigit() and int(bid) >= n_layer):
-            out.append(name)
-    return sorted(out)
-
-
 def _refuse_mtp(spec: ArchSpec, config: dict, source_dir: Path) -> None:
     """MTP layers go into llama.cpp's GGUF as extra nextn blocks (its converter's default);
     quantkit does not write those yet, and a file without them would silently lose the
     model's speculative decoding: refused before any work."""
-    mtp = _mtp_tensors(spec, config, source_dir)
+    from quantkit.model_io import mtp_tensor_names
+
+    mtp = mtp_tensor_names(source_dir, config, spec.block_path)
     if mtp:
         raise UnsupportedArchitecture(
             f"The checkpoint holds {len(mtp)} multi-token-prediction (MTP) tensors (e.g. "
             f"{mtp[0]}); quantkit's GGUF writer does not write them as llama.cpp's nextn "
             "blocks yet, and leaving them out would drop them silently.",
-            "Convert a copy of the checkpoint without its MTP tensors (as llama.cpp's "
+            "Use --format compressed-tensors (it keeps the MTP layers), or convert a copy of "
+            "the checkpoint without its MTP tensors (as llama.cpp's "
             "converter does when told not to export MTP layers), knowing that speculative "
             "decoding with them is then lost.")
 

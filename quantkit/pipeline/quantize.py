@@ -52,6 +52,7 @@ from quantkit.pipeline.checkpoint import (
 )
 from quantkit.pipeline.experts import linearize_experts
 from quantkit.pipeline.heap import end_small_heap, keep_heap_small
+from quantkit.pipeline.mtp import find_mtp, mtp_quantizer, quantize_mtp
 from quantkit.pipeline.offload import reserve_pinned
 from quantkit.pipeline.output import (
     atomic_output,
@@ -122,6 +123,9 @@ class QuantizeRequest:
     # a vision-language checkpoint: quantize the vision encoder's Linears too (RTN where the
     # method is calibrated: calibration text never reaches the vision tower)
     quantize_vision: bool = False
+    # multi-token-prediction layers: quantize their Linears like the trunk's (RTN where the
+    # method is calibrated: transformers gives no forward for them); default: kept dense
+    quantize_mtp: bool = False
 
     def cli_equivalent(self) -> str:
         """The `quantkit quantize` command that makes this request (for API callers)."""
@@ -146,6 +150,8 @@ class QuantizeRequest:
             args += ["--reproducible"]
         if self.quantize_vision:
             args += ["--quantize-vision"]
+        if self.quantize_mtp:
+            args += ["--quantize-mtp"]
         args += record.command_tail(self)
         reads_calib = record.reads_calibration(self.method_options) or bool(self.kv_cache)
         if reads_calib:  # the CLI refuses calibration flags a method would not read
@@ -327,6 +333,10 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
     if req.kv_cache:
         check_kv_cache(req.kv_cache, writer.name, spec, dp is not None)
     vision_method = vision_quantizer(quantizer, req.scheme, spec) if req.quantize_vision else None
+    # MTP tensors (transformers drops them): copied from the shards; GGUF refuses them itself
+    mtp = find_mtp(source.path, raw_config, spec)
+    mtp_method = mtp_quantizer(quantizer, req.scheme, mtp, writer.name, writer.single_file) \
+        if req.quantize_mtp else None
     calibrate = quantizer.needs_calibration or bool(req.kv_cache)
     config = load_config(source.path, trust_remote_code=req.trust_remote_code)
     shapes = linear_shapes(config, spec)
@@ -506,6 +516,10 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
     if spec.checkpoint_renames:  # the engines load the checkpoint's names (Mixtral's)
         dense = {spec.checkpoint_name(k): v for k, v in dense.items()}
         results = CheckpointNamed(results, spec)
+    if mtp is not None:  # under the checkpoint's names, which vLLM's MTP loaders read
+        dense, results, ignore = _with_mtp(mtp, mtp_method, req.scheme, dense, results, ignore,
+                                           spec)
+        meta["mtp"] = mtp.record(mtp_method.name if mtp_method else None)
     if writer.single_file:  # one file (GGUF): metadata goes inside it
         meta["seconds"]["total"] = round(time.perf_counter() - t_start, 3)
         with atomic_output(out, req.force, is_dir=False) as tmp:
@@ -543,6 +557,21 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
     if ckpt is not None:
         ckpt.remove()
     return meta
+
+
+def _with_mtp(mtp, method, scheme: QuantScheme, dense: dict, results, ignore: list[str],
+              spec: ArchSpec):
+    """dense, results and ignore with the MTP layers: quantized Linears beside the trunk's
+    results (--quantize-mtp), every other MTP tensor as stored, each dense MTP Linear named
+    in the ignore list (vLLM then builds it unquantized)."""
+    if method is not None:
+        trunk = {spec.checkpoint_name(n) for n in results} if not spec.checkpoint_renames \
+            else set(results)
+        quantize_mtp(mtp, mtp.linears_like(trunk), method, scheme)
+        results = ChainMap(mtp.quantized, results)
+    skip = {m + s for m in mtp.quantized for s in (".weight", ".bias")}
+    dense = {**dense, **mtp.read([n for n in mtp.names if n not in skip])}
+    return dense, results, ignore + mtp.dense_linears(mtp.shapes())
 
 
 def _non_matrix_values(config, spec: ArchSpec, shapes: dict[str, tuple[int, int]]) -> tuple[int, int]:
