@@ -36,6 +36,14 @@ FAMILIES = {
     # "smollm", which llama.cpp tokenizes as transformers does
     "ministral3": ("Ministral3Config", "Ministral3ForCausalLM", dict(intermediate_size=512),
                    "mistral3", ("tokenizer.",), ()),
+    # the converter's gemma4 writes every vocabulary as its own "gemma4" SentencePiece-style
+    # one (LlamaHfVocab: scores, no merges, add_bos true); quantkit writes SmolLM2's
+    # byte-level BPE as gpt2 with merges, as for every such tokenizer
+    # (llama.cpp's gemma4 wants as many per-layer embedding rows as tokens, as real Gemma 4
+    # has; the config class's default 262144 would be refused)
+    "gemma4": ("Gemma4TextConfig", "Gemma4ForCausalLM",
+               dict(intermediate_size=512, head_dim=64, vocab_size_per_layer_input=49152),
+               "gemma4", ("tokenizer.",), ()),
 }
 
 
@@ -100,4 +108,26 @@ def test_mtp_tensors_are_refused_before_any_work(tmp_path):
     with pytest.raises(UnsupportedArchitecture, match="MTP") as e:
         _gguf(src, tmp_path / "out.gguf", "bf16")
     assert "mtp.fc.weight" in e.value.message and "without its MTP tensors" in e.value.hint
+    assert not (tmp_path / "out.gguf").exists()
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("edit, match", [
+    (dict(vocab_size_per_layer_input=262144), "per-layer vocabulary of 262144 rows"),
+    (dict(use_double_wide_mlp=True), "double-wide MLPs"),
+])
+def test_gemma4_variants_gguf_cannot_hold_are_refused(edit, match, tmp_path):
+    """Gemma 4 configs whose GGUF llama.cpp would not load (a per-layer vocabulary unlike the
+    token vocabulary: check_tensor_dims refuses per_layer_token_embd) or quantkit has not
+    compared with the converter are refused before any work, and nothing is written."""
+    import json
+
+    from quantkit.errors import UnsupportedArchitecture
+
+    src = _make(tmp_path / "gemma4", "gemma4")
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, **edit}))
+    with pytest.raises(UnsupportedArchitecture, match=match) as e:
+        _gguf(src, tmp_path / "out.gguf", "bf16")
+    assert "convert_hf_to_gguf.py" in e.value.hint
     assert not (tmp_path / "out.gguf").exists()

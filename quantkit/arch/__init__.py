@@ -14,6 +14,7 @@ from quantkit.arch import (
     deepseek_v3,
     deepseek_v32,
     gemma3,
+    gemma4,
     gpt_oss,
     llama,
     ministral3,
@@ -44,7 +45,7 @@ ENGINE_DENSE: dict[str, tuple[str, ...]] = {
 # discovered families llama.cpp has an architecture for: model_type -> the ArchSpec's gguf_*
 # fields (the architecture name, its optional keys, the converter's tensor transforms), the
 # facts discovery cannot read off the model; tensor names still come from the gguf package
-GGUF_FAMILIES = (olmo3, ministral3)
+GGUF_FAMILIES = (olmo3, ministral3, gemma4)
 DISCOVERED_GGUF: dict[str, dict] = {
     t: fields for family in GGUF_FAMILIES for t, fields in family.GGUF.items()}
 
