@@ -44,6 +44,14 @@ FAMILIES = {
     "gemma4": ("Gemma4TextConfig", "Gemma4ForCausalLM",
                dict(intermediate_size=512, head_dim=64, vocab_size_per_layer_input=49152),
                "gemma4", ("tokenizer.",), ()),
+    # one Gated DeltaNet layer, one gated full-attention layer; as many value heads as key
+    # heads (quantkit refuses the other case for GGUF: see the refusal test); no MTP tensors
+    # in a tiny transformers checkpoint, so the converter runs with --no-mtp (without it, it
+    # asserts MTP layers exist)
+    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM",
+                dict(intermediate_size=512, head_dim=64, linear_num_value_heads=16,
+                     layer_types=["linear_attention", "full_attention"]),
+                "qwen35", (), ("--no-mtp",)),
 }
 
 
@@ -83,6 +91,9 @@ def test_gguf_equals_llama_cpp_converter_and_quantize(family, tmp_path):
     ours = _gguf(src, tmp_path / "ours.bf16.gguf", "bf16")
     kv, tensors = assert_same_gguf(ours, ref, skip=skip)
     assert f"{arch}.block_count" in kv and "blk.1.attn_q.weight" in tensors
+    if family == "qwen3_5":  # the Gated DeltaNet layer's tensors, as the converter writes them
+        assert {"blk.0.ssm_a", "blk.0.ssm_conv1d.weight", "blk.0.ssm_dt.bias",
+                "blk.0.ssm_norm.weight", "blk.0.attn_qkv.weight", "blk.0.ssm_out.weight"} <= set(tensors)
     lq = tmp_path / "lq.gguf"
     llama_quantize(ref, lq, "q4_k_m")
     q4 = _gguf(src, tmp_path / "ours.q4_k_m.gguf", "q4_k_m")
@@ -112,19 +123,22 @@ def test_mtp_tensors_are_refused_before_any_work(tmp_path):
 
 
 @pytest.mark.fast
-@pytest.mark.parametrize("edit, match", [
-    (dict(vocab_size_per_layer_input=262144), "per-layer vocabulary of 262144 rows"),
-    (dict(use_double_wide_mlp=True), "double-wide MLPs"),
+@pytest.mark.parametrize("family, edit, match", [
+    ("gemma4", dict(vocab_size_per_layer_input=262144), "per-layer vocabulary of 262144 rows"),
+    ("gemma4", dict(use_double_wide_mlp=True), "double-wide MLPs"),
+    ("qwen3_5", dict(linear_num_value_heads=32), "16 key heads and 32 value heads"),
 ])
-def test_gemma4_variants_gguf_cannot_hold_are_refused(edit, match, tmp_path):
-    """Gemma 4 configs whose GGUF llama.cpp would not load (a per-layer vocabulary unlike the
-    token vocabulary: check_tensor_dims refuses per_layer_token_embd) or quantkit has not
-    compared with the converter are refused before any work, and nothing is written."""
+def test_variants_gguf_cannot_hold_are_refused(family, edit, match, tmp_path):
+    """Configs whose GGUF llama.cpp would not load (Gemma 4 with a per-layer vocabulary unlike
+    the token vocabulary: check_tensor_dims refuses per_layer_token_embd) or whose layout
+    quantkit does not write yet (Gemma 4's double-wide MLPs; Qwen3.5 with more value than key
+    heads, which the converter reorders, out_proj's columns included) are refused before any
+    work, and nothing is written. The edit goes into config.json alone: nothing is loaded."""
     import json
 
     from quantkit.errors import UnsupportedArchitecture
 
-    src = _make(tmp_path / "gemma4", "gemma4")
+    src = _make(tmp_path / family, family)
     config = json.loads((src / "config.json").read_text())
     (src / "config.json").write_text(json.dumps({**config, **edit}))
     with pytest.raises(UnsupportedArchitecture, match=match) as e:

@@ -237,6 +237,11 @@ class ArchSpec:
     gguf_attention_bias: bool = True
     # further refusals of configs the arch's llama.cpp graph would run differently
     gguf_check: Callable[[dict], None] | None = None
+    # the converter's value transforms of dense tensors, by GGUF name: (GGUF name, tensor,
+    # config) -> tensor (Qwen3.5's ssm_a = -exp(A_log)); None: written as they are
+    gguf_transform: Callable[[str, object, dict], object] | None = None
+    # GGUF base names the converter writes without a .weight suffix (Qwen3.5's ssm_a)
+    gguf_bare: tuple[str, ...] = ()
     # embedding tables outside the blocks besides `embed` that llama-quantize quantizes as
     # token embeddings (Gemma 4's per-layer embeddings): (module, its (rows, cols) from
     # config_getter(config), None where the config has no such table)

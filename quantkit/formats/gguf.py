@@ -146,7 +146,7 @@ def _ggml_mxfp4(blocks_file: Path, blocks_name: str, scales_file: Path, scales_n
 
 # 2-D weights the converter always writes as F32, whatever --outtype (base.py forces the MoE
 # router, ffn_gate_inp, to F32; llama-quantize never quantizes it)
-_F32_WEIGHTS = ("ffn_gate_inp.weight",)
+_F32_WEIGHTS = ("ffn_gate_inp.weight", "ssm_conv1d.weight")
 
 
 class _TensorList:
@@ -420,6 +420,10 @@ class GGUFFileWriter(FormatWriter):
                 t = _permute(t, permute[base])
             if gname.endswith("norm.weight") and spec.norm_offset:
                 t = t.float() + spec.norm_offset
+            if spec.gguf_transform is not None:
+                t = spec.gguf_transform(gname, t, config)
+            if gname.endswith(".weight") and base.rpartition(".")[2] in spec.gguf_bare:
+                gname = base  # tensors.add below reads it as a float tensor: F32
             if (t.dim() <= 1 or gname.endswith("_norm.weight") or not gname.endswith(".weight")
                     or gname.endswith(_F32_WEIGHTS)):
                 tensors.add(gname, expert, lambda t=t: t.float().numpy(), Q.F32)
@@ -622,6 +626,24 @@ def _gemma4_layers(w: GGUFWriter, c: dict) -> None:
     w.add_rope_dimension_count_swa(int(swa * part))
 
 
+def _gated_deltanet(w: GGUFWriter, c: dict) -> None:
+    """Qwen3.5 / Qwen3-Next linear attention as llama.cpp's qwen35 / qwen3next read it: the
+    SSM sizes, which layers are recurrent, and the full layers' partial RoPE width."""
+    w.add_ssm_conv_kernel(int(c["linear_conv_kernel_dim"]))
+    w.add_ssm_state_size(int(c["linear_key_head_dim"]))
+    w.add_ssm_group_count(int(c["linear_num_key_heads"]))
+    w.add_ssm_time_step_rank(int(c["linear_num_value_heads"]))
+    w.add_ssm_inner_size(int(c["linear_value_head_dim"]) * int(c["linear_num_value_heads"]))
+    if c.get("layer_types") is not None:
+        # {arch}.attention.recurrent_layers (the gguf package 0.19 has no add_ method for it)
+        w.add_array(f"{w.arch}.attention.recurrent_layers",
+                    [t == "linear_attention" for t in c["layer_types"]])
+    w.add_full_attention_interval(int(c.get("full_attention_interval", 4)))
+    part = GGUFFileWriter._rope(c).get("partial_rotary_factor",
+                                       c.get("partial_rotary_factor", 0.25))
+    w.add_rope_dimension_count(int(GGUFFileWriter._head_dim(c) * part))
+
+
 def _rope_factors_proportional(config: dict) -> np.ndarray:
     """rope_freqs of Gemma 4's global layers ("proportional" RoPE rotates the first
     partial_rotary_factor of each half): 1 for the rotated pairs, 1e30 (no rotation) after."""
@@ -664,6 +686,9 @@ _OPTIONAL_KV = {
         [t == "sliding_attention" for t in c["layer_types"]] if c.get("layer_types") else
         [(i + 1) % 4 != 0 for i in range(c["num_hidden_layers"])]),
     "gemma4_layers": _gemma4_layers,
+    "gated_deltanet": _gated_deltanet,
+    "mrope_sections": lambda w, c: w.add_rope_dimension_sections(
+        list(GGUFFileWriter._rope(c).get("mrope_section") or [11, 11, 10, 0])),
     "expert_used_count": lambda w, c: w.add_expert_used_count(int(c["num_experts_per_tok"])),
     "expert_feed_forward_length": lambda w, c: w.add_expert_feed_forward_length(
         int(c["moe_intermediate_size"])),
