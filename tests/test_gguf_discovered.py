@@ -71,6 +71,19 @@ def _make(out: Path, family: str) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    """family -> its tiny checkpoint, built once per session on first use (read-only: a test
+    that edits one works on a copy)."""
+    built: dict[str, Path] = {}
+
+    def get(family: str) -> Path:
+        if family not in built:
+            built[family] = _make(tmp_path_factory.mktemp("gguf-tiny") / family, family)
+        return built[family]
+    return get
+
+
 def _gguf(src: Path, out: Path, gguf_type: str) -> Path:
     quantize(QuantizeRequest(model=str(src), method="gguf", out=out, format="gguf",
                              scheme=QuantScheme(kind="kquant", gguf_type=gguf_type),
@@ -80,13 +93,13 @@ def _gguf(src: Path, out: Path, gguf_type: str) -> Path:
 
 @pytest.mark.engine
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_gguf_equals_llama_cpp_converter_and_quantize(family, tmp_path):
+def test_gguf_equals_llama_cpp_converter_and_quantize(family, tiny, tmp_path):
     """BF16 = convert_hf_to_gguf.py's file (tensors: names, types, shapes, bytes; keys), Q4_K_M
     = llama_model_quantize of that file, and llama.cpp generates from quantkit's Q4_K_M."""
     from quantkit.engines.llamacpp import llama_quantize
 
     arch, skip, options = FAMILIES[family][3:]
-    src = _make(tmp_path / family, family)
+    src = tiny(family)
     ref = convert_with_llama_cpp(src, tmp_path / "ref.bf16.gguf", extra=options)
     ours = _gguf(src, tmp_path / "ours.bf16.gguf", "bf16")
     kv, tensors = assert_same_gguf(ours, ref, skip=skip)
@@ -105,7 +118,7 @@ def test_gguf_equals_llama_cpp_converter_and_quantize(family, tmp_path):
 
 
 @pytest.mark.fast
-def test_mtp_tensors_are_refused_before_any_work(tmp_path):
+def test_mtp_tensors_are_refused_before_any_work(tiny, tmp_path):
     """A checkpoint with MTP tensors (here `mtp.fc.weight`, as Qwen3.5 ships them) is refused
     for GGUF with the way out, and nothing is written: the nextn blocks are not written yet,
     and a file without them would drop them silently."""
@@ -113,7 +126,7 @@ def test_mtp_tensors_are_refused_before_any_work(tmp_path):
 
     from quantkit.errors import UnsupportedArchitecture
 
-    src = _make(tmp_path / "olmo3", "olmo3")
+    src = shutil.copytree(tiny("olmo3"), tmp_path / "olmo3")
     save_file({"mtp.fc.weight": torch.zeros(256, 512, dtype=torch.bfloat16)},
               src / "mtp.safetensors", metadata={"format": "pt"})
     with pytest.raises(UnsupportedArchitecture, match="MTP") as e:
@@ -128,7 +141,7 @@ def test_mtp_tensors_are_refused_before_any_work(tmp_path):
     ("gemma4", dict(use_double_wide_mlp=True), "double-wide MLPs"),
     ("qwen3_5", dict(linear_num_value_heads=32), "16 key heads and 32 value heads"),
 ])
-def test_variants_gguf_cannot_hold_are_refused(family, edit, match, tmp_path):
+def test_variants_gguf_cannot_hold_are_refused(family, edit, match, tiny, tmp_path):
     """Configs whose GGUF llama.cpp would not load (Gemma 4 with a per-layer vocabulary unlike
     the token vocabulary: check_tensor_dims refuses per_layer_token_embd) or whose layout
     quantkit does not write yet (Gemma 4's double-wide MLPs; Qwen3.5 with more value than key
@@ -138,7 +151,7 @@ def test_variants_gguf_cannot_hold_are_refused(family, edit, match, tmp_path):
 
     from quantkit.errors import UnsupportedArchitecture
 
-    src = _make(tmp_path / family, family)
+    src = shutil.copytree(tiny(family), tmp_path / family)
     config = json.loads((src / "config.json").read_text())
     (src / "config.json").write_text(json.dumps({**config, **edit}))
     with pytest.raises(UnsupportedArchitecture, match=match) as e:
