@@ -32,6 +32,22 @@ FAMILIES = {
     # "smollm", which llama.cpp tokenizes as transformers does
     "ministral3": ("Ministral3Config", "Ministral3ForCausalLM", dict(intermediate_size=512),
                    "mistral3", ("tokenizer.",), ()),
+    # the converter's gemma4 writes every vocabulary as its own "gemma4" SentencePiece-style
+    # one (LlamaHfVocab: scores, no merges, add_bos true); quantkit writes SmolLM2's
+    # byte-level BPE as gpt2 with merges, as for every such tokenizer
+    # (llama.cpp's gemma4 wants as many per-layer embedding rows as tokens, as real Gemma 4
+    # has; the config class's default 262144 would be refused)
+    "gemma4": ("Gemma4TextConfig", "Gemma4ForCausalLM",
+               dict(intermediate_size=512, head_dim=64, vocab_size_per_layer_input=49152),
+               "gemma4", ("tokenizer.",), ()),
+    # one Gated DeltaNet layer, one gated full-attention layer; as many value heads as key
+    # heads (quantkit refuses the other case for GGUF: see the refusal test); no MTP tensors
+    # in a tiny transformers checkpoint, so the converter runs with --no-mtp (without it, it
+    # asserts MTP layers exist)
+    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM",
+                dict(intermediate_size=512, head_dim=64, linear_num_value_heads=16,
+                     layer_types=["linear_attention", "full_attention"]),
+                "qwen35", (), ("--no-mtp",)),
 }
 
 
@@ -48,6 +64,19 @@ def _make(out: Path, family: str) -> Path:
     return make_model(out, config_cls, model_cls, kwargs, seed=5, prepare=_norms_off_one)
 
 
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    """family -> its tiny checkpoint, built once per session on first use (read-only: a test
+    that edits one works on a copy)."""
+    built: dict[str, Path] = {}
+
+    def get(family: str) -> Path:
+        if family not in built:
+            built[family] = _make(tmp_path_factory.mktemp("gguf-tiny") / family, family)
+        return built[family]
+    return get
+
+
 def _gguf(src: Path, out: Path, gguf_type: str) -> Path:
     quantize(QuantizeRequest(model=str(src), method="gguf", out=out, format="gguf",
                              scheme=QuantScheme(kind="kquant", gguf_type=gguf_type),
@@ -57,17 +86,20 @@ def _gguf(src: Path, out: Path, gguf_type: str) -> Path:
 
 @pytest.mark.engine
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_gguf_equals_llama_cpp_converter_and_quantize(family, tmp_path):
+def test_gguf_equals_llama_cpp_converter_and_quantize(family, tiny, tmp_path):
     """BF16 = convert_hf_to_gguf.py's file (tensors: names, types, shapes, bytes; keys), Q4_K_M
     = llama_model_quantize of that file, and llama.cpp generates from quantkit's Q4_K_M."""
     from quantkit.engines.llamacpp import llama_quantize
 
     arch, skip, options = FAMILIES[family][3:]
-    src = _make(tmp_path / family, family)
+    src = tiny(family)
     ref = convert_with_llama_cpp(src, tmp_path / "ref.bf16.gguf", extra=options)
     ours = _gguf(src, tmp_path / "ours.bf16.gguf", "bf16")
     kv, tensors = assert_same_gguf(ours, ref, skip=skip)
     assert f"{arch}.block_count" in kv and "blk.1.attn_q.weight" in tensors
+    if family == "qwen3_5":  # the Gated DeltaNet layer's tensors, as the converter writes them
+        assert {"blk.0.ssm_a", "blk.0.ssm_conv1d.weight", "blk.0.ssm_dt.bias",
+                "blk.0.ssm_norm.weight", "blk.0.attn_qkv.weight", "blk.0.ssm_out.weight"} <= set(tensors)
     lq = tmp_path / "lq.gguf"
     llama_quantize(ref, lq, "q4_k_m")
     q4 = _gguf(src, tmp_path / "ours.q4_k_m.gguf", "q4_k_m")
@@ -79,7 +111,7 @@ def test_gguf_equals_llama_cpp_converter_and_quantize(family, tmp_path):
 
 
 @pytest.mark.fast
-def test_mtp_tensors_are_refused_before_any_work(tmp_path):
+def test_mtp_tensors_are_refused_before_any_work(tiny, tmp_path):
     """A checkpoint with MTP tensors (here `mtp.fc.weight`, as Qwen3.5 ships them) is refused
     for GGUF with the way out, and nothing is written: the nextn blocks are not written yet,
     and a file without them would drop them silently."""
@@ -87,10 +119,35 @@ def test_mtp_tensors_are_refused_before_any_work(tmp_path):
 
     from quantkit.errors import UnsupportedArchitecture
 
-    src = _make(tmp_path / "olmo3", "olmo3")
+    src = shutil.copytree(tiny("olmo3"), tmp_path / "olmo3")
     save_file({"mtp.fc.weight": torch.zeros(256, 512, dtype=torch.bfloat16)},
               src / "mtp.safetensors", metadata={"format": "pt"})
     with pytest.raises(UnsupportedArchitecture, match="MTP") as e:
         _gguf(src, tmp_path / "out.gguf", "bf16")
     assert "mtp.fc.weight" in e.value.message and "without its MTP tensors" in e.value.hint
+    assert not (tmp_path / "out.gguf").exists()
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("family, edit, match", [
+    ("gemma4", dict(vocab_size_per_layer_input=262144), "per-layer vocabulary of 262144 rows"),
+    ("gemma4", dict(use_double_wide_mlp=True), "double-wide MLPs"),
+    ("qwen3_5", dict(linear_num_value_heads=32), "16 key heads and 32 value heads"),
+])
+def test_variants_gguf_cannot_hold_are_refused(family, edit, match, tiny, tmp_path):
+    """Configs whose GGUF llama.cpp would not load (Gemma 4 with a per-layer vocabulary unlike
+    the token vocabulary: check_tensor_dims refuses per_layer_token_embd) or whose layout
+    quantkit does not write yet (Gemma 4's double-wide MLPs; Qwen3.5 with more value than key
+    heads, which the converter reorders, out_proj's columns included) are refused before any
+    work, and nothing is written. The edit goes into config.json alone: nothing is loaded."""
+    import json
+
+    from quantkit.errors import UnsupportedArchitecture
+
+    src = shutil.copytree(tiny(family), tmp_path / family)
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, **edit}))
+    with pytest.raises(UnsupportedArchitecture, match=match) as e:
+        _gguf(src, tmp_path / "out.gguf", "bf16")
+    assert "convert_hf_to_gguf.py" in e.value.hint
     assert not (tmp_path / "out.gguf").exists()

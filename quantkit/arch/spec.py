@@ -237,6 +237,15 @@ class ArchSpec:
     gguf_attention_bias: bool = True
     # further refusals of configs the arch's llama.cpp graph would run differently
     gguf_check: Callable[[dict], None] | None = None
+    # the converter's value transforms of dense tensors, by GGUF name: (GGUF name, tensor,
+    # config) -> tensor (Qwen3.5's ssm_a = -exp(A_log)); None: written as they are
+    gguf_transform: Callable[[str, object, dict], object] | None = None
+    # GGUF base names the converter writes without a .weight suffix (Qwen3.5's ssm_a)
+    gguf_bare: tuple[str, ...] = ()
+    # embedding tables outside the blocks besides `embed` that llama-quantize quantizes as
+    # token embeddings (Gemma 4's per-layer embeddings): (module, its (rows, cols) from
+    # config_getter(config), None where the config has no such table)
+    gguf_outer_embeds: tuple[tuple[str, Callable[[Callable], tuple[int, int] | None]], ...] = ()
     # which configs llama.cpp's loader calls a 70B model (llama_model_quantize then gives
     # attn_v more bits): a predicate on config_getter(config); None: never
     gguf_70b: Callable[[Callable], bool] | None = None
@@ -319,12 +328,15 @@ class ArchSpec:
         prefix = self.block_path + "."
         if module.startswith(prefix):
             bid, _, rel = module[len(prefix):].partition(".")
-            slot = self._gguf_block(f"{rel}.{suffix}") if bid.isdigit() else None
+            # a bare parameter of the block itself (Gemma 4's layer_scalar): no module part
+            slot = self._gguf_block(f"{rel}.{suffix}" if rel else suffix) if bid.isdigit() else None
             return (slot[0].format(bid=int(bid)), slot[1]) if slot else None
-        if module not in (self.embed, self.final_norm, self.lm_head) or self.gguf_arch is None:
+        if self.gguf_arch is None:
             return None
+        # the embeddings, final norm and head, and whatever else outside the blocks the arch's
+        # table names (Gemma 4's per-layer embeddings and their projection)
         found = gguf_lookup(self.gguf_arch, self.checkpoint_name(name))
-        return (found, None) if found else None
+        return (found, None) if found and not found.startswith("blk.") else None
 
     def gguf_slot(self, rel: str) -> tuple[str, int | None] | None:
         """Block-relative module name -> (GGUF base name template with {bid}, expert index):

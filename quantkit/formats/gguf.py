@@ -45,6 +45,7 @@ from quantkit.errors import SchemeMismatch, UnsupportedArchitecture
 from quantkit.formats.common import FormatRecord, FormatWriter
 from quantkit.formats.gguf_tokenizer import read_tokenizer
 from quantkit.ggml.catalogue import GGUF_TYPES, file_type
+from quantkit.ggml.mix import NEVER_QUANTIZED
 from quantkit.readers import GGUFTensor, bad_gguf, read_gguf
 from quantkit.types import QuantResult, QuantScheme
 
@@ -145,7 +146,7 @@ def _ggml_mxfp4(blocks_file: Path, blocks_name: str, scales_file: Path, scales_n
 
 # 2-D weights the converter always writes as F32, whatever --outtype (base.py forces the MoE
 # router, ffn_gate_inp, to F32; llama-quantize never quantizes it)
-_F32_WEIGHTS = ("ffn_gate_inp.weight",)
+_F32_WEIGHTS = ("ffn_gate_inp.weight", "ssm_conv1d.weight")
 
 
 class _TensorList:
@@ -405,10 +406,15 @@ class GGUFFileWriter(FormatWriter):
                 t = _permute(t, permute[base])
             if gname.endswith("norm.weight") and spec.norm_offset:
                 t = t.float() + spec.norm_offset
+            if spec.gguf_transform is not None:
+                t = spec.gguf_transform(gname, t, config)
+            if gname.endswith(".weight") and base.rpartition(".")[2] in spec.gguf_bare:
+                gname = base  # tensors.add below reads it as a float tensor: F32
             if (t.dim() <= 1 or gname.endswith("_norm.weight") or not gname.endswith(".weight")
                     or gname.endswith(_F32_WEIGHTS)):
                 tensors.add(gname, expert, lambda t=t: t.float().numpy(), Q.F32)
-            elif dense_2d == Q.BF16:
+            elif dense_2d == Q.BF16 or (t.dtype == torch.bfloat16 and any(
+                    n in gname for n in NEVER_QUANTIZED)):  # as llama-quantize keeps it
                 tensors.add(gname, expert, lambda t=t: t.to(torch.bfloat16).contiguous()
                             .view(torch.uint8).numpy(), Q.BF16)
             else:
@@ -416,6 +422,9 @@ class GGUFFileWriter(FormatWriter):
         rope = self._rope(config)
         if rope.get("rope_type", "").lower() == "llama3" and "llama3" in spec.gguf_rope_types:
             factors = _rope_factors_llama3(rope, self._head_dim(config))
+            tensors.add("rope_freqs.weight", None, lambda: factors, Q.F32)
+        elif rope.get("rope_type", "").lower() == "proportional":
+            factors = _rope_factors_proportional(config)
             tensors.add("rope_freqs.weight", None, lambda: factors, Q.F32)
         if notes:
             w.add_array("quantkit.fallbacks", notes)
@@ -573,6 +582,62 @@ def _gating(name: str):
     return getattr(ExpertGatingFuncType, name)
 
 
+def _gemma4_head_dim_full(c: dict) -> int:
+    """Gemma 4's global layers' head size: global_head_dim, else the per_layer_config entry of
+    the first full-attention layer that sets one (as the converter reads it)."""
+    if c.get("global_head_dim"):
+        return int(c["global_head_dim"])
+    types = c.get("layer_types") or []
+    for idx, layer in (c.get("per_layer_config") or {}).items():
+        if int(idx) < len(types) and types[int(idx)] == "full_attention" and "head_dim" in layer:
+            return int(layer["head_dim"])
+    raise UnsupportedArchitecture("Gemma 4 config names no head size for its global layers "
+                                  "(global_head_dim or per_layer_config).")
+
+
+def _gemma4_layers(w: GGUFWriter, c: dict) -> None:
+    """Gemma 4's per-layer-type sizes: global layers' head size (rotated in full, their
+    proportional RoPE leaving pairs out through rope_freqs), the sliding layers' own head size
+    and partial rotation, the sliding pattern, per-layer input width, KV-shared layers."""
+    full, swa = _gemma4_head_dim_full(c), int(c["head_dim"])
+    w.add_key_length(full)
+    w.add_value_length(full)
+    w.add_shared_kv_layers(int(c.get("num_kv_shared_layers") or 0))
+    w.add_embedding_length_per_layer_input(int(c.get("hidden_size_per_layer_input") or 0))
+    w.add_sliding_window_pattern([t == "sliding_attention" for t in c["layer_types"]])
+    w.add_key_length_swa(swa)
+    w.add_value_length_swa(swa)
+    w.add_rope_dimension_count(full)
+    part = GGUFFileWriter._rope(c, "sliding_attention").get("partial_rotary_factor", 1.0)
+    w.add_rope_dimension_count_swa(int(swa * part))
+
+
+def _gated_deltanet(w: GGUFWriter, c: dict) -> None:
+    """Qwen3.5 / Qwen3-Next linear attention as llama.cpp's qwen35 / qwen3next read it: the
+    SSM sizes, which layers are recurrent, and the full layers' partial RoPE width."""
+    w.add_ssm_conv_kernel(int(c["linear_conv_kernel_dim"]))
+    w.add_ssm_state_size(int(c["linear_key_head_dim"]))
+    w.add_ssm_group_count(int(c["linear_num_key_heads"]))
+    w.add_ssm_time_step_rank(int(c["linear_num_value_heads"]))
+    w.add_ssm_inner_size(int(c["linear_value_head_dim"]) * int(c["linear_num_value_heads"]))
+    if c.get("layer_types") is not None:
+        # {arch}.attention.recurrent_layers (the gguf package 0.19 has no add_ method for it)
+        w.add_array(f"{w.arch}.attention.recurrent_layers",
+                    [t == "linear_attention" for t in c["layer_types"]])
+    w.add_full_attention_interval(int(c.get("full_attention_interval", 4)))
+    part = GGUFFileWriter._rope(c).get("partial_rotary_factor",
+                                       c.get("partial_rotary_factor", 0.25))
+    w.add_rope_dimension_count(int(GGUFFileWriter._head_dim(c) * part))
+
+
+def _rope_factors_proportional(config: dict) -> np.ndarray:
+    """rope_freqs of Gemma 4's global layers ("proportional" RoPE rotates the first
+    partial_rotary_factor of each half): 1 for the rotated pairs, 1e30 (no rotation) after."""
+    full = _gemma4_head_dim_full(config)
+    n_rot = int(full * GGUFFileWriter._rope(config)["partial_rotary_factor"] / 2)
+    return np.asarray([1.0] * n_rot + [1e30] * (full // 2 - n_rot), dtype=np.float32)
+
+
 # ArchSpec.gguf_kv key -> how that {arch}.* key is written (as llama.cpp's converter does)
 _OPTIONAL_KV = {
     "vocab_size": lambda w, c: w.add_vocab_size(c["vocab_size"]),
@@ -606,6 +671,10 @@ _OPTIONAL_KV = {
     "sliding_window_pattern": lambda w, c: w.add_sliding_window_pattern(
         [t == "sliding_attention" for t in c["layer_types"]] if c.get("layer_types") else
         [(i + 1) % 4 != 0 for i in range(c["num_hidden_layers"])]),
+    "gemma4_layers": _gemma4_layers,
+    "gated_deltanet": _gated_deltanet,
+    "mrope_sections": lambda w, c: w.add_rope_dimension_sections(
+        list(GGUFFileWriter._rope(c).get("mrope_section") or [11, 11, 10, 0])),
     "expert_used_count": lambda w, c: w.add_expert_used_count(int(c["num_experts_per_tok"])),
     "expert_feed_forward_length": lambda w, c: w.add_expert_feed_forward_length(
         int(c["moe_intermediate_size"])),

@@ -58,7 +58,7 @@ from gguf import GGMLQuantizationType
 
 from quantkit.ggml.catalogue import FALLBACK, PRESETS, Preset, Rule, block_size
 
-__all__ = ["TensorPlan", "plan_types", "layer_of"]
+__all__ = ["TensorPlan", "plan_types", "layer_of", "NEVER_QUANTIZED", "TOKEN_EMBD"]
 
 Q = GGMLQuantizationType
 
@@ -83,8 +83,17 @@ def layer_of(name: str) -> int:
     return int(m.group(1)) if m else -1
 
 
+# 2-D weights llama-quantize never quantizes, whatever the preset (tensor_allows_quantization
+# in llama-quant.cpp): they keep the type of the file it reads
+NEVER_QUANTIZED = ("per_layer_model_proj",)
+# llama-quantize's token-embedding tensors (tensor_name_match_token_embd): they take the
+# preset's token_embd type
+TOKEN_EMBD = ("token_embd.weight", "per_layer_token_embd.weight")
+
+
 def _quantizable(name: str, shape: tuple[int, ...]) -> bool:
-    return len(shape) >= 2 and name.endswith("weight") and "_norm.weight" not in name
+    return (len(shape) >= 2 and name.endswith("weight") and "_norm.weight" not in name
+            and not any(n in name for n in NEVER_QUANTIZED))
 
 
 def plan_types(preset: Preset | str, tensors: dict[str, tuple[int, ...]], n_layer: int, *,
@@ -119,9 +128,9 @@ def plan_types(preset: Preset | str, tensors: dict[str, tuple[int, ...]], n_laye
         t = p.base
         if p.quantized:
             ncols = shape[-1]
-            if name == "output.weight" or (tied and name == "token_embd.weight"):
+            if name == "output.weight" or (tied and name in TOKEN_EMBD):
                 t = Q.Q8_0 if ncols % block_size(t) else (t if t == Q.Q8_0 else p.output)
-            elif name == "token_embd.weight":
+            elif name in TOKEN_EMBD:
                 t = p.token_embd or t
             elif "attn_qkv.weight" in name or "attn_v.weight" in name:
                 t = apply(p.attn_v, t, i_attn_v, n_attn_v)

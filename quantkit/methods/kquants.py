@@ -195,6 +195,9 @@ class GGUFQuantizer(Quantizer):
         tensors = {"token_embd.weight": (vocab, hidden)}
         if not get("tie_word_embeddings"):
             tensors["output.weight"] = (vocab, hidden)
+        for full, shape_of in spec.gguf_outer_embeds:
+            if shape_of(get) is not None:
+                tensors[gguf_linear_name(spec, full)] = tuple(shape_of(get))
         for full, shape in shapes.items():
             rel = full[len(spec.block_path) + 1:].partition(".")[2]
             if rel in spec.gguf_head_splits:  # llama.cpp stores it as per-head pieces
@@ -756,7 +759,7 @@ class GGUFQuantizer(Quantizer):
         elif self.preset.quantized:
             mods = dict(model.named_modules())
             device = "cuda" if torch.cuda.is_available() else "cpu"
-            for full in (spec.embed, spec.lm_head):
+            for full in (spec.embed, spec.lm_head, *(m for m, _ in spec.gguf_outer_embeds)):
                 gname = gguf_linear_name(spec, full)
                 if gname not in self.plans or full not in mods:
                     continue

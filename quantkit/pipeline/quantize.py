@@ -447,8 +447,8 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
         results = ChainMap(vision, results)
     if quantizer.quantizes_outside_blocks:  # tensors outside the blocks (GGUF embeddings)
         # the final norm too for a method that reads the head's input (GGUF auto)
-        wanted = (spec.embed, spec.lm_head) + ((spec.final_norm,) if quantizer.reads_final_norm
-                                           else ())
+        wanted = (spec.embed, spec.lm_head, *(m for m, _ in spec.gguf_outer_embeds)) + (
+            (spec.final_norm,) if quantizer.reads_final_norm else ())
         present = dict(model.named_modules())
         outside = [m for m in wanted if streaming and m in present]
         for name in outside:
