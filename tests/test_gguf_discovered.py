@@ -10,6 +10,7 @@ and generates.
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
