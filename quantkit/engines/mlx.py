@@ -22,7 +22,7 @@ import torch
 from quantkit.engines.venvs import offline_env, venv_python
 from quantkit.errors import EngineError
 
-__all__ = ["mlx_python", "mlx_env", "run_mlx", "MLXScorer", "MLX_VENV_NAME"]
+__all__ = ["mlx_python", "mlx_env", "run_mlx", "mlx_dequantize", "MLXScorer", "MLX_VENV_NAME"]
 
 MLX_VENV_NAME = "mlx-0.32.4"
 _WORKER = Path(__file__).with_name("mlx_worker.py")
@@ -61,6 +61,21 @@ def run_mlx(model_dir: Path, *, generate: list[dict], dequantize: bool = False,
         if proc.returncode != 0 or not resp.is_file():
             raise _failure(f"mlx-lm failed to run {model_dir}", proc.stdout, proc.returncode)
         return json.loads(resp.read_text())
+
+
+def mlx_dequantize(model_dir: Path, timeout: float = 600) -> dict[str, torch.Tensor]:
+    """mx.dequantize of every quantized tensor an MLX artifact stores (float32, exact widening
+    of MLX's result in the scales' dtype), by the tensor name it is stored under."""
+    with tempfile.TemporaryDirectory(prefix="quantkit-mlx-") as tmp:
+        out = Path(tmp) / "dequantized.npz"
+        proc = subprocess.run([str(mlx_python()), str(_WORKER), "dequantize",
+                               str(Path(model_dir).resolve()), str(out)],
+                              env=mlx_env(), cwd=tmp, timeout=timeout, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        if proc.returncode != 0 or not out.is_file():
+            raise _failure(f"mx.dequantize failed on {model_dir}", proc.stdout, proc.returncode)
+        with np.load(out) as data:
+            return {k: torch.from_numpy(data[k]) for k in data.files}
 
 
 class MLXScorer:

@@ -5,6 +5,10 @@ Usage:
       Request: {"model": dir, "dequantize": bool, "generate": [{"prompt": str, "max_tokens": n}]}
       Response: {"mlx_version", "mlx_lm_version", "quantized_layers", "load_seconds",
                  "generate": [text]}   (greedy, the prompt as it is: no chat template)
+  python mlx_worker.py dequantize MODEL OUT.npz
+      Every stored quantized tensor `<name>.weight` (with `.scales` / `.biases`) through
+      mx.dequantize, bits and group size as config.json's `quantization` names them, in the
+      scales' dtype and saved as float32 (exact: bf16 / fp16 widen without rounding).
   python mlx_worker.py serve MODEL DEQUANTIZE(0|1)
       Prints one JSON line {"mlx_version", "mlx_lm_version", "quantized_layers", "dtype"} once
       loaded, then for every stdin line "IDS.npy OUT.npy" (int32 [B, T] token ids) writes the
@@ -79,6 +83,28 @@ def serve(model: str, dequantize: str) -> None:
         print("ok", flush=True)
 
 
+def dequantize(model: str, out_path: str) -> None:
+    import glob
+
+    import mlx.core as mx
+    import numpy as np
+
+    quant = json.load(open(os.path.join(model, "config.json")))["quantization"]
+    weights = {}
+    for f in sorted(glob.glob(os.path.join(model, "model*.safetensors"))):
+        weights.update(mx.load(f))
+    out = {}
+    for key in weights:
+        if not key.endswith(".scales"):
+            continue
+        base = key[: -len(".scales")]
+        layer = quant.get(base) if isinstance(quant.get(base), dict) else quant
+        w = mx.dequantize(weights[base + ".weight"], weights[key], weights[base + ".biases"],
+                          group_size=int(layer["group_size"]), bits=int(layer["bits"]))
+        out[base + ".weight"] = np.array(w.astype(mx.float32))
+    np.savez(out_path, **out)
+
+
 if __name__ == "__main__":
     cmd, *args = sys.argv[1:]
-    {"generate": generate, "serve": serve}[cmd](*args)
+    {"generate": generate, "serve": serve, "dequantize": dequantize}[cmd](*args)

@@ -42,7 +42,7 @@ from quantkit.formats.common import (
 )
 from quantkit.types import QuantResult, QuantScheme
 
-__all__ = ["MLXWriter", "pack_mlx", "unpack_mlx", "mlx_tensors", "read_mlx", "is_mlx_config",
+__all__ = ["MLXWriter", "mlx_lm_config", "pack_mlx", "unpack_mlx", "mlx_tensors", "read_mlx", "is_mlx_config",
            "MLX_BITS", "MLX_GROUPS", "switch_name"]
 
 MLX_BITS = (2, 3, 4, 6, 8)  # affine widths of mlx 0.32 that mlx-lm's convert offers
@@ -52,6 +52,7 @@ _SUFFIXES = (".scales", ".biases")
 _EXPERT = re.compile(r"^(?P<block>.+)\.experts\.(?P<e>\d+)\.(?P<proj>\w+)$")
 _MIXTRAL = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
 _MIXTRAL_BACK = {v: k for k, v in _MIXTRAL.items()}
+_NUM_EXPERTS_TYPES = ("qwen3_moe", "qwen2_moe", "olmoe")  # mlx-lm's ModelArgs name num_experts
 
 
 def pack_mlx(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -109,6 +110,23 @@ def switch_name(name: str) -> tuple[str, int] | None:
 
 def _layer_params(r: QuantResult) -> dict[str, int]:
     return {"group_size": r.scheme.effective_group(r.codes.shape[1]), "bits": r.scheme.bits}
+
+
+def mlx_lm_config(config: dict) -> dict:
+    """`config` plus the transformers-4 keys mlx-lm 0.32's ModelArgs require where a
+    transformers 5 config holds them elsewhere: `rope_theta` (5 keeps it in rope_parameters;
+    a non-default rope also as `rope_scaling`) and Qwen MoE's `num_experts` (5 writes
+    num_local_experts). Keys already there are kept."""
+    out = dict(config)
+    rope = out.get("rope_parameters")
+    if isinstance(rope, dict) and "rope_theta" not in out and "rope_theta" in rope:
+        out["rope_theta"] = rope["rope_theta"]
+        if rope.get("rope_type", "default") != "default" and out.get("rope_scaling") is None:
+            out["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+    if out.get("model_type") in _NUM_EXPERTS_TYPES and "num_experts" not in out \
+            and "num_local_experts" in out:
+        out["num_experts"] = out["num_local_experts"]
+    return out
 
 
 class MLXWriter(FormatWriter):
@@ -172,7 +190,7 @@ class MLXWriter(FormatWriter):
             if params != default:
                 quantization[name] = params
         save_tensors(out_dir, tensors)
-        out_config = {k: v for k, v in config.items() if k != "quantization_config"}
+        out_config = mlx_lm_config({k: v for k, v in config.items() if k != "quantization_config"})
         write_config(out_dir, {**out_config, "quantization": quantization,
                                "quantization_config": quantization})
 
