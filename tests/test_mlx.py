@@ -44,6 +44,27 @@ def test_switch_names_follow_mlx_lm_sanitize():
     assert switch_name("model.layers.0.mlp.gate_proj") is None
 
 
+@pytest.mark.fast
+def test_mixed_bits_write_per_layer_overrides(tmp_path):
+    """A Linear whose bits / group differ from the first one's is named in `quantization` by
+    its module path, as mlx-lm's load reads it; the reader takes each layer's own values."""
+    from quantkit.formats.mlx import MLXWriter
+    from quantkit.methods.intquant import rtn_quantize_weight
+
+    g = torch.Generator().manual_seed(0)
+    w = {n: torch.randn(32, 128, generator=g) for n in ("a.q_proj", "a.o_proj")}
+    schemes = {"a.q_proj": SCHEME, "a.o_proj": QuantScheme(bits=8, group_size=32)}
+    results = {n: rtn_quantize_weight(n, w[n], schemes[n]) for n in w}
+    MLXWriter().write(tmp_path, config={"model_type": "llama"}, dense={}, results=results,
+                      ignore=[], dtype=torch.bfloat16)
+    q = json.loads((tmp_path / "config.json").read_text())["quantization"]
+    assert q == {"group_size": 64, "bits": 4, "a.o_proj": {"group_size": 32, "bits": 8}}
+    dense = read_mlx(tmp_path, torch.float32)
+    for n, r in results.items():  # within MLX's bf16 roundings of the exact levels
+        err = (dense[f"{n}.weight"] - r.dequantize()).abs().max()
+        assert err <= r.scale.max() * (1 << r.scheme.bits) * 2 ** -7, n
+
+
 # ---- real mlx-lm ---------------------------------------------------------------------------
 
 @pytest.fixture(scope="session")
