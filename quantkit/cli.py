@@ -334,8 +334,10 @@ def _batches(text: str) -> tuple[int, ...]:
 @click.option("--tasks", default=None,
               help="lm-eval tasks, comma-separated (offline: quantkit_cloze_mixed, "
                    "quantkit_heldout_mixed, ... ; Hub tasks when online).")
-@click.option("--backend", type=click.Choice(["hf", "vllm", "llamacpp"]), default=None,
-              help="Engine for --tasks (default: llamacpp for .gguf, else hf).")
+@click.option("--backend", type=click.Choice(["hf", "vllm", "llamacpp", "mlx"]), default=None,
+              help="Engine for --tasks (default: llamacpp for .gguf, else hf); mlx: held-out "
+                   "PPL / KLD / top-1 of the artifact and --base scored in MLX (mlx-lm, "
+                   "scripts/setup_mlx.sh), no --tasks.")
 @click.option("--num-fewshot", type=int, default=0, show_default=True)
 @click.option("--limit", type=int, default=None, help="Samples per task (default: all).")
 @click.option("--chat-template", is_flag=True, help="Apply the model's chat template to tasks.")
@@ -368,6 +370,9 @@ def eval_cmd(artifact, base, heldout, ctx, max_windows, batch_size, ppl, tasks, 
     blocked = (vllm_blocker(artifact) if (tasks and backend == "vllm")
                or (speed and speed_engine == "vllm") else None)
     names = [t.strip() for t in tasks.split(",") if t.strip()] if tasks else []
+    if names and backend == "mlx":
+        raise click.UsageError("--backend mlx scores held-out PPL / KLD / top-1 only; run "
+                               "--tasks with --backend hf or vllm.")
     if names:  # an unknown or offline-unreachable task is refused before the held-out scoring
         from quantkit.eval.tasks import resolve_tasks, task_manager
 
@@ -375,7 +380,8 @@ def eval_cmd(artifact, base, heldout, ctx, max_windows, batch_size, ppl, tasks, 
     conv = PPLConvention(ctx=ctx, max_windows=max_windows, batch_size=batch_size)
     with _Progress() as progress:
         record = evaluate([artifact], base, heldout=heldout, conv=conv, on_progress=progress,
-                          command=command, ppl=ppl)[0]
+                          command=command, ppl=ppl,
+                          backend="mlx" if backend == "mlx" else "quantkit")[0]
     target = Path(json_out) if json_out else (
         Path(artifact) / "quantkit_eval.json" if Path(artifact).is_dir() else None)
     not_run: list[tuple[str, str]] = []  # (option vLLM cannot serve here, what to run instead)

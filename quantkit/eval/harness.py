@@ -52,13 +52,16 @@ def eval_memory_cap(value: str | None = None) -> int | None:
 
 def evaluate(artifacts: list[str], base: str | None = None, *, heldout: str = "mixed",
              conv: PPLConvention | None = None, on_progress=None, command: str = "",
-             ppl: bool = True, max_group_bytes: int | None = None) -> list[dict]:
+             ppl: bool = True, max_group_bytes: int | None = None,
+             backend: str = "quantkit") -> list[dict]:
     """Results records, one per artifact, all scored against the same base pass.
 
     Artifacts are loaded a group at a time (as many as the free memory, or `max_group_bytes` /
     $QUANTKIT_EVAL_MEMORY, allows): comparing many must not need them all in memory at once.
     The base runs again for each group; its logits are deterministic, so the records equal a
     single pass's, and its log-probs are never stored.
+    `backend` "mlx": every safetensors model (artifacts and base) is scored by MLX's own
+    decoder in mlx-lm (engines/mlx.py), so the metrics are MLX's.
     """
     conv = conv or PPLConvention()
     if not ppl:
@@ -71,8 +74,8 @@ def evaluate(artifacts: list[str], base: str | None = None, *, heldout: str = "m
     base_loaded, tokenizers = None, {}
     try:  # tokenizers and paths now; weights only when their group is scored
         for a in artifacts:
-            opened[a] = _load_for_eval(a, tokenizers)
-        base_loaded = _load_for_eval(base, tokenizers) if base else None
+            opened[a] = _load_for_eval(a, tokenizers, backend)
+        base_loaded = _load_for_eval(base, tokenizers, backend) if base else None
         tok = next((lm.tokenizer for lm in [base_loaded, *opened.values()]
                     if lm is not None and lm.tokenizer is not None), None)
         if tok is None:
@@ -193,7 +196,7 @@ def _tokenizer(path: Path, cache: dict):
     return cache[key]
 
 
-def _load_for_eval(spec, tokenizers: dict | None = None) -> _EvalModel:
+def _load_for_eval(spec, tokenizers: dict | None = None, backend: str = "quantkit") -> _EvalModel:
     """Safetensors artifacts and models: quantkit's loader (dequantized, float32, torch).
     GGUF files: real llama.cpp logits, so a GGUF is scored by the engine that will run it.
     Only the tokenizer is read here; the weights when the logits function is made."""
@@ -206,6 +209,8 @@ def _load_for_eval(spec, tokenizers: dict | None = None) -> _EvalModel:
     if path.is_dir():  # truncated / overlapping shards too, before the first group's work
         safetensors_headers(path)
     tok = _tokenizer(path, {} if tokenizers is None else tokenizers)
+    if backend == "mlx":
+        return _load_mlx(path, tok)
     holder: dict = {}
 
     def make(_ctx: int):
@@ -216,6 +221,27 @@ def _load_for_eval(spec, tokenizers: dict | None = None) -> _EvalModel:
                       {"name": "quantkit-torch", "version": torch.__version__, "dtype": "float32",
                        "device": "cpu", "note": "quantkit's loader: stored weights dequantized exactly"},
                       close=holder.clear)
+
+
+def _load_mlx(path: Path, tok) -> _EvalModel:
+    """mlx-lm's model of a directory (an MLX artifact or a float model), its quantized layers
+    dequantized to the model dtype by mx.dequantize (engines/mlx_worker.py says why)."""
+    from quantkit.engines.mlx import MLXScorer, mlx_python
+
+    holder: dict = {}
+    engine = {"name": "mlx", "version": "", "dtype": "", "device": "cpu",
+              "note": "mlx-lm's own decoder; quantized layers mx.dequantize'd to the model dtype"}
+    mlx_python()  # not installed: one clear error before any group is scored
+
+    def make(_ctx: int):
+        holder["m"] = MLXScorer(path, dequantize=True)
+        engine.update(version=f"mlx {holder['m'].info['mlx_version']}, mlx-lm "
+                              f"{holder['m'].info['mlx_lm_version']}",
+                      dtype=holder["m"].info["dtype"])
+        return holder["m"].logits
+
+    return _EvalModel(path, tok, make, engine,
+                      close=lambda: holder.pop("m").close() if "m" in holder else None)
 
 
 def _load_gguf(path: Path) -> _EvalModel:

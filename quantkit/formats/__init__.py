@@ -22,11 +22,12 @@ __all__ = ["get_writer", "format_record", "detect_format", "read_dense_state", "
 
 # format name -> the module that registers it, in the registry's order (errors list them so)
 _MODULES = {"compressed-tensors": "compressed_tensors", "gptq": "gptq_v1", "gguf": "gguf",
-            "fp8": "fp8", "modelopt": "modelopt_fp8", "awq": "awq_gemm"}
+            "fp8": "fp8", "modelopt": "modelopt_fp8", "awq": "awq_gemm",
+            "mlx": "mlx"}
 WRITERS = tuple(_MODULES)
 DEFAULT_FORMAT = WRITERS[0]
 # the formats as --format's help and its refusals list them
-FORMAT_CHOICES = "compressed-tensors, gptq, awq, fp8, modelopt, gguf"
+FORMAT_CHOICES = "compressed-tensors, gptq, awq, fp8, modelopt, gguf, mlx"
 
 
 def format_record(name: str) -> FormatRecord:
@@ -58,7 +59,12 @@ def detect_format(path: Path) -> str:
         return "modelopt"
     from quantkit.readers import read_config_json
 
-    qcfg = read_config_json(path).get("quantization_config")
+    config = read_config_json(path)
+    from quantkit.formats.mlx import is_mlx_config
+
+    if is_mlx_config(config):  # mlx-lm's `quantization` (its quantization_config has no method)
+        return "mlx"
+    qcfg = config.get("quantization_config")
     if not qcfg:
         return "dense"
     method = qcfg.get("quant_method")

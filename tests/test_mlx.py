@@ -1,0 +1,212 @@
+"""--format mlx and MLX as an engine: mlx-lm (its own venv, scripts/setup_mlx.sh) loads what
+quantkit writes, generates, and its mx.dequantize gives the weights quantkit computed."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from quantkit.formats.mlx import pack_mlx, read_mlx, switch_name, unpack_mlx
+from quantkit.pipeline.quantize import QuantizeRequest, quantize
+from quantkit.types import QuantScheme
+
+SCHEME = QuantScheme(bits=4, group_size=64)
+PROMPT = "The capital of France is"
+
+
+# ---- bytes: no engine ----------------------------------------------------------------------
+
+@pytest.mark.fast
+@pytest.mark.parametrize("bits", [2, 3, 4, 6, 8])
+def test_pack_mlx_is_a_little_endian_bit_stream(bits):
+    """Value k sits in bits [k*b, (k+1)*b) of the row's little-endian stream of uint32 words
+    (what mx.quantize writes; test_mlx_dequantize_* checks it against MLX itself)."""
+    g = torch.Generator().manual_seed(bits)
+    codes = torch.randint(0, 1 << bits, (3, 64), generator=g)
+    words = pack_mlx(codes, bits)
+    assert words.dtype == torch.uint32 and words.shape == (3, 64 * bits // 32)
+    assert torch.equal(unpack_mlx(words, bits), codes)
+    stream = int.from_bytes(words[1].numpy().tobytes(), "little")
+    assert [(stream >> (k * bits)) & ((1 << bits) - 1) for k in range(64)] == codes[1].tolist()
+
+
+@pytest.mark.fast
+def test_switch_names_follow_mlx_lm_sanitize():
+    assert switch_name("model.layers.1.mlp.experts.3.gate_proj") == \
+        ("model.layers.1.mlp.switch_mlp.gate_proj", 3)
+    assert switch_name("model.layers.0.block_sparse_moe.experts.7.w2") == \
+        ("model.layers.0.block_sparse_moe.switch_mlp.down_proj", 7)
+    assert switch_name("model.layers.0.mlp.gate_proj") is None
+
+
+@pytest.mark.fast
+def test_mixed_bits_write_per_layer_overrides(tmp_path):
+    """A Linear whose bits / group differ from the first one's is named in `quantization` by
+    its module path, as mlx-lm's load reads it; the reader takes each layer's own values."""
+    from quantkit.formats.mlx import MLXWriter
+    from quantkit.methods.intquant import rtn_quantize_weight
+
+    g = torch.Generator().manual_seed(0)
+    w = {n: torch.randn(32, 128, generator=g) for n in ("a.q_proj", "a.o_proj")}
+    schemes = {"a.q_proj": SCHEME, "a.o_proj": QuantScheme(bits=8, group_size=32)}
+    results = {n: rtn_quantize_weight(n, w[n], schemes[n]) for n in w}
+    MLXWriter().write(tmp_path, config={"model_type": "llama"}, dense={}, results=results,
+                      ignore=[], dtype=torch.bfloat16)
+    q = json.loads((tmp_path / "config.json").read_text())["quantization"]
+    assert q == {"group_size": 64, "bits": 4, "a.o_proj": {"group_size": 32, "bits": 8}}
+    dense = read_mlx(tmp_path, torch.float32)
+    for n, r in results.items():  # within MLX's bf16 roundings of the exact levels
+        err = (dense[f"{n}.weight"] - r.dequantize()).abs().max()
+        assert err <= r.scale.max() * (1 << r.scheme.bits) * 2 ** -7, n
+
+
+# ---- real mlx-lm ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="session")
+def mlx_artifacts(tmp_path_factory) -> dict[str, Path]:
+    """SmolLM2 4-bit g64 (symmetric, quantkit's default) as MLX checkpoints, by method."""
+    root = tmp_path_factory.mktemp("session-smollm2-mlx")
+    out = {}
+    for method in ("rtn", "gptq", "awq"):
+        out[method] = root / method
+        quantize(QuantizeRequest(model="smollm2-135m", method=method, scheme=SCHEME,
+                                 out=out[method], format="mlx", calib_samples=8,
+                                 calib_seqlen=256))
+    return out
+
+
+def _source_weights(path: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for shard in sorted(path.glob("*.safetensors")):
+        with safe_open(str(shard), framework="pt") as f:
+            out.update({k: f.get_tensor(k) for k in f.keys()})
+    return out
+
+
+@pytest.mark.engine
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["rtn", "gptq", "awq"])
+def test_smollm2_mlx_loads_in_mlx_lm_and_answers_paris(mlx_artifacts, method):
+    """mlx_lm.load builds every Linear as a QuantizedLinear from the stored codes and
+    mlx_lm.generate (greedy, MLX's quantized matmul: slow on the CPU, so 3 tokens) continues
+    the prompt with Paris."""
+    from quantkit.engines.mlx import run_mlx
+
+    path = mlx_artifacts[method]
+    cfg = json.loads((path / "config.json").read_text())
+    assert cfg["quantization"] == {"group_size": 64, "bits": 4}
+    assert (path / "tokenizer.json").is_file()
+    res = run_mlx(path, generate=[{"prompt": PROMPT, "max_tokens": 3}])
+    assert res["quantized_layers"] == 30 * 7  # SmolLM2: 30 blocks x 7 Linears, all packed
+    assert "Paris" in res["generate"][0], res["generate"]
+
+
+@pytest.mark.engine
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["rtn", "gptq", "awq"])
+def test_mlx_dequantize_equals_quantkits_reading(mlx_artifacts, method):
+    """mx.dequantize of every stored Linear equals, bit for bit in bf16, quantkit's reader of
+    the artifact (read_mlx: scales * q rounded to bf16, then + biases rounded again, the
+    arithmetic MLX's CPU kernel does)."""
+    from quantkit.engines.mlx import mlx_dequantize
+
+    path = mlx_artifacts[method]
+    mlx_w = mlx_dequantize(path)
+    ours = read_mlx(path, torch.bfloat16)
+    assert len(mlx_w) == 30 * 7
+    for name, w in mlx_w.items():
+        assert torch.equal(w, ours[name].float()), name
+
+
+@pytest.mark.engine
+@pytest.mark.slow
+def test_mlx_dequantize_vs_quantkits_own_dequantized_weights(mlx_artifacts, smollm_path):
+    """Against what quantkit itself computes for RTN (QuantResult.dequantize in bf16): the
+    stored codes are quantkit's codes exactly, and mx.dequantize's weights differ only where
+    MLX rounds: the scale to bf16 (MLX keeps no float32 scale), and scale * q to bf16 before
+    the bias is added. Per weight that is at most |s_bf16 - s| * |q - z| (2^-9 of the group's
+    largest level 8s) plus the bf16 roundings of s_bf16 * q (< 16s), of the sum and of quantkit's
+    own result: about 5 * 2^-9 of 8s in all, asserted below 2^-6 (measured on SmolLM2 RTN
+    g64: 0.0077, with 57 % of the weights one bf16 step or more apart; printed)."""
+    from quantkit.engines.mlx import mlx_dequantize
+    from quantkit.methods.intquant import rtn_quantize_weight
+
+    path = mlx_artifacts["rtn"]
+    mlx_w = mlx_dequantize(path)
+    stored = _source_weights(path)
+    source = _source_weights(smollm_path)
+    worst, differing, total = 0.0, 0, 0
+    for name, w in mlx_w.items():
+        r = rtn_quantize_weight(name[: -len(".weight")], source[name], SCHEME)
+        assert torch.equal(unpack_mlx(stored[name], 4), r.codes.long()), name
+        ref = r.dequantize(torch.bfloat16).float()
+        level = (r.scale * 8).repeat_interleave(64, dim=1)  # the group's largest |level|
+        rel = ((w - ref).abs() / level).max().item()
+        worst = max(worst, rel)
+        differing += int((w != ref).sum())
+        total += w.numel()
+    print(f"max |mx.dequantize - QuantResult.dequantize| / group max level = {worst:.3g}; "
+          f"{differing / total:.2%} of weights differ")
+    assert 0 < worst <= 2 ** -6
+
+
+@pytest.mark.engine
+@pytest.mark.slow
+def test_eval_backend_mlx_scores_in_mlx(mlx_artifacts, tmp_path):
+    """`quantkit eval --backend mlx`: artifact and base both run in mlx-lm's decoder; the
+    record names MLX and its KLD is close to the torch loader's (MLX computes in bf16, the
+    torch loader in float32: not equal)."""
+    from cli_runner import run_cli
+
+    res = {}
+    for backend in ("mlx", None):
+        out = tmp_path / f"{backend}.json"
+        args = ["eval", str(mlx_artifacts["gptq"]), "--base", "smollm2-135m", "--ctx", "128",
+                "--max-windows", "2", "--batch-size", "2", "--json", str(out)]
+        proc = run_cli(args + (["--backend", backend] if backend else []))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        res[backend] = json.loads(out.read_text())
+    assert res["mlx"]["engine"]["name"] == "mlx"
+    assert res["mlx"]["engine"]["dtype"] == "bfloat16"
+    k_mlx, k_torch = (res[b]["metrics"]["kld"]["mean"] for b in ("mlx", None))
+    assert math.isfinite(k_mlx) and k_mlx > 0
+    assert 0.5 < k_mlx / k_torch < 2.0, (k_mlx, k_torch)
+
+
+@pytest.mark.engine
+@pytest.mark.slow
+def test_tiny_qwen3_moe_mlx_stacks_experts_and_generates(moe_model, tmp_path):
+    """A tiny Qwen3-MoE: experts stacked as SwitchGLU (switch_mlp.{gate,up,down}_proj
+    [E, out, packed in]), routers dense; mlx-lm builds them as QuantizedSwitchLinear, generates,
+    and mx.dequantize of the stacked experts equals quantkit's per-expert reading."""
+    from quantkit.engines.mlx import mlx_dequantize, run_mlx
+
+    out = tmp_path / "moe-mlx"
+    quantize(QuantizeRequest(model=str(moe_model), method="rtn", scheme=SCHEME, out=out,
+                             format="mlx"))
+    cfg = json.loads((moe_model / "config.json").read_text())
+    stored = _source_weights(out)
+    e, inter, hidden = cfg["num_local_experts"], cfg["moe_intermediate_size"], cfg["hidden_size"]
+    w = stored["model.layers.0.mlp.switch_mlp.gate_proj.weight"]
+    assert w.dtype == torch.uint32 and tuple(w.shape) == (e, inter, hidden * 4 // 32)
+    assert tuple(stored["model.layers.0.mlp.switch_mlp.down_proj.scales"].shape) == \
+        (e, hidden, inter // 64)
+    assert stored["model.layers.0.mlp.gate.weight"].dtype == torch.bfloat16  # router dense
+    assert not any(".experts." in k for k in stored)
+    res = run_mlx(out, generate=[{"prompt": PROMPT, "max_tokens": 4}])
+    # per block: q, k, v, o + the three stacked projections
+    assert res["quantized_layers"] == cfg["num_hidden_layers"] * 7
+    assert isinstance(res["generate"][0], str) and res["generate"][0]
+    ours = read_mlx(out, torch.bfloat16)
+    for name, t in mlx_dequantize(out).items():
+        if ".switch_mlp." in name:
+            block, _, proj = name.partition(".switch_mlp.")
+            for i in range(e):
+                assert torch.equal(t[i], ours[f"{block}.experts.{i}.{proj}"].float()), name
+        else:
+            assert torch.equal(t, ours[name].float()), name
