@@ -22,9 +22,9 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from discovered_families import quantize_to, tensor_names
 from safetensors import safe_open
 from safetensors.torch import save_file
-from test_discovered_families import _quantize, _tensor_names
 from tiny_models import smollm_dir
 
 from quantkit.errors import SchemeMismatch
@@ -145,7 +145,7 @@ def test_mtp_tensors_kept_dense_and_ignored(family, method, mtp_models, tmp_path
     them, and the trunk is quantized as without MTP tensors."""
     src, _ = mtp_models[family]
     mtp = _mtp_names(src)
-    out = _quantize(src, tmp_path / method, method)
+    out = quantize_to(src, tmp_path / method, method)
     got = _artifact_tensors(out, mtp)
     assert sorted(got) == sorted(mtp)
     for name, t in mtp.items():
@@ -156,7 +156,7 @@ def test_mtp_tensors_kept_dense_and_ignored(family, method, mtp_models, tmp_path
     meta = json.loads((out / "quantkit.json").read_text())
     assert meta["mtp"]["tensors"] == len(mtp) and meta["mtp"]["quantized"] == []
     assert any(n.endswith(".weight_packed") or n.endswith(".weight_scale")
-               for n in _tensor_names(out))
+               for n in tensor_names(out))
 
 
 @pytest.mark.parametrize("method,fmt", [("rtn", "gptq"), ("fp8", "fp8"), ("fp8", "modelopt")])
@@ -268,7 +268,7 @@ def test_vllm_mtp_loader_reads_them(family, mtp_models, tmp_path):
 
     src, _ = mtp_models[family]
     mtp = _mtp_names(src)
-    out = _quantize(src, tmp_path / "rtn", "rtn")
+    out = quantize_to(src, tmp_path / "rtn", "rtn")
     got, log = _vllm_mtp(out, tmp_path)
     if family == "qwen3_5" and not _vllm_imports_torchvision():
         engine_check(f"vllm mtp {family}", real=False, reason="No module named 'torchvision'")

@@ -1,4 +1,4 @@
-"""Runs inside vLLM's own virtualenv (imports nothing from quantkit): vLLM's MTP drafter of an
+"""Runs inside vLLM's own virtualenv (imports only quantkit's vLLM worker script): vLLM's MTP drafter of an
 artifact, built and loaded by vLLM's own model loader, the way its speculative decoding does.
 
 Usage: python vllm_mtp_worker.py ARTIFACT_DIR RESPONSE.json
@@ -17,6 +17,10 @@ import os
 import sys
 
 sys.path = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
+# quantkit's own vLLM worker (a plain script of vLLM's venv too) holds the loader tracking
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "quantkit", "engines"))
+from vllm_worker import track_weights  # noqa: E402
 
 
 def main(model_dir: str, resp_path: str) -> None:
@@ -25,7 +29,6 @@ def main(model_dir: str, resp_path: str) -> None:
     from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
     from vllm.engine.arg_utils import EngineArgs
     from vllm.model_executor.model_loader import get_model
-    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
     args = EngineArgs(model=model_dir, dtype="bfloat16", enforce_eager=True, max_model_len=128,
                       speculative_config={"method": "mtp", "num_speculative_tokens": 1},
@@ -33,31 +36,7 @@ def main(model_dir: str, resp_path: str) -> None:
     config = args.create_engine_config()
     draft = config.speculative_config.draft_model_config
     out: dict = {"architecture": draft.hf_config.architectures[0]}
-    given: list[str] = []
-    loaded_box: dict = {}
-    original = DefaultModelLoader.load_weights
-
-    def load_weights(self, model, model_config):  # vLLM's loader, recording what it did
-        real_all, real_load = self.get_all_weights, model.load_weights
-
-        def get_all_weights(mc, m):
-            for name, tensor in real_all(mc, m):
-                given.append(name)
-                yield name, tensor
-
-        def model_load_weights(weights):
-            loaded = real_load(weights)
-            loaded_box["loaded"] = None if loaded is None else sorted(loaded)
-            return loaded
-
-        self.get_all_weights, model.load_weights = get_all_weights, model_load_weights
-        try:
-            original(self, model, model_config)
-        finally:
-            del self.get_all_weights
-            model.__dict__.pop("load_weights", None)
-
-    DefaultModelLoader.load_weights = load_weights
+    tracked = track_weights()  # vLLM's loader, recording what it read and filled
     import torch
 
     if not torch.accelerator.is_available():  # vLLM's CPU worker process does not reach
@@ -68,8 +47,8 @@ def main(model_dir: str, resp_path: str) -> None:
                                      backend="gloo")
         ensure_model_parallel_initialized(1, 1)
         model = get_model(vllm_config=config, model_config=draft)
-    out["given"] = given
-    out["loaded"] = loaded_box.get("loaded")
+    out["given"] = tracked.get("given", [])
+    out["loaded"] = tracked.get("loaded")
     out["params"] = sorted(n for n, _ in model.named_parameters())
     unquantized = []
     for name, module in model.named_modules():

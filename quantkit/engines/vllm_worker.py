@@ -32,7 +32,7 @@ def main(req_path: str, resp_path: str) -> None:
     from vllm import LLM, SamplingParams
 
     req = json.load(open(req_path))
-    tracked = _track_weights() if req.get("track_weights") else None
+    tracked = track_weights() if req.get("track_weights") else None
     t0 = time.perf_counter()
     llm = LLM(model=req["model"], dtype=req.get("dtype", "bfloat16"), enforce_eager=True,
               max_model_len=req.get("max_model_len", 2048), gpu_memory_utilization=0.3,
@@ -82,7 +82,7 @@ def main(req_path: str, resp_path: str) -> None:
     json.dump(out, open(resp_path, "w"))
 
 
-def _track_weights() -> dict:
+def track_weights() -> dict:
     """Wrap vLLM's default loader so the load records what it read and what it filled."""
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 

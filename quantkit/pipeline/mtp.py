@@ -144,20 +144,10 @@ def mtp_quantizer(quantizer: Quantizer, scheme: QuantScheme, mtp: MtpLayers | No
     if single_file:
         raise SchemeMismatch(f"--quantize-mtp: format {format_name} does not store MTP layers.",
                              "Use --format compressed-tensors, or drop --quantize-mtp.")
-    if not quantizer.needs_calibration:
-        return quantizer
-    if scheme.kind != "int":
-        raise SchemeMismatch(
-            f"--quantize-mtp with the calibrated method {quantizer.name} ({scheme.describe()}): "
-            "transformers gives no forward for the MTP layers, so they get no calibration, "
-            "and only integer schemes have a round-to-nearest form for them.",
-            "Use an uncalibrated scheme (e.g. --method fp8 --scheme dynamic), an integer "
-            "method (rtn, gptq, awq), or " + MTP_HINT[0].lower() + MTP_HINT[1:])
-    from quantkit.methods import get_quantizer
+    from quantkit.pipeline.towers import stand_in_quantizer
 
-    rtn = get_quantizer("rtn")
-    rtn.check(scheme)
-    return rtn
+    return stand_in_quantizer(quantizer, scheme, "--quantize-mtp", "transformers gives no "
+                              "forward for the MTP layers, so they get no calibration", MTP_HINT)
 
 
 def quantize_mtp(mtp: MtpLayers, modules: list[str], quantizer: Quantizer,

@@ -47,15 +47,22 @@ def vision_quantizer(quantizer: Quantizer, scheme: QuantScheme, spec: ArchSpec) 
     if not spec.vision_blocks:
         raise SchemeMismatch(f"--quantize-vision: {spec.name} has no vision encoder blocks.",
                              VISION_HINT)
+    return stand_in_quantizer(quantizer, scheme, "--quantize-vision",
+                              "the vision Linears get no calibration (it is text)", VISION_HINT)
+
+
+def stand_in_quantizer(quantizer: Quantizer, scheme: QuantScheme, flag: str, why: str,
+                       hint: str) -> Quantizer:
+    """The method for Linears that calibration never reaches (vision towers, MTP layers): the
+    run's own when it reads no calibration, else RTN in the same integer scheme."""
     if not quantizer.needs_calibration:
         return quantizer
     if scheme.kind != "int":
         raise SchemeMismatch(
-            f"--quantize-vision with the calibrated method {quantizer.name} ({scheme.describe()}): "
-            "the vision Linears get no calibration (it is text), and only integer schemes have "
-            "a round-to-nearest form for them.",
+            f"{flag} with the calibrated method {quantizer.name} ({scheme.describe()}): "
+            f"{why}, and only integer schemes have a round-to-nearest form for them.",
             "Use an uncalibrated scheme (e.g. --method fp8 --scheme dynamic), an integer "
-            "method (rtn, gptq, awq), or " + VISION_HINT[0].lower() + VISION_HINT[1:])
+            "method (rtn, gptq, awq), or " + hint[0].lower() + hint[1:])
     from quantkit.methods import get_quantizer
 
     rtn = get_quantizer("rtn")
