@@ -263,14 +263,13 @@ def test_vllm_mtp_loader_reads_them(family, mtp_models, tmp_path):
     MTP Linears (ignore list) are built without a quantization method. vLLM's qwen3_5.py
     imports torchvision (through its Qwen3-VL parts), which vLLM's environment here lacks
     (scripts/setup.sh removes it): there the test asserts vLLM's refusal."""
-    from test_vlm import _vllm_imports_torchvision
-    from vllm_checks import engine_check
+    from vllm_checks import engine_check, vllm_imports_torchvision
 
     src, _ = mtp_models[family]
     mtp = _mtp_names(src)
     out = quantize_to(src, tmp_path / "rtn", "rtn")
     got, log = _vllm_mtp(out, tmp_path)
-    if family == "qwen3_5" and not _vllm_imports_torchvision():
+    if family == "qwen3_5" and not vllm_imports_torchvision():
         engine_check(f"vllm mtp {family}", real=False, reason="No module named 'torchvision'")
         assert "Model architectures ['Qwen3_5ForCausalLM'] failed to be inspected" in got["error"]
         assert "No module named 'torchvision'" in log
