@@ -267,7 +267,8 @@ def test_refusal_recorded():
 def test_unlisted_skip_fails_the_run_and_refusals_are_summarised(tmp_path):
     tests = tmp_path / "tests"
     tests.mkdir()
-    for f in ("conftest.py", "vllm_checks.py", "tiny_models.py", "moe_models.py"):
+    for f in ("conftest.py", "vllm_checks.py", "tiny_models.py", "moe_models.py",
+              "discovered_families.py"):
         shutil.copy2(REPO / "tests" / f, tests / f)
     (tests / "allowed_skips.txt").write_text(
         "# comment\ntests/test_s.py::test_listed_skip | a reason\n")
