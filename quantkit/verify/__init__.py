@@ -186,6 +186,9 @@ def _safetensors_tensors(ctx: _Context, coverage: Check, fidelity: Check) -> Non
                                      ctx.meta.get("removed") or {}, _spec(ctx.config))
     try:
         ctx.decoded = read_dense_state(ctx.path, ctx.fmt)
+    except ModelLoadError as exc:  # the reader names the missing scheme tensor
+        fidelity.fail(str(ctx.path), f"{ctx.fmt}'s reader cannot decode it: {exc}")
+        return
     except (KeyError, ValueError, RuntimeError) as exc:  # a scheme tensor missing or misshapen
         fidelity.fail(str(ctx.path), f"{ctx.fmt}'s reader cannot decode it: "
                                      f"{type(exc).__name__}: {exc}")
