@@ -18,6 +18,14 @@ LLMC_VERSION=0.14.0.1
 # or lack AVX512 altogether); AVX2+FMA+F16C run on every x86-64 machine we use.
 LLAMA_CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON"
 mkdir -p "$QK_CACHE/wheels" "$QK_CACHE/venvs"
+# One setup at a time per cache: two concurrent runs (two checkouts of one machine) would
+# build and delete the same shared venvs under each other. The lock is held until this run
+# and its background steps end; a second run waits here, then finds the stamps and skips.
+exec 9>"$QK_CACHE/setup.lock"
+if ! flock -n 9; then
+  printf '[setup] another setup holds %s; waiting for it\n' "$QK_CACHE/setup.lock" >&2
+  flock 9
+fi
 log() { printf '\033[1m[setup +%ss]\033[0m %s\n' "$SECONDS" "$*" >&2; }
 SETUP_LOG="$QK_CACHE/setup.log"
 : > "$SETUP_LOG"
