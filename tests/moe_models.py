@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
 from tiny_models import make_tiny_model
 
 from quantkit.arch import spec_for_config
@@ -33,19 +32,6 @@ def _quantize(model: Path, out: Path, method: str, **kw) -> Path:
                           out=out, calib_samples=kw.pop("calib_samples", 8), calib_seqlen=64,
                           resume=False, **kw)
     quantize(req)
-    return out
-
-
-def _tensors(path: Path) -> dict[str, torch.Tensor]:
-    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
-        return {k: f.get_tensor(k) for k in f.keys()}
-
-
-def _tensors_of(model_dir: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for shard in sorted(model_dir.glob("*.safetensors")):
-        with safe_open(str(shard), framework="pt") as f:
-            out.update({k: f.get_tensor(k) for k in f.keys()})
     return out
 
 

@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file
 
+from quantkit.formats.common import load_tensors
 from quantkit.types import QuantScheme
 
 G64 = QuantScheme(bits=4, group_size=64)
@@ -49,11 +49,6 @@ def test_gptq_kld_at_most_0_9_of_rtn_on_smollm2(smollm2_gptq_artifacts, rtn4_art
 
 # ---------------------------------------------------------------- independent decoders
 
-def _tensors(path: Path) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for f in sorted(Path(path).glob("*.safetensors")):
-        out.update(load_file(str(f)))
-    return out
 
 
 def _u32(t: torch.Tensor) -> np.ndarray:
@@ -64,7 +59,7 @@ def decode_gptq_v1(path: Path) -> dict[str, torch.Tensor]:
     """AutoGPTQ v1 (its dequantize in `QuantLinear`): qweight int32 [K/8, N] packs 8 codes of
     consecutive input rows, LSB first; qzeros int32 [G, N/8] packs stored zeros along N, and
     the true zero is stored + 1; scales fp16 [G, N]; g_idx int32 [K] names each input's group."""
-    raw, out = _tensors(path), {}
+    raw, out = load_tensors(path), {}
     bits = json.loads((Path(path) / "config.json").read_text())["quantization_config"]["bits"]
     per, mask = 32 // bits, (1 << bits) - 1
     shifts = np.arange(per) * bits
@@ -88,7 +83,7 @@ def decode_awq_gemm(path: Path, group: int) -> dict[str, torch.Tensor]:
     """AutoAWQ GEMM (`unpack_awq` + `reverse_awq_order` + `dequantize_gemm`): qweight int32
     [K, N/8] and qzeros [G, N/8] hold 8 nibbles per word, shifted out LSB first and then
     reordered by [0,4,1,5,2,6,3,7]; zeros are the true zeros; W^T = (q - z) * scales."""
-    raw, out = _tensors(path), {}
+    raw, out = load_tensors(path), {}
     shifts = np.arange(8) * 4
 
     def unpack(t: torch.Tensor) -> np.ndarray:
@@ -109,7 +104,7 @@ def decode_modelopt_w4a16_awq(path: Path) -> dict[str, torch.Tensor]:
     """ModelOpt W4A16_AWQ as TensorRT-LLM reads it: weight uint8 [N/2, K], output row 2i in the
     low nibble and 2i+1 in the high one, signed int4; weight_scale [N, K/G]; an optional
     pre_quant_scale [K] multiplies the inputs (so, here, the weight's columns)."""
-    raw, out = _tensors(path), {}
+    raw, out = load_tensors(path), {}
     for key in [k for k in raw if k.endswith(".weight") and raw[k].dtype == torch.uint8]:
         base = key[: -len(".weight")]
         packed = raw[key].numpy().astype(np.int64)
@@ -134,7 +129,7 @@ def decode_fp8(path: Path) -> dict[str, torch.Tensor]:
     """vLLM's native fp8 and ModelOpt's FP8 checkpoints: weight float8_e4m3fn [N, K] times its
     scale: a scalar (per tensor), [N] or [N, 1] (per channel), or a [N/128, K/128] tile grid
     (vLLM names it weight_scale_inv, yet it multiplies: Fp8LinearMethod's block path)."""
-    raw, out = _tensors(path), {}
+    raw, out = load_tensors(path), {}
     for key in [k for k in raw if k.endswith(".weight") and raw[k].dtype == torch.float8_e4m3fn]:
         base = key[: -len(".weight")]
         w = raw[key].float()

@@ -28,10 +28,10 @@ from gguf_reference import (
     gguf_body,
     gguf_contents,
 )
-from safetensors import safe_open
 from tiny_models import make_tiny_model
 
 from quantkit.arch import spec_for_config
+from quantkit.formats.common import load_tensors
 from quantkit.pipeline.quantize import QuantizeRequest, linear_shapes, quantize
 from quantkit.types import QuantScheme
 
@@ -57,12 +57,6 @@ def deepseek_model(tmp_path_factory) -> Path:
     return path
 
 
-def _tensors(path: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for shard in sorted(path.glob("*.safetensors")):
-        with safe_open(str(shard), framework="pt") as f:
-            out.update({k: f.get_tensor(k) for k in f.keys()})
-    return out
 
 
 def _quantize(model: Path, out: Path, method: str, **kw) -> Path:
@@ -181,7 +175,7 @@ def test_methods_both_layouts(deepseek_model, tmp_path, method):
         fused = _quantize(deepseek_model, tmp_path / "fused", method, stream=False)
         assert (streamed / "model.safetensors").read_bytes() == \
             (fused / "model.safetensors").read_bytes()
-    t, src = _tensors(streamed), _tensors(deepseek_model)
+    t, src = load_tensors(streamed), load_tensors(deepseek_model)
     suffix = "weight" if method == "fp8" else "weight_packed"
     quantized = {k.rpartition(".")[0] for k in t if k.endswith(suffix) and t[k].dtype != torch.bfloat16}
     assert len(quantized) == 2 * 5 + 3 + 4 * 3 + 3
@@ -214,7 +208,7 @@ def test_awq_gemm_names_the_router_not_the_dense_gate(deepseek_model, tmp_path):
     from quantkit.loader import load_artifact
 
     out = _quantize(deepseek_model, tmp_path / "awq", "rtn", format="awq")
-    t, src = _tensors(out), _tensors(deepseek_model)
+    t, src = load_tensors(out), load_tensors(deepseek_model)
     quantized = {k.removesuffix(".qweight") for k in t if k.endswith(".qweight")}
     assert len(quantized) == 2 * 5 + 3 + 4 * 3 + 3
     assert "model.layers.0.mlp.gate_proj" in quantized

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
 from tiny_models import make_tiny_model, write_gpt_oss_mxfp4
 
 from quantkit.arch import spec_for_config
+from quantkit.formats.common import load_tensors
 from quantkit.pipeline.quantize import QuantizeRequest, quantize
 from quantkit.pipeline.streaming import ShardReader
 from quantkit.types import QuantScheme
@@ -36,9 +36,6 @@ def gpt_oss_mxfp4(gpt_oss_bf16, tmp_path_factory) -> Path:
     return write_gpt_oss_mxfp4(gpt_oss_bf16, tmp_path_factory.mktemp("gpt_oss_mxfp4"))
 
 
-def _tensors(path: Path) -> dict[str, torch.Tensor]:
-    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
-        return {k: f.get_tensor(k) for k in f.keys()}
 
 
 def test_mxfp4_checkpoint_reads_as_its_bf16_decode(gpt_oss_bf16, gpt_oss_mxfp4):
@@ -54,7 +51,7 @@ def test_mxfp4_checkpoint_reads_as_its_bf16_decode(gpt_oss_bf16, gpt_oss_mxfp4):
     config = json.loads((gpt_oss_mxfp4 / "config.json").read_text())
     spec = spec_for_config(config)
     assert spec.name == "gpt_oss" and spec.experts.count(config) == EXPERTS
-    stored = set(_tensors(gpt_oss_mxfp4))
+    stored = set(load_tensors(gpt_oss_mxfp4))
     assert "model.layers.1.mlp.experts.gate_up_proj_blocks" in stored
     assert "model.layers.1.mlp.experts.gate_up_proj" not in stored
 
@@ -157,7 +154,7 @@ def test_gpt_oss_methods_mxfp4_streamed_equals_bf16_fused(gpt_oss_bf16, gpt_oss_
     streamed = _quantize(gpt_oss_mxfp4, tmp_path / "streamed", method, stream=True)
     fused = _quantize(gpt_oss_bf16, tmp_path / "fused", method, stream=False)
     assert (streamed / "model.safetensors").read_bytes() == (fused / "model.safetensors").read_bytes()
-    t = _tensors(streamed)
+    t = load_tensors(streamed)
     suffix = "weight" if method == "fp8" else "weight_packed"
     for e in range(EXPERTS):
         for w in ("gate_proj", "up_proj", "down_proj"):

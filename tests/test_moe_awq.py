@@ -18,10 +18,9 @@ from moe_models import (
     _mixtral,
     _moe_and_router_logits,
     _quantize,
-    _tensors,
-    _tensors_of,
 )
 
+from quantkit.formats.common import load_tensors
 from quantkit.formats.compressed_tensors import read_compressed_tensors
 
 
@@ -115,10 +114,10 @@ def test_awq_moe_block_error_below_rtn(moe_model, awq_artifact, rtn_artifact):
     rtn = _moe_block_error(moe_model, rtn_artifact)
     print(f"MoE block 0 output relative error on held-out text: AWQ {awq:.4f}, RTN {rtn:.4f}")
     assert awq < rtn
-    t = _tensors(awq_artifact)
+    t = load_tensors(awq_artifact)
     assert t["model.layers.0.mlp.experts.3.down_proj.weight_packed"].dtype == torch.int32
     assert t["model.layers.0.mlp.gate.weight"].dtype == torch.bfloat16  # router: unquantized
-    base = _tensors_of(moe_model)  # the fold moved the norm and (compensating) the router
+    base = load_tensors(moe_model)  # the fold moved the norm and (compensating) the router
     assert not torch.equal(t["model.layers.0.post_attention_layernorm.weight"],
                            base["model.layers.0.post_attention_layernorm.weight"])
     assert not torch.equal(t["model.layers.0.mlp.gate.weight"], base["model.layers.0.mlp.gate.weight"])
@@ -182,14 +181,14 @@ def test_awq_starved_experts_scale_one_and_all_experts_calibration(starved_model
     With all-experts calibration every expert gets AWQ statistics of every token."""
     with pytest.warns(RuntimeWarning, match="AWQ: .* received no calibration tokens and fall back to RTN"):
         routed = _quantize(starved_model, tmp_path / "routed", "awq", method_options=AWQ_FASTER)
-    rtn = _tensors(_quantize(starved_model, tmp_path / "rtn", "rtn"))
+    rtn = load_tensors(_quantize(starved_model, tmp_path / "rtn", "rtn"))
     stats = json.loads((routed / "quantkit_stats.json").read_text())
     experts = {k: v for k, v in stats["layers"].items() if ".mlp.experts." in k}
     empty = sorted(k for k, v in experts.items() if v["tokens"] == 0)
     starved = {f"model.layers.{i}.mlp.experts.{e}.{p}" for i in (0, 1) for e in STARVED
                for p in ("gate_proj", "up_proj", "down_proj")}
     assert starved <= set(empty) and sorted(stats["experts"]["fallback_rtn"]) == empty
-    t = _tensors(routed)
+    t = load_tensors(routed)
     assert all(torch.isfinite(v).all() for v in t.values() if v.is_floating_point())
     for i in (0, 1):
         for e in STARVED:
@@ -201,7 +200,7 @@ def test_awq_starved_experts_scale_one_and_all_experts_calibration(starved_model
     stats_all = json.loads((everyone / "quantkit_stats.json").read_text())
     assert stats_all["experts"]["fallback_rtn"] == [] == stats_all["experts"]["below_min_tokens"]
     assert all(v["tokens"] == 8 * 64 for k, v in stats_all["layers"].items() if ".mlp.experts." in k)
-    t_all = _tensors(everyone)
+    t_all = load_tensors(everyone)
     base = f"model.layers.0.mlp.experts.{STARVED[0]}.down_proj"
     assert not torch.equal(t_all[f"{base}.weight_packed"], rtn[f"{base}.weight_packed"])
     assert "--moe-calibrate-all-experts" in json.loads((everyone / "quantkit.json").read_text())["command"]

@@ -12,11 +12,11 @@ import torch
 from moe_models import (
     AWQ_FASTER,
     _quantize,
-    _tensors,
 )
 from tiny_models import make_tiny_model
 
 from quantkit.arch import spec_for_config
+from quantkit.formats.common import load_tensors
 from quantkit.pipeline.quantize import linear_shapes
 from quantkit.types import QuantScheme
 
@@ -74,7 +74,7 @@ def test_awq_gemm_moe_decodes_to_the_compressed_tensors_weights(awq_gemm_pair):
     from quantkit.formats.awq_gemm import read_awq_gemm
     from quantkit.loader import load_artifact
 
-    awq, ct = (_tensors(awq_gemm_pair[f]) for f in ("awq", "compressed-tensors"))
+    awq, ct = (load_tensors(awq_gemm_pair[f]) for f in ("awq", "compressed-tensors"))
     bases = sorted(k.removesuffix(".qweight") for k in awq if k.endswith(".qweight"))
     assert bases == sorted(k.removesuffix(".weight_packed") for k in ct if k.endswith(".weight_packed"))
     assert len([b for b in bases if ".mlp.experts." in b]) == 4 * 3
@@ -133,7 +133,7 @@ def test_awq_gemm_moe_layouts_give_identical_artifacts(arch, awq_gemm_moe, mixtr
     streamed = _quantize(model, tmp_path / "streamed", method, **kw)
     fused = _quantize(model, tmp_path / "fused", method, stream=False, **kw)
     assert (streamed / "model.safetensors").read_bytes() == (fused / "model.safetensors").read_bytes()
-    t = _tensors(streamed)
+    t = load_tensors(streamed)
     hidden, inter = widths
     for i in blocks:
         for e in range(experts):
@@ -214,7 +214,7 @@ def _vllm_prefixes(artifact: Path) -> dict[str, bool]:
     whether it must stay unquantized (the routers): q/k/v fused into qkv_proj, a dense
     gate/up into gate_up_proj, each block's experts one `experts` module."""
     out = {}
-    for key in _tensors(artifact):
+    for key in load_tensors(artifact):
         if key.endswith(".gate.weight"):
             out[key.removesuffix(".weight")] = True
         if not key.endswith(".qweight"):

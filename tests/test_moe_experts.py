@@ -7,11 +7,9 @@ import json
 
 import pytest
 import torch
-from moe_models import (
-    _tensors_of,
-)
 
 from quantkit.arch import spec_for_config
+from quantkit.formats.common import load_tensors
 from quantkit.pipeline.quantize import linear_shapes
 
 pytestmark = pytest.mark.fast
@@ -42,7 +40,7 @@ def test_mixtral_row_names_what_transformers_saves(mixtral_model):
     config = json.loads((mixtral_model / "config.json").read_text())
     spec = spec_for_config(config)
     assert spec.name == "mixtral" and spec.experts.count(config) == 4
-    on_disk = set(_tensors_of(mixtral_model))
+    on_disk = set(load_tensors(mixtral_model))
     ours = {spec.checkpoint_name(f"model.layers.{i}.{n}.weight")
             for i in (0, 1) for n in spec.linears_for(4) + (spec.experts.router,)}
     assert ours <= on_disk

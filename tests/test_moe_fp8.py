@@ -14,9 +14,9 @@ from moe_models import (
     _headers_match_reference,
     _quantize,
     _same_config_as_llmc,
-    _tensors,
 )
 
+from quantkit.formats.common import load_tensors
 from quantkit.pipeline.quantize import QuantizeRequest, quantize
 
 
@@ -28,7 +28,7 @@ def test_fp8_dynamic_experts_both_layouts(moe_model, tmp_path):
     streamed = _fp8(moe_model, tmp_path / "streamed")
     fused = _fp8(moe_model, tmp_path / "fused", stream=False)
     assert (streamed / "model.safetensors").read_bytes() == (fused / "model.safetensors").read_bytes()
-    t = _tensors(streamed)
+    t = load_tensors(streamed)
     base = "model.layers.1.mlp.experts.7.down_proj"
     assert t[f"{base}.weight"].dtype == torch.float8_e4m3fn and t[f"{base}.weight"].shape == (256, 256)
     assert t[f"{base}.weight_scale"].shape == (256, 1)

@@ -11,8 +11,9 @@ import torch
 from moe_models import (
     _mixtral,
     _quantize,
-    _tensors,
 )
+
+from quantkit.formats.common import load_tensors
 
 
 @pytest.mark.parametrize("method", ["rtn", "gptq"])
@@ -22,7 +23,7 @@ def test_per_expert_and_fused_layouts_give_identical_artifacts(moe_model, tmp_pa
     streamed = _quantize(moe_model, tmp_path / "streamed", method)
     fused = _quantize(moe_model, tmp_path / "fused", method, stream=False)
     assert (streamed / "model.safetensors").read_bytes() == (fused / "model.safetensors").read_bytes()
-    t = _tensors(streamed)
+    t = load_tensors(streamed)
     for e in range(8):
         for proj in ("gate_proj", "up_proj", "down_proj"):
             base = f"model.layers.1.mlp.experts.{e}.{proj}"
@@ -53,7 +54,7 @@ def test_mixtral_methods_both_layouts(mixtral_model, tmp_path, method):
     streamed = _mixtral(mixtral_model, tmp_path / "streamed", method, stream=True)
     fused = _mixtral(mixtral_model, tmp_path / "fused", method, stream=False)
     assert (streamed / "model.safetensors").read_bytes() == (fused / "model.safetensors").read_bytes()
-    t = _tensors(streamed)
+    t = load_tensors(streamed)
     assert not any(".mlp." in k for k in t)
     suffix = "weight" if method == "fp8" else "weight_packed"
     for e in range(4):

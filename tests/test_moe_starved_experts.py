@@ -12,9 +12,9 @@ import torch
 from moe_models import (
     STARVED,
     _quantize,
-    _tensors,
 )
 
+from quantkit.formats.common import load_tensors
 from quantkit.formats.compressed_tensors import read_compressed_tensors
 from quantkit.methods.fp4 import fp4_scheme
 from quantkit.pipeline.quantize import QuantizeRequest, quantize
@@ -74,7 +74,7 @@ def test_starved_experts_fall_back_to_rtn_and_calibrate_with_all_experts(starved
     assert "--moe-calibrate-all-experts" in meta["command"]
     # the block outputs keep the real routing: the attention and the fed experts of block 0
     # see exactly the same inputs in both runs, so they quantize to the same codes
-    routed_t, all_t = _tensors(routed), _tensors(everyone)
+    routed_t, all_t = load_tensors(routed), load_tensors(everyone)
     assert torch.equal(routed_t["model.layers.0.self_attn.q_proj.weight_packed"],
                        all_t["model.layers.0.self_attn.q_proj.weight_packed"])
     for e in STARVED:

@@ -22,11 +22,11 @@ import torch
 import transformers
 from compressed_tensors.compressors import FloatQuantizationCompressor, PackedQuantizationCompressor
 from compressed_tensors.quantization import QuantizationScheme
-from safetensors import safe_open
 from tiny_models import smollm_dir
 from vllm_checks import engine_check, vllm_imports_torchvision, vllm_runs
 
 from quantkit.errors import SchemeMismatch
+from quantkit.formats.common import load_tensors
 from quantkit.loader import load_artifact
 from quantkit.methods.fp8 import fp8_scheme
 from quantkit.pipeline.quantize import QuantizeRequest, quantize
@@ -92,12 +92,6 @@ def _run(src: Path, out: Path, method: str, **extra) -> Path:
     return out
 
 
-def _tensors(d: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for f in sorted(d.glob("*.safetensors")):
-        with safe_open(f, "pt") as st:
-            out.update({k: st.get_tensor(k) for k in st.keys()})
-    return out
 
 
 def _tower_linears(src: Path) -> set[str]:
@@ -137,7 +131,7 @@ def test_vlm_quantizes_the_language_model_and_keeps_the_vision_tower(family, mod
     multimodal model from the artifact and predicts near the source model."""
     src = models[family]
     _, _, _, text_prefix, towers, _ = FAMILIES[family]
-    source = _tensors(src)
+    source = load_tensors(src)
     tower_linears = _tower_linears(src)
     assert tower_linears  # the tiny model has a vision tower with Linears
     ids = torch.randint(10, 40000, (1, 32), generator=torch.Generator().manual_seed(0))
@@ -146,7 +140,7 @@ def test_vlm_quantizes_the_language_model_and_keeps_the_vision_tower(family, mod
     src_config = json.loads((src / "config.json").read_text())
     for method in ("rtn", "gptq", "fp8"):
         art = _run(src, tmp_path / method, method)
-        raw = _tensors(art)
+        raw = load_tensors(art)
         quantized = {n[: -len(".weight_scale")] for n in raw if n.endswith(".weight_scale")}
         missing = [n for n in source if n not in raw and n.rsplit(".", 1)[0] not in quantized]
         assert not missing, (method, missing[:5])
@@ -180,9 +174,9 @@ def test_quantize_vision_quantizes_the_vision_encoder_blocks(family, models, tmp
     projector / mergers stay dense, byte-identical and in the ignore list."""
     src = models[family]
     _, _, _, text_prefix, towers, vision_blocks = FAMILIES[family]
-    source = _tensors(src)
+    source = load_tensors(src)
     art = _run(src, tmp_path / "gptq", "gptq", quantize_vision=True)
-    raw = _tensors(art)
+    raw = load_tensors(art)
     quantized = {n[: -len(".weight_scale")] for n in raw if n.endswith(".weight_scale")}
     vision = {n for n in quantized if n.startswith(vision_blocks)}
     linears = _tower_linears(src)
