@@ -49,15 +49,49 @@ FAMILIES = {
                 dict(intermediate_size=512, head_dim=64, linear_num_value_heads=16,
                      layer_types=["linear_attention", "full_attention"]),
                 "qwen35", (), ("--no-mtp",)),
+    # Qwen3.5's two layers with MoE blocks (4 routed experts, a shared expert and its one-row
+    # gate): experts stacked as llama.cpp's 3-D ffn_*_exps, router and shared gate F32
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM",
+                    dict(moe_intermediate_size=256, shared_expert_intermediate_size=256,
+                         num_experts=4, num_experts_per_tok=2, head_dim=64,
+                         linear_num_value_heads=16,
+                         layer_types=["linear_attention", "full_attention"]),
+                    "qwen35moe", (), ("--no-mtp",)),
+    # scoring_func and rotary_dim as MiniMax's checkpoints carry them (the converter reads
+    # both; transformers' config keeps them as given)
+    "minimax_m2": ("MiniMaxM2Config", "MiniMaxM2ForCausalLM",
+                   dict(intermediate_size=256, rotary_dim=32, num_local_experts=4,
+                        num_experts_per_tok=2, head_dim=64, scoring_func="sigmoid"),
+                   "minimax-m2", (), ()),
+    # 4 layers: MoE in 1 and 3 (interleave step 2), layer 3 without RoPE (llama.cpp's every
+    # 4th); llama3 RoPE scaling as Llama 4 Scout's config has it (rope_freqs)
+    "llama4": ("Llama4TextConfig", "Llama4ForCausalLM",
+               dict(intermediate_size=256, intermediate_size_mlp=512, num_local_experts=4,
+                    interleave_moe_layer_step=2, head_dim=64, num_hidden_layers=4,
+                    rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=16.0,
+                                         low_freq_factor=1.0, high_freq_factor=1.0,
+                                         original_max_position_embeddings=8192)),
+               "llama4", (), ()),
+    # one Gated DeltaNet layer, one gated full-attention layer, MoE blocks; the config's
+    # 16 key heads and 32 value heads (the converter regroups in_proj_qkvz per key head)
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM",
+                   dict(intermediate_size=512, moe_intermediate_size=256,
+                        shared_expert_intermediate_size=256, num_experts=4, num_experts_per_tok=2,
+                        head_dim=64, layer_types=["linear_attention", "full_attention"]),
+                   "qwen3next", (), ("--no-mtp",)),
 }
 
 
 def _norms_off_one(model: torch.nn.Module) -> None:
-    """Norms off 1.0, so an offset or a wrong norm shows in the bytes."""
+    """Norms off 1.0, so an offset or a wrong norm shows in the bytes; the routers'
+    score-correction biases (MiniMax-M2's buffers) off 0 too."""
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 1:
                 p.add_(0.1 * torch.randn_like(p))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.add_(0.1 * torch.randn_like(b))
 
 
 def _make(out: Path, family: str) -> Path:
@@ -85,6 +119,19 @@ def _gguf(src: Path, out: Path, gguf_type: str) -> Path:
     return out
 
 
+# family -> (an MoE block, its tensors beyond routed experts and router: GGUF type, shape)
+MOE_TENSORS = {
+    "qwen3_5_moe": (0, {"ffn_gate_inp_shexp.weight": ("F32", [256, 1]),
+                        "ffn_up_shexp.weight": ("BF16", [256, 256]),
+                        "ffn_down_shexp.weight": ("BF16", [256, 256])}),
+    "minimax_m2": (0, {"exp_probs_b.bias": ("F32", [4])}),
+    "qwen3_next": (0, {"ffn_gate_inp_shexp.weight": ("F32", [256, 1]),
+                       "ffn_gate_shexp.weight": ("BF16", [256, 256])}),
+    "llama4": (1, {"ffn_up_shexp.weight": ("BF16", [256, 256]),
+                   "ffn_down_shexp.weight": ("BF16", [256, 256])}),
+}
+
+
 @pytest.mark.engine
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_gguf_equals_llama_cpp_converter_and_quantize(family, tiny, tmp_path):
@@ -98,9 +145,23 @@ def test_gguf_equals_llama_cpp_converter_and_quantize(family, tiny, tmp_path):
     ours = _gguf(src, tmp_path / "ours.bf16.gguf", "bf16")
     kv, tensors = assert_same_gguf(ours, ref, skip=skip)
     assert f"{arch}.block_count" in kv and "blk.1.attn_q.weight" in tensors
-    if family == "qwen3_5":  # the Gated DeltaNet layer's tensors, as the converter writes them
+    if family.startswith("qwen3_5"):  # the Gated DeltaNet layer's tensors, as the converter writes them
         assert {"blk.0.ssm_a", "blk.0.ssm_conv1d.weight", "blk.0.ssm_dt.bias",
                 "blk.0.ssm_norm.weight", "blk.0.attn_qkv.weight", "blk.0.ssm_out.weight"} <= set(tensors)
+    if family == "qwen3_next":  # in_proj_qkvz regrouped and split, in_proj_ba as it is
+        assert tensors["blk.0.attn_qkv.weight"][:2] == ("BF16", [256, 8192])
+        assert tensors["blk.0.attn_gate.weight"][:2] == ("BF16", [256, 4096])
+        assert tensors["blk.0.ssm_ba.weight"][:2] == ("BF16", [256, 64])
+    if family == "llama4":  # llama3 RoPE scaling: the frequency factors, one table
+        assert tensors["rope_freqs.weight"][:2] == ("F32", [32])
+    moe = MOE_TENSORS.get(family)
+    if moe is not None:  # the experts stacked (E slowest), the routers and gates F32
+        block, extra = moe
+        assert tensors[f"blk.{block}.ffn_gate_exps.weight"][:2] == ("BF16", [256, 256, 4])
+        assert tensors[f"blk.{block}.ffn_down_exps.weight"][:2] == ("BF16", [256, 256, 4])
+        assert tensors[f"blk.{block}.ffn_gate_inp.weight"][:2] == ("F32", [256, 4])
+        for name, want in extra.items():
+            assert tensors[f"blk.{block}.{name}"][:2] == want, name
     lq = tmp_path / "lq.gguf"
     llama_quantize(ref, lq, "q4_k_m")
     q4 = _gguf(src, tmp_path / "ours.q4_k_m.gguf", "q4_k_m")
@@ -134,13 +195,21 @@ def test_mtp_tensors_are_refused_before_any_work(tiny, tmp_path):
     ("gemma4", dict(vocab_size_per_layer_input=262144), "per-layer vocabulary of 262144 rows"),
     ("gemma4", dict(use_double_wide_mlp=True), "double-wide MLPs"),
     ("qwen3_5", dict(linear_num_value_heads=32), "16 key heads and 32 value heads"),
+    ("qwen3_5_moe", dict(linear_num_value_heads=32), "16 key heads and 32 value heads"),
+    ("llama4", dict(use_qk_norm=False), "use_qk_norm=False with 4 experts"),
+    ("qwen3_next", dict(norm_topk_prob=False), "norm_topk_prob=false"),
+    ("llama4", dict(attention_chunk_size=4096), "attention_chunk_size 4096"),
 ])
 def test_variants_gguf_cannot_hold_are_refused(family, edit, match, tiny, tmp_path):
     """Configs whose GGUF llama.cpp would not load (Gemma 4 with a per-layer vocabulary unlike
-    the token vocabulary: check_tensor_dims refuses per_layer_token_embd) or whose layout
-    quantkit does not write yet (Gemma 4's double-wide MLPs; Qwen3.5 with more value than key
-    heads, which the converter reorders, out_proj's columns included) are refused before any
-    work, and nothing is written. The edit goes into config.json alone: nothing is loaded."""
+    the token vocabulary: check_tensor_dims refuses per_layer_token_embd), whose layout
+    quantkit does not write yet (Gemma 4's double-wide MLPs; Qwen3.5 and Qwen3.5-MoE with more
+    value than key heads, which the converter reorders, out_proj's columns included), or which
+    llama.cpp would run as another function than transformers (Llama 4 with q/k norms off
+    but not 128 experts, or with another attention chunk: its llama4 graph hard-codes both;
+    Qwen3-Next without top-k renormalisation, which its qwen3next graph always applies) are
+    refused before any work, and nothing is written. The edit goes into config.json alone:
+    nothing is loaded."""
     import json
 
     from quantkit.errors import UnsupportedArchitecture
@@ -152,3 +221,24 @@ def test_variants_gguf_cannot_hold_are_refused(family, edit, match, tiny, tmp_pa
         _gguf(src, tmp_path / "out.gguf", "bf16")
     assert "convert_hf_to_gguf.py" in e.value.hint
     assert not (tmp_path / "out.gguf").exists()
+
+
+@pytest.mark.fast
+def test_minimax_m2_routes_by_sigmoid_whatever_the_config_says(tiny, tmp_path):
+    """transformers' MiniMax-M2 router always scores with a sigmoid; the converter writes
+    expert_gating_func only from a config's scoring_func (without one, llama.cpp's
+    minimax-m2 graph aborts on gating NONE; "softmax" would route otherwise): quantkit's GGUF
+    says sigmoid (ExpertGatingFuncType.SIGMOID, 2) for a config without it or with another."""
+    import json
+
+    from gguf import ExpertGatingFuncType
+
+    for scoring in (None, "softmax"):
+        src = shutil.copytree(tiny("minimax_m2"), tmp_path / f"m{scoring}")
+        config = json.loads((src / "config.json").read_text())
+        config.pop("scoring_func")
+        if scoring:
+            config["scoring_func"] = scoring
+        (src / "config.json").write_text(json.dumps(config))
+        kv, _ = gguf_contents(_gguf(src, tmp_path / f"m{scoring}.gguf", "bf16"))
+        assert kv["minimax-m2.expert_gating_func"] == ExpertGatingFuncType.SIGMOID

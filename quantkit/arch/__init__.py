@@ -17,12 +17,16 @@ from quantkit.arch import (
     gemma4,
     gpt_oss,
     llama,
+    llama4,
+    minimax_m2,
     ministral3,
     mixtral,
     olmo3,
     phi3,
     qwen3_5,
+    qwen3_5_moe,
     qwen3_moe,
+    qwen3_next,
 )
 from quantkit.arch.discover import discovered_spec
 from quantkit.arch.gguf_names import gguf_model_arch
@@ -46,7 +50,8 @@ ENGINE_DENSE: dict[str, tuple[str, ...]] = {
 # discovered families llama.cpp has an architecture for: model_type -> the ArchSpec's gguf_*
 # fields (the architecture name, its optional keys, the converter's tensor transforms), the
 # facts discovery cannot read off the model; tensor names still come from the gguf package
-GGUF_FAMILIES = (olmo3, ministral3, gemma4, qwen3_5)
+GGUF_FAMILIES = (olmo3, ministral3, gemma4, qwen3_5, qwen3_5_moe, minimax_m2, llama4,
+                 qwen3_next)
 DISCOVERED_GGUF: dict[str, dict] = {
     t: fields for family in GGUF_FAMILIES for t, fields in family.GGUF.items()}
 

@@ -220,10 +220,21 @@ class ArchSpec:
     # optional {arch}.* hyper-parameter keys this GGUF arch carries (formats/gguf.py's
     # _OPTIONAL_KV writes each); the rest of the GGUF header is common to every arch
     gguf_kv: tuple[str, ...] = ("vocab_size", "rope_dimension_count", "head_dim_if_set")
+    # config keys of {arch}.feed_forward_length, the first one set is written (none set: no
+    # key, as the converter's optional lookup); Llama 4's dense MLP is intermediate_size_mlp
+    # wide (its intermediate_size is the experts')
+    gguf_feed_forward: tuple[str, ...] = ("intermediate_size",)
     # a Linear llama.cpp stores as per-head 3-D pieces (DeepSeek's kv_b_proj -> attn_k_b,
     # attn_v_b): block-relative Linear -> ((GGUF base name with {bid}, config key of the rows
     # each head gives this piece, transposed per head), ...); rows are (head, piece, row)
     gguf_head_splits: dict[str, tuple[tuple[str, str, bool], ...]] = field(default_factory=dict)
+    # a Linear llama.cpp stores as other 2-D tensors made of its rows (Qwen3-Next's grouped
+    # in_proj_qkvz -> attn_qkv [all q, all k, all v] and attn_gate [all z]): block-relative
+    # Linear -> (config_getter(config) -> ((GGUF base name with {bid}, the Linear's row indices
+    # in that tensor's order), ...)); rows are independent in every GGML type, so a piece's
+    # bytes are its rows' bytes
+    gguf_row_splits: dict[str, Callable[[Callable], tuple[tuple[str, object], ...]]] = field(
+        default_factory=dict)
     # tensor-name renames llama.cpp's converter applies before its TensorNameMap lookup:
     # (block-relative substring, replacement)
     gguf_renames: tuple[tuple[str, str], ...] = ()
@@ -272,6 +283,25 @@ class ArchSpec:
         heads = weight.reshape(int(get("num_attention_heads")), sum(sizes), weight.shape[-1])
         return [(base, (part.transpose(1, 2) if transpose else part).contiguous())
                 for (base, _, transpose), part in zip(pieces, heads.split(sizes, dim=1), strict=True)]
+
+    def gguf_split(self, rel: str) -> bool:
+        """Whether block-relative Linear `rel` is written as pieces (gguf_head_splits or
+        gguf_row_splits), each its own GGUF tensor with its own type."""
+        return rel in self.gguf_head_splits or rel in self.gguf_row_splits
+
+    def split_bases(self, rel: str, config) -> tuple[str, ...]:
+        """The GGUF base names (with {bid}) of a split Linear's pieces, in piece order."""
+        if rel in self.gguf_head_splits:
+            return tuple(base for base, _, _ in self.gguf_head_splits[rel])
+        return tuple(base for base, _ in self.gguf_row_splits[rel](config_getter(config)))
+
+    def split_pieces(self, rel: str, weight, config) -> list[tuple[str, object]]:
+        """A split Linear's weight -> [(GGUF base name with {bid}, piece)]: per-head 3-D
+        pieces (head_pieces) or 2-D row pieces (gguf_row_splits)."""
+        if rel in self.gguf_head_splits:
+            return self.head_pieces(rel, weight, config)
+        return [(base, weight[rows].contiguous())
+                for base, rows in self.gguf_row_splits[rel](config_getter(config))]
 
     @property
     def block_linears(self) -> tuple[str, ...]:
@@ -346,8 +376,8 @@ class ArchSpec:
 
     def _gguf_block(self, rel: str) -> tuple[str, int | None] | None:
         """Block-relative tensor name -> (GGUF tensor name template with {bid}, expert)."""
-        if self.gguf_arch is None or rel.rpartition(".")[0] in self.gguf_head_splits:
-            return None  # no GGUF layout / written as per-head pieces (head_pieces)
+        if self.gguf_arch is None or self.gguf_split(rel.rpartition(".")[0]):
+            return None  # no GGUF layout / written as pieces (split_pieces)
         for old, new in self.gguf_renames:
             rel = rel.replace(old, new)
         expert = None

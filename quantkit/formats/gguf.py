@@ -145,8 +145,9 @@ def _ggml_mxfp4(blocks_file: Path, blocks_name: str, scales_file: Path, scales_n
 
 
 # 2-D weights the converter always writes as F32, whatever --outtype (base.py forces the MoE
-# router, ffn_gate_inp, to F32; llama-quantize never quantizes it)
-_F32_WEIGHTS = ("ffn_gate_inp.weight", "ssm_conv1d.weight")
+# router, ffn_gate_inp, and the shared expert's one-row gate, ffn_gate_inp_shexp, to F32;
+# llama-quantize never quantizes either: the router by name, the gate as one-row, 1-D in ggml)
+_F32_WEIGHTS = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight", "ssm_conv1d.weight")
 
 
 class _TensorList:
@@ -198,42 +199,42 @@ class _TensorList:
 
 
 def _split_heads(spec: ArchSpec, config: dict, dense: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """`dense` with each Linear of spec.gguf_head_splits replaced by its per-head 3-D pieces
-    under their GGUF names (ArchSpec.head_pieces: llama.cpp's deepseek2 kv_b_proj ->
-    attn_k_b, attn_v_b)."""
-    if not spec.gguf_head_splits:
+    """`dense` with each split Linear replaced by its pieces under their GGUF names
+    (ArchSpec.split_pieces: llama.cpp's deepseek2 kv_b_proj -> per-head attn_k_b, attn_v_b;
+    qwen3next in_proj_qkvz -> the rows of attn_qkv and attn_gate)."""
+    if not spec.gguf_head_splits and not spec.gguf_row_splits:
         return dense
     out = {}
     prefix = spec.block_path + "."
     for name, t in dense.items():
         module, _, suffix = name.rpartition(".")
         bid, _, rel = module[len(prefix):].partition(".") if module.startswith(prefix) else ("", "", "")
-        if suffix != "weight" or rel not in spec.gguf_head_splits:
+        if suffix != "weight" or not spec.gguf_split(rel):
             out[name] = t
             continue
-        for base, piece in spec.head_pieces(rel, t, config):
+        for base, piece in spec.split_pieces(rel, t, config):
             out[f"{base.format(bid=int(bid))}.weight"] = piece
     return out
 
 
-def _result_pieces(spec: ArchSpec, results: dict[str, QuantResult]):
-    """(name, result) of every GGUF tensor the results hold. A gguf_head_splits Linear's
-    result carries its per-head pieces in table order: extra "gguf_piece{i}_bytes" (heads,
-    rows, row bytes), "gguf_piece{i}_type", "gguf_piece{i}_wanted_type"; each comes out under
-    its GGUF name."""
+def _result_pieces(spec: ArchSpec, results: dict[str, QuantResult], config: dict):
+    """(name, result) of every GGUF tensor the results hold. A split Linear's result
+    (ArchSpec.gguf_split) carries its pieces in split_bases order: extra "gguf_piece{i}_bytes"
+    ((heads,) rows, row bytes), "gguf_piece{i}_type", "gguf_piece{i}_wanted_type"; each comes
+    out under its GGUF name."""
     prefix = spec.block_path + "."
     for name, res in results.items():
         bid, _, rel = name[len(prefix):].partition(".") if name.startswith(prefix) else ("", "", "")
-        if rel not in spec.gguf_head_splits:
+        if not spec.gguf_split(rel):
             yield name, res
             continue
-        for i, (base, _, _) in enumerate(spec.gguf_head_splits[rel]):
+        for i, base in enumerate(spec.split_bases(rel, config)):
             data, qtype = res.extra[f"gguf_piece{i}_bytes"], res.extra[f"gguf_piece{i}_type"]
             block, type_size = GGML_QUANT_SIZES[Q(int(qtype))]
-            piece = QuantResult(  # codes: the piece's per-head [rows, row width], no storage
+            piece = QuantResult(  # codes: the piece's [rows, row width] (per head), no storage
                 name=base.format(bid=int(bid)), scheme=res.scheme,
                 codes=torch.zeros((), dtype=torch.uint8).expand(
-                    data.shape[1], data.shape[2] // type_size * block),
+                    data.shape[-2], data.shape[-1] // type_size * block),
                 scale=res.scale, loss=res.loss,
                 extra={"gguf_bytes": data, "gguf_type": qtype,
                        "gguf_wanted_type": res.extra[f"gguf_piece{i}_wanted_type"]})
@@ -364,7 +365,7 @@ class GGUFFileWriter(FormatWriter):
                 permute[f"blk.{i}.attn_q"], permute[f"blk.{i}.attn_k"] = n_head, n_kv
         tensors = _TensorList()
         notes, stats = [], {}
-        for name, res in _result_pieces(spec, results):
+        for name, res in _result_pieces(spec, results, config):
             slot = spec.gguf_tensor(name + ".weight") if not name.startswith("blk.") else \
                 (name + ".weight", None)
             if slot is None:
@@ -410,6 +411,11 @@ class GGUFFileWriter(FormatWriter):
                 t = spec.gguf_transform(gname, t, config)
             if gname.endswith(".weight") and base.rpartition(".")[2] in spec.gguf_bare:
                 gname = base  # tensors.add below reads it as a float tensor: F32
+            # llama-quantize writes every tensor with ggml's dimensions, trailing 1s dropped:
+            # a one-row gate (ffn_gate_inp_shexp, [n_embd, 1] in the converter's file) is 1-D
+            # in its output
+            while gtype not in ("bf16", "f16", "f32") and t.dim() > 1 and t.shape[0] == 1:
+                t = t[0]
             if (t.dim() <= 1 or gname.endswith("_norm.weight") or not gname.endswith(".weight")
                     or gname.endswith(_F32_WEIGHTS)):
                 tensors.add(gname, expert, lambda t=t: t.float().numpy(), Q.F32)
@@ -476,7 +482,9 @@ class GGUFFileWriter(FormatWriter):
         w.add_block_count(config["num_hidden_layers"])
         w.add_context_length(config.get("max_position_embeddings") or 2048)
         w.add_embedding_length(config["hidden_size"])
-        w.add_feed_forward_length(config["intermediate_size"])
+        ff = next((config[k] for k in spec.gguf_feed_forward if config.get(k) is not None), None)
+        if ff is not None:
+            w.add_feed_forward_length(int(ff))
         w.add_head_count(config["num_attention_heads"])
         # MLA runs as multi-query attention over the latent in llama.cpp: one KV head
         w.add_head_count_kv(1 if "mla" in spec.gguf_kv else
@@ -678,6 +686,15 @@ _OPTIONAL_KV = {
     "expert_used_count": lambda w, c: w.add_expert_used_count(int(c["num_experts_per_tok"])),
     "expert_feed_forward_length": lambda w, c: w.add_expert_feed_forward_length(
         int(c["moe_intermediate_size"])),
+    # Qwen2-MoE's line (Qwen3.5-MoE, Qwen3-Next): the shared expert's width, when set
+    "expert_shared_feed_forward_length": lambda w, c: c.get("shared_expert_intermediate_size")
+    is not None and w.add_expert_shared_feed_forward_length(int(c["shared_expert_intermediate_size"])),
+    # Llama 4: which layers are MoE (llama.cpp: every n-th)
+    "interleave_moe_layer_step": lambda w, c: w.add_interleave_moe_layer_step(
+        int(c["interleave_moe_layer_step"])),
+    # MiniMax-M2's RoPE width: its checkpoints' rotary_dim, else partial_rotary_factor x head_dim
+    "rotary_dim": lambda w, c: w.add_rope_dimension_count(
+        int(c["rotary_dim"]) if c.get("rotary_dim") else _rope_dims(c)),
     # gpt-oss: its experts are intermediate_size wide
     "expert_feed_forward_length_intermediate": lambda w, c: w.add_expert_feed_forward_length(
         int(c["intermediate_size"])),

@@ -200,7 +200,7 @@ class GGUFQuantizer(Quantizer):
                 tensors[gguf_linear_name(spec, full)] = tuple(shape_of(get))
         for full, shape in shapes.items():
             rel = full[len(spec.block_path) + 1:].partition(".")[2]
-            if rel in spec.gguf_head_splits:  # llama.cpp stores it as per-head pieces
+            if spec.gguf_split(rel):  # llama.cpp stores it as pieces (per head, or its rows)
                 self._plan_head_pieces(spec, full, rel, shape, config, tensors)
                 continue
             gname = gguf_linear_name(spec, full)
@@ -263,19 +263,20 @@ class GGUFQuantizer(Quantizer):
 
     def _plan_head_pieces(self, spec, full: str, rel: str, shape: tuple[int, int], config,
                           tensors: dict[str, tuple]) -> None:
-        """The per-head 3-D pieces of a gguf_head_splits Linear (DeepSeek's kv_b_proj ->
-        attn_k_b, attn_v_b), planned by their own GGUF names and row widths."""
-        pieces = spec.gguf_head_splits[rel]
+        """The pieces of a split Linear (DeepSeek's kv_b_proj -> per-head attn_k_b, attn_v_b;
+        Qwen3-Next's in_proj_qkvz -> the rows of attn_qkv, attn_gate), planned by their own
+        GGUF names and shapes."""
+        bases = spec.split_bases(rel, config)
         if self.preset.quantized and (self.collect or self.imatrix_path is not None or self.gptq):
             raise SchemeMismatch(
-                f"{full} is stored as per-head pieces ({', '.join(b.rpartition('.')[2] for b, _, _ in pieces)}) "
+                f"{full} is stored as pieces ({', '.join(b.rpartition('.')[2] for b in bases)}) "
                 f"in GGUF architecture {spec.gguf_arch}; quantkit quantizes them with llama.cpp's "
                 "plain rounding only, not with an imatrix or GPTQ rounding yet.",
                 "Drop --imatrix / --calib and --rounding gptq for this model.")
         bid = int(full[len(spec.block_path) + 1:].partition(".")[0])
         self.config = config
         probe = torch.empty(shape, device="meta")
-        for base, piece in spec.head_pieces(rel, probe, config):
+        for base, piece in spec.split_pieces(rel, probe, config):
             tensors[base.format(bid=bid) + ".weight"] = tuple(piece.shape)
 
     def _checked_imatrix(self, data: ImatrixData, tensors: dict[str, tuple]) -> dict[str, torch.Tensor]:
@@ -332,7 +333,7 @@ class GGUFQuantizer(Quantizer):
                 qw = sums / float(count)  # llama.cpp: in_sum2 / counts, in float32
                 self.chunks = (max(self.chunks[0], len(ctx.inputs)),
                                count // max(1, len(ctx.inputs)))
-            if name in spec.gguf_head_splits:
+            if spec.gguf_split(name):
                 results[name] = self._quantize_head_pieces(spec, ctx.index, name, linear.weight.data)
                 continue
             if self.gptq:
@@ -376,17 +377,17 @@ class GGUFQuantizer(Quantizer):
             loss=err, seconds=time.perf_counter() - t0)
 
     def _quantize_head_pieces(self, spec, index: int, name: str, w: torch.Tensor) -> QuantResult:
-        """One result for a head-split Linear: each piece's rows (heads x rows) encoded with
+        """One result for a split Linear: each piece's rows ((heads x) rows) encoded with
         that piece's planned type, under extra "gguf_piece{i}_*" (formats/gguf.py writes each
-        as its own 3-D tensor); the error is over the whole weight."""
+        as its own tensor, 3-D per head or 2-D); the error is over the whole weight."""
         t0 = time.perf_counter()
         extra, sq, total = {}, 0.0, 0.0
-        for i, (base, piece) in enumerate(spec.head_pieces(name, w.detach().float(), self.config)):
+        for i, (base, piece) in enumerate(spec.split_pieces(name, w.detach().float(), self.config)):
             plan = self.plans[base.format(bid=index) + ".weight"]
-            heads, rows, cols = piece.shape
-            data, sq_err = quantize_tensor(piece.reshape(heads * rows, cols), plan.qtype, None,
+            cols = piece.shape[-1]
+            data, sq_err = quantize_tensor(piece.reshape(-1, cols), plan.qtype, None,
                                            errors=True)
-            extra.update({f"gguf_piece{i}_bytes": data.cpu().reshape(heads, rows, -1),
+            extra.update({f"gguf_piece{i}_bytes": data.cpu().reshape(*piece.shape[:-1], -1),
                           f"gguf_piece{i}_type": torch.tensor(int(plan.qtype)),
                           f"gguf_piece{i}_wanted_type": torch.tensor(int(plan.wanted))})
             sq, total = sq + float(sq_err.sum()), total + float(piece.double().square().sum())
