@@ -49,7 +49,8 @@ def test_every_family_linear_has_one_gguf_name_from_the_gguf_package():
     from quantkit.arch import ARCHS, gguf_architectures
 
     assert gguf_architectures() == ["llama", "qwen2", "qwen3", "qwen3moe", "gpt-oss",
-                                    "deepseek2", "gemma3", "phi3", "olmo2", "mistral3", "gemma4", "qwen35"]
+                                    "deepseek2", "gemma3", "phi3", "olmo2", "mistral3", "gemma4", "qwen35",
+                                    "nemotron_h_moe", "granitehybrid"]
     for spec in ARCHS:
         names = {}
         for rel in spec.linears_for(2):

@@ -49,7 +49,30 @@ FAMILIES = {
                 dict(intermediate_size=512, head_dim=64, linear_num_value_heads=16,
                      layer_types=["linear_attention", "full_attention"]),
                 "qwen35", (), ("--no-mtp",)),
+    # a Mamba2 layer, an attention layer, a MoE layer (relu^2 experts, one shared expert);
+    # the Mamba2 widths as tests/discovered_families.py has them (32 heads of 16, in_proj's
+    # 1120 rows suit vLLM's CPU int4 kernel; its 256-wide rows and out_proj's 512 suit K-quants)
+    "nemotron_h": ("NemotronHConfig", "NemotronHForCausalLM",
+                   dict(layers_block_type=["linear_attention", "full_attention", "moe"],
+                        mamba_num_heads=32, mamba_head_dim=16, ssm_state_size=16, n_groups=2,
+                        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=256,
+                        moe_shared_expert_intermediate_size=256, intermediate_size=512,
+                        head_dim=64),
+                   "nemotron_h_moe", (), ()),
+    # a Mamba2 layer, then an attention layer, each with its MoE and shared expert; the
+    # Mamba2 widths as for Nemotron-H (mamba_expand 2: llama.cpp's loader asserts it)
+    "granitemoehybrid": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM",
+                         dict(intermediate_size=256, shared_intermediate_size=512,
+                              num_local_experts=4, num_experts_per_tok=2, mamba_n_heads=32,
+                              mamba_d_head=16, mamba_d_state=16, mamba_n_groups=2,
+                              num_hidden_layers=2, layer_types=["mamba", "attention"]),
+                         "granitehybrid", (), ()),
 }
+# config.json as the family's own checkpoints spell it: transformers 5 saves Granite 4's
+# layer_types as "linear_attention" / "full_attention", which the converter (llama-cpp-python
+# 0.3.36) reads as no attention layer at all (0 KV heads everywhere, a file llama.cpp cannot
+# load); Granite 4's config.json on the Hub says "mamba" / "attention", which it reads
+CONFIG_JSON = {"granitemoehybrid": {"layer_types": ["mamba", "attention"]}}
 
 
 def _norms_off_one(model: torch.nn.Module) -> None:
@@ -61,8 +84,14 @@ def _norms_off_one(model: torch.nn.Module) -> None:
 
 
 def _make(out: Path, family: str) -> Path:
+    import json
+
     config_cls, model_cls, kwargs = FAMILIES[family][:3]
-    return make_model(out, config_cls, model_cls, kwargs, seed=5, prepare=_norms_off_one)
+    src = make_model(out, config_cls, model_cls, kwargs, seed=5, prepare=_norms_off_one)
+    if family in CONFIG_JSON:
+        config = json.loads((src / "config.json").read_text())
+        (src / "config.json").write_text(json.dumps({**config, **CONFIG_JSON[family]}))
+    return src
 
 
 @pytest.fixture(scope="session")
@@ -98,6 +127,16 @@ def test_gguf_equals_llama_cpp_converter_and_quantize(family, tiny, tmp_path):
     ours = _gguf(src, tmp_path / "ours.bf16.gguf", "bf16")
     kv, tensors = assert_same_gguf(ours, ref, skip=skip)
     assert f"{arch}.block_count" in kv and "blk.1.attn_q.weight" in tensors
+    if family == "nemotron_h":  # the Mamba2 layer's and the MoE layer's tensors
+        assert {"blk.0.ssm_a", "blk.0.ssm_d", "blk.0.ssm_in.weight", "blk.0.ssm_conv1d.weight",
+                "blk.0.ssm_norm.weight", "blk.0.ssm_out.weight", "blk.2.ffn_up_exps.weight",
+                "blk.2.ffn_down_exps.weight", "blk.2.ffn_up_shexp.weight",
+                "blk.2.exp_probs_b.bias"} <= set(tensors)
+    if family == "granitemoehybrid":  # Mamba2 tensors; the fused gate/up cut in two
+        assert {"blk.0.ssm_a", "blk.0.ssm_d", "blk.0.ssm_in.weight", "blk.0.ssm_norm.weight",
+                "blk.1.ffn_gate_exps.weight", "blk.1.ffn_up_exps.weight",
+                "blk.1.ffn_gate_shexp.weight", "blk.1.ffn_up_shexp.weight"} <= set(tensors)
+        assert kv["granitehybrid.attention.head_count_kv"] == [0, 2]
     if family == "qwen3_5":  # the Gated DeltaNet layer's tensors, as the converter writes them
         assert {"blk.0.ssm_a", "blk.0.ssm_conv1d.weight", "blk.0.ssm_dt.bias",
                 "blk.0.ssm_norm.weight", "blk.0.attn_qkv.weight", "blk.0.ssm_out.weight"} <= set(tensors)
@@ -134,13 +173,21 @@ def test_mtp_tensors_are_refused_before_any_work(tiny, tmp_path):
     ("gemma4", dict(vocab_size_per_layer_input=262144), "per-layer vocabulary of 262144 rows"),
     ("gemma4", dict(use_double_wide_mlp=True), "double-wide MLPs"),
     ("qwen3_5", dict(linear_num_value_heads=32), "16 key heads and 32 value heads"),
+    ("nemotron_h", dict(layers_block_type=["linear_attention", "full_attention", "mlp"]),
+     "dense MLP layers"),
+    ("nemotron_h", dict(n_group=2, topk_group=1), "group-limited routing"),
+    ("granitemoehybrid", dict(position_embedding_type="rope"), "RoPE in the attention layers"),
 ])
 def test_variants_gguf_cannot_hold_are_refused(family, edit, match, tiny, tmp_path):
     """Configs whose GGUF llama.cpp would not load (Gemma 4 with a per-layer vocabulary unlike
-    the token vocabulary: check_tensor_dims refuses per_layer_token_embd) or whose layout
-    quantkit does not write yet (Gemma 4's double-wide MLPs; Qwen3.5 with more value than key
-    heads, which the converter reorders, out_proj's columns included) are refused before any
-    work, and nothing is written. The edit goes into config.json alone: nothing is loaded."""
+    the token vocabulary: check_tensor_dims refuses per_layer_token_embd; Nemotron-H with a
+    dense MLP layer beside MoE layers, which the converter's per-layer FFN lengths mark as a
+    Mamba2 layer) or would run otherwise than transformers (Nemotron-H's group-limited
+    routing, untested there; Granite 4 hybrid with RoPE, which llama.cpp's granitehybrid
+    leaves out whenever there are Mamba2 layers), or whose layout quantkit does not write yet
+    (Gemma 4's double-wide MLPs; Qwen3.5 with more value than key heads, which the converter
+    reorders, out_proj's columns included), are refused before any work, and nothing is
+    written. The edit goes into config.json alone: nothing is loaded."""
     import json
 
     from quantkit.errors import UnsupportedArchitecture

@@ -16,9 +16,11 @@ from quantkit.arch import (
     gemma3,
     gemma4,
     gpt_oss,
+    granitemoehybrid,
     llama,
     ministral3,
     mixtral,
+    nemotron_h,
     olmo3,
     phi3,
     qwen3_5,
@@ -46,7 +48,7 @@ ENGINE_DENSE: dict[str, tuple[str, ...]] = {
 # discovered families llama.cpp has an architecture for: model_type -> the ArchSpec's gguf_*
 # fields (the architecture name, its optional keys, the converter's tensor transforms), the
 # facts discovery cannot read off the model; tensor names still come from the gguf package
-GGUF_FAMILIES = (olmo3, ministral3, gemma4, qwen3_5)
+GGUF_FAMILIES = (olmo3, ministral3, gemma4, qwen3_5, nemotron_h, granitemoehybrid)
 DISCOVERED_GGUF: dict[str, dict] = {
     t: fields for family in GGUF_FAMILIES for t, fields in family.GGUF.items()}
 

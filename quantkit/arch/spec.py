@@ -224,6 +224,10 @@ class ArchSpec:
     # attn_v_b): block-relative Linear -> ((GGUF base name with {bid}, config key of the rows
     # each head gives this piece, transposed per head), ...); rows are (head, piece, row)
     gguf_head_splits: dict[str, tuple[tuple[str, str, bool], ...]] = field(default_factory=dict)
+    # config key of the head count a gguf_head_splits Linear's rows repeat over (default
+    # num_attention_heads); None: the rows are cut once, into 2-D pieces (Granite's fused
+    # shared-expert input_linear -> ffn_gate_shexp, ffn_up_shexp)
+    gguf_split_heads: dict[str, str | None] = field(default_factory=dict)
     # tensor-name renames llama.cpp's converter applies before its TensorNameMap lookup:
     # (block-relative substring, replacement)
     gguf_renames: tuple[tuple[str, str], ...] = ()
@@ -269,8 +273,10 @@ class ArchSpec:
         get = config_getter(config)
         pieces = self.gguf_head_splits[rel]
         sizes = [int(get(key)) for _, key, _ in pieces]
-        heads = weight.reshape(int(get("num_attention_heads")), sum(sizes), weight.shape[-1])
-        return [(base, (part.transpose(1, 2) if transpose else part).contiguous())
+        key = self.gguf_split_heads.get(rel, "num_attention_heads")
+        heads = weight.reshape(int(get(key)) if key else 1, sum(sizes), weight.shape[-1])
+        return [(base, (part.transpose(1, 2) if transpose else part)[0 if key is None else slice(None)]
+                 .contiguous())
                 for (base, _, transpose), part in zip(pieces, heads.split(sizes, dim=1), strict=True)]
 
     @property
@@ -348,14 +354,18 @@ class ArchSpec:
         """Block-relative tensor name -> (GGUF tensor name template with {bid}, expert)."""
         if self.gguf_arch is None or rel.rpartition(".")[0] in self.gguf_head_splits:
             return None  # no GGUF layout / written as per-head pieces (head_pieces)
-        for old, new in self.gguf_renames:
-            rel = rel.replace(old, new)
         expert = None
         if self.is_expert_linear(rel):
             head, _, tail = rel[len(self.experts.module) + 1:].partition(".")
             if head.isdigit():  # every expert's tensor is one slice of the stacked one
                 expert, rel = int(head), f"{self.experts.module}.{tail}"
-        found = gguf_lookup(self.gguf_arch, self.checkpoint_name(f"{self.block_path}.0.{rel}"))
+        for old, new in self.gguf_renames:
+            rel = rel.replace(old, new)
+        full = f"{self.block_path}.0.{rel}"
+        # the checkpoint's spelling; else the module tree's, under which the converter names
+        # what it renames itself (Nemotron-H's stacked experts: model.layers.N.mlp.experts.*)
+        found = gguf_lookup(self.gguf_arch, self.checkpoint_name(full)) or \
+            gguf_lookup(self.gguf_arch, full)
         if found is None or not found.startswith("blk.0."):
             return None
         return "blk.{bid}." + found[len("blk.0."):], expert

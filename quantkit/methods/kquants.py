@@ -383,10 +383,9 @@ class GGUFQuantizer(Quantizer):
         extra, sq, total = {}, 0.0, 0.0
         for i, (base, piece) in enumerate(spec.head_pieces(name, w.detach().float(), self.config)):
             plan = self.plans[base.format(bid=index) + ".weight"]
-            heads, rows, cols = piece.shape
-            data, sq_err = quantize_tensor(piece.reshape(heads * rows, cols), plan.qtype, None,
+            data, sq_err = quantize_tensor(piece.reshape(-1, piece.shape[-1]), plan.qtype, None,
                                            errors=True)
-            extra.update({f"gguf_piece{i}_bytes": data.cpu().reshape(heads, rows, -1),
+            extra.update({f"gguf_piece{i}_bytes": data.cpu().reshape(*piece.shape[:-1], -1),
                           f"gguf_piece{i}_type": torch.tensor(int(plan.qtype)),
                           f"gguf_piece{i}_wanted_type": torch.tensor(int(plan.wanted))})
             sq, total = sq + float(sq_err.sum()), total + float(piece.double().square().sum())
