@@ -13,6 +13,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from discovered_families import make_model
@@ -42,13 +43,20 @@ FAMILIES = {
                dict(intermediate_size=512, head_dim=64, vocab_size_per_layer_input=49152),
                "gemma4", ("tokenizer.",), ()),
     # one Gated DeltaNet layer, one gated full-attention layer; as many value heads as key
-    # heads (quantkit refuses the other case for GGUF: see the refusal test); no MTP tensors
-    # in a tiny transformers checkpoint, so the converter runs with --no-mtp (without it, it
-    # asserts MTP layers exist)
+    # heads; no MTP tensors in a tiny transformers checkpoint, so the converter runs with
+    # --no-mtp (without it, it asserts MTP layers exist)
     "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM",
                 dict(intermediate_size=512, head_dim=64, linear_num_value_heads=16,
                      layer_types=["linear_attention", "full_attention"]),
                 "qwen35", (), ("--no-mtp",)),
+    # two value heads per key head, as Qwen3.5's own checkpoints have (16 / 32 by default):
+    # the converter reorders the value heads grouped -> tiled, ssm_out's columns included,
+    # which quantkit does before rounding
+    "qwen3_5_tiled": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM",
+                      dict(intermediate_size=512, head_dim=64, linear_num_key_heads=8,
+                           linear_num_value_heads=16,
+                           layer_types=["linear_attention", "full_attention"]),
+                      "qwen35", (), ("--no-mtp",)),
     # a Mamba2 layer, an attention layer, a MoE layer (relu^2 experts, one shared expert);
     # the Mamba2 widths as tests/discovered_families.py has them (32 heads of 16, in_proj's
     # 1120 rows suit vLLM's CPU int4 kernel; its 256-wide rows and out_proj's 512 suit K-quants)
@@ -137,7 +145,7 @@ def test_gguf_equals_llama_cpp_converter_and_quantize(family, tiny, tmp_path):
                 "blk.1.ffn_gate_exps.weight", "blk.1.ffn_up_exps.weight",
                 "blk.1.ffn_gate_shexp.weight", "blk.1.ffn_up_shexp.weight"} <= set(tensors)
         assert kv["granitehybrid.attention.head_count_kv"] == [0, 2]
-    if family == "qwen3_5":  # the Gated DeltaNet layer's tensors, as the converter writes them
+    if family.startswith("qwen3_5"):  # the Gated DeltaNet layer's tensors, as the converter writes them
         assert {"blk.0.ssm_a", "blk.0.ssm_conv1d.weight", "blk.0.ssm_dt.bias",
                 "blk.0.ssm_norm.weight", "blk.0.attn_qkv.weight", "blk.0.ssm_out.weight"} <= set(tensors)
     lq = tmp_path / "lq.gguf"
@@ -172,7 +180,6 @@ def test_mtp_tensors_are_refused_before_any_work(tiny, tmp_path):
 @pytest.mark.parametrize("family, edit, match", [
     ("gemma4", dict(vocab_size_per_layer_input=262144), "per-layer vocabulary of 262144 rows"),
     ("gemma4", dict(use_double_wide_mlp=True), "double-wide MLPs"),
-    ("qwen3_5", dict(linear_num_value_heads=32), "16 key heads and 32 value heads"),
     ("nemotron_h", dict(layers_block_type=["linear_attention", "full_attention", "mlp"]),
      "dense MLP layers"),
     ("nemotron_h", dict(n_group=2, topk_group=1), "group-limited routing"),
@@ -185,9 +192,8 @@ def test_variants_gguf_cannot_hold_are_refused(family, edit, match, tiny, tmp_pa
     Mamba2 layer) or would run otherwise than transformers (Nemotron-H's group-limited
     routing, untested there; Granite 4 hybrid with RoPE, which llama.cpp's granitehybrid
     leaves out whenever there are Mamba2 layers), or whose layout quantkit does not write yet
-    (Gemma 4's double-wide MLPs; Qwen3.5 with more value than key heads, which the converter
-    reorders, out_proj's columns included), are refused before any work, and nothing is
-    written. The edit goes into config.json alone: nothing is loaded."""
+    (Gemma 4's double-wide MLPs), are refused before any work, and nothing is written. The
+    edit goes into config.json alone: nothing is loaded."""
     import json
 
     from quantkit.errors import UnsupportedArchitecture
@@ -199,3 +205,37 @@ def test_variants_gguf_cannot_hold_are_refused(family, edit, match, tiny, tmp_pa
         _gguf(src, tmp_path / "out.gguf", "bf16")
     assert "convert_hf_to_gguf.py" in e.value.hint
     assert not (tmp_path / "out.gguf").exists()
+
+
+@pytest.mark.engine
+def test_gguf_gptq_rounds_tiled_value_heads_in_the_converters_order(tiny, tmp_path):
+    """GPTQ onto the GGML grids (`--rounding gptq`) on Qwen3.5 with two value heads per key
+    head: each Linear is rounded in the converter's row and column order, so every quantized
+    tensor decodes near the converter's BF16 tensor of the same name (one left in the
+    checkpoint's order is as far as an unrelated matrix: relative error ~1.4), and llama.cpp
+    generates from the file. (That the Hessian's columns follow ssm_out's order is not
+    separable here: a mismatched one would still round near the weights.)"""
+    from gguf import GGMLQuantizationType
+
+    from quantkit.ggml.codec import dequantize_tensor
+    from quantkit.readers import read_gguf
+
+    src = tiny("qwen3_5_tiled")
+    ref = convert_with_llama_cpp(src, tmp_path / "ref.bf16.gguf", extra=("--no-mtp",))
+    out = tmp_path / "gptq.gguf"
+    quantize(QuantizeRequest(model=str(src), method="gguf", out=out, format="gguf",
+                             scheme=QuantScheme(kind="kquant", gguf_type="q4_k_m"),
+                             method_options={"gguf_type": "q4_k_m", "rounding": "gptq"},
+                             calib="mixed", calib_samples=4, calib_seqlen=64, resume=False))
+    (_, want), (_, got) = read_gguf(ref), read_gguf(out)
+    errors = {}
+    for name, t in got.items():
+        if GGMLQuantizationType(t.qtype) not in (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K):
+            continue
+        deq = dequantize_tensor(torch.from_numpy(np.asarray(t.data).copy()), int(t.qtype))
+        w = torch.from_numpy(np.asarray(want[name].data).copy()).view(torch.bfloat16).float()
+        w = w.reshape(deq.shape)
+        errors[name] = float((deq - w).norm() / w.norm())
+    assert {"blk.0.ssm_out.weight", "blk.0.attn_qkv.weight", "blk.0.attn_gate.weight"} <= set(errors)
+    assert max(errors.values()) < 0.25, errors
+    assert_generates(out)

@@ -244,6 +244,12 @@ class ArchSpec:
     # the converter's value transforms of dense tensors, by GGUF name: (GGUF name, tensor,
     # config) -> tensor (Qwen3.5's ssm_a = -exp(A_log)); None: written as they are
     gguf_transform: Callable[[str, object, dict], object] | None = None
+    # the converter's permutation of a tensor, by GGUF name: (GGUF name, config) -> (row
+    # index, column index), None where an axis stays (Qwen3.5's value heads, grouped ->
+    # tiled). The GGUF quantizer applies it to a Linear's weight before rounding (a column
+    # order does not commute with K-quant blocks) and to its imatrix / Hessian columns;
+    # gguf_transform applies it to dense tensors. None: every tensor keeps its order
+    gguf_order: Callable[[str, dict], tuple[object, object]] | None = None
     # GGUF base names the converter writes without a .weight suffix (Qwen3.5's ssm_a)
     gguf_bare: tuple[str, ...] = ()
     # embedding tables outside the blocks besides `embed` that llama-quantize quantizes as
