@@ -239,3 +239,19 @@ def test_gguf_gptq_rounds_tiled_value_heads_in_the_converters_order(tiny, tmp_pa
     assert {"blk.0.ssm_out.weight", "blk.0.attn_qkv.weight", "blk.0.attn_gate.weight"} <= set(errors)
     assert max(errors.values()) < 0.25, errors
     assert_generates(out)
+
+
+def test_gguf_auto_refuses_tensors_the_converter_permutes(tiny, tmp_path):
+    """--gguf-type auto measures each tensor in the model's order and is not built for the
+    converter's value-head reorder: refused once the types are planned, before any data is
+    read, and nothing is written."""
+    from quantkit.errors import SchemeMismatch
+
+    with pytest.raises(SchemeMismatch, match="converter permutes") as e:
+        quantize(QuantizeRequest(model=str(tiny("qwen3_5_tiled")), method="gguf",
+                                 out=tmp_path / "auto.gguf", format="gguf",
+                                 scheme=QuantScheme(kind="kquant", gguf_type="auto"),
+                                 method_options={"gguf_type": "auto", "target_bpw": 4.5},
+                                 calib="mixed", calib_samples=2, calib_seqlen=32, resume=False))
+    assert "blk.0." in e.value.message and "fixed --gguf-type" in e.value.hint
+    assert not (tmp_path / "auto.gguf").exists()
