@@ -13,6 +13,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from discovered_families import make_model
@@ -42,9 +43,8 @@ FAMILIES = {
                dict(intermediate_size=512, head_dim=64, vocab_size_per_layer_input=49152),
                "gemma4", ("tokenizer.",), ()),
     # one Gated DeltaNet layer, one gated full-attention layer; as many value heads as key
-    # heads (quantkit refuses the other case for GGUF: see the refusal test); no MTP tensors
-    # in a tiny transformers checkpoint, so the converter runs with --no-mtp (without it, it
-    # asserts MTP layers exist)
+    # heads; no MTP tensors in a tiny transformers checkpoint, so the converter runs with
+    # --no-mtp (without it, it asserts MTP layers exist)
     "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM",
                 dict(intermediate_size=512, head_dim=64, linear_num_value_heads=16,
                      layer_types=["linear_attention", "full_attention"]),
@@ -79,7 +79,38 @@ FAMILIES = {
                         shared_expert_intermediate_size=256, num_experts=4, num_experts_per_tok=2,
                         head_dim=64, layer_types=["linear_attention", "full_attention"]),
                    "qwen3next", (), ("--no-mtp",)),
+    # two value heads per key head, as Qwen3.5's own checkpoints have (16 / 32 by default):
+    # the converter reorders the value heads grouped -> tiled, ssm_out's columns included,
+    # which quantkit does before rounding
+    "qwen3_5_tiled": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM",
+                      dict(intermediate_size=512, head_dim=64, linear_num_key_heads=8,
+                           linear_num_value_heads=16,
+                           layer_types=["linear_attention", "full_attention"]),
+                      "qwen35", (), ("--no-mtp",)),
+    # a Mamba2 layer, an attention layer, a MoE layer (relu^2 experts, one shared expert);
+    # the Mamba2 widths as tests/discovered_families.py has them (32 heads of 16, in_proj's
+    # 1120 rows suit vLLM's CPU int4 kernel; its 256-wide rows and out_proj's 512 suit K-quants)
+    "nemotron_h": ("NemotronHConfig", "NemotronHForCausalLM",
+                   dict(layers_block_type=["linear_attention", "full_attention", "moe"],
+                        mamba_num_heads=32, mamba_head_dim=16, ssm_state_size=16, n_groups=2,
+                        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=256,
+                        moe_shared_expert_intermediate_size=256, intermediate_size=512,
+                        head_dim=64),
+                   "nemotron_h_moe", (), ()),
+    # a Mamba2 layer, then an attention layer, each with its MoE and shared expert; the
+    # Mamba2 widths as for Nemotron-H (mamba_expand 2: llama.cpp's loader asserts it)
+    "granitemoehybrid": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM",
+                         dict(intermediate_size=256, shared_intermediate_size=512,
+                              num_local_experts=4, num_experts_per_tok=2, mamba_n_heads=32,
+                              mamba_d_head=16, mamba_d_state=16, mamba_n_groups=2,
+                              num_hidden_layers=2, layer_types=["mamba", "attention"]),
+                         "granitehybrid", (), ()),
 }
+# config.json as the family's own checkpoints spell it: transformers 5 saves Granite 4's
+# layer_types as "linear_attention" / "full_attention", which the converter (llama-cpp-python
+# 0.3.36) reads as no attention layer at all (0 KV heads everywhere, a file llama.cpp cannot
+# load); Granite 4's config.json on the Hub says "mamba" / "attention", which it reads
+CONFIG_JSON = {"granitemoehybrid": {"layer_types": ["mamba", "attention"]}}
 
 
 def _norms_off_one(model: torch.nn.Module) -> None:
@@ -95,8 +126,14 @@ def _norms_off_one(model: torch.nn.Module) -> None:
 
 
 def _make(out: Path, family: str) -> Path:
+    import json
+
     config_cls, model_cls, kwargs = FAMILIES[family][:3]
-    return make_model(out, config_cls, model_cls, kwargs, seed=5, prepare=_norms_off_one)
+    src = make_model(out, config_cls, model_cls, kwargs, seed=5, prepare=_norms_off_one)
+    if family in CONFIG_JSON:
+        config = json.loads((src / "config.json").read_text())
+        (src / "config.json").write_text(json.dumps({**config, **CONFIG_JSON[family]}))
+    return src
 
 
 @pytest.fixture(scope="session")
@@ -145,6 +182,16 @@ def test_gguf_equals_llama_cpp_converter_and_quantize(family, tiny, tmp_path):
     ours = _gguf(src, tmp_path / "ours.bf16.gguf", "bf16")
     kv, tensors = assert_same_gguf(ours, ref, skip=skip)
     assert f"{arch}.block_count" in kv and "blk.1.attn_q.weight" in tensors
+    if family == "nemotron_h":  # the Mamba2 layer's and the MoE layer's tensors
+        assert {"blk.0.ssm_a", "blk.0.ssm_d", "blk.0.ssm_in.weight", "blk.0.ssm_conv1d.weight",
+                "blk.0.ssm_norm.weight", "blk.0.ssm_out.weight", "blk.2.ffn_up_exps.weight",
+                "blk.2.ffn_down_exps.weight", "blk.2.ffn_up_shexp.weight",
+                "blk.2.exp_probs_b.bias"} <= set(tensors)
+    if family == "granitemoehybrid":  # Mamba2 tensors; the fused gate/up cut in two
+        assert {"blk.0.ssm_a", "blk.0.ssm_d", "blk.0.ssm_in.weight", "blk.0.ssm_norm.weight",
+                "blk.1.ffn_gate_exps.weight", "blk.1.ffn_up_exps.weight",
+                "blk.1.ffn_gate_shexp.weight", "blk.1.ffn_up_shexp.weight"} <= set(tensors)
+        assert kv["granitehybrid.attention.head_count_kv"] == [0, 2]
     if family.startswith("qwen3_5"):  # the Gated DeltaNet layer's tensors, as the converter writes them
         assert {"blk.0.ssm_a", "blk.0.ssm_conv1d.weight", "blk.0.ssm_dt.bias",
                 "blk.0.ssm_norm.weight", "blk.0.attn_qkv.weight", "blk.0.ssm_out.weight"} <= set(tensors)
@@ -194,22 +241,26 @@ def test_mtp_tensors_are_refused_before_any_work(tiny, tmp_path):
 @pytest.mark.parametrize("family, edit, match", [
     ("gemma4", dict(vocab_size_per_layer_input=262144), "per-layer vocabulary of 262144 rows"),
     ("gemma4", dict(use_double_wide_mlp=True), "double-wide MLPs"),
-    ("qwen3_5", dict(linear_num_value_heads=32), "16 key heads and 32 value heads"),
-    ("qwen3_5_moe", dict(linear_num_value_heads=32), "16 key heads and 32 value heads"),
     ("llama4", dict(use_qk_norm=False), "use_qk_norm=False with 4 experts"),
     ("qwen3_next", dict(norm_topk_prob=False), "norm_topk_prob=false"),
     ("llama4", dict(attention_chunk_size=4096), "attention_chunk_size 4096"),
+    ("nemotron_h", dict(layers_block_type=["linear_attention", "full_attention", "mlp"]),
+     "dense MLP layers"),
+    ("nemotron_h", dict(n_group=2, topk_group=1), "group-limited routing"),
+    ("granitemoehybrid", dict(position_embedding_type="rope"), "RoPE in the attention layers"),
 ])
 def test_variants_gguf_cannot_hold_are_refused(family, edit, match, tiny, tmp_path):
     """Configs whose GGUF llama.cpp would not load (Gemma 4 with a per-layer vocabulary unlike
-    the token vocabulary: check_tensor_dims refuses per_layer_token_embd), whose layout
-    quantkit does not write yet (Gemma 4's double-wide MLPs; Qwen3.5 and Qwen3.5-MoE with more
-    value than key heads, which the converter reorders, out_proj's columns included), or which
-    llama.cpp would run as another function than transformers (Llama 4 with q/k norms off
-    but not 128 experts, or with another attention chunk: its llama4 graph hard-codes both;
-    Qwen3-Next without top-k renormalisation, which its qwen3next graph always applies) are
-    refused before any work, and nothing is written. The edit goes into config.json alone:
-    nothing is loaded."""
+    the token vocabulary: check_tensor_dims refuses per_layer_token_embd; Nemotron-H with a
+    dense MLP layer beside MoE layers, which the converter's per-layer FFN lengths mark as a
+    Mamba2 layer), whose layout quantkit does not write yet (Gemma 4's double-wide MLPs), or
+    which llama.cpp would run as another function than transformers (Llama 4 with q/k norms
+    off but not 128 experts, or with another attention chunk: its llama4 graph hard-codes
+    both; Qwen3-Next without top-k renormalisation, which its qwen3next graph always applies;
+    Nemotron-H's group-limited routing, untested there; Granite 4 hybrid with RoPE, which
+    llama.cpp's granitehybrid leaves out whenever there are Mamba2 layers) are refused before
+    any work, and nothing is written. The edit goes into config.json alone: nothing is
+    loaded."""
     import json
 
     from quantkit.errors import UnsupportedArchitecture
@@ -242,3 +293,53 @@ def test_minimax_m2_routes_by_sigmoid_whatever_the_config_says(tiny, tmp_path):
         (src / "config.json").write_text(json.dumps(config))
         kv, _ = gguf_contents(_gguf(src, tmp_path / f"m{scoring}.gguf", "bf16"))
         assert kv["minimax-m2.expert_gating_func"] == ExpertGatingFuncType.SIGMOID
+
+
+@pytest.mark.engine
+def test_gguf_gptq_rounds_tiled_value_heads_in_the_converters_order(tiny, tmp_path):
+    """GPTQ onto the GGML grids (`--rounding gptq`) on Qwen3.5 with two value heads per key
+    head: each Linear is rounded in the converter's row and column order, so every quantized
+    tensor decodes near the converter's BF16 tensor of the same name (one left in the
+    checkpoint's order is as far as an unrelated matrix: relative error ~1.4), and llama.cpp
+    generates from the file. (That the Hessian's columns follow ssm_out's order is not
+    separable here: a mismatched one would still round near the weights.)"""
+    from gguf import GGMLQuantizationType
+
+    from quantkit.ggml.codec import dequantize_tensor
+    from quantkit.readers import read_gguf
+
+    src = tiny("qwen3_5_tiled")
+    ref = convert_with_llama_cpp(src, tmp_path / "ref.bf16.gguf", extra=("--no-mtp",))
+    out = tmp_path / "gptq.gguf"
+    quantize(QuantizeRequest(model=str(src), method="gguf", out=out, format="gguf",
+                             scheme=QuantScheme(kind="kquant", gguf_type="q4_k_m"),
+                             method_options={"gguf_type": "q4_k_m", "rounding": "gptq"},
+                             calib="mixed", calib_samples=4, calib_seqlen=64, resume=False))
+    (_, want), (_, got) = read_gguf(ref), read_gguf(out)
+    errors = {}
+    for name, t in got.items():
+        if GGMLQuantizationType(t.qtype) not in (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K):
+            continue
+        deq = dequantize_tensor(torch.from_numpy(np.asarray(t.data).copy()), int(t.qtype))
+        w = torch.from_numpy(np.asarray(want[name].data).copy()).view(torch.bfloat16).float()
+        w = w.reshape(deq.shape)
+        errors[name] = float((deq - w).norm() / w.norm())
+    assert {"blk.0.ssm_out.weight", "blk.0.attn_qkv.weight", "blk.0.attn_gate.weight"} <= set(errors)
+    assert max(errors.values()) < 0.25, errors
+    assert_generates(out)
+
+
+def test_gguf_auto_refuses_tensors_the_converter_permutes(tiny, tmp_path):
+    """--gguf-type auto measures each tensor in the model's order and is not built for the
+    converter's value-head reorder: refused once the types are planned, before any data is
+    read, and nothing is written."""
+    from quantkit.errors import SchemeMismatch
+
+    with pytest.raises(SchemeMismatch, match="converter permutes") as e:
+        quantize(QuantizeRequest(model=str(tiny("qwen3_5_tiled")), method="gguf",
+                                 out=tmp_path / "auto.gguf", format="gguf",
+                                 scheme=QuantScheme(kind="kquant", gguf_type="auto"),
+                                 method_options={"gguf_type": "auto", "target_bpw": 4.5},
+                                 calib="mixed", calib_samples=2, calib_seqlen=32, resume=False))
+    assert "blk.0." in e.value.message and "fixed --gguf-type" in e.value.hint
+    assert not (tmp_path / "auto.gguf").exists()

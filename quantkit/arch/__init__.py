@@ -16,11 +16,13 @@ from quantkit.arch import (
     gemma3,
     gemma4,
     gpt_oss,
+    granitemoehybrid,
     llama,
     llama4,
     minimax_m2,
     ministral3,
     mixtral,
+    nemotron_h,
     olmo3,
     phi3,
     qwen3_5,
@@ -51,7 +53,7 @@ ENGINE_DENSE: dict[str, tuple[str, ...]] = {
 # fields (the architecture name, its optional keys, the converter's tensor transforms), the
 # facts discovery cannot read off the model; tensor names still come from the gguf package
 GGUF_FAMILIES = (olmo3, ministral3, gemma4, qwen3_5, qwen3_5_moe, minimax_m2, llama4,
-                 qwen3_next)
+                 qwen3_next, nemotron_h, granitemoehybrid)
 DISCOVERED_GGUF: dict[str, dict] = {
     t: fields for family in GGUF_FAMILIES for t, fields in family.GGUF.items()}
 

@@ -7,8 +7,8 @@ ffn_{gate,up,down}_exps, the router ffn_gate_inp and the shared-expert gate ffn_
 in F32, the shared expert as ffn_*_shexp, and the expert widths as keys. transformers'
 Qwen3_5MoeTopKRouter always renormalises the top-k softmax weights, and llama.cpp's qwen35moe
 graph always does too (build_moe_ffn(..., norm_w=true, ..., SOFTMAX)): no config variant of the
-routing to refuse. The value-head reordering the converter applies when key and value head
-counts differ is refused as for Qwen3.5 (its check).
+routing to refuse. The converter's value-head reorder (more value than key heads) is Qwen3.5's
+(its gguf_order, inherited here).
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from quantkit.arch.qwen3_5 import GGUF as _QWEN3_5
+from quantkit.arch.qwen3_5 import value_transform
 from quantkit.errors import UnsupportedArchitecture
 
 _DENSE = _QWEN3_5["qwen3_5_text"]
@@ -56,7 +57,7 @@ def _qkvz_rows(get) -> tuple[tuple[str, torch.Tensor], ...]:
 
 GGUF = {
     "qwen3_next": dict(
-        gguf_arch="qwen3next", gguf_check=_check, gguf_transform=_DENSE["gguf_transform"],
+        gguf_arch="qwen3next", gguf_check=_check, gguf_transform=value_transform,
         gguf_renames=_DENSE["gguf_renames"], gguf_bare=_DENSE["gguf_bare"],
         gguf_row_splits={"linear_attn.in_proj_qkvz": _qkvz_rows},
         gguf_kv=("head_dim_if_set", "gated_deltanet", "expert_count", "expert_used_count",

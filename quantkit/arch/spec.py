@@ -251,6 +251,12 @@ class ArchSpec:
     # the converter's value transforms of dense tensors, by GGUF name: (GGUF name, tensor,
     # config) -> tensor (Qwen3.5's ssm_a = -exp(A_log)); None: written as they are
     gguf_transform: Callable[[str, object, dict], object] | None = None
+    # the converter's permutation of a tensor, by GGUF name: (GGUF name, config) -> (row
+    # index, column index), None where an axis stays (Qwen3.5's value heads, grouped ->
+    # tiled). The GGUF quantizer applies it to a Linear's weight before rounding (a column
+    # order does not commute with K-quant blocks) and to its imatrix / Hessian columns;
+    # gguf_transform applies it to dense tensors. None: every tensor keeps its order
+    gguf_order: Callable[[str, dict], tuple[object, object]] | None = None
     # GGUF base names the converter writes without a .weight suffix (Qwen3.5's ssm_a)
     gguf_bare: tuple[str, ...] = ()
     # embedding tables outside the blocks besides `embed` that llama-quantize quantizes as
@@ -378,14 +384,25 @@ class ArchSpec:
         """Block-relative tensor name -> (GGUF tensor name template with {bid}, expert)."""
         if self.gguf_arch is None or self.gguf_split(rel.rpartition(".")[0]):
             return None  # no GGUF layout / written as pieces (split_pieces)
-        for old, new in self.gguf_renames:
-            rel = rel.replace(old, new)
+        def renamed(name: str) -> str:
+            for old, new in self.gguf_renames:
+                name = name.replace(old, new)
+            return name
+
         expert = None
-        if self.is_expert_linear(rel):
-            head, _, tail = rel[len(self.experts.module) + 1:].partition(".")
-            if head.isdigit():  # every expert's tensor is one slice of the stacked one
-                expert, rel = int(head), f"{self.experts.module}.{tail}"
-        found = gguf_lookup(self.gguf_arch, self.checkpoint_name(f"{self.block_path}.0.{rel}"))
+        # experts by the checkpoint's name (Granite's block_sparse_moe.experts, renamed below)
+        # or by the renamed one (families whose renames lead into the experts module)
+        for name in (rel, renamed(rel)):
+            if self.is_expert_linear(name):
+                head, _, tail = name[len(self.experts.module) + 1:].partition(".")
+                if head.isdigit():  # every expert's tensor is one slice of the stacked one
+                    expert, rel = int(head), f"{self.experts.module}.{tail}"
+                break
+        full = f"{self.block_path}.0.{renamed(rel)}"
+        # the checkpoint's spelling; else the module tree's, under which the converter names
+        # what it renames itself (Nemotron-H's stacked experts: model.layers.N.mlp.experts.*)
+        found = gguf_lookup(self.gguf_arch, self.checkpoint_name(full)) or \
+            gguf_lookup(self.gguf_arch, full)
         if found is None or not found.startswith("blk.0."):
             return None
         return "blk.{bid}." + found[len("blk.0."):], expert

@@ -361,7 +361,7 @@ class GGUFFileWriter(FormatWriter):
         n_kv = config.get("num_key_value_heads") or n_head
         permute = {}
         if spec.gguf_permute_qk:
-            for i in range(config["num_hidden_layers"]):
+            for i in range(config.get("num_hidden_layers") or len(config["layers_block_type"])):
                 permute[f"blk.{i}.attn_q"], permute[f"blk.{i}.attn_k"] = n_head, n_kv
         tensors = _TensorList()
         notes, stats = [], {}
@@ -479,7 +479,8 @@ class GGUFFileWriter(FormatWriter):
         src = (meta or {}).get("source_model", {})
         w.add_name(str(config.get("_model_name_or_path") or config.get("_name_or_path")
                        or src.get("name_or_path") or spec.name))
-        w.add_block_count(config["num_hidden_layers"])
+        # Nemotron-H's config.json has no num_hidden_layers: its layer list says how many
+        w.add_block_count(config.get("num_hidden_layers") or len(config["layers_block_type"]))
         w.add_context_length(config.get("max_position_embeddings") or 2048)
         w.add_embedding_length(config["hidden_size"])
         ff = next((config[k] for k in spec.gguf_feed_forward if config.get(k) is not None), None)
@@ -638,6 +639,75 @@ def _gated_deltanet(w: GGUFWriter, c: dict) -> None:
     w.add_rope_dimension_count(int(GGUFFileWriter._head_dim(c) * part))
 
 
+def _drop_key(w: GGUFWriter, key: str) -> None:
+    """Leave out a common key the converter does not write for this arch."""
+    w.kv_data[0].pop(key.format(arch=w.arch), None)
+
+
+def _mamba2(w: GGUFWriter, c: dict, heads: int, head_dim: int, groups: int, state: int,
+            conv: int) -> None:
+    """Mamba2 mixers as llama.cpp's mamba-base reads them (the converter's GraniteHybrid
+    keys): conv kernel, inner size (heads x head size), state size, heads as the time-step
+    rank, groups of B/C."""
+    w.add_ssm_conv_kernel(conv)
+    w.add_ssm_state_size(state)
+    w.add_ssm_group_count(groups)
+    w.add_ssm_inner_size(heads * head_dim)
+    w.add_ssm_time_step_rank(heads)
+
+
+def _nemotron_h(w: GGUFWriter, c: dict) -> None:
+    """Nemotron-H as llama.cpp's nemotron_h_moe reads it: per layer 0 KV heads and 0 FFN
+    length mark a Mamba2 layer, KV heads an attention layer, the experts' width a MoE layer;
+    no RoPE (rope finetuned false, context 2^20 as the converter writes it); its one
+    LayerNorm epsilon (llama.cpp uses it for the RMSNorms as well, no RMS key)."""
+    kinds = [{"linear_attention": "mamba", "full_attention": "attention"}.get(k, k)
+             for k in c["layers_block_type"]]
+    _drop_key(w, "{arch}.attention.layer_norm_rms_epsilon")
+    w.add_context_length(2 ** 20)
+    w.add_vocab_size(int(c["vocab_size"]))
+    w.add_rope_dimension_count(int(c["head_dim"]))
+    w.add_key_length(int(c["head_dim"]))
+    w.add_value_length(int(c["head_dim"]))
+    w.add_layer_norm_eps(float(c["layer_norm_epsilon"]))
+    w.add_head_count_kv([int(c["num_key_value_heads"]) if k == "attention" else 0 for k in kinds])
+    w.add_feed_forward_length([int(c["moe_intermediate_size"]) if k == "moe" else 0 for k in kinds])
+    _mamba2(w, c, int(c["mamba_num_heads"]), int(c["mamba_head_dim"]), int(c["n_groups"]),
+            int(c["ssm_state_size"]), int(c["conv_kernel"]))
+    w.add_rope_scaling_finetuned(False)
+    w.add_expert_count(int(c["n_routed_experts"]))
+    w.add_expert_used_count(int(c["num_experts_per_tok"]))
+    w.add_expert_group_count(int(c.get("n_group") or 1))
+    w.add_expert_group_used_count(int(c.get("topk_group") or 1))
+    w.add_expert_feed_forward_length(int(c["moe_intermediate_size"]))
+    w.add_expert_shared_feed_forward_length(int(c["moe_shared_expert_intermediate_size"]))
+    w.add_expert_shared_count(int(c["n_shared_experts"]))
+    w.add_expert_weights_norm(bool(c["norm_topk_prob"]))
+    w.add_expert_weights_scale(float(c["routed_scaling_factor"]))
+
+
+def _granite_hybrid(w: GGUFWriter, c: dict) -> None:
+    """Granite 4 hybrid as llama.cpp's granitehybrid reads it: Granite's multipliers (each
+    where the config sets one), the experts and the shared expert's width, per layer 0 KV
+    heads for a Mamba2 layer (either layer_types spelling), the Mamba2 sizes, and no RoPE
+    (rope finetuned false, context 2^20, as the converter writes a hybrid)."""
+    for key, add in (("attention_multiplier", w.add_attention_scale),
+                     ("embedding_multiplier", w.add_embedding_scale),
+                     ("residual_multiplier", w.add_residual_scale),
+                     ("logits_scaling", w.add_logit_scale)):
+        if c.get(key):
+            add(float(c[key]))
+    w.add_expert_count(int(c["num_local_experts"]))
+    w.add_expert_used_count(int(c["num_experts_per_tok"]))
+    w.add_expert_shared_feed_forward_length(int(c["shared_intermediate_size"]))
+    w.add_head_count_kv([int(c["num_key_value_heads"]) if k in ("attention", "full_attention")
+                         else 0 for k in c["layer_types"]])
+    _mamba2(w, c, int(c["mamba_n_heads"]), int(c["mamba_d_head"]), int(c["mamba_n_groups"]),
+            int(c["mamba_d_state"]), int(c["mamba_d_conv"]))
+    w.add_rope_scaling_finetuned(False)
+    w.add_context_length(2 ** 20)
+
+
 def _rope_factors_proportional(config: dict) -> np.ndarray:
     """rope_freqs of Gemma 4's global layers ("proportional" RoPE rotates the first
     partial_rotary_factor of each half): 1 for the rotated pairs, 1e30 (no rotation) after."""
@@ -681,6 +751,8 @@ _OPTIONAL_KV = {
         [(i + 1) % 4 != 0 for i in range(c["num_hidden_layers"])]),
     "gemma4_layers": _gemma4_layers,
     "gated_deltanet": _gated_deltanet,
+    "nemotron_h": _nemotron_h,
+    "granite_hybrid": _granite_hybrid,
     "mrope_sections": lambda w, c: w.add_rope_dimension_sections(
         list(GGUFFileWriter._rope(c).get("mrope_section") or [11, 11, 10, 0])),
     "expert_used_count": lambda w, c: w.add_expert_used_count(int(c["num_experts_per_tok"])),

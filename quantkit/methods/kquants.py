@@ -190,6 +190,7 @@ class GGUFQuantizer(Quantizer):
     def prepare(self, config, spec, shapes: dict[str, tuple[int, int]]) -> None:
         """Fix every tensor's type from the config alone and validate the imatrix file."""
         self.spec = spec
+        self._config_dict = config if isinstance(config, dict) else config.to_dict()
         get = (lambda k: getattr(config, k, None)) if not isinstance(config, dict) else config.get
         vocab, hidden = get("vocab_size"), get("hidden_size")
         tensors = {"token_embd.weight": (vocab, hidden)}
@@ -240,8 +241,35 @@ class GGUFQuantizer(Quantizer):
                     f"imatrix {self.imatrix_path} has no entry for {missing[0]} ({len(missing)} "
                     f"tensors), and its type {self.plans[missing[0]].qtype.name} needs one.",
                     "Use an imatrix computed for this whole model (llama-imatrix or --calib).")
+        reordered = sorted(n for n in tensors if self._order(spec, n) != (None, None))
+        if self.auto and reordered:
+            raise SchemeMismatch(
+                f"--gguf-type auto is not built for tensors llama.cpp's converter permutes "
+                f"({len(reordered)} here, e.g. {reordered[0]}: {spec.gguf_arch}'s value-head order).",
+                "Pick a fixed --gguf-type (e.g. q4_k_m) for this model.")
         if self.auto:
             self._prepare_auto(tensors)
+
+    def _order(self, spec, gname: str | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(rows, cols) the converter permutes GGUF tensor `gname` by (ArchSpec.gguf_order):
+        the weight is rounded in that order, and imatrix / Hessian columns follow it."""
+        order = getattr(spec, "gguf_order", None)
+        if order is None or gname is None:
+            return None, None
+        return order(gname, self._config_dict)
+
+    @staticmethod
+    def _to_gguf_order(w: torch.Tensor, rows, cols) -> torch.Tensor:
+        if rows is not None:
+            w = w.index_select(0, rows.to(w.device))
+        return w if cols is None else w.index_select(1, cols.to(w.device))
+
+    @staticmethod
+    def _to_hf_order(w: torch.Tensor, rows, cols) -> torch.Tensor:
+        """The inverse of _to_gguf_order (a dequantized weight back into the model's order)."""
+        if rows is not None:
+            w = w.index_select(0, torch.argsort(rows).to(w.device))
+        return w if cols is None else w.index_select(1, torch.argsort(cols).to(w.device))
 
     def _prepare_auto(self, tensors: dict[str, tuple[int, ...]]) -> None:
         """Which tensors auto chooses (every weight matrix: block Linears, token_embd, output)
@@ -329,6 +357,9 @@ class GGUFQuantizer(Quantizer):
                 qw = sums / float(count) if count else torch.ones_like(sums)
             elif self.collect and "sq_mean" in stat and stat.get("tokens"):
                 sums, count = stat["sq_mean"].float(), int(stat["tokens"])
+                cols = self._order(spec, gname)[1]
+                if cols is not None:  # llama-imatrix sees the converter's column order
+                    sums = sums.index_select(0, cols.to(sums.device))
                 self.collected[gname] = (sums.detach().cpu(), count)
                 qw = sums / float(count)  # llama.cpp: in_sum2 / counts, in float32
                 self.chunks = (max(self.chunks[0], len(ctx.inputs)),
@@ -361,7 +392,8 @@ class GGUFQuantizer(Quantizer):
         plan = self.plans.get(gname)
         if plan is None:
             raise SchemeMismatch(f"No GGUF type planned for {gname}; call prepare() first.")
-        w32 = w.detach().float()
+        # the converter's row / column order (qw, an imatrix entry, is in it already)
+        w32 = self._to_gguf_order(w.detach().float(), *self._order(self.spec, gname))
         data, sq_err = quantize_tensor(w32, plan.qtype, qw, errors=True)
         err = float(sq_err.sum().sqrt() / w32.norm().double().clamp_min(1e-30))
         scheme = QuantScheme(kind="kquant", bits=0, group_size=block_size(plan.qtype),
@@ -384,8 +416,7 @@ class GGUFQuantizer(Quantizer):
         extra, sq, total = {}, 0.0, 0.0
         for i, (base, piece) in enumerate(spec.split_pieces(name, w.detach().float(), self.config)):
             plan = self.plans[base.format(bid=index) + ".weight"]
-            cols = piece.shape[-1]
-            data, sq_err = quantize_tensor(piece.reshape(-1, cols), plan.qtype, None,
+            data, sq_err = quantize_tensor(piece.reshape(-1, piece.shape[-1]), plan.qtype, None,
                                            errors=True)
             extra.update({f"gguf_piece{i}_bytes": data.cpu().reshape(*piece.shape[:-1], -1),
                           f"gguf_piece{i}_type": torch.tensor(int(plan.qtype)),
@@ -427,11 +458,24 @@ class GGUFQuantizer(Quantizer):
             log.warning("%s: %s", gname, why)
             res = self._quantize(name, gname, linear.weight.data, self._imatrix_rows.get(name), linear.bias)
             res.fallback = why
-            res.extra["dequantized"] = dequantize_tensor(res.extra["gguf_bytes"], int(res.extra["gguf_type"]))
+            res.extra["dequantized"] = self._to_hf_order(
+                dequantize_tensor(res.extra["gguf_bytes"], int(res.extra["gguf_type"])),
+                *self._order(spec, gname))
             results[name] = res
         for names in shared_input_sets(ctx, solvable):
             t0 = time.perf_counter()
             hessian = ctx.stats[names[0]]["hessian"]
+            # Linears that read one input share its column order (the converter permutes
+            # ssm_out's columns: its Hessian is solved in that order)
+            orders = [self._order(spec, gguf_linear_name(spec, f"{spec.block_path}.{ctx.index}.{n}"))[1]
+                      for n in names]
+            if any((o is None) != (orders[0] is None) or (o is not None and not torch.equal(o, orders[0]))
+                   for o in orders):
+                raise SchemeMismatch(f"{names} read one input but llama.cpp's converter orders "
+                                     "their columns differently; GPTQ cannot share their Hessian.")
+            if orders[0] is not None:
+                cols = orders[0].to(hessian.device)
+                hessian = hessian.index_select(0, cols).index_select(1, cols)
             label = f"{spec.block_path}.{ctx.index}." + "+".join(names)
             hinv, diag = hessian_factor(hessian, self.damp, label)
             for n in names:
@@ -444,11 +488,12 @@ class GGUFQuantizer(Quantizer):
                 gname = gguf_linear_name(spec, f"{spec.block_path}.{ctx.index}.{n}")
                 qtype = self.plans[gname].qtype
                 qw = self._imatrix_rows.get(n)
-                w32 = linear.weight.data.detach().float().cpu()
+                order = self._order(spec, gname)  # rounded in the converter's order
+                w32 = self._to_gguf_order(linear.weight.data.detach().float().cpu(), *order)
                 data, deq = gptq_ggml(w32, hinv, qtype, diag if qw is None else qw.float().cpu())
                 res = self._result(n, qtype, self.plans[gname].wanted, data, linear.bias,
                                    float((deq - w32).norm() / w32.norm().clamp_min(1e-30)))
-                res.extra["dequantized"] = deq
+                res.extra["dequantized"] = self._to_hf_order(deq, *order)
                 res.seconds = share + time.perf_counter() - t1
                 results[n] = res
         return {n: results[n] for n in ctx.linears if n in results}
