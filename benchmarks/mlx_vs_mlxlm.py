@@ -15,7 +15,8 @@ Peers, made in MLX's venv (scripts/setup_mlx.sh):
   mlxlm-gptq         mlx_lm.quant.gptq's gptq_quantize, mlxlm-awq mlx_lm.quant.awq's
                      awq_quantize, on the same calibration tokens as quantkit, Linears only
                      (benchmarks/mlxlm_quant_peer.py says what it changes and why); a peer that
-                     fails or runs past --peer-timeout is recorded with the reason
+                     fails or runs past --peer-timeout is recorded with the reason (both ran
+                     past 600 s with 8 x 512 tokens on the 2 shared cores, 2026-12-03)
 quantkit: --format mlx on the format's default grid (asymmetric: symmetric_auto, as the CLI
 without --sym / --asym); rtn, gptq, gptq with static-group act-order (groups stay k // 64, what
 MLX stores), the same with --gptq-v-hessian attention, awq.
@@ -112,6 +113,7 @@ def table(result: dict) -> str:
     lines = ["| row | made by | KLD (x mlx-lm RTN, Linears) | PPL | top-1 | seconds |",
              "|---|---|---|---|---|---|"]
     for name, row in result["rows"].items():
+        row = {**row, "made_by": row["made_by"].split(" -o ")[0]}  # not the temporary dir
         if "failed" in row:
             lines.append(f"| {name} | {row['made_by']} | failed: {row['failed']} | | | "
                          f"{row.get('seconds', '')} |")

@@ -227,6 +227,29 @@ def test_mlx_dequantize_vs_quantkits_own_dequantized_weights(mlx_artifacts, smol
 
 
 @pytest.mark.engine
+@pytest.mark.parametrize("method", ["rtn", "gptq"])
+def test_tiny_asym_mlx_dequantize_equals_quantkits_reading(tiny_llama, tmp_path, method):
+    """The asymmetric grid (the format's default) on a tiny Llama, RTN and GPTQ with
+    static-group act-order: mx.dequantize of every stored Linear equals quantkit's reader bit
+    for bit, and the stored zero points differ between groups."""
+    from quantkit.engines.mlx import mlx_dequantize
+
+    out = tmp_path / method
+    meta = quantize(QuantizeRequest(model=str(tiny_llama), method=method, out=out,
+                                    scheme=QuantScheme(bits=4, group_size=64,
+                                                       act_order=method == "gptq"),
+                                    format="mlx", symmetric_auto=True, calib_samples=4,
+                                    calib_seqlen=128))
+    assert meta["scheme"]["symmetric"] is False and meta["scheme"]["act_order"] == (method == "gptq")
+    assert len(_zero_points(out).round().unique()) > 1
+    ours = read_mlx(out, torch.bfloat16)
+    mlx_w = mlx_dequantize(out)
+    assert mlx_w
+    for name, w in mlx_w.items():
+        assert torch.equal(w, ours[name].float()), name
+
+
+@pytest.mark.engine
 @pytest.mark.slow
 def test_eval_backend_mlx_scores_in_mlx(mlx_artifacts, tmp_path):
     """`quantkit eval --backend mlx`: artifact and base both run in mlx-lm's decoder; the
