@@ -193,6 +193,9 @@ def _request(**extra):
                            trust_remote_code=p["trust_remote_code"], device=p["device"],
                            method_options=built.options, stream=p["stream"],
                            group_size_auto=built.group_size_auto, text_column=p["text_column"],
+                           # --sym / --asym not typed: the format's grid (asymmetric for mlx)
+                           symmetric_auto=method in FLAG_READERS["sym"]
+                           and "sym" not in values.explicit,
                            moe_calibrate_all_experts=p["moe_calibrate_all_experts"],
                            expert_min_tokens=p["expert_min_tokens"], kv_cache=p["kv_cache"],
                            command="quantkit " + shlex.join(sys.argv[1:]), **extra)

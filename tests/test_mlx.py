@@ -65,18 +65,86 @@ def test_mixed_bits_write_per_layer_overrides(tmp_path):
         assert err <= r.scale.max() * (1 << r.scheme.bits) * 2 ** -7, n
 
 
+def _zero_points(path: Path) -> torch.Tensor:
+    """z = -biases / scales of every stored Linear (quantkit writes biases = -scales * z)."""
+    t = _source_weights(path)
+    return torch.cat([(-t[k].float() / t[k.replace(".biases", ".scales")].float()).flatten()
+                      for k in sorted(t) if k.endswith(".biases")])
+
+
+@pytest.mark.fast
+def test_mlx_format_defaults_to_the_asymmetric_grid(tiny_llama, tmp_path):
+    """`--format mlx` without --sym / --asym quantizes on the asymmetric grid (the format's
+    default, FormatRecord.symmetric): the same bytes as --asym, zero points that differ
+    between groups, quantkit.json records asym; --sym gives z = 8 in every group. Other
+    formats keep the symmetric default: compressed-tensors without the flag is --sym's bytes."""
+    from cli_runner import run_cli
+
+    def run(name, *args):
+        out = tmp_path / name
+        proc = run_cli(["quantize", tiny_llama, "--method", "rtn", "--bits", "4",
+                        "--group-size", "64", *args, "-o", out])
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return out
+
+    def tensors(path):
+        return {k: v.view(torch.uint8) if v.dtype != torch.uint32 else v
+                for k, v in _source_weights(path).items()}
+
+    mlx_default, mlx_asym, mlx_sym = (run(n, "--format", "mlx", *f) for n, f in
+                                      (("mlx", ()), ("mlx-asym", ("--asym",)),
+                                       ("mlx-sym", ("--sym",))))
+    meta = json.loads((mlx_default / "quantkit.json").read_text())
+    assert meta["scheme"]["symmetric"] is False, meta["scheme"]
+    a, b = tensors(mlx_default), tensors(mlx_asym)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    z = _zero_points(mlx_default)
+    assert torch.allclose(z, z.round(), atol=0.05)  # integer z, within bf16's rounding
+    assert len(z.round().unique()) > 1  # zero points differ between groups
+    assert torch.equal(_zero_points(mlx_sym), torch.full_like(z, 8.0))
+    assert json.loads((mlx_sym / "quantkit.json").read_text())["scheme"]["symmetric"] is True
+    ct_default, ct_sym = run("ct", "--format", "compressed-tensors"), \
+        run("ct-sym", "--format", "compressed-tensors", "--sym")
+    assert json.loads((ct_default / "quantkit.json").read_text())["scheme"]["symmetric"] is True
+    a, b = tensors(ct_default), tensors(ct_sym)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.fast
+def test_api_symmetric_auto_takes_the_formats_grid(tiny_llama, tmp_path):
+    """QuantizeRequest(symmetric_auto=True) resolves the grid through the format record, as
+    the CLI does without --sym / --asym; without it the scheme is used as given."""
+    from quantkit.pipeline.quantize import resolve_symmetric
+
+    req = QuantizeRequest(model=str(tiny_llama), method="rtn", scheme=SCHEME, out=tmp_path,
+                          format="mlx", symmetric_auto=True)
+    assert resolve_symmetric(req).scheme.symmetric is False
+    assert resolve_symmetric(req).symmetric_auto is False
+    for fmt in ("compressed-tensors", "gptq", "awq"):
+        other = QuantizeRequest(model=str(tiny_llama), method="rtn", scheme=SCHEME,
+                                out=tmp_path, format=fmt, symmetric_auto=True)
+        assert resolve_symmetric(other).scheme.symmetric is True, fmt
+    given = QuantizeRequest(model=str(tiny_llama), method="rtn", scheme=SCHEME, out=tmp_path,
+                            format="mlx")
+    assert resolve_symmetric(given).scheme.symmetric is True
+
+
 # ---- real mlx-lm ---------------------------------------------------------------------------
 
 @pytest.fixture(scope="session")
 def mlx_artifacts(tmp_path_factory) -> dict[str, Path]:
-    """SmolLM2 4-bit g64 (symmetric, quantkit's default) as MLX checkpoints, by method."""
+    """SmolLM2 4-bit g64 as MLX checkpoints, by method, on the format's default grid
+    (asymmetric: symmetric_auto, as the CLI without --sym / --asym); GPTQ with static-group
+    act-order (groups stay k // 64, which MLX stores)."""
     root = tmp_path_factory.mktemp("session-smollm2-mlx")
     out = {}
     for method in ("rtn", "gptq", "awq"):
         out[method] = root / method
-        quantize(QuantizeRequest(model="smollm2-135m", method=method, scheme=SCHEME,
-                                 out=out[method], format="mlx", calib_samples=8,
-                                 calib_seqlen=256))
+        scheme = QuantScheme(bits=4, group_size=64, act_order=method == "gptq")
+        meta = quantize(QuantizeRequest(model="smollm2-135m", method=method, scheme=scheme,
+                                        out=out[method], format="mlx", calib_samples=8,
+                                        calib_seqlen=256, symmetric_auto=True))
+        assert meta["scheme"]["symmetric"] is False
     return out
 
 
@@ -130,9 +198,10 @@ def test_mlx_dequantize_vs_quantkits_own_dequantized_weights(mlx_artifacts, smol
     stored codes are quantkit's codes exactly, and mx.dequantize's weights differ only where
     MLX rounds: the scale to bf16 (MLX keeps no float32 scale), and scale * q to bf16 before
     the bias is added. Per weight that is at most |s_bf16 - s| * |q - z| (2^-9 of the group's
-    largest level 8s) plus the bf16 roundings of s_bf16 * q (< 16s), of the sum and of quantkit's
-    own result: about 5 * 2^-9 of 8s in all, asserted below 2^-6 (measured on SmolLM2 RTN
-    g64: 0.0077, with 57 % of the weights one bf16 step or more apart; printed)."""
+    largest level), the bf16 rounding of the bias -s_bf16 * z (2^-9 of |s z| <= 15s), of s_bf16 *
+    q (< 16s), of the sum and of quantkit's own result: about 6 * 2^-9 of the group's largest
+    level max(z, 15 - z) * s >= 8s, asserted below 2^-6 (measured on SmolLM2 RTN g64, asym
+    grid: 0.0128, 61 % of the weights one bf16 step or more apart; printed). The artifact is asymmetric (the format's default), so z varies by group."""
     from quantkit.engines.mlx import mlx_dequantize
     from quantkit.methods.intquant import rtn_quantize_weight
 
@@ -140,12 +209,14 @@ def test_mlx_dequantize_vs_quantkits_own_dequantized_weights(mlx_artifacts, smol
     mlx_w = mlx_dequantize(path)
     stored = _source_weights(path)
     source = _source_weights(smollm_path)
+    asym = QuantScheme(bits=4, group_size=64, symmetric=False)
     worst, differing, total = 0.0, 0, 0
     for name, w in mlx_w.items():
-        r = rtn_quantize_weight(name[: -len(".weight")], source[name], SCHEME)
+        r = rtn_quantize_weight(name[: -len(".weight")], source[name], asym)
         assert torch.equal(unpack_mlx(stored[name], 4), r.codes.long()), name
         ref = r.dequantize(torch.bfloat16).float()
-        level = (r.scale * 8).repeat_interleave(64, dim=1)  # the group's largest |level|
+        largest = torch.maximum(r.zero, 15 - r.zero).float() * r.scale  # the largest |level|
+        level = largest.repeat_interleave(64, dim=1)
         rel = ((w - ref).abs() / level).max().item()
         worst = max(worst, rel)
         differing += int((w != ref).sum())
@@ -153,6 +224,29 @@ def test_mlx_dequantize_vs_quantkits_own_dequantized_weights(mlx_artifacts, smol
     print(f"max |mx.dequantize - QuantResult.dequantize| / group max level = {worst:.3g}; "
           f"{differing / total:.2%} of weights differ")
     assert 0 < worst <= 2 ** -6
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("method", ["rtn", "gptq"])
+def test_tiny_asym_mlx_dequantize_equals_quantkits_reading(tiny_llama, tmp_path, method):
+    """The asymmetric grid (the format's default) on a tiny Llama, RTN and GPTQ with
+    static-group act-order: mx.dequantize of every stored Linear equals quantkit's reader bit
+    for bit, and the stored zero points differ between groups."""
+    from quantkit.engines.mlx import mlx_dequantize
+
+    out = tmp_path / method
+    meta = quantize(QuantizeRequest(model=str(tiny_llama), method=method, out=out,
+                                    scheme=QuantScheme(bits=4, group_size=64,
+                                                       act_order=method == "gptq"),
+                                    format="mlx", symmetric_auto=True, calib_samples=4,
+                                    calib_seqlen=128))
+    assert meta["scheme"]["symmetric"] is False and meta["scheme"]["act_order"] == (method == "gptq")
+    assert len(_zero_points(out).round().unique()) > 1
+    ours = read_mlx(out, torch.bfloat16)
+    mlx_w = mlx_dequantize(out)
+    assert mlx_w
+    for name, w in mlx_w.items():
+        assert torch.equal(w, ours[name].float()), name
 
 
 @pytest.mark.engine

@@ -98,7 +98,10 @@ class FormatRecord:
     reader); `prepare(model, path)` the run-time behaviour beyond the weights (inputs rounded
     the way the engine does); `kv_cache`: the engine loads k/v scales from it;
     `stores_experts(spec)`: its tensor names for a mixture-of-experts model are verified
-    (what the engine's MoE loader reads)."""
+    (what the engine's MoE loader reads); `symmetric`: the integer grid of a request that
+    did not choose one (--sym / --asym not given: QuantizeRequest.symmetric_auto). MLX's
+    affine grid keeps a float bias per group, so it takes the asymmetric grid; every other
+    format the symmetric one."""
 
     name: str
     writer: Callable[[], Any]
@@ -106,6 +109,7 @@ class FormatRecord:
     prepare: Callable[[torch.nn.Module, Path], None] | None = None
     kv_cache: bool = False
     stores_experts: Callable[[Any], bool] = _stores_no_experts
+    symmetric: bool = True
 
 
 class FormatWriter:

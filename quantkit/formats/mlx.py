@@ -10,9 +10,11 @@ Per quantized Linear (N out, K in, G = K / group_size groups, b bits):
   <linear>.bias    model dtype [N]      optional (the Linear's own bias)
 Dequantized (mx.dequantize): W[n, k] = scales[n, g] * q[n, k] + biases[n, g], g = k // group.
 
-quantkit's grid is W = (q - z) * s (symmetric results: z = 2^(b-1)), so biases = -s * z with
-s first rounded to the model dtype (biases = -scales * z): the stored pair then reproduces
-the result's levels up to the rounding of s itself (MLX keeps no float32 scale).
+quantkit's grid is W = (q - z) * s, so biases = -s * z with s first rounded to the model dtype
+(biases = -scales * z): the stored pair then reproduces the result's levels up to the rounding
+of s and of s * z themselves (MLX keeps no float32 scale). Requests that choose no grid are
+quantized on the asymmetric one (RECORD.symmetric = False: min / max per group, an integer z
+per group), which uses every level of MLX's affine grid; `--sym` gives z = 2^(b-1).
 
 Mixture-of-experts blocks: mlx-lm's SwitchGLU keeps every expert of one projection stacked,
 `<block>.switch_mlp.<proj>.weight` uint32 [E, N, K*b/32], `.scales` / `.biases` [E, N, G];
@@ -144,8 +146,8 @@ class MLXWriter(FormatWriter):
         if scheme.group_size not in MLX_GROUPS:
             problems.append(f"MLX affine quantization takes group size "
                             f"{', '.join(map(str, MLX_GROUPS))}, not {scheme.group_size}")
-        if scheme.act_order:
-            problems.append("MLX has no g_idx, so no act-order")
+        # act-order is fine while groups stay k // group (GPTQ's static groups, the only
+        # act-order the CLI makes); a permuted g_idx is refused by _check_result at write
         if scheme.activations:
             problems.append("MLX's affine layout is weight-only")
         for name, (_n, k) in shapes.items():
@@ -252,4 +254,7 @@ def _stores_experts(spec) -> bool:
     return any(t in MLX_SWITCH_FAMILIES for t in spec.model_types)
 
 
-RECORD = FormatRecord("mlx", MLXWriter, read=read_mlx, stores_experts=_stores_experts)
+# asymmetric unless asked: `biases` is a free float per group, and a symmetric grid leaves
+# levels unused in every group whose weights are not centred on zero
+RECORD = FormatRecord("mlx", MLXWriter, read=read_mlx, stores_experts=_stores_experts,
+                      symmetric=False)

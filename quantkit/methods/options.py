@@ -62,8 +62,9 @@ FLAGS: tuple[Flag, ...] = (
          "where it divides every Linear's input width, else the largest of 64 / 32 that does "
          "(printed and recorded).", readers=_INT_METHODS),
     Flag("sym", ("--sym/--asym",), "switch", _DEFAULT.symmetric,
-         "Symmetric (no zero point) or asymmetric grid.", show_default=True,
-         readers=_INT_METHODS),
+         "Symmetric (no zero point) or asymmetric grid. Default: the format's grid, "
+         "asymmetric for --format mlx (its affine grid stores a bias per group), symmetric "
+         "for every other format.", readers=_INT_METHODS),
     Flag("act_order", ("--act-order",), "flag", help="GPTQ: quantize columns in activation order.",
          readers=("gptq",)),
     Flag("damp", ("--damp",), "float", None, "GPTQ: Hessian dampening (share of mean diag).",

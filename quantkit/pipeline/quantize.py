@@ -112,6 +112,9 @@ class QuantizeRequest:
     resume: bool = True  # per-block checkpoints in .OUT.partial/, resumed by the same request
     memory_check: bool = True  # refuse early when the plan's peak RAM exceeds what is available
     group_size_auto: bool = False  # scheme.group_size was not asked for: fit it to the shapes
+    # scheme.symmetric was not asked for (no --sym / --asym): the format's grid decides
+    # (FormatRecord.symmetric: asymmetric for mlx, symmetric elsewhere)
+    symmetric_auto: bool = False
     text_column: str | None = None  # the calibration column of a .jsonl/.parquet/hf: source
     # mixture of experts: every token through every expert for statistics (routing unchanged)
     moe_calibrate_all_experts: bool = False
@@ -200,6 +203,15 @@ def resolve_group_size(req: QuantizeRequest,
     return dataclasses.replace(req, scheme=scheme, group_size_auto=False), note
 
 
+def resolve_symmetric(req: QuantizeRequest) -> QuantizeRequest:
+    """The request with the grid its format defaults to, where it chose none
+    (symmetric_auto): the one place a format sets a scheme default."""
+    if not req.symmetric_auto or req.scheme.kind != "int":
+        return req
+    scheme = dataclasses.replace(req.scheme, symmetric=format_record(req.format).symmetric)
+    return dataclasses.replace(req, scheme=scheme, symmetric_auto=False)
+
+
 def check_group_size(scheme: QuantScheme, shapes: dict[str, tuple[int, int]]) -> None:
     """Group size must divide every in_features; name the layers and suggest one that works."""
     if scheme.kind != "int" or scheme.group_size in (-1, 0):
@@ -242,6 +254,7 @@ def plan_request(req: QuantizeRequest, config, spec: ArchSpec, quantizer,
 
 def plan(req: QuantizeRequest) -> tuple[MemoryPlan, dict]:
     """Cheap checks as in quantize(), then the plan; no weights or calibration are read."""
+    req = resolve_symmetric(req)
     quantizer = get_quantizer(req.method, **req.method_options)
     quantizer.check(req.scheme)
     source = resolve_model(req.model, allow_pickle=req.allow_pickle)
@@ -318,6 +331,7 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
     if req.stream is not False:
         keep_heap_small()  # before torch's threads make their malloc arenas
     out = Path(req.out)
+    req = resolve_symmetric(req)
     quantizer = get_quantizer(req.method, **req.method_options)
     quantizer.check(req.scheme)
     if dp is not None:
