@@ -490,6 +490,7 @@ def discovered_spec(config, engine_dense: dict[str, tuple[str, ...]] | None = No
                     final_norm=layout.final_norm, lm_head=layout.lm_head,
                     sequential=sequential, experts=layout.experts,
                     awq_groups=awq_groups, awq_unscaled=layout.awq_unscaled + unscaled,
+                    awq_source="discovered",
                     roles={}, attention_v=False,
                     checkpoint_renames=layout.checkpoint_renames,
                     outer_linears=layout.outer_linears,
@@ -516,4 +517,6 @@ def _keep_dense(groups: tuple[AwqGroup, ...], kept: tuple[str, ...]):
             out.append(dataclasses.replace(
                 g, balance=tuple(n for n in g.balance if n not in kept),
                 compensate=g.compensate + stay))
+        else:
+            unscaled.append((g.balance, "the engine keeps them all dense"))
     return tuple(out), tuple(unscaled)

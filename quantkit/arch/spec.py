@@ -187,6 +187,9 @@ class ArchSpec:
     # their input and any norm or Linear: a residual sum, a conv, a recurrence, a gated norm);
     # a family module's table does not list them
     awq_unscaled: tuple[tuple[tuple[str, ...], str], ...] = ()
+    # where awq_groups come from: "table" (a family module's rows) or "discovered" (the
+    # model's dataflow, quantkit.arch.dataflow); a discovered spec's artifact records them
+    awq_source: str = "table"
     # roles used by mixed-precision recipes (Q4_K_M): role -> block-relative Linear name
     roles: dict[str, str] = field(default_factory=lambda: dict(DENSE_ROLES))
     # mixture of experts: per-expert Linears appear in `sequential` as templates with EXPERT
