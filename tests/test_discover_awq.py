@@ -214,3 +214,19 @@ def test_folding_discovered_scales_keeps_the_function(family):
     with torch.no_grad():
         out = model(ids).logits
     assert float((out - ref).abs().max()) <= 1e-4 * float(ref.abs().max()), family
+
+
+def test_granite_mamba_out_proj_and_olmo3_post_norm_inputs_have_no_group():
+    """Granite 4 hybrid's Mamba out_proj reads a gated norm; OLMo 3 normalises after
+    attention and MLP, so q/k/v and gate/up read the residual stream: no norm group there,
+    only the Linear -> Linear pairs (v -> o, up -> down)."""
+    _, granite = _groups_of("granitemoehybrid")
+    assert "gated norm" in dict(granite.awq_unscaled)[("mamba.out_proj",)]
+    assert ("input_layernorm", ("mamba.in_proj",)) in [(g.prev, g.balance)
+                                                       for g in granite.awq_groups]
+    _, olmo = _groups_of("olmo3")
+    assert [g.prev for g in olmo.awq_groups] == ["self_attn.v_proj", "mlp.up_proj"]
+    why = [w for names, w in olmo.awq_unscaled if names == ("self_attn.q_proj",)]
+    # block 0 reads the embeddings; later blocks the residual sum after the post-MLP norm
+    assert any("residual stream" in w for w in why)
+    assert any("add of post_feedforward_layernorm" in w for w in why)
