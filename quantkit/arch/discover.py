@@ -19,6 +19,7 @@ gaps, layouts stored differently in the checkpoint).
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -26,7 +27,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from quantkit.arch.spec import EXPERT, ArchSpec, ExpertsSpec
+from quantkit.arch.dataflow import Dataflow, Found, present_groups, union_groups
+from quantkit.arch.spec import EXPERT, ArchSpec, AwqGroup, ExpertsSpec
 from quantkit.errors import UnsupportedArchitecture
 
 __all__ = ["Layout", "discover_layout", "trace_groups"]
@@ -53,6 +55,10 @@ class Layout:
     # projectors), and the vision encoders' block lists (what --quantize-vision quantizes)
     towers: tuple[str, ...] = ()
     vision_blocks: tuple[str, ...] = ()
+    # AWQ smoothing groups read off the dataflow (quantkit.arch.dataflow), and the Linear
+    # sets that have none, with why (ArchSpec.awq_unscaled)
+    awq_groups: tuple[AwqGroup, ...] = ()
+    awq_unscaled: tuple[tuple[tuple[str, ...], str], ...] = ()
 
 
 def _path_of(model: nn.Module, target: nn.Module | None) -> str:
@@ -205,37 +211,58 @@ def trace_groups(model: nn.Module, blocks: nn.ModuleList, experts: ExpertsSpec |
     without a gate) reading
     its input and (down) reading what they make, at the point where the module is called.
     """
+    return _trace(model, blocks, experts, seq_len)[0]
+
+
+def _trace(model: nn.Module, blocks: nn.ModuleList, experts: ExpertsSpec | None,
+           seq_len: int | None = None) -> tuple[list[list[tuple[str, ...]]], list[Found]]:
+    """trace_groups' groups, and per block the AWQ groups the same forward's dataflow shows
+    (quantkit.arch.dataflow)."""
     if seq_len is None:  # fake tensors cost nothing: long enough for every top-k of the config
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") \
             else model.config
         seq_len = max(16, int(getattr(config, "index_topk", 0) or 0))
     calls: list[list[tuple[str, object]]] = [[] for _ in blocks]
     dense = set(dense_linears(blocks, experts))
+    flow = Dataflow()
     with ExitStack() as stack:
         for bi, block in enumerate(blocks):
             fused = dict(_fused_experts(block))
+            quantized = set()
             for name, mod in block.named_modules():
                 if name in fused:
-                    def run(*args, _bi=bi, **kwargs):
+                    def run(*args, _bi=bi, _mod=mod, **kwargs):
                         hidden = args[0] if args else next(iter(kwargs.values()))
                         calls[_bi].append(("<experts>", hidden))
-                        return torch.zeros_like(hidden)
+                        if experts is not None:
+                            flow.experts(_bi, experts, _mod, hidden)
+                        flow.quiet += 1
+                        try:
+                            return torch.zeros_like(hidden)
+                        finally:
+                            flow.quiet -= 1
                     stack.callback(setattr, mod, "forward", mod.forward)
                     mod.forward = run
                 elif isinstance(mod, nn.Linear) and name not in dense \
                         and not any(name.startswith(f + ".") for f in fused):
+                    quantized.add(name)
                     def hook(_m, args, _bi=bi, _name=name):
                         calls[_bi].append((_name, args[0]))
                     stack.enter_context(mod.register_forward_pre_hook(hook))
+            flow.hook_block(bi, block, quantized, dense | ({experts.router} if experts else set()),
+                            tuple(fused), stack)
         device = next(model.parameters()).device
         with torch.no_grad(), _fake_mode(model) as mode:
             ids = torch.zeros((1, seq_len), dtype=torch.long, device=device)
             ids = mode.from_tensor(ids) if mode is not None else ids
-            model(input_ids=ids, use_cache=False)
+            with flow:
+                model(input_ids=ids, use_cache=False)
     out = []
     for block_calls in calls:
         out.append(_groups(block_calls, experts))
-    return out
+    compensable = dense | ({experts.router} if experts is not None and experts.router else set())
+    found = [flow.groups(bi, block, compensable) for bi, block in enumerate(blocks)]
+    return out, found
 
 
 def _fake_mode(model: nn.Module):
@@ -357,7 +384,8 @@ def discover_layout(model: nn.Module) -> Layout:
     embed = _path_of(model, model.get_input_embeddings())
     head = _path_of(model, model.get_output_embeddings()) if model.get_output_embeddings() is not None else ""
     experts, renames = _experts_spec(model, blocks)
-    per_block = trace_groups(model, blocks, experts)
+    per_block, found = _trace(model, blocks, experts)
+    awq_groups, unscaled = _awq(found, blocks, experts)
     decoder = block_path.rpartition(".")[0]
     outer = tuple(n for n, m in model.named_modules() if isinstance(m, nn.Linear)
                   and n != head and not n.startswith(block_path + ".")
@@ -368,7 +396,27 @@ def discover_layout(model: nn.Module) -> Layout:
     return Layout(block_path, embed, _final_norm(model, block_path), head,
                   _union(per_block), experts,
                   dense_linears(blocks, experts), renames, outer_linears=outer,
-                  towers=towers, vision_blocks=_vision_blocks(model, towers))
+                  towers=towers, vision_blocks=_vision_blocks(model, towers),
+                  awq_groups=awq_groups, awq_unscaled=unscaled)
+
+
+def _awq(found: list[Found], blocks: nn.ModuleList, experts: ExpertsSpec | None
+         ) -> tuple[tuple[AwqGroup, ...], tuple[tuple[tuple[str, ...], str], ...]]:
+    """One table of AWQ groups for every block (ArchSpec.awq_groups: the scaling code takes
+    per block the rows whose balance Linears it holds), and the Linear sets without a group.
+    A row that would resolve on some block to other than what that block's own dataflow
+    showed (the same Linears scaled into another prev) is dropped, with why."""
+    table = list(union_groups([f.groups for f in found]))
+    em = experts.module if experts is not None else None
+    unscaled = list(dict.fromkeys(u for f in found for u in f.unscaled))
+    for f, block in zip(found, blocks, strict=True):
+        bad = [g for g in table if g.balance and g not in f.groups
+               and present_groups((g,), block, em) and present_groups((g,), block, em)[0]
+               not in f.groups]
+        for g in bad:
+            table.remove(g)
+            unscaled.append((g.balance, f"they scale into {g.prev} in some blocks only"))
+    return tuple(table), tuple(unscaled)
 
 
 def _union(per_block: list[list[tuple[str, ...]]]) -> tuple[tuple[str, ...], ...]:
@@ -393,7 +441,8 @@ _DISCOVERED: dict[str, ArchSpec] = {}
 def discovered_spec(config, engine_dense: dict[str, tuple[str, ...]] | None = None) -> ArchSpec:
     """An ArchSpec for a config no family module describes, from its model built on fake
     tensors (transformers' own class, named by the config; never remote code). Cached per
-    config. Only what discovery finds is set: no AWQ pairs, no GGUF layout. `engine_dense`:
+    config. Only what discovery finds is set: AWQ groups where the dataflow shows them
+    (quantkit.arch.dataflow), no GGUF layout. `engine_dense`:
     per model_type, block-relative Linears the engine builds without a quantization method
     (facts no model can tell; they leave the groups and stay dense). Refusals are
     UnsupportedArchitecture whose message says why (the caller names the architecture)."""
@@ -435,11 +484,14 @@ def discovered_spec(config, engine_dense: dict[str, tuple[str, ...]] | None = No
     kept = tuple((engine_dense or {}).get(model_type, ()))
     sequential = tuple(g for g in (tuple(n for n in group if n not in kept)
                                    for group in layout.sequential) if g)
+    awq_groups, unscaled = _keep_dense(layout.awq_groups, kept)
     spec = ArchSpec(model_type or classes[0], tuple(classes), (model_type,),
                     block_path=layout.block_path, embed=layout.embed,
                     final_norm=layout.final_norm, lm_head=layout.lm_head,
                     sequential=sequential, experts=layout.experts,
-                    awq_groups=(), roles={}, attention_v=False,
+                    awq_groups=awq_groups, awq_unscaled=layout.awq_unscaled + unscaled,
+                    awq_source="discovered",
+                    roles={}, attention_v=False,
                     checkpoint_renames=layout.checkpoint_renames,
                     outer_linears=layout.outer_linears,
                     towers=layout.towers, vision_blocks=layout.vision_blocks,
@@ -448,3 +500,23 @@ def discovered_spec(config, engine_dense: dict[str, tuple[str, ...]] | None = No
                                  "a family module only")
     _DISCOVERED[key] = spec
     return spec
+
+
+def _keep_dense(groups: tuple[AwqGroup, ...], kept: tuple[str, ...]):
+    """AWQ groups with the Linears the engine keeps dense out of their balance: behind a norm
+    they are compensated (their columns * s, as a router's); behind a Linear, whose rows the
+    fold would divide under them, the group goes."""
+    out, unscaled = [], []
+    for g in groups:
+        stay = tuple(n for n in g.balance if n in kept)
+        if not stay:
+            out.append(g)
+        elif g.norm_offset is None:  # a Linear prev
+            unscaled.append((g.balance, f"{', '.join(stay)} stay dense behind {g.prev}"))
+        elif len(stay) < len(g.balance):
+            out.append(dataclasses.replace(
+                g, balance=tuple(n for n in g.balance if n not in kept),
+                compensate=g.compensate + stay))
+        else:
+            unscaled.append((g.balance, "the engine keeps them all dense"))
+    return tuple(out), tuple(unscaled)

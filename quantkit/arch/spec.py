@@ -41,6 +41,10 @@ class AwqGroup:
     # columns are multiplied by s as well, so they compute exactly what they did (the fold
     # divides their input by s too); routing is unchanged before any rounding
     compensate: tuple[str, ...] = ()
+    # a norm `prev` computes x_hat * (norm_offset + w); None: the ArchSpec's norm_offset. A
+    # discovered group states it (measured on the norm itself, quantkit.arch.dataflow): a
+    # discovered spec keeps norm_offset 0, its GGUF layout adds what the converter adds
+    norm_offset: float | None = None
 
     def for_experts(self, num_experts: int) -> tuple[AwqGroup, ...]:
         """This row on a block with `num_experts` routed experts (names with EXPERT written out).
@@ -54,10 +58,10 @@ class AwqGroup:
             return tuple(AwqGroup(self.prev.replace(EXPERT, str(e)),
                                   tuple(b.replace(EXPERT, str(e)) for b in self.balance),
                                   self.inspect.replace(EXPERT, str(e)), self.prev_tail,
-                                  self.compensate) for e in range(num_experts))
+                                  self.compensate, self.norm_offset) for e in range(num_experts))
         if any(EXPERT in b for b in self.balance):
             return (AwqGroup(self.prev, _expand(self.balance, num_experts), self.inspect,
-                             self.prev_tail, self.compensate),)
+                             self.prev_tail, self.compensate, self.norm_offset),)
         return (self,)
 
 
@@ -179,6 +183,13 @@ class ArchSpec:
     # Linears of one block, in true-sequential order: each inner tuple shares inputs.
     sequential: tuple[tuple[str, ...], ...] = DENSE_LINEARS
     awq_groups: tuple[AwqGroup, ...] = DENSE_AWQ
+    # Linear sets of a block that have no AWQ group, and why (what discovery found between
+    # their input and any norm or Linear: a residual sum, a conv, a recurrence, a gated norm);
+    # a family module's table does not list them
+    awq_unscaled: tuple[tuple[tuple[str, ...], str], ...] = ()
+    # where awq_groups come from: "table" (a family module's rows) or "discovered" (the
+    # model's dataflow, quantkit.arch.dataflow); a discovered spec's artifact records them
+    awq_source: str = "table"
     # roles used by mixed-precision recipes (Q4_K_M): role -> block-relative Linear name
     roles: dict[str, str] = field(default_factory=lambda: dict(DENSE_ROLES))
     # mixture of experts: per-expert Linears appear in `sequential` as templates with EXPERT

@@ -114,7 +114,8 @@ def scale_plans(ctx: BlockContext, *, pre_quant_scale: bool = False, log=None,
                     f"{grp.prev} has no per-channel weight to fold scales into.")
                 plans.append(ScalePlan(grp, prev, balance, "skip"))
             else:
-                plans.append(ScalePlan(grp, prev, balance, "norm", norm_offset=ctx.arch.norm_offset,
+                offset = ctx.arch.norm_offset if grp.norm_offset is None else grp.norm_offset
+                plans.append(ScalePlan(grp, prev, balance, "norm", norm_offset=offset,
                                        compensate={c: submodule(ctx.block, c) for c in grp.compensate}))
     return plans
 

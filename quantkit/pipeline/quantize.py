@@ -500,6 +500,10 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
         # Linears the method could not treat its own way, and what ran instead (loud on purpose)
         **({"fallbacks": fb} if (fb := {n: r.fallback for n, r in results.items()
                                          if r.fallback}) else {}),
+        # the smoothing groups of a family without a table, as discovery found them, and
+        # which of them the method folded (table families: their family module says)
+        **({"awq_groups": _scaling_record(spec, quantizer.history)}
+           if spec.awq_source == "discovered" and getattr(quantizer, "history", None) else {}),
         # per-tensor types the method chose itself (GGUF auto: the budget, the solve, each type)
         **({"gguf_auto": quantizer.allocation} if quantizer.allocation else {}),
         **({"towers": {"modules": [spec.checkpoint_name(t + ".")[:-1] for t in spec.towers],
@@ -681,6 +685,30 @@ def check_kv_cache(kv_cache: str, format_name: str, spec: ArchSpec, data_paralle
     if spec.kv_cache_gap:
         raise SchemeMismatch(f"--kv-cache fp8 is not built for {spec.name}: {spec.kv_cache_gap}.",
                              "Drop --kv-cache.")
+
+
+def _scaling_record(spec, history: list[dict]) -> dict:
+    """quantkit.json's `awq_groups`: the discovered groups (prev -> balance Linears), per group
+    the blocks where AWQ searched and folded its scale (s = 1 where no other scale won),
+    and the Linear sets that have no group, with why (quantkit.arch.dataflow)."""
+    def template(name: str) -> str:  # an expert's own group, under its table row's name
+        e = spec.experts
+        if e is not None and name.startswith(e.module + "."):
+            head, _, tail = name[len(e.module) + 1:].partition(".")
+            if head.isdigit():
+                return f"{e.module}.{{e}}.{tail}"
+        return name
+
+    folded: dict[str, dict[int, object]] = {}
+    for h in history:
+        folded.setdefault(template(h["prev"]), {}).setdefault(h["block"], h.get("alpha"))
+    return {"source": "discovered",
+            "groups": [{"prev": g.prev, "balance": list(g.balance), "inspect": g.inspect,
+                        **({"prev_tail": True} if g.prev_tail else {}),
+                        **({"compensate": list(g.compensate)} if g.compensate else {}),
+                        **({"norm_offset": g.norm_offset} if g.norm_offset else {}),
+                        "blocks": sorted(folded.get(g.prev, {}))} for g in spec.awq_groups],
+            "unscaled": [{"linears": list(names), "why": why} for names, why in spec.awq_unscaled]}
 
 
 def _ignored(spec: ArchSpec) -> list[str]:
