@@ -1,14 +1,20 @@
 """The tolerances of `quantkit verify`, measured on good artifacts.
 
-Quantizes a few good artifacts (SmolLM2 RTN int4 in vLLM, a tiny Llama RTN / GPTQ int4 in
-vLLM, int8 W8A8 and FP8 dynamic (fidelity only), GGUF Q8_0 and Q4_K_M in llama.cpp), runs
+Quantizes good artifacts (SmolLM2 RTN int4 in vLLM; on a tiny Llama: RTN / GPTQ / AWQ int4
+compressed-tensors, GPTQ act-order, per-channel, int8 weight-only, GPTQ v1, AutoAWQ
+GEMM, NVFP4 and MXFP4 in vLLM where it runs them on this CPU; int8 W8A8 and FP8 dynamic
+(fidelity only); GGUF Q8_0, Q6_K-bearing Q4_K_M, Q5_K_M, Q4_0, Q3_K_M, Q2_K and IQ4_XS in
+llama.cpp), runs
 verify on each with the bounds disabled, and writes
   benchmarks/results/verify_tolerances.json   every measurement + the tolerances
   quantkit/verify/tolerances.json             the tolerances verify applies
 Bounds: relative RMSE per type 2x the worst measured (dense: 0.01, bf16 rounding is
 ~0.002); parity per engine:kind:dtype mean KLD 3x the worst measured, top-1 agreement the
-lowest measured minus 0.05. Usage: python benchmarks/verify_tolerances.py [WORKDIR]; `--from-results` re-derives the
-bounds from the last results file without re-measuring.
+lowest measured minus 0.05; the dense vectors of AWQ / SmoothQuant artifacts (norm weights
+divided by the smoothing scales) have their own key, dense:folded, 2x the worst measured.
+Usage: python benchmarks/verify_tolerances.py [WORKDIR] [--only LABEL ...]: `--only`
+re-measures those rows and keeps the others from the last results file; `--from-results`
+re-derives the bounds from the last results file without re-measuring.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from tiny_models import make_tiny_model  # noqa: E402
 
+from quantkit.methods.fp4 import fp4_scheme  # noqa: E402
 from quantkit.methods.fp8 import fp8_scheme  # noqa: E402
 from quantkit.methods.int8 import int8_scheme  # noqa: E402
 from quantkit.pipeline.quantize import QuantizeRequest, quantize  # noqa: E402
@@ -33,8 +40,8 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "verify_tolerances.json"
 
 
-def _artifacts(work: Path) -> list[tuple[str, Path, str, bool]]:
-    """(label, path, engine, run the engine)."""
+def _artifacts(work: Path, only: list[str]) -> list[tuple[str, Path, str, bool]]:
+    """(label, path, engine, run the engine); `only`: just these labels (all when empty)."""
     tiny = make_tiny_model(work / "tiny", "llama") if not (work / "tiny").exists() else work / "tiny"
     g = QuantScheme(bits=4, group_size=64)
     plans = [
@@ -47,6 +54,24 @@ def _artifacts(work: Path) -> list[tuple[str, Path, str, bool]]:
                                       method_options={"scheme": "dynamic"}), "vllm", False),
         ("tiny fp8 dynamic", tiny, dict(method="fp8", scheme=fp8_scheme("dynamic"),
                                         method_options={"scheme": "dynamic"}), "vllm", False),
+        ("tiny awq int4 g64", tiny, dict(method="awq", scheme=g, calib_samples=8,
+                                         calib_seqlen=64), "vllm", True),
+        ("tiny gptq int4 g64 act-order", tiny, dict(
+            method="gptq", scheme=QuantScheme(bits=4, group_size=64, act_order=True),
+            calib_samples=8, calib_seqlen=64), "vllm", True),
+        ("tiny rtn int4 per-channel", tiny, dict(method="rtn", scheme=QuantScheme(
+            bits=4, group_size=-1)), "vllm", True),
+        ("tiny rtn int8 g128 weight-only", tiny, dict(method="rtn", scheme=QuantScheme(
+            bits=8, group_size=128)), "vllm", True),
+        ("tiny gptq v1 int4 g64", tiny, dict(method="gptq", format="gptq", scheme=g,
+                                             calib_samples=8, calib_seqlen=64), "vllm", True),
+        ("tiny autoawq gemm int4 g64", tiny, dict(method="awq", format="awq", scheme=g,
+                                                  calib_samples=8, calib_seqlen=64), "vllm", True),
+        ("tiny nvfp4 w4a16", tiny, dict(method="nvfp4", scheme=fp4_scheme("nvfp4")), "vllm", True),
+        ("tiny mxfp4 w4a16", tiny, dict(method="mxfp4", scheme=fp4_scheme("mxfp4")), "vllm", True),
+        *[(f"tiny gguf {t}", tiny, dict(method="gguf", format="gguf", scheme=QuantScheme(
+            kind="kquant", gguf_type=t), method_options={"gguf_type": t}), "llamacpp", True)
+          for t in ("q4_0", "q5_k_m", "q3_k_m", "q2_k", "iq4_xs")],
         ("tiny gguf q8_0", tiny, dict(method="gguf", format="gguf", scheme=QuantScheme(
             kind="kquant", gguf_type="q8_0"), method_options={"gguf_type": "q8_0"}),
          "llamacpp", True),
@@ -56,6 +81,8 @@ def _artifacts(work: Path) -> list[tuple[str, Path, str, bool]]:
     ]
     out = []
     for label, model, kw, engine, run in plans:
+        if only and label not in only:
+            continue
         path = work / (label.replace(" ", "-") + (".gguf" if engine == "llamacpp" else ""))
         if not path.exists():
             quantize(QuantizeRequest(model=str(model), out=path, **kw))
@@ -64,7 +91,11 @@ def _artifacts(work: Path) -> list[tuple[str, Path, str, bool]]:
 
 
 def _write(measured: list[dict], tolerances: dict) -> None:
-    RESULTS.write_text(json.dumps({"command": "python benchmarks/verify_tolerances.py",
+    command = "python benchmarks/verify_tolerances.py WORKDIR"
+    if "--only" in sys.argv:  # the rows it re-measured, on top of the full run
+        command += "; then python benchmarks/verify_tolerances.py " + " ".join(
+            f'"{a}"' if " " in a else a for a in sys.argv[1:])
+    RESULTS.write_text(json.dumps({"command": command,
                                    "measured": measured, "tolerances": tolerances}, indent=2))
     verify_tensors.TOLERANCES_FILE.write_text(json.dumps(tolerances, indent=2) + "\n")
     print(json.dumps(tolerances, indent=2))
@@ -91,7 +122,10 @@ def main() -> None:
         measured = json.loads(RESULTS.read_text())["measured"]
         _write(measured, tolerances_from(measured))
         return
-    work = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(tempfile.mkdtemp(prefix="verify-tol-"))
+    args = sys.argv[1:]
+    only = [args[i + 1] for i, a in enumerate(args) if a == "--only"]  # re-measure these rows
+    args = [a for i, a in enumerate(args) if a != "--only" and (i == 0 or args[i - 1] != "--only")]
+    work = Path(args[0]) if args else Path(tempfile.mkdtemp(prefix="verify-tol-"))
     work.mkdir(parents=True, exist_ok=True)
     open_bounds = {"rel_rmse": {}, "parity": {"vllm": {"any": {"kld": 1e9, "top1": 0.0}},
                                                "llamacpp": {"any": {"kld": 1e9, "top1": 0.0}}}}
@@ -101,7 +135,7 @@ def main() -> None:
     verify_tensors.TOLERANCES_FILE = tmp
     measured = []
     try:
-        for label, path, engine, run in _artifacts(work):
+        for label, path, engine, run in _artifacts(work, only):
             res = verify(path, engine, run_engine=run, on_progress=lambda s, lb=label: print(lb, s))
             parity = res.checks["parity"].measured
             key = None
@@ -119,6 +153,10 @@ def main() -> None:
             measured.append(row)
     finally:
         verify_tensors.TOLERANCES_FILE = original
+    if only:  # the other rows as the last results file has them, in its order
+        fresh = {row["artifact"]: row for row in measured}
+        measured = [fresh.pop(row["artifact"], row)
+                    for row in json.loads(RESULTS.read_text())["measured"]] + list(fresh.values())
     tolerances = tolerances_from(measured)
     _write(measured, tolerances)
 

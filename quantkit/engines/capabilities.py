@@ -41,7 +41,7 @@ __all__ = ["VllmCapabilities", "vllm_capabilities", "vllm_cannot_run", "vllm_too
 
 _WORKER = Path(__file__).with_name("vllm_probe_worker.py")
 _PROBE_TIMEOUT_S = 300
-_PROBE_VERSION = 5  # bump when vllm_probe_worker.py asks something new: old answers lack it
+_PROBE_VERSION = 6  # bump when vllm_probe_worker.py asks something new: old answers lack it
 
 # one phrase per missing capability: vllm_cannot_run returns these, error messages reuse them
 _WHY = {
@@ -63,6 +63,7 @@ _WHY = {
     "fp8_kv_cache": "vLLM's CPU attention has no FP8 KV cache here ({why})",
     "fp8_kv_cache_head": "vLLM's CPU attention takes an FP8 KV cache only for head sizes "
                          "divisible by 32",
+    "fp4": "vLLM has no {kind} Linear kernel here (its own choice: {why})",
     "int8_w8a8": "vLLM's CPU build has no int8 W8A8 kernel here (oneDNN int8 GEMM and int8 "
                  "input quantization ops missing)",
 }
@@ -291,6 +292,10 @@ def vllm_cannot_run(scheme: QuantScheme | Mapping | str, *, moe: bool = False) -
             why = (caps.kernels.get("CPUFp8BlockScaledMMKernel") or [False, "?"])[1]
             return None if caps.fp8_block else _WHY["fp8_block"].format(why=str(why).rstrip("."))
         return None if caps.fp8 else _WHY["fp8_dynamic"].format(why="see quantkit doctor")
+    if kind in ("nvfp4", "mxfp4"):
+        ok, why = caps.kernels.get(f"choice:{kind}_{'w4a4' if activations else 'w4a16'}",
+                                   [True, None])
+        return None if ok else _WHY["fp4"].format(kind=kind.upper(), why=str(why).rstrip(". :"))
     return None
 
 
@@ -351,6 +356,8 @@ _KNOWN_FAILURES = [
     (r"Unsupported FusedMoe scheme: num_bits=8 type='int'.*, num_bits=8 type='int' .*"
      r"strategy='tensor'.*dynamic=False", "moe_int8_static"),
     (r"FP8 KV cache on CPU requires x86 with AVX-512 or AMX", "fp8_kv_cache"),
+    (r"Forced NVFP4 kernel \w+ is not supported|Failed to find a kernel that can implement the "
+     r"[MN][XV]FP4 linear layer", "fp4"),
     (r"FP8 KV cache requires head_size divisible by 32 on CPU", "fp8_kv_cache_head"),
 ]
 
@@ -361,6 +368,8 @@ def explain_vllm_failure(log: str) -> str | None:
         if re.search(pattern, log):
             why = ("needs x86 with AVX-512 or AMX" if key == "fp8_kv_cache"
                    else "requires AMX tile support (Sapphire Rapids or newer)")
+            if key == "fp4":
+                return _WHY[key].format(kind="FP4", why=re.search(pattern, log).group(0))
             return _WHY[key].format(why=why, types="uint4, uint4b8")
     return None
 

@@ -133,6 +133,24 @@ def main(resp_path: str) -> None:
     out["kernels"] = {name: _kernel_supported(scaled, name) for name in (
         "CPUInt8ScaledMMLinearKernel", "CPUFp8PerTensorScaledMMLinearKernel",
         "CPUFp8BlockScaledMMKernel", "CPUFP8W8A8ScaledMMLinearKernel")}
+    # FP4 Linears: vLLM's own kernel choice (what a load calls per layer), by scheme
+    try:
+        from vllm.model_executor.kernels.linear import (
+            init_mxfp4_linear_kernel,
+            init_nvfp4_linear_kernel,
+        )
+
+        choices = {"nvfp4_w4a16": lambda: init_nvfp4_linear_kernel(use_a16=True),
+                   "nvfp4_w4a4": init_nvfp4_linear_kernel,
+                   "mxfp4_w4a16": init_mxfp4_linear_kernel}
+    except Exception as exc:  # noqa: BLE001
+        choices = {}
+        out["kernels"]["fp4"] = [False, f"{type(exc).__name__}: {exc}"]
+    for key, choose in choices.items():
+        try:
+            out["kernels"][f"choice:{key}"] = [True, type(choose()).__name__]
+        except Exception as exc:  # noqa: BLE001 - vLLM's own refusal is the answer
+            out["kernels"][f"choice:{key}"] = [False, " ".join(f"{type(exc).__name__}: {exc}".split())]
     json.dump(out, open(resp_path, "w"))
 
 

@@ -28,6 +28,7 @@ from quantkit.verify.report import (
     VerifyResult,
 )
 from quantkit.verify.tensors import (
+    folds_scales,
     gguf_coverage,
     gguf_fidelity,
     safetensors_coverage,
@@ -193,7 +194,8 @@ def _safetensors_tensors(ctx: _Context, coverage: Check, fidelity: Check) -> Non
         fidelity.fail(str(ctx.path), f"{ctx.fmt}'s reader cannot decode it: "
                                      f"{type(exc).__name__}: {exc}")
         return
-    safetensors_fidelity(fidelity, ctx.decoded, source_of, set(source), quantized)
+    safetensors_fidelity(fidelity, ctx.decoded, source_of, set(source), quantized,
+                         folded=folds_scales(ctx.meta))
 
 
 def _gguf_tensors(ctx: _Context, coverage: Check, fidelity: Check) -> None:

@@ -25,10 +25,11 @@ import torch
 from quantkit.verify.report import Check
 
 __all__ = ["safetensors_coverage", "safetensors_fidelity", "gguf_coverage", "gguf_fidelity",
-           "tolerances", "rel_error", "source_for_gguf", "TOLERANCES_FILE"]
+           "tolerances", "rel_error", "source_for_gguf", "TOLERANCES_FILE", "folds_scales"]
 
 TOLERANCES_FILE = Path(__file__).with_name("tolerances.json")
 DENSE_KEY = "dense"  # a tensor stored unquantized (bf16 / f16 / f32 rounding only)
+FOLDED_KEY = "dense:folded"  # a dense vector AWQ / SmoothQuant divided by smoothing scales
 # scheme tensors per quantized Linear, by how the checkpoint marks it quantized
 _MARKERS = {"weight_packed": ("weight_packed", "weight_scale"),
             "qweight": ("qweight", "qzeros", "scales")}
@@ -209,8 +210,17 @@ def _fidelity(check: Check, decoded: dict[str, torch.Tensor], source_of, pairs: 
                            for k, v in sorted(worst.items())))
 
 
+def folds_scales(meta: dict) -> bool:
+    """Whether the artifact's method folded smoothing scales into its dense vectors (AWQ, and
+    int8 with --smoothquant: a norm's weight divided by the scales its Linears took), so those
+    stay near their source only within the fold's own measured bound (FOLDED_KEY)."""
+    options = meta.get("method_options") or {}
+    return meta.get("method") == "awq" or options.get("smoothquant") is not None
+
+
 def safetensors_fidelity(check: Check, decoded: dict[str, torch.Tensor], source_of,
-                         source_names: set[str], quantized: dict[str, str]) -> None:
+                         source_names: set[str], quantized: dict[str, str],
+                         folded: bool = False) -> None:
     tol = tolerances()["rel_rmse"]
     pairs, kinds = {}, {}
     for name, t in decoded.items():
@@ -218,8 +228,10 @@ def safetensors_fidelity(check: Check, decoded: dict[str, torch.Tensor], source_
             continue
         module = name.rpartition(".")[0]
         pairs[name] = name
-        kinds[name] = quantized[module] if module in quantized and name.endswith(".weight") \
-            else DENSE_KEY
+        if module in quantized and name.endswith(".weight"):
+            kinds[name] = quantized[module]
+        else:  # a folded artifact's vectors (norm weights) carry its smoothing scales
+            kinds[name] = FOLDED_KEY if folded and t.dim() == 1 else DENSE_KEY
     _fidelity(check, decoded, source_of, pairs, kinds, tol, lambda n: n)
 
 
