@@ -634,9 +634,12 @@ def _norm_offset(mod: nn.Module) -> float | None:
         return None
 
 
-def union_groups(per_block: list[list[AwqGroup]]) -> tuple[AwqGroup, ...]:
-    """One sequence of groups keeping every block's own order (as discover._union)."""
-    out: list[AwqGroup] = []
+def ordered_union(per_block: list[list]) -> tuple:
+    """One sequence of groups that keeps every block's own order (ArchSpec.sequential and
+    awq_groups skip the names a block lacks): a block's group not placed yet goes right before
+    the next of that block's groups already placed, or at the end (a MoE block's expert
+    groups after a dense block's MLP groups)."""
+    out: list = []
     for groups in per_block:
         for i, g in enumerate(groups):
             if g in out:

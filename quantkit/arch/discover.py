@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from quantkit.arch.dataflow import Dataflow, Found, present_groups, union_groups
+from quantkit.arch.dataflow import Dataflow, Found, ordered_union, present_groups
 from quantkit.arch.spec import EXPERT, ArchSpec, AwqGroup, ExpertsSpec
 from quantkit.errors import UnsupportedArchitecture
 
@@ -394,7 +394,7 @@ def discover_layout(model: nn.Module) -> Layout:
     if towers:  # a vision-language checkpoint: its parts as the checkpoint names them
         renames += _prefix_renames(model, (decoder, *towers, head))
     return Layout(block_path, embed, _final_norm(model, block_path), head,
-                  _union(per_block), experts,
+                  ordered_union(per_block), experts,
                   dense_linears(blocks, experts), renames, outer_linears=outer,
                   towers=towers, vision_blocks=_vision_blocks(model, towers),
                   awq_groups=awq_groups, awq_unscaled=unscaled)
@@ -406,7 +406,7 @@ def _awq(found: list[Found], blocks: nn.ModuleList, experts: ExpertsSpec | None
     per block the rows whose balance Linears it holds), and the Linear sets without a group.
     A row that would resolve on some block to other than what that block's own dataflow
     showed (the same Linears scaled into another prev) is dropped, with why."""
-    table = list(union_groups([f.groups for f in found]))
+    table = list(ordered_union([f.groups for f in found]))
     em = experts.module if experts is not None else None
     unscaled = list(dict.fromkeys(u for f in found for u in f.unscaled))
     for f, block in zip(found, blocks, strict=True):
@@ -417,21 +417,6 @@ def _awq(found: list[Found], blocks: nn.ModuleList, experts: ExpertsSpec | None
             table.remove(g)
             unscaled.append((g.balance, f"they scale into {g.prev} in some blocks only"))
     return tuple(table), tuple(unscaled)
-
-
-def _union(per_block: list[list[tuple[str, ...]]]) -> tuple[tuple[str, ...], ...]:
-    """One sequence of groups that keeps every block's own order (ArchSpec.sequential skips the
-    names a block lacks): a block's group not placed yet goes right before the next of that
-    block's groups already placed, or at the end (a MoE block's expert groups after a dense
-    block's MLP groups)."""
-    out: list[tuple[str, ...]] = []
-    for groups in per_block:
-        for i, g in enumerate(groups):
-            if g in out:
-                continue
-            later = next((out.index(h) for h in groups[i + 1:] if h in out), len(out))
-            out.insert(later, g)
-    return tuple(out)
 
 
 _DISCOVERED: dict[str, ArchSpec] = {}

@@ -6,7 +6,7 @@ rest). RMSNorms store w itself (Gemma 4's norms multiply by w, not 1 + w)."""
 
 from __future__ import annotations
 
-from quantkit.errors import UnsupportedArchitecture
+from quantkit.arch.gguf_names import refuse_gguf
 
 
 def _check(config: dict) -> None:
@@ -25,11 +25,7 @@ def _check(config: dict) -> None:
         # llama.cpp's gemma4 loader wants per_layer_token_embd n_vocab rows (check_tensor_dims)
         found.append(f"a per-layer vocabulary of {per_layer} rows beside {config['vocab_size']} "
                      "tokens (llama.cpp loads only equal ones)")
-    if found:
-        raise UnsupportedArchitecture(
-            f"quantkit's GGUF writer does not write Gemma 4 with {', '.join(found)} yet.",
-            "Use llama.cpp's convert_hf_to_gguf.py for this checkpoint, or a safetensors "
-            "format (compressed-tensors) with quantkit.")
+    refuse_gguf("Gemma 4", found, yet=True)
 
 
 def _per_layer_embeds(get) -> tuple[int, int] | None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 
-__all__ = ["gguf_lookup", "gguf_model_arch"]
+__all__ = ["gguf_lookup", "gguf_model_arch", "refuse_gguf"]
 
 _SUFFIXES = (".weight", ".bias")
 
@@ -43,3 +43,16 @@ def gguf_lookup(gguf_arch: str, hf_name: str) -> str | None:
     if found is None:
         return None
     return found if found.endswith(_SUFFIXES) else f"{found}.weight"
+
+
+def refuse_gguf(family: str, found: list[str], *, yet: bool = False) -> None:
+    """A family's GGUF refusal (its gguf_check) when `found` names anything: what llama.cpp
+    would load or compute otherwise, or what quantkit does not write (`yet`)."""
+    if found:
+        from quantkit.errors import UnsupportedArchitecture
+
+        raise UnsupportedArchitecture(
+            f"quantkit's GGUF writer does not write {family} with {', '.join(found)}"
+            f"{' yet' if yet else ''}.",
+            "Use llama.cpp's convert_hf_to_gguf.py for this checkpoint, or a safetensors "
+            "format (compressed-tensors) with quantkit.")

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from quantkit.errors import UnsupportedArchitecture
+from quantkit.arch.gguf_names import refuse_gguf
+from quantkit.arch.nemotron_h import mamba2_tensor
 
 ATTENTION = ("attention", "full_attention")
 
@@ -55,25 +56,12 @@ def _check(config: dict) -> None:
         found.append("a dense MLP in place of the experts")
     if not config.get("shared_intermediate_size"):
         found.append("no shared expert")
-    if found:
-        raise UnsupportedArchitecture(
-            f"quantkit's GGUF writer does not write Granite 4 hybrid with {', '.join(found)}.",
-            "Use llama.cpp's convert_hf_to_gguf.py for this checkpoint, or a safetensors "
-            "format (compressed-tensors) with quantkit.")
+    refuse_gguf("Granite 4 hybrid", found)
 
 
 def gguf_transform(gname: str, t: torch.Tensor, config: dict) -> torch.Tensor:
-    """A dense tensor as the converter writes it (by its GGUF name)."""
-    base = gname.removesuffix(".weight").rpartition(".")[2]
-    if base == "ssm_a":
-        return (-torch.exp(t.float())).reshape(-1, 1)
-    if base == "ssm_d":
-        return t.reshape(-1, 1)
-    if base == "ssm_conv1d":
-        return t.squeeze()
-    if base == "ssm_norm":
-        return t.reshape(int(config["mamba_n_groups"]), -1)
-    return t
+    """A dense tensor as the converter writes it (by its GGUF name): Nemotron-H's Mamba2 rule."""
+    return mamba2_tensor(gname, t, int(config["mamba_n_groups"]))
 
 
 _SHARED_IN = "shared_mlp.input_linear"

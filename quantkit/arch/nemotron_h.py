@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from quantkit.errors import UnsupportedArchitecture
+from quantkit.arch.gguf_names import refuse_gguf
 
 _MAMBA, _ATTN, _MOE = ("mamba", "linear_attention"), ("attention", "full_attention"), ("moe",)
 
@@ -58,15 +58,13 @@ def _check(config: dict) -> None:
         found.append(f"{config.get('n_shared_experts')} shared experts (llama.cpp reads one)")
     if config.get("moe_latent_size"):
         found.append("latent MoE projections (moe_latent_size)")
-    if found:
-        raise UnsupportedArchitecture(
-            f"quantkit's GGUF writer does not write Nemotron-H with {', '.join(found)}.",
-            "Use llama.cpp's convert_hf_to_gguf.py for this checkpoint, or a safetensors "
-            "format (compressed-tensors) with quantkit.")
+    refuse_gguf("Nemotron-H", found)
 
 
-def gguf_transform(gname: str, t: torch.Tensor, config: dict) -> torch.Tensor:
-    """A dense tensor as the converter writes it (by its GGUF name)."""
+def mamba2_tensor(gname: str, t: torch.Tensor, n_groups: int) -> torch.Tensor:
+    """A Mamba2 mixer's dense tensor as llama.cpp's converter writes it (by its GGUF name):
+    ssm_a = -exp(A_log) and ssm_d = D as one column, conv1d squeezed, the gated norm as
+    (n_groups, d_inner / n_groups); other tensors as they are (Granite 4 hybrid's too)."""
     base = gname.removesuffix(".weight").rpartition(".")[2]
     if base == "ssm_a":
         return (-torch.exp(t.float())).reshape(-1, 1)
@@ -75,8 +73,13 @@ def gguf_transform(gname: str, t: torch.Tensor, config: dict) -> torch.Tensor:
     if base == "ssm_conv1d":
         return t.squeeze()
     if base == "ssm_norm":
-        return t.reshape(int(config["n_groups"]), -1)
+        return t.reshape(n_groups, -1)
     return t
+
+
+def gguf_transform(gname: str, t: torch.Tensor, config: dict) -> torch.Tensor:
+    """A dense tensor as the converter writes it (by its GGUF name)."""
+    return mamba2_tensor(gname, t, int(config["n_groups"]))
 
 
 GGUF = {
