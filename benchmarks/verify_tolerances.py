@@ -4,7 +4,7 @@ Quantizes good artifacts (SmolLM2 RTN int4 in vLLM; on a tiny Llama: RTN / GPTQ 
 compressed-tensors, GPTQ act-order, per-channel, int8 weight-only, GPTQ v1, AutoAWQ
 GEMM, NVFP4 and MXFP4 in vLLM where it runs them on this CPU; int8 W8A8 and FP8 dynamic
 (fidelity only); GGUF Q8_0, Q6_K-bearing Q4_K_M, Q5_K_M, Q4_0, Q3_K_M, Q2_K and IQ4_XS in
-llama.cpp), runs
+llama.cpp; RTN / GPTQ int4 as MLX checkpoints in mlx-lm), runs
 verify on each with the bounds disabled, and writes
   benchmarks/results/verify_tolerances.json   every measurement + the tolerances
   quantkit/verify/tolerances.json             the tolerances verify applies
@@ -72,6 +72,11 @@ def _artifacts(work: Path, only: list[str]) -> list[tuple[str, Path, str, bool]]
         *[(f"tiny gguf {t}", tiny, dict(method="gguf", format="gguf", scheme=QuantScheme(
             kind="kquant", gguf_type=t), method_options={"gguf_type": t}), "llamacpp", True)
           for t in ("q4_0", "q5_k_m", "q3_k_m", "q2_k", "iq4_xs")],
+        ("tiny rtn int4 g64 mlx", tiny, dict(method="rtn", format="mlx", scheme=g,
+                                             symmetric_auto=True), "mlx", True),
+        ("tiny gptq int4 g64 mlx", tiny, dict(method="gptq", format="mlx", scheme=g,
+                                              symmetric_auto=True, calib_samples=8,
+                                              calib_seqlen=64), "mlx", True),
         ("tiny gguf q8_0", tiny, dict(method="gguf", format="gguf", scheme=QuantScheme(
             kind="kquant", gguf_type="q8_0"), method_options={"gguf_type": "q8_0"}),
          "llamacpp", True),
@@ -108,7 +113,7 @@ def tolerances_from(measured: list[dict]) -> dict:
         for kind, v in (row["rel_rmse"] or {}).items():
             if kind != "dense":
                 rel[kind] = max(rel.get(kind, 0.0), round(2 * v, 4))
-    parity: dict[str, dict] = {"vllm": {}, "llamacpp": {}}
+    parity: dict[str, dict] = {"vllm": {}, "llamacpp": {}, "mlx": {}}
     for row in measured:
         if row["parity"]:
             cur = parity[row["engine"]].setdefault(row["parity_key"], {"kld": 0.0, "top1": 1.0})
@@ -128,7 +133,8 @@ def main() -> None:
     work = Path(args[0]) if args else Path(tempfile.mkdtemp(prefix="verify-tol-"))
     work.mkdir(parents=True, exist_ok=True)
     open_bounds = {"rel_rmse": {}, "parity": {"vllm": {"any": {"kld": 1e9, "top1": 0.0}},
-                                               "llamacpp": {"any": {"kld": 1e9, "top1": 0.0}}}}
+                                               "llamacpp": {"any": {"kld": 1e9, "top1": 0.0}},
+                                               "mlx": {"any": {"kld": 1e9, "top1": 0.0}}}}
     original = verify_tensors.TOLERANCES_FILE
     tmp = work / "open-tolerances.json"
     tmp.write_text(json.dumps(open_bounds))

@@ -226,7 +226,7 @@ def _request(**extra):
                    "trunk's (round-to-nearest in the same scheme where the method calibrates: "
                    "transformers gives no forward for them). Default: they are kept dense, as "
                    "stored. Not for GGUF.")
-@click.option("--verify", "verify_engine", type=click.Choice(["vllm", "llamacpp", "trtllm"]),
+@click.option("--verify", "verify_engine", type=click.Choice(["vllm", "llamacpp", "trtllm", "mlx"]),
               default=None, help="Run `quantkit verify OUT --engine E` at the end and keep its "
                                  "result in the artifact's metadata (compare shows it).")
 def quantize(resume, no_memory_check, reproducible, quantize_vision, quantize_mtp, verify_engine,
@@ -623,7 +623,7 @@ def _print_compare(summary: dict) -> None:
 
 @main.command()
 @click.argument("artifact")
-@click.option("--engine", type=click.Choice(["vllm", "llamacpp", "trtllm"]), default="trtllm",
+@click.option("--engine", type=click.Choice(["vllm", "llamacpp", "trtllm", "mlx"]), default="trtllm",
               show_default=True, help="The engine that will serve ARTIFACT (TensorRT-LLM cannot "
               "run here: its loader rules are checked).")
 @click.option("--base", default=None, help="The source model (default: the one quantkit.json "

@@ -204,6 +204,35 @@ def test_verify_fp4_in_vllm_says_when_vllm_cannot_run_it(tmp_path):
     assert rep["checks"]["parity"]["status"] == "not checked"
 
 
+@pytest.mark.engine
+def test_verify_mlx_good_and_broken(tmp_path):
+    """`verify --engine mlx`: a good MLX checkpoint passes in mlx-lm (strict load, one
+    quantized layer per packed tensor, parity of MLX's logits with quantkit's decode); one
+    whose Linear lost its biases, or whose tensor was renamed, exits 1 naming it, before MLX
+    starts."""
+    model = make_tiny_model(tmp_path / "llama", "llama")
+    out = tmp_path / "mlx"
+    quantize(QuantizeRequest(model=str(model), method="rtn", scheme=SCHEME, out=out,
+                             format="mlx", symmetric_auto=True))
+    code, rep = _verify(out, "mlx")
+    assert code == 0, _problems(rep)
+    assert rep["checks"]["parity"]["status"] == "pass" and rep["engine_version"].startswith("mlx")
+    assert "mx.dequantize x14" in rep["kernel"]
+    target = "model.layers.0.mlp.down_proj"
+    gone = _edit(out, tmp_path / "gone", lambda t: t.pop(f"{target}.biases"))
+    code, rep = _verify(gone, "mlx")
+    assert code == 1 and f"{target}: stores packed codes but no biases" in _problems(rep)
+    assert rep["checks"]["engine load"]["status"] == "not checked"
+    moved = _edit(out, tmp_path / "moved", lambda t: t.__setitem__(
+        "model.layers.0.post_attention_norm.weight",
+        t.pop("model.layers.0.post_attention_layernorm.weight")))
+    code, rep = _verify(moved, "mlx")
+    assert code == 1
+    assert "model.layers.0.post_attention_layernorm.weight: is in the source model but not in" \
+        in _problems(rep)
+    assert "model.layers.0.post_attention_norm.weight: matches no tensor" in _problems(rep)
+
+
 def test_verify_tolerances_come_from_the_benchmark():
     """quantkit/verify/tolerances.json is what benchmarks/verify_tolerances.py wrote."""
     from quantkit.verify.tensors import tolerances

@@ -31,6 +31,7 @@ from quantkit.verify.tensors import (
     folds_scales,
     gguf_coverage,
     gguf_fidelity,
+    mlx_coverage,
     safetensors_coverage,
     safetensors_fidelity,
     source_for_gguf,
@@ -183,17 +184,21 @@ def _safetensors_tensors(ctx: _Context, coverage: Check, fidelity: Check) -> Non
 
     source, source_of = _source_tensors(ctx.source)
     artifact = read_safetensors_headers(ctx.path)
-    quantized = safetensors_coverage(coverage, artifact, source, ctx.config, ctx.fmt,
-                                     ctx.meta.get("removed") or {}, _spec(ctx.config))
+    if ctx.fmt != "mlx":
+        quantized = safetensors_coverage(coverage, artifact, source, ctx.config, ctx.fmt,
+                                         ctx.meta.get("removed") or {}, _spec(ctx.config))
     try:
         ctx.decoded = read_dense_state(ctx.path, ctx.fmt)
-    except ModelLoadError as exc:  # the reader names the missing scheme tensor
-        fidelity.fail(str(ctx.path), f"{ctx.fmt}'s reader cannot decode it: {exc}")
+    except (ModelLoadError, KeyError, ValueError, RuntimeError) as exc:
+        # the reader names the missing or misshapen scheme tensor
+        why = str(exc) if isinstance(exc, ModelLoadError) else f"{type(exc).__name__}: {exc}"
+        fidelity.fail(str(ctx.path), f"{ctx.fmt}'s reader cannot decode it: {why}")
+        if ctx.fmt == "mlx":
+            mlx_coverage(coverage, artifact, None, source, ctx.config, {})
         return
-    except (KeyError, ValueError, RuntimeError) as exc:  # a scheme tensor missing or misshapen
-        fidelity.fail(str(ctx.path), f"{ctx.fmt}'s reader cannot decode it: "
-                                     f"{type(exc).__name__}: {exc}")
-        return
+    if ctx.fmt == "mlx":  # coverage through the reader's names (stacked experts unstacked)
+        quantized = mlx_coverage(coverage, artifact, set(ctx.decoded), source, ctx.config,
+                                 ctx.meta.get("removed") or {})
     safetensors_fidelity(fidelity, ctx.decoded, source_of, set(source), quantized,
                          folded=folds_scales(ctx.meta))
 
@@ -457,9 +462,60 @@ def _run_trtllm(ctx: _Context, result: VerifyResult) -> None:
     result.check("parity").skip("TensorRT-LLM cannot run on this machine")
 
 
+# ------------------------------------------------------------------------ MLX ----
+
+def _run_mlx(ctx: _Context, result: VerifyResult) -> None:
+    """mlx_lm.load (strict: every stored tensor read into a parameter and every parameter
+    filled, or it refuses), each packed Linear built as MLX's quantized layer, then parity of
+    its logits (quantized layers through mx.dequantize, mlx_worker.py says why) against
+    quantkit's model of the decoded weights."""
+    from quantkit.engines.mlx import MLXScorer
+    from quantkit.formats.common import read_safetensors_headers
+    from quantkit.model_io import load_tokenizer
+
+    load, parity = result.check("engine load"), result.check("parity")
+    try:
+        scorer = MLXScorer(ctx.path, dequantize=True)
+    except EngineError as exc:
+        load.fail(str(ctx.path), f"mlx-lm refused the load: {exc}")
+        parity.skip("mlx-lm did not load the artifact")
+        return
+    try:
+        info = scorer.info
+        result.engine_version = f"mlx {info['mlx_version']}, mlx-lm {info['mlx_lm_version']}"
+        result.dtype = info.get("dtype", "")
+        packed = [n for n, h in read_safetensors_headers(ctx.path).items()
+                  if n.endswith(".scales")]
+        result.kernel = f"mx.dequantize x{info['quantized_layers']} (affine)"
+        if info["quantized_layers"] != len(packed):
+            load.fail(str(ctx.path), f"mlx-lm built {info['quantized_layers']} quantized layers "
+                                     f"from {len(packed)} packed tensors")
+        load.done(f"mlx_lm.load (strict) read every tensor; {info['quantized_layers']} quantized "
+                  f"layers, one per packed tensor")
+        windows = _windows(load_tokenizer(ctx.path))
+        try:
+            ref = _reference_logits(ctx, windows)
+        except QuantkitError as exc:
+            parity.fail(str(ctx.path), f"quantkit's own decoder cannot build the reference: {exc}")
+            return
+        eng = torch.log_softmax(scorer.logits(windows).float(), dim=-1)
+    finally:
+        scorer.close()
+    r, e = ref[:, :-1], eng[:, :-1]
+    kld = (r.exp() * (r - e)).sum(-1).clamp_min(0).flatten()
+    agree = (r.argmax(-1) == e.argmax(-1)).flatten()
+    _judge_parity(parity, kld, agree, _parity_bounds("mlx", f"{_mlx_type_key(ctx)}:{result.dtype}",
+                                                     parity), "MLX")
+
+
+def _mlx_type_key(ctx: _Context) -> str:
+    return f"int{int((ctx.config.get('quantization') or {}).get('bits') or 4)}"
+
+
 _SAFETENSORS = ("dense", "compressed-tensors", "gptq", "awq", "fp8", "modelopt")
 ENGINES: dict[str, Engine] = {
     "vllm": Engine(_SAFETENSORS, _run_vllm),
     "llamacpp": Engine(("gguf",), _run_llamacpp),
     "trtllm": Engine(_SAFETENSORS, _run_trtllm),
+    "mlx": Engine(("mlx",), _run_mlx),
 }

@@ -24,7 +24,7 @@ import torch
 
 from quantkit.verify.report import Check
 
-__all__ = ["safetensors_coverage", "safetensors_fidelity", "gguf_coverage", "gguf_fidelity",
+__all__ = ["safetensors_coverage", "mlx_coverage", "safetensors_fidelity", "gguf_coverage", "gguf_fidelity",
            "tolerances", "rel_error", "source_for_gguf", "TOLERANCES_FILE", "folds_scales"]
 
 TOLERANCES_FILE = Path(__file__).with_name("tolerances.json")
@@ -156,6 +156,62 @@ def safetensors_coverage(check: Check, artifact: dict[str, dict], source: dict[s
     check.done(f"{len(source)} source tensors: {len(quantized)} Linears quantized "
                f"({type_key}), {n_dense} dense; ignore list {ignore}")
     return quantized
+
+
+def mlx_coverage(check: Check, artifact: dict[str, dict], decoded: set[str] | None,
+                 source: dict[str, tuple[str, list]], config: dict,
+                 removed: dict[str, str]) -> dict[str, str]:
+    """Coverage of an MLX affine artifact (no ignore list: a Linear is quantized where it
+    stores uint32 codes with `.scales` and `.biases`, as mlx_lm.load decides); `decoded`: the
+    tensor names formats/mlx.read_mlx gives back (stacked SwitchGLU experts under their
+    per-expert names; None where the reader failed: the packed tensors are checked alone).
+    Returns {quantized module (per-expert names): its type key}."""
+    q = config.get("quantization") or {}
+    quantized: dict[str, str] = {}
+    for name, head in artifact.items():
+        base, _, suffix = name.rpartition(".")
+        if suffix in ("scales", "biases") and f"{base}.weight" not in artifact:
+            check.fail(name, "has no packed weight beside it (deleted from its shard?)")
+        if suffix != "weight" or head["dtype"] != "U32":
+            continue
+        missing = [s for s in ("scales", "biases") if f"{base}.{s}" not in artifact]
+        if missing:
+            check.fail(base, f"stores packed codes but no {', '.join(missing)} "
+                             "(deleted from its shard?)")
+        layer = q.get(base) if isinstance(q.get(base), dict) else q
+        key = f"int{int(layer.get('bits') or 4)}"
+        if ".switch_mlp." in base:  # one stacked tensor per projection: every expert's Linear
+            block, _, proj = base.partition(".switch_mlp.")
+            for n in decoded or ():
+                if n.startswith(f"{block}.experts.") and n.endswith(".weight") and \
+                        n.rpartition(".")[0].rsplit(".", 1)[-1] in (proj, _MLX_MIXTRAL.get(proj)):
+                    quantized[n[: -len(".weight")]] = key
+        else:
+            quantized[base] = key
+    if decoded is None:
+        check.done(f"{len(quantized)} packed Linears checked (the reader could not decode the rest)")
+        return quantized
+    tied = bool(config.get("tie_word_embeddings"))
+    for name in source:
+        if name in decoded or name.endswith("rotary_emb.inv_freq") or \
+                (name == "lm_head.weight" and tied):
+            continue
+        if name in removed:
+            check.measured.setdefault("removed", {})[name] = removed[name]
+            continue
+        check.fail(name, "is in the source model but not in the artifact (neither dense nor "
+                         "quantized, and not listed as removed)")
+    for name in sorted(decoded - set(source)):
+        check.fail(name, "matches no tensor of the source model (renamed?): mlx_lm.load's strict "
+                         "load would refuse it")
+    check.done(f"{len(source)} source tensors: {len(quantized)} Linears quantized "
+               f"({', '.join(sorted(set(quantized.values()))) or '-'}), "
+               f"{sum(1 for n in decoded if n in source) - len(quantized)} dense")
+    return quantized
+
+
+# mlx-lm's SwitchGLU projection names -> Mixtral's per-expert ones (formats/mlx.py)
+_MLX_MIXTRAL = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}
 
 
 def _type_key(config: dict, fmt: str) -> str:
