@@ -84,6 +84,7 @@ def test_reason_phrases_follow_the_probe():
         got = vllm_cannot_run({"kind": kind, "bits": 4, "group_size": group,
                                "activations": activations})
         assert (got is None) == ok, (kind, activations, got, why)
+        assert got == vllm_cannot_run(kind + ("-w4a4" if activations else ""))
         assert ok or why.rstrip(". :") in got
     marlin = ("ValueError: Forced NVFP4 kernel MarlinNvFp4LinearKernel is not supported: "
               "Marlin FP4 not available")
@@ -152,6 +153,9 @@ def test_doctor_text_and_json():
     rows = {r["what"]: r for r in report["what_runs_here"]}
     assert rows["GGUF artifacts (--method gguf) in llama.cpp"]["runs"]
     assert not rows["TensorRT-LLM"]["runs"]
+    fp4 = rows["NVFP4 weight-only artifacts (--method nvfp4) in vLLM"]
+    assert fp4["runs"] == (vllm_cannot_run("nvfp4") is None)
+    assert fp4["runs"] or "Marlin" in fp4["reason"] or "kernel" in fp4["reason"]
     native = torch_cpu_bf16_native()
     assert report["torch"]["cpu_bf16_native"] == native
     assert ("CPU bf16 GEMM: native" if native else "CPU bf16 GEMM: emulated") in text

@@ -216,7 +216,7 @@ def vllm_capabilities(refresh: bool = False) -> VllmCapabilities:
 def _scheme_fields(scheme: QuantScheme | Mapping | str) -> tuple[str, int, int, str | None]:
     """(kind, bits, group_size, activations) of a QuantScheme, a quantkit.json `scheme` dict,
     or a short name: int4, int8, int8-w8a8 (or w8a8, int8-w8a8-static), fp8 / fp8-dynamic,
-    fp8-static, fp8-block, gguf. activations: None for weight-only, else dynamic / static."""
+    fp8-static, fp8-block, nvfp4, nvfp4-w4a4, mxfp4, gguf. activations: None for weight-only, else dynamic / static."""
     if isinstance(scheme, QuantScheme):
         return scheme.kind, scheme.bits, scheme.group_size, scheme.activations
     if isinstance(scheme, Mapping):
@@ -229,6 +229,11 @@ def _scheme_fields(scheme: QuantScheme | Mapping | str) -> tuple[str, int, int, 
         return "fp8", 8, fp8[name], None
     if name in ("gguf", "kquant"):
         return "kquant", 4, 256, None
+    fp4 = {"nvfp4": ("nvfp4", 16, None), "nvfp4-w4a4": ("nvfp4", 16, "dynamic"),
+           "mxfp4": ("mxfp4", 32, None)}
+    if name in fp4:
+        kind, group, activations = fp4[name]
+        return kind, 4, group, activations
     w8a8 = {"w8a8": "dynamic", "int8-w8a8": "dynamic", "int8-w8a8-dynamic": "dynamic",
             "int8-w8a8-static": "static"}
     if name in w8a8:
@@ -418,6 +423,13 @@ _VLLM_ARTIFACTS = [
     ("FP8 KV-cache scales (--kv-cache fp8) in vLLM with kv_cache_dtype fp8", "fp8-kv-cache",
      "`quantkit eval ARTIFACT` scores it in torch (keys/values rounded through FP8 with the "
      "stored scales); vLLM runs the same artifact with kv_cache_dtype auto (bf16 cache)"),
+    ("NVFP4 weight-only artifacts (--method nvfp4) in vLLM", "nvfp4",
+     "`quantkit eval ARTIFACT` scores it in torch (quantkit's FP4 decode); vLLM runs it on "
+     "NVIDIA GPUs"),
+    ("NVFP4 W4A4 artifacts (--method nvfp4 --scheme w4a4) in vLLM", "nvfp4-w4a4",
+     "`quantkit eval ARTIFACT` scores it in torch; vLLM runs it on NVIDIA GPUs"),
+    ("MXFP4 artifacts (--method mxfp4) in vLLM", "mxfp4",
+     "`quantkit eval ARTIFACT` scores it in torch; vLLM runs it on GPUs"),
     ("quantized mixture-of-experts artifacts (Qwen3-MoE experts, int4 or FP8) in vLLM",
      "moe", "`quantkit eval ARTIFACT` scores them in torch (quantkit's loader); vLLM runs the "
      "same model unquantized"),
