@@ -217,6 +217,9 @@ class Quantizer:
     file_overhead_bytes: int | None = None
     # per-tensor choices the method made itself, recorded in quantkit.json (GGUF auto)
     allocation: dict | None = None
+    # per block and smoothing group, what the method searched and folded (AWQ); recorded in
+    # quantkit.json for families whose groups were discovered. Empty: no smoothing
+    history: tuple | list = ()
 
     def check(self, scheme: QuantScheme) -> None:
         """Refuse a scheme this method cannot produce, before any work."""

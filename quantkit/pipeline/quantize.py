@@ -503,7 +503,7 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
         # the smoothing groups of a family without a table, as discovery found them, and
         # which of them the method folded (table families: their family module says)
         **({"awq_groups": _scaling_record(spec, quantizer.history)}
-           if spec.awq_source == "discovered" and getattr(quantizer, "history", None) else {}),
+           if spec.awq_source == "discovered" and quantizer.history else {}),
         # per-tensor types the method chose itself (GGUF auto: the budget, the solve, each type)
         **({"gguf_auto": quantizer.allocation} if quantizer.allocation else {}),
         **({"towers": {"modules": [spec.checkpoint_name(t + ".")[:-1] for t in spec.towers],
