@@ -364,12 +364,20 @@ def _reference_logits(ctx: _Context, windows: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(model(input_ids=windows, use_cache=False).logits.float(), dim=-1)
 
 
-def _vllm_parity(check: Check, ctx: _Context, windows: torch.Tensor, scored: list[dict],
-                 result: VerifyResult) -> None:
+def _reference_or_fail(check: Check, ctx: _Context, windows: torch.Tensor) -> torch.Tensor | None:
+    """_reference_logits, or None with the parity row failed when quantkit's own decoder
+    cannot build the model."""
     try:
-        ref = _reference_logits(ctx, windows)
+        return _reference_logits(ctx, windows)
     except QuantkitError as exc:
         check.fail(str(ctx.path), f"quantkit's own decoder cannot build the reference: {exc}")
+        return None
+
+
+def _vllm_parity(check: Check, ctx: _Context, windows: torch.Tensor, scored: list[dict],
+                 result: VerifyResult) -> None:
+    ref = _reference_or_fail(check, ctx, windows)
+    if ref is None:
         return
     klds, agree = [], []
     for w, row in enumerate(scored):
@@ -428,10 +436,8 @@ def _llamacpp_parity(check: Check, ctx: _Context, model, result: VerifyResult) -
     from quantkit.model_io import load_tokenizer
 
     windows = _windows(load_tokenizer(ctx.source))
-    try:
-        ref = _reference_logits(ctx, windows)
-    except QuantkitError as exc:
-        check.fail(str(ctx.path), f"quantkit's own decoder cannot build the reference: {exc}")
+    ref = _reference_or_fail(check, ctx, windows)
+    if ref is None:
         return
     klds, agree = [], []
     for w in range(windows.shape[0]):
@@ -493,10 +499,8 @@ def _run_mlx(ctx: _Context, result: VerifyResult) -> None:
         load.done(f"mlx_lm.load (strict) read every tensor; {info['quantized_layers']} quantized "
                   f"layers, one per packed tensor")
         windows = _windows(load_tokenizer(ctx.path))
-        try:
-            ref = _reference_logits(ctx, windows)
-        except QuantkitError as exc:
-            parity.fail(str(ctx.path), f"quantkit's own decoder cannot build the reference: {exc}")
+        ref = _reference_or_fail(parity, ctx, windows)
+        if ref is None:
             return
         eng = torch.log_softmax(scorer.logits(windows).float(), dim=-1)
     finally:

@@ -101,6 +101,20 @@ def _linears(source: dict[str, tuple[str, list[int]]], spec) -> list[str]:
             and "embed" not in n and "norm" not in n]
 
 
+def _missing_sources(check: Check, source, stored, tied: bool, removed: dict[str, str]) -> None:
+    """Name every source tensor the artifact lacks (`stored(name)` False): not a rotary
+    buffer, not a head tied to the embeddings, not listed in quantkit.json `removed`."""
+    for name in source:
+        if stored(name) or name.endswith("rotary_emb.inv_freq") or \
+                (name == "lm_head.weight" and tied):
+            continue
+        if name in removed:
+            check.measured.setdefault("removed", {})[name] = removed[name]
+            continue
+        check.fail(name, "is in the source model but not in the artifact (neither dense nor "
+                         "quantized, and not listed as removed)")
+
+
 def safetensors_coverage(check: Check, artifact: dict[str, dict], source: dict[str, tuple[str, list]],
                          config: dict, fmt: str, removed: dict[str, str], spec) -> dict[str, str]:
     """Coverage of a safetensors artifact; returns {quantized module: its type key}."""
@@ -133,17 +147,8 @@ def safetensors_coverage(check: Check, artifact: dict[str, dict], source: dict[s
             check.fail(module, f"declared quantized but has no {', '.join(missing)} "
                                "(deleted from its shard?)")
         quantized[module] = type_key
-    for name, (_dtype, _shape) in source.items():
-        module = name.rpartition(".")[0]
-        if name in art or module in quantized or (name.endswith("rotary_emb.inv_freq")):
-            continue
-        if name == "lm_head.weight" and tied:
-            continue
-        if name in removed:
-            check.measured.setdefault("removed", {})[name] = removed[name]
-            continue
-        check.fail(name, "is in the source model but not in the artifact (neither dense nor "
-                         "quantized, and not listed as removed)")
+    _missing_sources(check, source, lambda n: n in art or n.rpartition(".")[0] in quantized,
+                     tied, removed)
     for name in art:
         module, _, suffix = name.rpartition(".")
         if name in source or (module in quantized and suffix in _COMPANIONS):
@@ -191,16 +196,8 @@ def mlx_coverage(check: Check, artifact: dict[str, dict], decoded: set[str] | No
     if decoded is None:
         check.done(f"{len(quantized)} packed Linears checked (the reader could not decode the rest)")
         return quantized
-    tied = bool(config.get("tie_word_embeddings"))
-    for name in source:
-        if name in decoded or name.endswith("rotary_emb.inv_freq") or \
-                (name == "lm_head.weight" and tied):
-            continue
-        if name in removed:
-            check.measured.setdefault("removed", {})[name] = removed[name]
-            continue
-        check.fail(name, "is in the source model but not in the artifact (neither dense nor "
-                         "quantized, and not listed as removed)")
+    _missing_sources(check, source, decoded.__contains__,
+                     bool(config.get("tie_word_embeddings")), removed)
     for name in sorted(decoded - set(source)):
         check.fail(name, "matches no tensor of the source model (renamed?): mlx_lm.load's strict "
                          "load would refuse it")
