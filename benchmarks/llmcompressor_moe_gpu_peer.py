@@ -1,6 +1,8 @@
 """Peer timing: llm-compressor 0.14 GPTQ or AWQ (`--method`; W4A16, group 128) on a synthetic mixture-of-experts model
 with Qwen3-30B-A3B layer shapes (hidden 2048, 128 experts, 8 active, moe_intermediate 768, 32 heads /
 4 KV heads, head_dim 128; random bf16 weights), a few decoder layers, the whole model on one GPU.
+`--family qwen3_5_moe`: Qwen3.5-35B-A3B's shapes instead (Gated DeltaNet and full-attention
+blocks, 256 experts plus a shared expert; see QWEN3_5_35B_A3B).
 
 Copied from the project's shared/bench/llmcompressor_moe_gpu_peer.py (the recipe and the model are
 the same) so it travels with the repo to the GPU machine; moe_gpu_vs_llmcompressor.py runs it. Added:
@@ -22,6 +24,7 @@ the same) so it travels with the repo to the GPU machine; moe_gpu_vs_llmcompress
 Random weights and random tokens are fine for TIME and MEMORY, not for accuracy.
 Prints one RESULT JSON line.
 usage: python llmcompressor_moe_gpu_peer.py [--layers 2] [--samples 128] [--seqlen 2048] [--routed-only]
+       [--family qwen3_moe|qwen3_5_moe]
 """
 import argparse
 import inspect
@@ -36,18 +39,38 @@ QWEN3_30B_A3B = {"hidden_size": 2048, "intermediate_size": 6144, "moe_intermedia
                  "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 128256}
 
 
-def synthetic_qwen3_moe(n_layers, shape=None, device="cuda"):
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+# Qwen3.5-35B-A3B's text shapes are transformers 5's Qwen3_5MoeTextConfig defaults (hidden 2048,
+# 256 experts, 8 active, moe_intermediate 512, one shared expert of 512 with its 1-row gate,
+# Gated DeltaNet 16 key / 32 value heads of 128, attention 16 / 2 heads of 256); the vocabulary is
+# cut to the stand-in tokenizer's as for Qwen3-30B-A3B. Two layers: one linear-attention block,
+# one full-attention block (the model's 3:1 pattern holds both kinds).
+QWEN3_5_35B_A3B = {"vocab_size": 128256}
+FAMILIES = {"qwen3_moe": QWEN3_30B_A3B, "qwen3_5_moe": QWEN3_5_35B_A3B}
+MODEL_NAMES = {"qwen3_moe": "qwen3-30b-a3b-shapes", "qwen3_5_moe": "qwen3.5-35b-a3b-shapes"}
 
-    cfg = Qwen3MoeConfig(**{**QWEN3_30B_A3B, **(shape or {})}, num_hidden_layers=n_layers,
-                         max_position_embeddings=8192, tie_word_embeddings=False,
-                         architectures=["Qwen3MoeForCausalLM"], torch_dtype="bfloat16")
+
+def synthetic_moe(family, n_layers, shape=None, device="cuda"):
+    """Random bf16 model of `family`'s real transformers classes with its flagship MoE shapes."""
+    if family == "qwen3_5_moe":
+        from transformers import Qwen3_5MoeForCausalLM as cls
+        from transformers import Qwen3_5MoeTextConfig as config_cls
+
+        extra = {"layer_types": (["linear_attention", "full_attention"] * n_layers)[:n_layers]}
+    else:
+        from transformers import Qwen3MoeConfig as config_cls
+        from transformers import Qwen3MoeForCausalLM as cls
+
+        extra = {}
+    cfg = config_cls(**{**FAMILIES[family], **(shape or {})}, num_hidden_layers=n_layers,
+                     max_position_embeddings=8192, tie_word_embeddings=False,
+                     architectures=[cls.__name__], torch_dtype="bfloat16", **extra)
     torch.manual_seed(0)
     with torch.device(device):
-        model = Qwen3MoeForCausalLM(cfg).to(torch.bfloat16)
-    cfg.save_pretrained("/tmp/synthetic-qwen3-moe")
-    stand_in_tokenizer().save_pretrained("/tmp/synthetic-qwen3-moe")
-    model.name_or_path = model.config._name_or_path = "/tmp/synthetic-qwen3-moe"
+        model = cls(cfg).to(torch.bfloat16)
+    where = f"/tmp/synthetic-{family}"
+    cfg.save_pretrained(where)
+    stand_in_tokenizer().save_pretrained(where)
+    model.name_or_path = model.config._name_or_path = where
     return model
 
 
@@ -70,6 +93,8 @@ def expert_quantization(model) -> dict:
             "experts_module_types": sorted({type(m).__name__ for n, m in model.named_modules()
                                             if n.endswith("mlp.experts")}),
             "router_quantized": any(n.endswith("mlp.gate") for n in schemed),
+            "linear_attention_linears_quantized": len([n for n in schemed if ".linear_attn." in n
+                                                       and n in scaled]),
             "expert_weight_off_grid": grid_err}
 
 
@@ -114,12 +139,14 @@ def main():
     p.add_argument("--shape", default="{}", help="JSON overrides of the Qwen3-30B-A3B config (dry runs)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--method", default="gptq", choices=("gptq", "awq"))
+    p.add_argument("--family", default="qwen3_moe", choices=tuple(FAMILIES))
     args = p.parse_args()
     from llmcompressor import oneshot
     from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier
 
     cuda = args.device == "cuda"
-    ignore = ["lm_head", "re:.*mlp.gate$"]
+    # routers stay dense, as quantkit keeps them (and Qwen3.5's 1-row shared_expert_gate)
+    ignore = ["lm_head", "re:.*mlp.gate$", "re:.*shared_expert_gate$"]
     mappings: list = []
     if args.method == "awq":
         from llmcompressor.modifiers.transform.awq import AWQModifier
@@ -128,7 +155,7 @@ def main():
         recipe = [AWQModifier(), QuantizationModifier(targets="Linear", scheme="W4A16", ignore=ignore)]
     else:
         recipe = GPTQModifier(targets="Linear", scheme="W4A16", ignore=ignore)
-    model = synthetic_qwen3_moe(args.layers, json.loads(args.shape), args.device)
+    model = synthetic_moe(args.family, args.layers, json.loads(args.shape), args.device)
     layer0 = model.model.layers[0]
     before = {"norm": layer0.post_attention_layernorm.weight.detach().float().cpu().clone(),
               "down0": layer0.mlp.experts.down_proj[0].detach().float().cpu().clone()}
@@ -145,7 +172,7 @@ def main():
     if cuda:
         torch.cuda.synchronize()
     dt = time.perf_counter() - t0
-    row = {"peer": "llm-compressor", "method": args.method, "model": "qwen3-30b-a3b-shapes", "layers": args.layers,
+    row = {"peer": "llm-compressor", "method": args.method, "model": MODEL_NAMES[args.family], "layers": args.layers,
            "all_experts": all_experts, "model_device": args.device, "samples": args.samples,
            "seqlen": args.seqlen, "seconds": round(dt, 2), "seconds_per_layer": round(dt / args.layers, 2),
            "projected_48_layers_s": round(dt / args.layers * 48, 1),
