@@ -176,7 +176,7 @@ def tensor_names(d: Path) -> set[str]:
     return names
 
 
-def _stored_fused(spec, src: Path) -> dict[str, list[str]]:
+def stored_fused(spec, src: Path) -> dict[str, list[str]]:
     """Fused 3-D expert tensors of the source -> the per-expert Linears they become."""
     es = spec.experts
     if es is None or not es.stored_fused:
@@ -215,7 +215,7 @@ def check_family_keeps_every_tensor(family: str, discovered: DiscoveredFamilies,
     # writes them per expert, the names vLLM's llama4.py / granitemoehybrid.py expert mappings
     # read for quantized checkpoints (experts.{e}.gate_proj, ...): those source tensors are
     # replaced by their experts' Linears
-    fused = _stored_fused(spec, src)
+    fused = stored_fused(spec, src)
     linears |= {x for per_expert in fused.values() for x in per_expert}
     base = load_artifact(src)
     ids = torch.randint(10, 40000, (1, 48), generator=torch.Generator().manual_seed(0))

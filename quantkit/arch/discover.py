@@ -317,22 +317,25 @@ def _merge_shared_experts(groups: list[tuple[str, ...]], experts: ExpertsSpec | 
     return [tuple(g) for g in merged if g]
 
 
-def _towers(model: nn.Module, head: str) -> tuple[str, ...]:
-    """The modules beside the text decoder under the same owner (a vision-language model's
-    `visual`, `vision_tower`, `multi_modal_projector`, `audio_tower`, ...): what the language
-    model's blocks do not hold, the output head excepted. A causal LM has none."""
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
-    path = _path_of(model, decoder)
-    if not path:
+def _towers(model: nn.Module, decoder: str, head: str) -> tuple[str, ...]:
+    """The modules beside the text decoder on its way up to the root (a vision-language
+    model's `visual`, `vision_tower`, `multi_modal_projector`, `audio_tower`, ... beside
+    `model.language_model`; Llama 4's `vision_model` beside the whole `language_model` causal
+    LM): what the language model's blocks do not hold, the output head excepted. A causal LM
+    (its decoder, the blocks' owner, a child of the root) has none."""
+    if "." not in decoder:
         return ()
-    owner_path = path.rpartition(".")[0]
-    owner = model.get_submodule(owner_path) if owner_path else model
     found = []
-    for name, child in owner.named_children():
-        full = f"{owner_path}.{name}" if owner_path else name
-        if child is not decoder and full != head and any(True for _ in child.parameters()):
-            found.append(full)
-    return tuple(found) if owner_path else ()
+    below = decoder  # the module holding the blocks (get_decoder() may name its owner)
+    while below:
+        owner_path = below.rpartition(".")[0]
+        owner = model.get_submodule(owner_path) if owner_path else model
+        for name, child in owner.named_children():
+            full = f"{owner_path}.{name}" if owner_path else name
+            if full != below and full != head and any(True for _ in child.parameters()):
+                found.append(full)
+        below = owner_path
+    return tuple(found)
 
 
 def _vision_blocks(model: nn.Module, towers: tuple[str, ...]) -> tuple[str, ...]:
@@ -390,7 +393,7 @@ def discover_layout(model: nn.Module) -> Layout:
     outer = tuple(n for n, m in model.named_modules() if isinstance(m, nn.Linear)
                   and n != head and not n.startswith(block_path + ".")
                   and (not decoder or n.startswith(decoder + ".")))
-    towers = _towers(model, head)
+    towers = _towers(model, decoder, head)
     if towers:  # a vision-language checkpoint: its parts as the checkpoint names them
         renames += _prefix_renames(model, (decoder, *towers, head))
     return Layout(block_path, embed, _final_norm(model, block_path), head,
