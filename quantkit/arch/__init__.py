@@ -15,6 +15,7 @@ from quantkit.arch import (
     deepseek_v32,
     gemma3,
     gemma4,
+    glm4_moe,
     gpt_oss,
     granitemoehybrid,
     llama,
@@ -53,7 +54,7 @@ ENGINE_DENSE: dict[str, tuple[str, ...]] = {
 # fields (the architecture name, its optional keys, the converter's tensor transforms), the
 # facts discovery cannot read off the model; tensor names still come from the gguf package
 GGUF_FAMILIES = (olmo3, ministral3, gemma4, qwen3_5, qwen3_5_moe, minimax_m2, llama4,
-                 qwen3_next, nemotron_h, granitemoehybrid)
+                 qwen3_next, nemotron_h, granitemoehybrid, glm4_moe)
 DISCOVERED_GGUF: dict[str, dict] = {
     t: fields for family in GGUF_FAMILIES for t, fields in family.GGUF.items()}
 
