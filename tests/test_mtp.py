@@ -223,7 +223,8 @@ def test_quantize_mtp_packs_the_mtp_linears(family, method, mtp_models, tmp_path
 
 
 def test_quantize_mtp_refusals(mtp_models, tmp_path):
-    """--quantize-mtp is refused before any work where there are no MTP tensors, into GGUF,
+    """--quantize-mtp is refused before any work where there are no MTP tensors, into GGUF
+    (which quantizes MTP layers as nextn blocks always),
     and for a calibrated scheme without a round-to-nearest form."""
     from quantkit.methods.fp8 import fp8_scheme
 
@@ -231,7 +232,7 @@ def test_quantize_mtp_refusals(mtp_models, tmp_path):
     with pytest.raises(SchemeMismatch, match="no multi-token-prediction"):
         quantize(QuantizeRequest(model=str(plain), method="rtn", scheme=I4, out=tmp_path / "a",
                                  quantize_mtp=True))
-    with pytest.raises(SchemeMismatch, match="format gguf does not store MTP layers"):
+    with pytest.raises(SchemeMismatch, match="format gguf always quantizes the MTP"):
         quantize(QuantizeRequest(model=str(src), method="gguf",
                                  scheme=QuantScheme(kind="kquant", gguf_type="q8_0"),
                                  method_options={"gguf_type": "q8_0"}, format="gguf", out=tmp_path / "b.gguf", quantize_mtp=True))

@@ -26,7 +26,7 @@ GGUF = {
         gguf_renames=(("e_score_correction_bias", "e_score_correction.bias"),),
         gguf_kv=("head_dim_if_set", "expert_count", "expert_used_count", "expert_groups",
                  "rope_dimension_count", "expert_feed_forward_length", "expert_shared_glm",
-                 "leading_dense_block_count", "expert_gating_sigmoid"),
+                 "leading_dense_block_count", "expert_gating_sigmoid", "nextn_if_set"),
         gguf_nextn_key="num_nextn_predict_layers",
         gguf_special_tokens=(("bos", "[gMASK]"), ("eot", "<|user|>"), ("unk", "<|endoftext|>"),
                              ("eom", "<|observation|>"))),

@@ -283,6 +283,9 @@ class ArchSpec:
     # The config key of how many (GLM-4.5: num_nextn_predict_layers); None: the converter
     # writes no MTP layers for this arch, and a checkpoint with MTP tensors is refused for GGUF
     gguf_nextn_key: str | None = None
+    # why llama.cpp keeps no MTP layers for this arch, where gguf_nextn_key is None and
+    # that is a family fact (DeepSeek-V3: the converter drops them); the refusal says it
+    gguf_no_mtp: str = ""
     # special tokens the converter's vocabulary path of this arch sets by their text, each
     # only where tokenizer_config.json has not set that kind already (gguf.SpecialVocab's
     # _set_special_token): ((kind, token text), ...); GLM's [gMASK] / <|user|> / ...

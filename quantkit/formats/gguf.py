@@ -305,19 +305,23 @@ def _check_mtp(spec: ArchSpec, config: dict, source_dir: Path) -> None:
     if not mtp:
         return
     if spec.gguf_nextn_key is None:
+        from quantkit.arch.gguf_names import gguf_has_nextn
+
+        why = spec.gguf_no_mtp or (
+            f"the gguf package quantkit runs with names no nextn (MTP) tensors for "
+            f"{spec.gguf_arch}" if not gguf_has_nextn(spec.gguf_arch) else
+            f"quantkit does not write {spec.gguf_arch}'s nextn (MTP) blocks yet")
         raise UnsupportedArchitecture(
             f"The checkpoint holds {len(mtp)} multi-token-prediction (MTP) tensors (e.g. "
-            f"{mtp[0]}); llama.cpp's converter writes no MTP (nextn) blocks for "
-            f"{spec.gguf_arch}, so quantkit's GGUF writer does not either, and leaving them "
-            "out would drop them silently.",
+            f"{mtp[0]}): {why}, and a GGUF without them would drop them silently.",
             "Use --format compressed-tensors (it keeps the MTP layers), or convert a copy of "
             "the checkpoint without its MTP tensors, knowing that speculative decoding with "
             "them is then lost.")
     if spec.gguf_nextn_layers(config) == 0:
         raise UnsupportedArchitecture(
             f"The checkpoint holds {len(mtp)} MTP tensors (e.g. {mtp[0]}) but config.json's "
-            f"{spec.gguf_nextn_key} says 0 nextn blocks: llama.cpp's converter would not "
-            "count them in block_count and cannot name them.",
+            f"{spec.gguf_nextn_key} says 0 nextn blocks (or is absent): quantkit counts the "
+            "nextn blocks of a GGUF from the config.",
             f"Set {spec.gguf_nextn_key} to the number of MTP blocks the checkpoint holds.")
 
 
@@ -510,8 +514,6 @@ class GGUFFileWriter(FormatWriter):
         w.add_name(str(config.get("_model_name_or_path") or config.get("_name_or_path")
                        or src.get("name_or_path") or spec.name))
         w.add_block_count(spec.gguf_block_count(config))  # the nextn (MTP) blocks included
-        if spec.gguf_nextn_key is not None and config.get(spec.gguf_nextn_key) is not None:
-            w.add_nextn_predict_layers(spec.gguf_nextn_layers(config))
         w.add_context_length(config.get("max_position_embeddings") or 2048)
         w.add_embedding_length(config["hidden_size"])
         ff = next((config[k] for k in spec.gguf_feed_forward if config.get(k) is not None), None)
@@ -777,6 +779,9 @@ _OPTIONAL_KV = {
         int(c.get("first_k_dense_replace") or 0)),
     "expert_shared": _expert_shared,
     "expert_shared_glm": _expert_shared_glm,
+    # how many nextn (MTP) blocks follow the trunk's, whenever the config sets it (GLM-4.5)
+    "nextn_if_set": lambda w, c: c.get("num_nextn_predict_layers") is not None
+    and w.add_nextn_predict_layers(int(c["num_nextn_predict_layers"])),
     # transformers' DeepseekV3TopkRouter always scores with a sigmoid; llama.cpp's deepseek2
     # takes softmax when the key is absent (DeepSeek-V2 files), and llama.cpp's converter
     # writes it only from a config's scoring_func, which DeepseekV3Config lacks

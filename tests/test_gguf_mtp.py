@@ -1,0 +1,135 @@
+"""GGUF with multi-token-prediction (MTP) layers, as llama.cpp's converter writes them.
+
+GLM-4.5 (`Glm4MoeForCausalLM`, llama.cpp's glm4moe): the tiny checkpoint of tests/test_mtp.py
+(two trunk blocks, dense then MoE, and one MTP block `model.layers.2.*` with eh_proj / enorm /
+hnorm / embed_tokens / shared_head, written into its shards as GLM's checkpoints store it),
+with SmolLM2's tokenizer given the special tokens the converter's GLM vocabulary path reads by
+their text ([gMASK], <|user|>, <|observation|>; <|endoftext|> SmolLM2 has): GLM's tokenizers
+have them, and the converter fails without. quantkit's BF16 GGUF equals convert_hf_to_gguf.py's
+file tensor for tensor and key for key (the MTP block as blk.2 with its nextn.* tensors,
+block_count 3, glm4moe.nextn_predict_layers 1), its Q4_K_M equals llama_model_quantize of that
+file (the nextn block's matrices quantized as llama-quantize does), and llama.cpp loads it and
+generates.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from gguf_reference import assert_generates, assert_same_gguf, convert_with_llama_cpp, gguf_contents
+from test_mtp import _make
+from tiny_models import smollm_dir
+
+from quantkit.pipeline.quantize import QuantizeRequest, quantize
+from quantkit.types import QuantScheme
+
+pytest.importorskip("llama_cpp")
+
+# GLM's special tokens in place of three of SmolLM2's (ids 3-5: <repo_name>, <reponame>,
+# <file_sep>); the vocabulary keeps its size
+GLM_SPECIALS = {3: "[gMASK]", 4: "<|user|>", 5: "<|observation|>"}
+
+
+def with_glm_specials(d: Path) -> Path:
+    """SmolLM2's tokenizer.json with GLM's special tokens (added tokens and vocabulary)."""
+    tj = json.loads((d / "tokenizer.json").read_text())
+    by_id = {i: t for t, i in tj["model"]["vocab"].items()}
+    for i, text in GLM_SPECIALS.items():
+        del tj["model"]["vocab"][by_id[i]]
+        tj["model"]["vocab"][text] = i
+        for added in tj["added_tokens"]:
+            if added["id"] == i:
+                added["content"] = text
+    (d / "tokenizer.json").write_text(json.dumps(tj, ensure_ascii=False))
+    return d
+
+
+@pytest.fixture(scope="module")
+def glm(tmp_path_factory) -> tuple[Path, Path]:
+    """(GLM-4.5 tiny with its MTP block, the same without the MTP tensors), GLM's tokens."""
+    src, plain = _make(tmp_path_factory.mktemp("gguf-mtp"), "glm4_moe")
+    return with_glm_specials(src), with_glm_specials(plain)
+
+
+def _gguf(src: Path, out: Path, gguf_type: str) -> Path:
+    quantize(QuantizeRequest(model=str(src), method="gguf", out=out, format="gguf",
+                             scheme=QuantScheme(kind="kquant", gguf_type=gguf_type),
+                             method_options={"gguf_type": gguf_type}, resume=False))
+    return out
+
+
+@pytest.mark.engine
+def test_glm4_moe_gguf_with_mtp_equals_converter_and_quantize(glm, tmp_path):
+    """BF16 = convert_hf_to_gguf.py's file (the nextn block included), Q4_K_M =
+    llama_model_quantize of it, byte for byte, and llama.cpp generates from quantkit's Q4_K_M."""
+    from quantkit.engines.llamacpp import llama_quantize
+
+    src, _ = glm
+    ref = convert_with_llama_cpp(src, tmp_path / "ref.bf16.gguf")
+    kv, tensors = assert_same_gguf(_gguf(src, tmp_path / "ours.bf16.gguf", "bf16"), ref)
+    assert kv["glm4moe.block_count"] == 3 and kv["glm4moe.nextn_predict_layers"] == 1
+    assert kv["glm4moe.leading_dense_block_count"] == 1 and kv["glm4moe.rope.dimension_count"] == 32
+    # the converter's GLM vocabulary: eot / eom from GLM's tokens; bos and unk stay as
+    # tokenizer_config.json sets them (SpecialVocab sets a kind once)
+    assert kv["tokenizer.ggml.eot_token_id"] == 4 and kv["tokenizer.ggml.eom_token_id"] == 5
+    assert {"blk.2.nextn.eh_proj.weight", "blk.2.nextn.embed_tokens.weight",
+            "blk.2.nextn.enorm.weight", "blk.2.nextn.hnorm.weight",
+            "blk.2.nextn.shared_head_head.weight", "blk.2.nextn.shared_head_norm.weight",
+            "blk.2.attn_q.weight", "blk.2.ffn_gate_exps.weight", "blk.2.exp_probs_b.bias",
+            "blk.2.ffn_up_shexp.weight"} <= set(tensors)
+    assert tensors["blk.2.ffn_down_exps.weight"][:2] == ("BF16", [256, 256, 4])
+    lq = tmp_path / "lq.gguf"
+    llama_quantize(ref, lq, "q4_k_m")
+    q4 = _gguf(src, tmp_path / "ours.q4_k_m.gguf", "q4_k_m")
+    (_, got), (_, want) = gguf_contents(q4), gguf_contents(lq)
+    assert {t: v[:2] for t, v in got.items()} == {t: v[:2] for t, v in want.items()}
+    assert [t for t in want if got[t][2] != want[t][2]] == []
+    assert got["blk.2.nextn.eh_proj.weight"][0] == "Q4_K"  # the nextn block is quantized too
+    assert_generates(q4)
+
+
+@pytest.mark.engine
+def test_glm4_moe_gguf_without_mtp_tensors_equals_converter(glm, tmp_path):
+    """A GLM-4.5 checkpoint whose config counts an MTP block its shards lack (transformers'
+    save_pretrained drops it): the converter still counts it (block_count 3, nextn 1) and
+    writes the trunk; llama.cpp's glm4moe loader then loads the trunk alone. quantkit's file
+    is the same, and llama.cpp generates from it."""
+    _, plain = glm
+    ref = convert_with_llama_cpp(plain, tmp_path / "ref.bf16.gguf")
+    ours = _gguf(plain, tmp_path / "ours.bf16.gguf", "bf16")
+    kv, tensors = assert_same_gguf(ours, ref)
+    assert kv["glm4moe.block_count"] == 3 and not any(t.startswith("blk.2.") for t in tensors)
+    assert_generates(ours)
+
+
+@pytest.mark.fast
+def test_glm4_moe_gguf_refusals(glm, tmp_path):
+    """Refused before any work, nothing written: a tokenizer without GLM's special tokens
+    (the converter's GLM vocabulary path fails on it), MTP tensors with a config that counts
+    no nextn block, --quantize-mtp (GGUF always quantizes the nextn block as the trunk), and a
+    calibrated run (transformers gives the MTP block no forward to calibrate it with)."""
+    from quantkit.errors import SchemeMismatch, UnsupportedArchitecture
+
+    src, _ = glm
+    smol = shutil.copytree(src, tmp_path / "smol")
+    shutil.copy(smollm_dir() / "tokenizer.json", smol / "tokenizer.json")
+    with pytest.raises(UnsupportedArchitecture, match=r"no \[gMASK\], <\|user\|>, <\|observation\|>"):
+        _gguf(smol, tmp_path / "a.gguf", "bf16")
+    zero = shutil.copytree(src, tmp_path / "zero")
+    config = json.loads((zero / "config.json").read_text())
+    (zero / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 0}))
+    with pytest.raises(UnsupportedArchitecture, match="num_nextn_predict_layers says 0 nextn blocks"):
+        _gguf(zero, tmp_path / "b.gguf", "bf16")
+    with pytest.raises(SchemeMismatch, match="always quantizes the MTP layers"):
+        quantize(QuantizeRequest(model=str(src), method="gguf", out=tmp_path / "c.gguf",
+                                 format="gguf", scheme=QuantScheme(kind="kquant", gguf_type="q8_0"),
+                                 method_options={"gguf_type": "q8_0"}, quantize_mtp=True))
+    with pytest.raises(SchemeMismatch, match="nothing to calibrate them with"):
+        quantize(QuantizeRequest(model=str(src), method="gguf", out=tmp_path / "d.gguf",
+                                 format="gguf", scheme=QuantScheme(kind="kquant", gguf_type="q4_k_m"),
+                                 method_options={"gguf_type": "q4_k_m", "rounding": "gptq"},
+                                 calib="mixed", calib_samples=2, calib_seqlen=32))
+    assert not list(tmp_path.glob("*.gguf"))
