@@ -108,6 +108,19 @@ def assert_same_gguf(ours: Path, ref: Path, skip: tuple[str, ...] = ()) -> tuple
     return kv_a, t_a
 
 
+def assert_same_as_llama_quantize(ours: Path, ref: Path, tmp: Path, gguf_type: str) -> dict:
+    """`ours` (quantkit's `gguf_type` file) equals llama_model_quantize of the converter's
+    file `ref`: every tensor's type, shape and bytes; returns ours' tensors."""
+    from quantkit.engines.llamacpp import llama_quantize
+
+    lq = tmp / f"llama-quantize.{gguf_type}.gguf"
+    llama_quantize(ref, lq, gguf_type)
+    (_, got), (_, want) = gguf_contents(ours), gguf_contents(lq)
+    assert {t: v[:2] for t, v in got.items()} == {t: v[:2] for t, v in want.items()}
+    assert [t for t in want if got[t][2] != want[t][2]] == []
+    return got
+
+
 LOGITS_TEXT = "The quick brown fox jumps over the lazy dog. def f(x): return x**2  # squares"
 
 

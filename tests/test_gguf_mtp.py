@@ -19,7 +19,13 @@ import shutil
 from pathlib import Path
 
 import pytest
-from gguf_reference import assert_generates, assert_same_gguf, convert_with_llama_cpp, gguf_contents
+import torch
+from gguf_reference import (
+    assert_generates,
+    assert_same_as_llama_quantize,
+    assert_same_gguf,
+    convert_with_llama_cpp,
+)
 from test_mtp import _make
 from tiny_models import smollm_dir
 
@@ -65,8 +71,6 @@ def _gguf(src: Path, out: Path, gguf_type: str) -> Path:
 def test_glm4_moe_gguf_with_mtp_equals_converter_and_quantize(glm, tmp_path):
     """BF16 = convert_hf_to_gguf.py's file (the nextn block included), Q4_K_M =
     llama_model_quantize of it, byte for byte, and llama.cpp generates from quantkit's Q4_K_M."""
-    from quantkit.engines.llamacpp import llama_quantize
-
     src, _ = glm
     ref = convert_with_llama_cpp(src, tmp_path / "ref.bf16.gguf")
     kv, tensors = assert_same_gguf(_gguf(src, tmp_path / "ours.bf16.gguf", "bf16"), ref)
@@ -81,12 +85,8 @@ def test_glm4_moe_gguf_with_mtp_equals_converter_and_quantize(glm, tmp_path):
             "blk.2.attn_q.weight", "blk.2.ffn_gate_exps.weight", "blk.2.exp_probs_b.bias",
             "blk.2.ffn_up_shexp.weight"} <= set(tensors)
     assert tensors["blk.2.ffn_down_exps.weight"][:2] == ("BF16", [256, 256, 4])
-    lq = tmp_path / "lq.gguf"
-    llama_quantize(ref, lq, "q4_k_m")
     q4 = _gguf(src, tmp_path / "ours.q4_k_m.gguf", "q4_k_m")
-    (_, got), (_, want) = gguf_contents(q4), gguf_contents(lq)
-    assert {t: v[:2] for t, v in got.items()} == {t: v[:2] for t, v in want.items()}
-    assert [t for t in want if got[t][2] != want[t][2]] == []
+    got = assert_same_as_llama_quantize(q4, ref, tmp_path, "q4_k_m")
     assert got["blk.2.nextn.eh_proj.weight"][0] == "Q4_K"  # the nextn block is quantized too
     assert_generates(q4)
 
@@ -105,7 +105,6 @@ def test_glm4_moe_gguf_without_mtp_tensors_equals_converter(glm, tmp_path):
     assert_generates(ours)
 
 
-@pytest.mark.fast
 def test_glm4_moe_gguf_refusals(glm, tmp_path):
     """Refused before any work, nothing written: a tokenizer without GLM's special tokens
     (the converter's GLM vocabulary path fails on it), MTP tensors with a config that counts
@@ -133,3 +132,21 @@ def test_glm4_moe_gguf_refusals(glm, tmp_path):
                                  method_options={"gguf_type": "q4_k_m", "rounding": "gptq"},
                                  calib="mixed", calib_samples=2, calib_seqlen=32))
     assert not list(tmp_path.glob("*.gguf"))
+
+
+def test_deepseek_v3_mtp_is_refused_as_the_converter_drops_it(tmp_path):
+    """DeepSeek-V3 with its MTP block (`model.layers.{N}.*`): llama.cpp's converter leaves it
+    out (DeepseekV2Model's skip_mtp) and llama.cpp's deepseek2 reads none, so quantkit refuses
+    GGUF and says why, instead of dropping it silently; nothing is written."""
+    from safetensors.torch import save_file
+    from tiny_models import make_tiny_model
+
+    from quantkit.errors import UnsupportedArchitecture
+
+    src = make_tiny_model(tmp_path / "dsv3", "deepseek_v3")
+    save_file({"model.layers.2.eh_proj.weight": torch.zeros(256, 512, dtype=torch.bfloat16)},
+              src / "mtp.safetensors", metadata={"format": "pt"})
+    with pytest.raises(UnsupportedArchitecture, match="converter drops DeepSeek-V3's MTP") as e:
+        _gguf(src, tmp_path / "out.gguf", "bf16")
+    assert "model.layers.2.eh_proj.weight" in e.value.message
+    assert "compressed-tensors" in e.value.hint and not (tmp_path / "out.gguf").exists()
