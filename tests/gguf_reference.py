@@ -48,14 +48,20 @@ def reference_converter() -> Path:
     return lc
 
 
-def convert_with_llama_cpp(src: Path, out: Path, outtype: str = "bf16",
-                           extra: tuple[str, ...] = ()) -> Path:
+def run_converter(src: Path, out: Path, outtype: str = "bf16",
+                  extra: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     """convert_hf_to_gguf.py --outtype `outtype` (and `extra` options, e.g. --no-mtp) of the HF
-    directory `src` into `out`."""
+    directory `src` into `out`, with its own gguf-py; its result, whatever it is."""
     lc = reference_converter()
-    proc = subprocess.run([sys.executable, str(lc / "convert_hf_to_gguf.py"), "--outtype", outtype,
+    return subprocess.run([sys.executable, str(lc / "convert_hf_to_gguf.py"), "--outtype", outtype,
                            *extra, "--outfile", str(out), str(src)], capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": str(lc / "gguf-py")})
+
+
+def convert_with_llama_cpp(src: Path, out: Path, outtype: str = "bf16",
+                           extra: tuple[str, ...] = ()) -> Path:
+    """The converter's file of `src` (run_converter), which must succeed."""
+    proc = run_converter(src, out, outtype, extra)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return out
 

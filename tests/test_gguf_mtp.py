@@ -138,15 +138,45 @@ def test_deepseek_v3_mtp_is_refused_as_the_converter_drops_it(tmp_path):
     """DeepSeek-V3 with its MTP block (`model.layers.{N}.*`): llama.cpp's converter leaves it
     out (DeepseekV2Model's skip_mtp) and llama.cpp's deepseek2 reads none, so quantkit refuses
     GGUF and says why, instead of dropping it silently; nothing is written."""
+    import transformers
     from safetensors.torch import save_file
-    from tiny_models import make_tiny_model
+    from tiny_models import MOE_DEFAULTS
 
     from quantkit.errors import UnsupportedArchitecture
 
-    src = make_tiny_model(tmp_path / "dsv3", "deepseek_v3")
+    # config.json and the MTP shard: the refusal comes before any trunk weight is read
+    src = tmp_path / "dsv3"
+    config = transformers.DeepseekV3Config(hidden_size=256, intermediate_size=512,
+                                           num_hidden_layers=2, num_attention_heads=4,
+                                           vocab_size=49152, **MOE_DEFAULTS["deepseek_v3"])
+    config.architectures = ["DeepseekV3ForCausalLM"]
+    config.save_pretrained(src)
     save_file({"model.layers.2.eh_proj.weight": torch.zeros(256, 512, dtype=torch.bfloat16)},
               src / "mtp.safetensors", metadata={"format": "pt"})
     with pytest.raises(UnsupportedArchitecture, match="converter drops DeepSeek-V3's MTP") as e:
         _gguf(src, tmp_path / "out.gguf", "bf16")
     assert "model.layers.2.eh_proj.weight" in e.value.message
     assert "compressed-tensors" in e.value.hint and not (tmp_path / "out.gguf").exists()
+
+
+def test_deepseek_v32_gguf_is_refused_and_why(discovered, tmp_path):
+    """DeepSeek-V3.2 (`DeepseekV32ForCausalLM`): llama.cpp's converter has it (DeepseekV32Model,
+    architecture deepseek32: MLA, the DSA indexer, the MTP block as nextn), its gguf-py has the
+    architecture, and on this tiny checkpoint it stops in its vocabulary step (it asserts a
+    tokenizer that adds BOS, as DeepSeek's do; SmolLM2's does not). The gguf package quantkit
+    runs with has no deepseek32, so no tensor name can come from its TensorNameMap: quantkit
+    refuses GGUF before any work, naming the architecture and why, and writes nothing."""
+    from gguf import MODEL_ARCH_NAMES
+    from gguf_reference import reference_converter, run_converter
+
+    from quantkit.errors import UnsupportedArchitecture
+
+    src = discovered.model("deepseek_v32")
+    assert "deepseek32" not in MODEL_ARCH_NAMES.values()
+    assert '"deepseek32"' in (reference_converter() / "gguf-py" / "gguf" / "constants.py").read_text()
+    proc = run_converter(src, tmp_path / "ref.gguf")
+    assert proc.returncode != 0 and "Change value of add_bos_token to true" in proc.stderr
+    with pytest.raises(UnsupportedArchitecture, match="writes it as its deepseek32 architecture, "
+                       "which the gguf package quantkit runs with does not have"):
+        _gguf(src, tmp_path / "out.gguf", "bf16")
+    assert not (tmp_path / "out.gguf").exists()

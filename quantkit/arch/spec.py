@@ -286,6 +286,9 @@ class ArchSpec:
     # why llama.cpp keeps no MTP layers for this arch, where gguf_nextn_key is None and
     # that is a family fact (DeepSeek-V3: the converter drops them); the refusal says it
     gguf_no_mtp: str = ""
+    # llama.cpp's architecture for a family whose GGUF quantkit does not write (gguf_arch
+    # None): the refusal names it and why (DeepSeek-V3.2's deepseek32)
+    gguf_unwritten: str | None = None
     # special tokens the converter's vocabulary path of this arch sets by their text, each
     # only where tokenizer_config.json has not set that kind already (gguf.SpecialVocab's
     # _set_special_token): ((kind, token text), ...); GLM's [gMASK] / <|user|> / ...

@@ -270,7 +270,15 @@ def _rope_factors_llama3(p: dict, head_dim: int) -> np.ndarray:
 def _check_config(spec: ArchSpec, config: dict) -> None:
     """Refuse configs whose behaviour GGUF (as written here) would not reproduce."""
     if spec.gguf_arch is None:
-        raise UnsupportedArchitecture(f"No GGUF writer for architecture {spec.name}.",
+        why = ""
+        if spec.gguf_unwritten:
+            from gguf import MODEL_ARCH_NAMES
+
+            why = (f" llama.cpp's converter writes it as its {spec.gguf_unwritten} architecture, "
+                   + ("which the gguf package quantkit runs with does not have (no tensor name "
+                      "can come from its TensorNameMap)." if spec.gguf_unwritten not in
+                      MODEL_ARCH_NAMES.values() else "which quantkit does not write yet."))
+        raise UnsupportedArchitecture(f"No GGUF writer for architecture {spec.name}.{why}",
                                       f"GGUF export supports: {', '.join(gguf_architectures())}.")
     rope = GGUFFileWriter._rope(config)
     rtype = rope.get("rope_type", "").lower()
@@ -860,7 +868,9 @@ def gguf_metadata(path: str | Path, kv: dict | None = None) -> dict:
     return meta
 
 
-# llama.cpp's 3-D ffn_*_exps, for the architectures with GGUF expert names
+# llama.cpp's 3-D ffn_*_exps, for the architectures with GGUF expert names (an arch with no
+# GGUF layout at all is refused by check_source, which says why)
 RECORD = FormatRecord(
     "gguf", GGUFFileWriter,
-    stores_experts=lambda spec: spec.gguf_slot(spec.experts.linear("down", 0)) is not None)
+    stores_experts=lambda spec: spec.gguf_arch is None
+    or spec.gguf_slot(spec.experts.linear("down", 0)) is not None)
