@@ -226,7 +226,8 @@ def test_mtp_tensors_are_refused_before_any_work(family, arch, tiny, tmp_path):
     architecture whose nextn tensors the gguf package does not name is refused for GGUF with
     the way out, and nothing is written: a file without them would drop them silently.
     Qwen3.5: llama.cpp's converter writes its MTP layer as a nextn block (its gguf-py knows
-    qwen35's nextn tensors), but the gguf package quantkit runs with (0.19) has none for
+    qwen35's nextn tensors), but the gguf package quantkit runs with (scripts/constraints.txt:
+    gguf==0.19.0) has none for
     qwen35, so quantkit cannot name them (tests/test_gguf_mtp.py writes GLM-4.5's)."""
     from safetensors.torch import save_file
 
