@@ -55,8 +55,9 @@ def with_glm_specials(d: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def glm(tmp_path_factory) -> tuple[Path, Path]:
-    """(GLM-4.5 tiny with its MTP block, the same without the MTP tensors), GLM's tokens."""
-    src, plain = _make(tmp_path_factory.mktemp("gguf-mtp"), "glm4_moe")
+    """(GLM-4.5 tiny with its MTP block, the same without the MTP tensors), GLM's tokens;
+    q/k/v biases as GLM-4.5's checkpoints have them (attention_bias)."""
+    src, plain = _make(tmp_path_factory.mktemp("gguf-mtp"), "glm4_moe", attention_bias=True)
     return with_glm_specials(src), with_glm_specials(plain)
 
 
@@ -83,7 +84,7 @@ def test_glm4_moe_gguf_with_mtp_equals_converter_and_quantize(glm, tmp_path):
             "blk.2.nextn.enorm.weight", "blk.2.nextn.hnorm.weight",
             "blk.2.nextn.shared_head_head.weight", "blk.2.nextn.shared_head_norm.weight",
             "blk.2.attn_q.weight", "blk.2.ffn_gate_exps.weight", "blk.2.exp_probs_b.bias",
-            "blk.2.ffn_up_shexp.weight"} <= set(tensors)
+            "blk.2.ffn_up_shexp.weight", "blk.2.attn_q.bias", "blk.0.attn_v.bias"} <= set(tensors)
     assert tensors["blk.2.ffn_down_exps.weight"][:2] == ("BF16", [256, 256, 4])
     q4 = _gguf(src, tmp_path / "ours.q4_k_m.gguf", "q4_k_m")
     got = assert_same_as_llama_quantize(q4, ref, tmp_path, "q4_k_m")

@@ -77,9 +77,11 @@ def _mtp_tensors(family: str, trunk: dict[str, torch.Tensor], n_layer: int, like
     return out
 
 
-def _make(root: Path, family: str) -> tuple[Path, Path]:
-    """(the checkpoint with MTP tensors, the same checkpoint without them)."""
+def _make(root: Path, family: str, **settings) -> tuple[Path, Path]:
+    """(the checkpoint with MTP tensors, the same checkpoint without them); `settings` change
+    the family's config."""
     config_cls, model_cls, kwargs, like = FAMILIES[family]
+    kwargs = {**kwargs, **settings}
     config = getattr(transformers, config_cls)(**{**_COMMON, **kwargs})
     torch.manual_seed(3)
     model = getattr(transformers, model_cls)(config).to(torch.bfloat16)
