@@ -48,14 +48,20 @@ def reference_converter() -> Path:
     return lc
 
 
-def convert_with_llama_cpp(src: Path, out: Path, outtype: str = "bf16",
-                           extra: tuple[str, ...] = ()) -> Path:
+def run_converter(src: Path, out: Path, outtype: str = "bf16",
+                  extra: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     """convert_hf_to_gguf.py --outtype `outtype` (and `extra` options, e.g. --no-mtp) of the HF
-    directory `src` into `out`."""
+    directory `src` into `out`, with its own gguf-py; its result, whatever it is."""
     lc = reference_converter()
-    proc = subprocess.run([sys.executable, str(lc / "convert_hf_to_gguf.py"), "--outtype", outtype,
+    return subprocess.run([sys.executable, str(lc / "convert_hf_to_gguf.py"), "--outtype", outtype,
                            *extra, "--outfile", str(out), str(src)], capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": str(lc / "gguf-py")})
+
+
+def convert_with_llama_cpp(src: Path, out: Path, outtype: str = "bf16",
+                           extra: tuple[str, ...] = ()) -> Path:
+    """The converter's file of `src` (run_converter), which must succeed."""
+    proc = run_converter(src, out, outtype, extra)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return out
 
@@ -106,6 +112,19 @@ def assert_same_gguf(ours: Path, ref: Path, skip: tuple[str, ...] = ()) -> tuple
             assert kv_a.pop(key, value) == value
     assert kv_a == kv_b
     return kv_a, t_a
+
+
+def assert_same_as_llama_quantize(ours: Path, ref: Path, tmp: Path, gguf_type: str) -> dict:
+    """`ours` (quantkit's `gguf_type` file) equals llama_model_quantize of the converter's
+    file `ref`: every tensor's type, shape and bytes; returns ours' tensors."""
+    from quantkit.engines.llamacpp import llama_quantize
+
+    lq = tmp / f"llama-quantize.{gguf_type}.gguf"
+    llama_quantize(ref, lq, gguf_type)
+    (_, got), (_, want) = gguf_contents(ours), gguf_contents(lq)
+    assert {t: v[:2] for t, v in got.items()} == {t: v[:2] for t, v in want.items()}
+    assert [t for t in want if got[t][2] != want[t][2]] == []
+    return got
 
 
 LOGITS_TEXT = "The quick brown fox jumps over the lazy dog. def f(x): return x**2  # squares"

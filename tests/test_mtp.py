@@ -77,9 +77,11 @@ def _mtp_tensors(family: str, trunk: dict[str, torch.Tensor], n_layer: int, like
     return out
 
 
-def _make(root: Path, family: str) -> tuple[Path, Path]:
-    """(the checkpoint with MTP tensors, the same checkpoint without them)."""
+def _make(root: Path, family: str, **settings) -> tuple[Path, Path]:
+    """(the checkpoint with MTP tensors, the same checkpoint without them); `settings` change
+    the family's config."""
     config_cls, model_cls, kwargs, like = FAMILIES[family]
+    kwargs = {**kwargs, **settings}
     config = getattr(transformers, config_cls)(**{**_COMMON, **kwargs})
     torch.manual_seed(3)
     model = getattr(transformers, model_cls)(config).to(torch.bfloat16)
@@ -223,7 +225,8 @@ def test_quantize_mtp_packs_the_mtp_linears(family, method, mtp_models, tmp_path
 
 
 def test_quantize_mtp_refusals(mtp_models, tmp_path):
-    """--quantize-mtp is refused before any work where there are no MTP tensors, into GGUF,
+    """--quantize-mtp is refused before any work where there are no MTP tensors, into GGUF
+    (which quantizes MTP layers as nextn blocks always),
     and for a calibrated scheme without a round-to-nearest form."""
     from quantkit.methods.fp8 import fp8_scheme
 
@@ -231,7 +234,7 @@ def test_quantize_mtp_refusals(mtp_models, tmp_path):
     with pytest.raises(SchemeMismatch, match="no multi-token-prediction"):
         quantize(QuantizeRequest(model=str(plain), method="rtn", scheme=I4, out=tmp_path / "a",
                                  quantize_mtp=True))
-    with pytest.raises(SchemeMismatch, match="format gguf does not store MTP layers"):
+    with pytest.raises(SchemeMismatch, match="format gguf always quantizes the MTP"):
         quantize(QuantizeRequest(model=str(src), method="gguf",
                                  scheme=QuantScheme(kind="kquant", gguf_type="q8_0"),
                                  method_options={"gguf_type": "q8_0"}, format="gguf", out=tmp_path / "b.gguf", quantize_mtp=True))

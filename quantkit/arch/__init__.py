@@ -15,6 +15,7 @@ from quantkit.arch import (
     deepseek_v32,
     gemma3,
     gemma4,
+    glm4_moe,
     gpt_oss,
     granitemoehybrid,
     llama,
@@ -53,7 +54,7 @@ ENGINE_DENSE: dict[str, tuple[str, ...]] = {
 # fields (the architecture name, its optional keys, the converter's tensor transforms), the
 # facts discovery cannot read off the model; tensor names still come from the gguf package
 GGUF_FAMILIES = (olmo3, ministral3, gemma4, qwen3_5, qwen3_5_moe, minimax_m2, llama4,
-                 qwen3_next, nemotron_h, granitemoehybrid)
+                 qwen3_next, nemotron_h, granitemoehybrid, glm4_moe, deepseek_v32)
 DISCOVERED_GGUF: dict[str, dict] = {
     t: fields for family in GGUF_FAMILIES for t, fields in family.GGUF.items()}
 
@@ -65,7 +66,8 @@ def supported_architectures() -> list[str]:
 def gguf_architectures() -> list[str]:
     """llama.cpp architectures quantkit writes GGUF for."""
     return list(dict.fromkeys([a.gguf_arch for a in ARCHS if a.gguf_arch]
-                              + [f["gguf_arch"] for f in DISCOVERED_GGUF.values()]))
+                              + [f["gguf_arch"] for f in DISCOVERED_GGUF.values()
+                                 if "gguf_arch" in f]))
 
 
 def with_gguf(spec: ArchSpec) -> ArchSpec:
@@ -74,7 +76,8 @@ def with_gguf(spec: ArchSpec) -> ArchSpec:
     fields = next((DISCOVERED_GGUF[t] for t in spec.model_types if t in DISCOVERED_GGUF), None)
     if fields is None or spec.gguf_arch is not None:
         return spec
-    gguf_model_arch(fields["gguf_arch"])  # KeyError: a name the gguf package lacks
+    if "gguf_arch" in fields:  # else only why not (gguf_unwritten)
+        gguf_model_arch(fields["gguf_arch"])  # KeyError: a name the gguf package lacks
     return dataclasses.replace(spec, **fields)
 
 

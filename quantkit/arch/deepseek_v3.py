@@ -57,6 +57,11 @@ SPECS = (
              # the converter (DeepseekV2Model.modify_tensors) names the router's
              # score-correction bias e_score_correction.bias before its TensorNameMap lookup
              gguf_renames=(("e_score_correction_bias", "e_score_correction.bias"),),
+             # the converter's DeepseekV2Model (skip_mtp) leaves the blocks past
+             # num_hidden_layers out, and llama.cpp's deepseek2 reads no nextn block
+             gguf_no_mtp="llama.cpp's converter drops DeepSeek-V3's MTP block (its "
+                         "DeepseekV2Model skips the blocks past num_hidden_layers) and its "
+                         "deepseek2 architecture reads none",
              gguf_head_splits={"self_attn.kv_b_proj": (
                  ("blk.{bid}.attn_k_b", "qk_nope_head_dim", True),
                  ("blk.{bid}.attn_v_b", "v_head_dim", False))}),

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 
-__all__ = ["gguf_lookup", "gguf_model_arch", "refuse_gguf"]
+__all__ = ["gguf_has_nextn", "gguf_lookup", "gguf_model_arch", "refuse_gguf"]
 
 _SUFFIXES = (".weight", ".bias")
 
@@ -43,6 +43,14 @@ def gguf_lookup(gguf_arch: str, hf_name: str) -> str | None:
     if found is None:
         return None
     return found if found.endswith(_SUFFIXES) else f"{found}.weight"
+
+
+def gguf_has_nextn(gguf_arch: str) -> bool:
+    """Whether the gguf package's tensor table of the architecture holds the nextn (MTP)
+    block tensors (its MODEL_TENSORS): without them no MTP tensor has a GGUF name."""
+    from gguf import MODEL_TENSOR, MODEL_TENSORS
+
+    return MODEL_TENSOR.NEXTN_EH_PROJ in MODEL_TENSORS.get(gguf_model_arch(gguf_arch), ())
 
 
 def refuse_gguf(family: str, found: list[str], *, yet: bool = False) -> None:

@@ -277,6 +277,22 @@ class ArchSpec:
     # which configs llama.cpp's loader calls a 70B model (llama_model_quantize then gives
     # attn_v more bits): a predicate on config_getter(config); None: never
     gguf_70b: Callable[[Callable], bool] | None = None
+    # multi-token-prediction (MTP) layers as llama.cpp's converter writes them: extra decoder
+    # blocks after the trunk's (blk.{num_hidden_layers + i}, their own tensors named nextn.*
+    # by the arch's TensorNameMap), counted in block_count and in {arch}.nextn_predict_layers.
+    # The config key of how many (GLM-4.5: num_nextn_predict_layers); None: the converter
+    # writes no MTP layers for this arch, and a checkpoint with MTP tensors is refused for GGUF
+    gguf_nextn_key: str | None = None
+    # why llama.cpp keeps no MTP layers for this arch, where gguf_nextn_key is None and
+    # that is a family fact (DeepSeek-V3: the converter drops them); the refusal says it
+    gguf_no_mtp: str = ""
+    # llama.cpp's architecture for a family whose GGUF quantkit does not write (gguf_arch
+    # None): the refusal names it and why (DeepSeek-V3.2's deepseek32)
+    gguf_unwritten: str | None = None
+    # special tokens the converter's vocabulary path of this arch sets by their text, each
+    # only where tokenizer_config.json has not set that kind already (gguf.SpecialVocab's
+    # _set_special_token): ((kind, token text), ...); GLM's [gMASK] / <|user|> / ...
+    gguf_special_tokens: tuple[tuple[str, str], ...] = ()
 
     def checkpoint_name(self, name: str) -> str:
         """A full module-tree tensor name as the checkpoint (and the engines) spell it."""
@@ -355,6 +371,20 @@ class ArchSpec:
     def is_expert_linear(self, name: str) -> bool:
         """Whether block-relative `name` is a routed expert's Linear (it may get no tokens)."""
         return self.experts is not None and name.startswith(self.experts.module + ".")
+
+    def gguf_nextn_layers(self, config) -> int:
+        """How many MTP (nextn) blocks llama.cpp's converter appends for this config (0: none)."""
+        if self.gguf_nextn_key is None:
+            return 0
+        return int(config_getter(config)(self.gguf_nextn_key) or 0)
+
+    def gguf_block_count(self, config) -> int:
+        """{arch}.block_count as the converter writes it: the trunk's blocks and the nextn
+        blocks after them (Nemotron-H's config.json has no num_hidden_layers: its layer list
+        says how many)."""
+        get = config_getter(config)
+        trunk = get("num_hidden_layers") or len(get("layers_block_type"))
+        return int(trunk) + self.gguf_nextn_layers(config)
 
     def gguf_is_70b(self, config) -> bool:
         """Whether llama.cpp's loader calls this model 70B (see gguf_70b)."""

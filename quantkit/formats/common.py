@@ -130,6 +130,10 @@ class FormatWriter:
     # overhead_bytes knows what the file holds besides the weight matrices (a whole-file
     # size budget needs it before any data is read)
     sizes_overhead: bool = False
+    # MTP layers are stored as further decoder blocks whose weight matrices the method
+    # quantizes as the trunk's (llama.cpp's nextn blocks, as llama-quantize treats them),
+    # not as dense tensors beside the quantized trunk
+    mtp_as_blocks: bool = False
 
     def check(self, scheme, shapes: dict[str, tuple[int, int]]) -> list[str]:
         """Problems with storing `scheme` for these Linear shapes, before any calibration."""

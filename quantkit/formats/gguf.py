@@ -270,7 +270,15 @@ def _rope_factors_llama3(p: dict, head_dim: int) -> np.ndarray:
 def _check_config(spec: ArchSpec, config: dict) -> None:
     """Refuse configs whose behaviour GGUF (as written here) would not reproduce."""
     if spec.gguf_arch is None:
-        raise UnsupportedArchitecture(f"No GGUF writer for architecture {spec.name}.",
+        why = ""
+        if spec.gguf_unwritten:
+            from gguf import MODEL_ARCH_NAMES
+
+            why = (f" llama.cpp's converter writes it as its {spec.gguf_unwritten} architecture, "
+                   + ("which the gguf package quantkit runs with does not have (no tensor name "
+                      "can come from its TensorNameMap)." if spec.gguf_unwritten not in
+                      MODEL_ARCH_NAMES.values() else "which quantkit does not write yet."))
+        raise UnsupportedArchitecture(f"No GGUF writer for architecture {spec.name}.{why}",
                                       f"GGUF export supports: {', '.join(gguf_architectures())}.")
     rope = GGUFFileWriter._rope(config)
     rtype = rope.get("rope_type", "").lower()
@@ -295,22 +303,52 @@ def _check_config(spec: ArchSpec, config: dict) -> None:
         spec.gguf_check(config)
 
 
-def _refuse_mtp(spec: ArchSpec, config: dict, source_dir: Path) -> None:
-    """MTP layers go into llama.cpp's GGUF as extra nextn blocks (its converter's default);
-    quantkit does not write those yet, and a file without them would silently lose the
-    model's speculative decoding: refused before any work."""
+def _check_mtp(spec: ArchSpec, config: dict, source_dir: Path) -> None:
+    """MTP layers go into llama.cpp's GGUF as extra nextn blocks where its converter writes
+    them for the arch (ArchSpec.gguf_nextn_key); elsewhere a file without them would silently
+    lose the model's speculative decoding: refused before any work."""
     from quantkit.model_io import mtp_tensor_names
 
     mtp = mtp_tensor_names(source_dir, config, spec.block_path)
-    if mtp:
+    if not mtp:
+        return
+    if spec.gguf_nextn_key is None:
+        from quantkit.arch.gguf_names import gguf_has_nextn
+
+        why = spec.gguf_no_mtp or (
+            f"the gguf package quantkit runs with names no nextn (MTP) tensors for "
+            f"{spec.gguf_arch}" if not gguf_has_nextn(spec.gguf_arch) else
+            f"quantkit does not write {spec.gguf_arch}'s nextn (MTP) blocks yet")
         raise UnsupportedArchitecture(
             f"The checkpoint holds {len(mtp)} multi-token-prediction (MTP) tensors (e.g. "
-            f"{mtp[0]}); quantkit's GGUF writer does not write them as llama.cpp's nextn "
-            "blocks yet, and leaving them out would drop them silently.",
+            f"{mtp[0]}): {why}, and a GGUF without them would drop them silently.",
             "Use --format compressed-tensors (it keeps the MTP layers), or convert a copy of "
-            "the checkpoint without its MTP tensors (as llama.cpp's "
-            "converter does when told not to export MTP layers), knowing that speculative "
-            "decoding with them is then lost.")
+            "the checkpoint without its MTP tensors, knowing that speculative decoding with "
+            "them is then lost.")
+    if spec.gguf_nextn_layers(config) == 0:
+        raise UnsupportedArchitecture(
+            f"The checkpoint holds {len(mtp)} MTP tensors (e.g. {mtp[0]}) but config.json's "
+            f"{spec.gguf_nextn_key} says 0 nextn blocks (or is absent): quantkit counts the "
+            "nextn blocks of a GGUF from the config.",
+            f"Set {spec.gguf_nextn_key} to the number of MTP blocks the checkpoint holds.")
+
+
+def _special_tokens(spec: ArchSpec, tok) -> None:
+    """The arch's special tokens by their text (ArchSpec.gguf_special_tokens), each kind only
+    where the tokenizer's own files did not set it, as the converter's
+    SpecialVocab._set_special_token; a token the vocabulary lacks is refused (the converter's
+    vocabulary path fails on it)."""
+    if not spec.gguf_special_tokens:
+        return
+    ids = {t: i for i, t in enumerate(tok.tokens)}
+    missing = [text for _, text in spec.gguf_special_tokens if text not in ids]
+    if missing:
+        raise UnsupportedArchitecture(
+            f"The tokenizer has no {', '.join(missing)}: llama.cpp's {spec.gguf_arch} "
+            "vocabulary sets its special tokens from them (its converter fails without).",
+            "Use the model's own tokenizer files.")
+    for kind, text in spec.gguf_special_tokens:
+        tok.special.special_token_ids.setdefault(kind, ids[text])
 
 
 class GGUFFileWriter(FormatWriter):
@@ -319,6 +357,7 @@ class GGUFFileWriter(FormatWriter):
     single_file = True  # the pipeline hands write() a file path, and no side files are written
     embeds_source = True  # tokenizer and config go into the file's metadata
     sizes_overhead = True
+    mtp_as_blocks = True  # nextn blocks, quantized as llama-quantize quantizes them
 
     def check(self, scheme: QuantScheme, shapes: dict[str, tuple[int, int]]) -> list[str]:
         problems = []
@@ -333,8 +372,10 @@ class GGUFFileWriter(FormatWriter):
         cfg = config if isinstance(config, dict) else config.to_dict()
         spec = spec_for_config(cfg)
         _check_config(spec, cfg)
-        _refuse_mtp(spec, cfg, Path(source_dir))
-        self._tokenizer = (Path(source_dir), read_tokenizer(source_dir, cfg.get("vocab_size")))
+        _check_mtp(spec, cfg, Path(source_dir))
+        tok = read_tokenizer(source_dir, cfg.get("vocab_size"))
+        _special_tokens(spec, tok)
+        self._tokenizer = (Path(source_dir), tok)
 
     def write(self, out_file: Path, *, config: dict, dense: dict[str, torch.Tensor],
               results: dict[str, QuantResult], ignore: list[str] | None = None,
@@ -356,6 +397,7 @@ class GGUFFileWriter(FormatWriter):
             cached = getattr(self, "_tokenizer", None)
             tok = cached[1] if cached and cached[0] == Path(source_dir) else \
                 read_tokenizer(Path(source_dir), config.get("vocab_size"))
+            _special_tokens(spec, tok)
             tok.add_to(w)
         n_head = config["num_attention_heads"]
         n_kv = config.get("num_key_value_heads") or n_head
@@ -479,8 +521,7 @@ class GGUFFileWriter(FormatWriter):
         src = (meta or {}).get("source_model", {})
         w.add_name(str(config.get("_model_name_or_path") or config.get("_name_or_path")
                        or src.get("name_or_path") or spec.name))
-        # Nemotron-H's config.json has no num_hidden_layers: its layer list says how many
-        w.add_block_count(config.get("num_hidden_layers") or len(config["layers_block_type"]))
+        w.add_block_count(spec.gguf_block_count(config))  # the nextn (MTP) blocks included
         w.add_context_length(config.get("max_position_embeddings") or 2048)
         w.add_embedding_length(config["hidden_size"])
         ff = next((config[k] for k in spec.gguf_feed_forward if config.get(k) is not None), None)
@@ -577,6 +618,17 @@ def _expert_shared(w: GGUFWriter, c: dict) -> None:
         w.add_expert_weights_scale(float(c["routed_scaling_factor"]))
     if c.get("norm_topk_prob"):
         w.add_expert_weights_norm(True)
+
+
+def _expert_shared_glm(w: GGUFWriter, c: dict) -> None:
+    """GLM-4.5's shared experts and routing scale / renormalisation, each written where the
+    config sets it (False too), as the converter's Glm4MoeModel."""
+    if c.get("n_shared_experts") is not None:
+        w.add_expert_shared_count(int(c["n_shared_experts"]))
+    if c.get("routed_scaling_factor") is not None:
+        w.add_expert_weights_scale(float(c["routed_scaling_factor"]))
+    if c.get("norm_topk_prob") is not None:
+        w.add_expert_weights_norm(bool(c["norm_topk_prob"]))
 
 
 def _yarn_log_mul(w: GGUFWriter, c: dict) -> None:
@@ -734,6 +786,10 @@ _OPTIONAL_KV = {
     "leading_dense_block_count": lambda w, c: w.add_leading_dense_block_count(
         int(c.get("first_k_dense_replace") or 0)),
     "expert_shared": _expert_shared,
+    "expert_shared_glm": _expert_shared_glm,
+    # how many nextn (MTP) blocks follow the trunk's, whenever the config sets it (GLM-4.5)
+    "nextn_if_set": lambda w, c: c.get("num_nextn_predict_layers") is not None
+    and w.add_nextn_predict_layers(int(c["num_nextn_predict_layers"])),
     # transformers' DeepseekV3TopkRouter always scores with a sigmoid; llama.cpp's deepseek2
     # takes softmax when the key is absent (DeepSeek-V2 files), and llama.cpp's converter
     # writes it only from a config's scoring_func, which DeepseekV3Config lacks
@@ -812,7 +868,9 @@ def gguf_metadata(path: str | Path, kv: dict | None = None) -> dict:
     return meta
 
 
-# llama.cpp's 3-D ffn_*_exps, for the architectures with GGUF expert names
+# llama.cpp's 3-D ffn_*_exps, for the architectures with GGUF expert names (an arch with no
+# GGUF layout at all is refused by check_source, which says why)
 RECORD = FormatRecord(
     "gguf", GGUFFileWriter,
-    stores_experts=lambda spec: spec.gguf_slot(spec.experts.linear("down", 0)) is not None)
+    stores_experts=lambda spec: spec.gguf_arch is None
+    or spec.gguf_slot(spec.experts.linear("down", 0)) is not None)

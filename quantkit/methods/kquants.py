@@ -212,7 +212,8 @@ class GGUFQuantizer(Quantizer):
         self.n_layer = int(get("num_hidden_layers"))
         n_expert = spec.experts.count(config) if spec.experts is not None else 0
         self.n_expert = n_expert  # an imatrix entry of a 3-D expert tensor has n_expert vectors
-        self.plans = plan_types(self.preset, tensors, int(get("num_hidden_layers")),
+        # llama.cpp counts every block of the file, the nextn (MTP) blocks too
+        self.plans = plan_types(self.preset, tensors, spec.gguf_block_count(config),
                                 is_70b=spec.gguf_is_70b(config),
                                 has_imatrix=self.collect or self.imatrix_path is not None,
                                 n_gqa=n_head // (get("num_key_value_heads") or n_head),

@@ -73,6 +73,28 @@ class MtpLayers:
                 out.append(name[: -len(".weight")])
         return out
 
+    def block_weights(self, router: str | None) -> dict[str, tuple[int, ...]]:
+        """Module name -> shape of every MTP weight matrix but the routers (`router`: the
+        block-relative router module): what llama-quantize quantizes in a nextn block (its
+        attention, MLP, experts, eh_proj, embed_tokens, shared_head), planned and quantized
+        as the trunk's when the format stores MTP layers as blocks (GGUF)."""
+        shapes = self.shapes()
+        out = {}
+        for name in self.names:
+            block, inner = self._split(name)
+            if block is None or not name.endswith(".weight") or len(shapes[name]) != 2:
+                continue
+            if router is not None and inner == f"{router}.weight":
+                continue
+            out[name[: -len(".weight")]] = shapes[name]
+        return out
+
+    def block_index(self, block: str, fallback: int) -> int:
+        """The decoder-block number of an MTP block numbered after the trunk's
+        (model.layers.46 -> 46), else `fallback`."""
+        tail = block[len(self.block_path) + 1:] if block.startswith(self.block_path + ".") else ""
+        return int(tail) if tail.isdigit() else fallback
+
     def dense_linears(self, shapes: Mapping[str, tuple[int, ...]]) -> list[str]:
         """Module names of the MTP 2-D weights left dense (embeddings excepted): the exact
         names vLLM's compressed-tensors ignore matching reads (routed experts by expert 0's
@@ -134,13 +156,17 @@ def find_mtp(source_dir: Path, raw_config: dict, spec: ArchSpec) -> MtpLayers | 
 
 
 def mtp_quantizer(quantizer: Quantizer, scheme: QuantScheme, mtp: MtpLayers | None,
-                  format_name: str, single_file: bool) -> Quantizer:
+                  format_name: str, single_file: bool, as_blocks: bool = False) -> Quantizer:
     """The method the MTP Linears get under --quantize-mtp: the run's own when it reads no
     calibration, else RTN in the same integer scheme. Refusals before any work."""
     if mtp is None:
         raise SchemeMismatch("--quantize-mtp: the checkpoint has no multi-token-prediction "
                              "(MTP) tensors (no mtp.* and no blocks past num_hidden_layers).",
                              "Drop --quantize-mtp.")
+    if as_blocks:
+        raise SchemeMismatch(f"--quantize-mtp: format {format_name} always quantizes the MTP "
+                             "layers as further blocks of the trunk (llama.cpp's nextn blocks, "
+                             "as llama-quantize does).", "Drop --quantize-mtp.")
     if single_file:
         raise SchemeMismatch(f"--quantize-mtp: format {format_name} does not store MTP layers.",
                              "Use --format compressed-tensors, or drop --quantize-mtp.")
@@ -158,7 +184,8 @@ def quantize_mtp(mtp: MtpLayers, modules: list[str], quantizer: Quantizer,
     for m in modules:
         by_block.setdefault(mtp._split(m + ".weight")[0], []).append(m)
     names = set(mtp.names)
-    for index, (block, group) in enumerate(sorted(by_block.items())):
+    for order, (block, group) in enumerate(sorted(by_block.items())):
+        index = mtp.block_index(block, order)  # the block's own number where it has one
         wanted = [m + s for m in group for s in (".weight", ".bias") if m + s in names]
         tensors = mtp.read(wanted)
         linears = {}

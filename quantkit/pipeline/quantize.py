@@ -347,10 +347,23 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
     if req.kv_cache:
         check_kv_cache(req.kv_cache, writer.name, spec, dp is not None)
     vision_method = vision_quantizer(quantizer, req.scheme, spec) if req.quantize_vision else None
-    # MTP tensors (transformers drops them): copied from the shards; GGUF refuses them itself
+    # MTP tensors (transformers drops them): copied from the shards; GGUF checks them itself
     mtp = find_mtp(source.path, raw_config, spec)
-    mtp_method = mtp_quantizer(quantizer, req.scheme, mtp, writer.name, writer.single_file) \
-        if req.quantize_mtp else None
+    mtp_method = mtp_quantizer(quantizer, req.scheme, mtp, writer.name, writer.single_file,
+                               writer.mtp_as_blocks) if req.quantize_mtp else None
+    # a format that stores MTP layers as blocks (GGUF's nextn): their weight matrices are
+    # planned and quantized by the run's method, as the trunk's
+    mtp_blocks = mtp.block_weights(spec.experts.router if spec.experts else None) \
+        if mtp is not None and writer.mtp_as_blocks else {}
+    if mtp_blocks:
+        if quantizer.needs_calibration:
+            raise SchemeMismatch(
+                f"{writer.name} stores the MTP layers as blocks quantized like the trunk's; "
+                f"transformers gives no forward for them, so {quantizer.name} with calibration "
+                "(--calib / --rounding gptq) has nothing to calibrate them with.",
+                "Drop --calib / --rounding gptq (an --imatrix FILE is read as llama-quantize "
+                "reads it), or use --format compressed-tensors.")
+        mtp_method = quantizer
     calibrate = quantizer.needs_calibration or bool(req.kv_cache)
     config = load_config(source.path, trust_remote_code=req.trust_remote_code)
     shapes = linear_shapes(config, spec)
@@ -373,7 +386,7 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
         floats, n_tensors = _non_matrix_values(config, spec, shapes)
         quantizer.file_overhead_bytes = writer.overhead_bytes(config, floats, n_tensors)
     # per-tensor plans (GGUF type mix) from the config alone
-    quantizer.prepare(config=config, spec=spec, shapes=shapes)
+    quantizer.prepare(config=config, spec=spec, shapes={**shapes, **mtp_blocks})
     device = dp_device or _device(req.device)
     mem_plan = plan_request(req, config, spec, quantizer, raw_config)
     if req.memory_check:
@@ -536,7 +549,7 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
         results = CheckpointNamed(results, spec)
     if mtp is not None:  # under the checkpoint's names, which vLLM's MTP loaders read
         dense, results, ignore = _with_mtp(mtp, mtp_method, req.scheme, dense, results, ignore,
-                                           spec)
+                                           spec, list(mtp_blocks) or None)
         meta["mtp"] = mtp.record(mtp_method.name if mtp_method else None)
     if writer.single_file:  # one file (GGUF): metadata goes inside it
         meta["seconds"]["total"] = round(time.perf_counter() - t_start, 3)
@@ -578,14 +591,16 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
 
 
 def _with_mtp(mtp, method, scheme: QuantScheme, dense: dict, results, ignore: list[str],
-              spec: ArchSpec):
+              spec: ArchSpec, modules: list[str] | None = None):
     """dense, results and ignore with the MTP layers: quantized Linears beside the trunk's
-    results (--quantize-mtp), every other MTP tensor as stored, each dense MTP Linear named
-    in the ignore list (vLLM then builds it unquantized)."""
+    results (--quantize-mtp: those shaped like the trunk's; `modules`: these, a format's MTP
+    blocks), every other MTP tensor as stored, each dense MTP Linear named in the ignore list
+    (vLLM then builds it unquantized)."""
     if method is not None:
         trunk = {spec.checkpoint_name(n) for n in results} if not spec.checkpoint_renames \
             else set(results)
-        quantize_mtp(mtp, mtp.linears_like(trunk), method, scheme)
+        quantize_mtp(mtp, modules if modules is not None else mtp.linears_like(trunk), method,
+                     scheme)
         results = ChainMap(mtp.quantized, results)
     skip = {m + s for m in mtp.quantized for s in (".weight", ".bias")}
     dense = {**dense, **mtp.read([n for n in mtp.names if n not in skip])}
