@@ -269,3 +269,90 @@ def test_methods_without_data_parallel_support_are_refused():
     dp.check_method(get_quantizer("awq"))
     with pytest.raises(SchemeMismatch, match="data-parallel"):
         dp.check_method(get_quantizer("fp8", scheme="dynamic"))
+
+
+def _plan(config, method: str = "gptq", gpus: int = 1, **kw):
+    from quantkit.arch import spec_for_config
+    from quantkit.methods import get_quantizer
+    from quantkit.pipeline.plan import estimate
+    from quantkit.types import QuantScheme
+
+    config.architectures = [config.architectures[0]] if config.architectures else None
+    return estimate(config, spec_for_config(config), method=method,
+                    scheme=QuantScheme(bits=4, group_size=128, symmetric=method == "gptq"),
+                    calib_samples=128, calib_seqlen=2048, calibrated=True, calib_batch=8,
+                    device="cuda", gpus=gpus,
+                    spread_solves=get_quantizer(method).data_parallel is True, **kw)
+
+
+def _qwen3_30b_a3b(layers: int = 4):
+    from transformers import Qwen3MoeConfig
+
+    config = Qwen3MoeConfig(hidden_size=2048, num_hidden_layers=layers, num_attention_heads=32,
+                            num_key_value_heads=4, head_dim=128, intermediate_size=6144,
+                            moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+                            vocab_size=151936, tie_word_embeddings=False)
+    config.architectures = ["Qwen3MoeForCausalLM"]
+    return config
+
+
+def _llama_8b(layers: int = 4):
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+                         num_key_value_heads=8, num_hidden_layers=layers, vocab_size=128256)
+    config.architectures = ["LlamaForCausalLM"]
+    return config
+
+
+@pytest.mark.fast
+def test_plan_gpus_spreads_moe_solves_and_splits_forwards():
+    """`quantkit plan --gpus N`, Qwen3-30B-A3B shapes: each expert group's 128 solves spread
+    evenly (the solve time ~1/N: the one q/k/v and o solve per block do not split), the
+    forwards and statistics shrink with each rank's share of the batches, and so do the
+    per-GPU hidden states; RAM per process does not (every rank reads every block)."""
+    one, two, four = (_plan(_qwen3_30b_a3b(layers=1), gpus=g) for g in (1, 2, 4))
+    assert (one.gpus, two.gpus, four.gpus) == (1, 2, 4)
+    assert two.solves_spread and four.solves_spread and one.solves_spread is None
+    assert 0.5 <= two.solve_seconds / one.solve_seconds < 0.56
+    assert 0.25 <= four.solve_seconds / one.solve_seconds < 0.31
+    assert four.seconds < two.seconds < one.seconds
+    assert four.peak_gpu_bytes < two.peak_gpu_bytes < one.peak_gpu_bytes
+    assert two.peak_ram_bytes == one.peak_ram_bytes
+
+
+@pytest.mark.fast
+def test_plan_gpus_dense_true_sequential_solves_do_not_shrink_and_awq_searches_on_rank0():
+    """Dense 8B shapes: true-sequential GPTQ has one solve per group (q/k/v stacked, o,
+    gate/up, down), which no rank can share, so the solves' time stays and only the forwards
+    shrink; without true-sequential order the block's four solves balance (down_proj alone
+    is most of them). AWQ's search stays on rank 0: only its statistics' pass splits."""
+    one, two = _plan(_llama_8b()), _plan(_llama_8b(), gpus=2)
+    assert two.solve_seconds == one.solve_seconds and two.seconds < one.seconds
+    flat1 = _plan(_llama_8b(), true_sequential=False)
+    flat2 = _plan(_llama_8b(), gpus=2, true_sequential=False)
+    assert 0.7 < flat2.solve_seconds / flat1.solve_seconds < 1
+    awq1, awq2 = _plan(_llama_8b(), "awq"), _plan(_llama_8b(), "awq", gpus=2)
+    assert awq2.solves_spread is False
+    fwd_half = (one.seconds - two.seconds) / one.seconds  # GPTQ: every pass splits
+    assert 0 < (awq1.seconds - awq2.seconds) / awq1.seconds < fwd_half
+
+
+@pytest.mark.fast
+def test_plan_cli_gpus(tiny_model_factory):
+    import json
+
+    from click.testing import CliRunner
+
+    from quantkit.cli import main
+
+    model = str(tiny_model_factory("llama"))
+    res = CliRunner().invoke(main, ["plan", model, "--method", "gptq", "--device", "cuda",
+                                    "--gpus", "2", "--json"])
+    assert res.exit_code == 0, res.output
+    got = json.loads(res.output)
+    assert got["gpus"] == 2 and got["solves_spread"] is True and got["peak_gpu_bytes"] > 0
+    table = CliRunner().invoke(main, ["plan", model, "--method", "gptq", "--gpus", "2"])
+    assert table.exit_code == 0 and "ranks" in table.output, table.output
+    refused = CliRunner().invoke(main, ["plan", model, "--method", "fp8", "--gpus", "2"])
+    assert refused.exit_code == 2 and "data-parallel" in refused.output, refused.output
