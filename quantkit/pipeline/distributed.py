@@ -47,7 +47,8 @@ import torch
 
 from quantkit.errors import RankFailed, SchemeMismatch
 
-__all__ = ["DataParallel", "from_env", "world_size_from_env", "assign", "ENV_TIMEOUT"]
+__all__ = ["DataParallel", "from_env", "world_size_from_env", "assign", "ENV_TIMEOUT",
+           "GATHER_CHUNK_BYTES"]
 
 ENV_TIMEOUT = "QUANTKIT_DP_TIMEOUT"  # seconds a collective waits for the other ranks
 # the ordered sum of a statistic gathers every rank's copy of this many bytes at a time
@@ -105,6 +106,13 @@ class DataParallel:
             if sum(len(s) for s in self.solved) <= _LIST_AT_MOST:  # a big MoE: counts only
                 out["solves"]["linears_by_rank"] = self._solved()
         return out
+
+    def fresh(self) -> DataParallel:
+        """This rank in the same process group with the split's records empty (one of several
+        quantize_blocks runs in one process: benchmarks/multigpu_gptq.py); it does not own
+        the group."""
+        return dataclasses.replace(self, owns_group=False, load=[], solved=[], spread_groups=0,
+                                   rank0_groups=0)
 
     def _load(self) -> list:
         return list(self.load) + [0] * (self.world - len(self.load))
@@ -188,19 +196,20 @@ class DataParallel:
                 rec[st] = t
 
     @contextlib.contextmanager
-    def step(self, what: str):
+    def step(self, what: str, detail: str = ""):
         """Run a step that holds no collective (a forward, a solve); then agree with every
         other rank that all of them finished it. A failure on any rank -- this one's
         exception, or another's flag -- raises RankFailed on EVERY rank, naming the rank(s),
-        before any rank enters the next collective (where the others would wait for it)."""
+        before any rank enters the next collective (where the others would wait for it).
+        `what` is the same on every rank; `detail` this rank's part of it (its Linears)."""
         error = None
         try:
             yield
         except Exception as exc:  # noqa: BLE001 -- re-raised below, on every rank
             error = exc
-        self.agree(error, what)
+        self.agree(error, what, detail)
 
-    def agree(self, error: BaseException | None, what: str) -> None:
+    def agree(self, error: BaseException | None, what: str, detail: str = "") -> None:
         import torch.distributed as dist
 
         flag = torch.tensor([0 if error is None else 1], dtype=torch.int64, device=self.device)
@@ -208,13 +217,14 @@ class DataParallel:
         if not int(flag.item()):
             return
         said: list = [None] * self.world
-        mine = None if error is None else f"{type(error).__name__}: {error}"
+        mine = None if error is None else \
+            (f" ({detail})" if detail else "") + f": {type(error).__name__}: {error}"
         dist.all_gather_object(said, mine)
         failed = [(r, m) for r, m in enumerate(said) if m is not None]
         names = ", ".join(f"rank {r}" for r, _ in failed)
         raise RankFailed(
             f"{names} of {self.world} failed while {what}: "
-            + "; ".join(f"rank {r}: {m}" for r, m in failed),
+            + "; ".join(f"rank {r}{m}" for r, m in failed),
             "Every rank stopped and nothing was written; fix the cause the message names "
             "(it fails in one process too) and run again.") from error
 
@@ -245,7 +255,8 @@ class DataParallel:
             self.solved[r].append(f"{where}{n}")
         self.spread_groups += 1
         local: dict = {}
-        with self.step(f"solving {where.rstrip('.')} ({', '.join(mine) or 'nothing'})"):
+        shown = ", ".join(list(mine)[:6]) + (f" and {len(mine) - 6} more" if len(mine) > 6 else "")
+        with self.step(f"solving {where.rstrip('.')}", shown):
             if mine:
                 local = solve(dataclasses.replace(ctx, linears=mine))
             stray = set(local) - set(mine)
