@@ -141,6 +141,7 @@ def test_two_ranks_gloo_awq_artifact_identical(tiny_model_factory, tmp_path):
     _assert_same_weights(single, dp)
 
 
+@pytest.mark.slow  # one process and three ranks: ~55 s on 2 shared cores
 def test_three_ranks_gloo_moe_experts_spread_artifact_identical(tiny_model_factory, tmp_path):
     """Qwen3-MoE (8 experts): three ranks split each expert group's solves (gate/up per
     expert, one shared input each; down per expert) and the router-fed expert Hessians are
