@@ -254,6 +254,9 @@ class DataParallel:
         for n, r in owner.items():
             self.solved[r].append(f"{where}{n}")
         self.spread_groups += 1
+        for n in ctx.linears:  # the statistics other ranks solve with: freed now (a MoE
+            if n not in mine and n in ctx.stats:  # group's Hessians: each rank keeps its share)
+                ctx.stats[n] = {"tokens": ctx.stats[n].get("tokens", 0)}
         local: dict = {}
         shown = ", ".join(list(mine)[:6]) + (f" and {len(mine) - 6} more" if len(mine) > 6 else "")
         with self.step(f"solving {where.rstrip('.')}", shown):
@@ -267,11 +270,12 @@ class DataParallel:
         dist.all_gather_object(layouts, layout)
         results: dict = {}
         for r in range(self.world):
-            size = layouts[r][1]
-            if not size:
+            entries, size = layouts[r]
+            if not entries:
                 continue
             buf = flat if r == self.rank else torch.empty(size, dtype=torch.uint8, device=self.device)
-            dist.broadcast(buf, src=r)
+            if size:
+                dist.broadcast(buf, src=r)
             results.update(local if r == self.rank else _unpack(layouts[r][0], buf))
             del buf
         missing = [n for n in ctx.linears if n not in results]
