@@ -1,18 +1,24 @@
 """GPTQ W4A16 g128 on one GPU vs data-parallel on several (torchrun + NCCL), in one run.
 
-Synthetic model with Llama-3.1-8B layer shapes (random bf16 weights, seeded: every process
-builds the same model; fine for time and memory, meaningless for accuracy), `--layers` blocks,
+Synthetic model with Llama-3.1-8B layer shapes, or with `--moe` Qwen3-30B-A3B's (128 experts,
+every one solved), random bf16 weights (seeded: every process builds the same model; fine for
+time and memory, meaningless for accuracy), `--layers` blocks,
 `--samples` x `--seqlen` random calibration tokens. Each worker runs quantkit's block loop
 (`quantize_blocks`) twice from the same original weights:
   timed  `--batch` samples per forward (8: 16 batches, 8 per rank on 2 GPUs), the speed run;
-  exact  `--samples/2` samples per forward (2 batches, one per rank): the summed Hessians are
+  exact  `--samples/N` samples per forward (N batches, one per rank): the summed Hessians are
          the very float32 additions a single process makes, so the codes should be bitwise
          identical to the 1-GPU run's.
-The 1-GPU worker is a plain process; the N-GPU one is `torchrun --nproc-per-node N`. Rank 0
+The 1-GPU worker is a plain process; the N-GPU one is `torchrun --nproc-per-node N`: each
+rank solves its share of every group's Linears (quantkit.pipeline.distributed, "solves" in
+each row: Linears and cost share per rank; method_solve_s is the rank's own solving). Rank 0
 saves the QuantResults; the driver compares them and writes one JSON file.
 
 Run on the multi-GPU machine from the repo root:
   python3 benchmarks/multigpu_gptq.py --gpus 2 --out $OUT/gptq_multigpu_h200x2.json
+  python3 benchmarks/multigpu_gptq.py --gpus 4 --moe --out $OUT/gptq_multigpu_moe_h200x4.json
+CPU smoke test (gloo): python3 benchmarks/multigpu_gptq.py --device cpu --tiny --layers 2
+  --samples 16 --seqlen 64 --gpus 2 [--moe] --out /tmp/mg.json
 """
 
 from __future__ import annotations
@@ -48,6 +54,27 @@ def synthetic_llama_8b(n_layers: int, tiny: bool = False):
     return model.eval()
 
 
+def synthetic_qwen3_moe(n_layers: int, tiny: bool = False):
+    """Qwen3-30B-A3B's block shapes (hidden 2048, 128 experts of 768, top-8), per-expert
+    Linears (what quantkit calibrates and solves)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from quantkit.arch import spec_for_config
+    from quantkit.pipeline.experts import linearize_experts
+
+    h, e, i, v = (128, 8, 128, 1024) if tiny else (2048, 128, 768, 151936)
+    cfg = Qwen3MoeConfig(hidden_size=h, num_hidden_layers=n_layers, num_attention_heads=32 if not tiny else 4,
+                         num_key_value_heads=4 if not tiny else 2, head_dim=128 if not tiny else 32,
+                         intermediate_size=6144 if not tiny else 256, moe_intermediate_size=i,
+                         num_experts=e, num_experts_per_tok=8 if not tiny else 2, vocab_size=v,
+                         norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                         max_position_embeddings=8192, tie_word_embeddings=False,
+                         architectures=["Qwen3MoeForCausalLM"])
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(cfg).to(torch.bfloat16)
+    return linearize_experts(model, spec_for_config(cfg)).eval()
+
+
 def worker(args) -> None:
     from quantkit.arch import spec_for_config
     from quantkit.methods import get_quantizer
@@ -60,14 +87,15 @@ def worker(args) -> None:
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     rank, world = (dp.rank, dp.world) if dp else (0, 1)
     t_build = time.perf_counter()
-    model = synthetic_llama_8b(args.layers, args.tiny)
+    model = (synthetic_qwen3_moe if args.moe else synthetic_llama_8b)(args.layers, args.tiny)
     spec = spec_for_config(model.config)
     blocks = get_blocks(model, spec)
     original = [{k: v.clone() for k, v in b.state_dict().items()} for b in blocks]
     build_s = time.perf_counter() - t_build
     ids = torch.randint(0, model.config.vocab_size, (args.samples, args.seqlen),
                         generator=torch.Generator().manual_seed(0))
-    configs = [("gptq", "timed", args.batch), ("gptq", "exact", args.samples // 2)]
+    # exact: one batch per rank of the N-GPU run (the 1-GPU worker uses the same batches)
+    configs = [("gptq", "timed", args.batch), ("gptq", "exact", args.samples // args.gpus)]
     if args.awq:
         configs.append(("awq", "timed", args.batch))
     for method, tag, batch in configs:
@@ -93,7 +121,7 @@ def worker(args) -> None:
         solve = [0.0]
         inner = quantizer.quantize_block
 
-        def timed_solve(ctx, inner=inner, solve=solve):  # the method's own work (rank 0 only)
+        def timed_solve(ctx, inner=inner, solve=solve):  # the method's work (this rank's share)
             sync()
             t = time.perf_counter()
             out = inner(ctx)
@@ -102,11 +130,12 @@ def worker(args) -> None:
             return out
 
         quantizer.quantize_block = timed_solve
+        run_dp = dp.fresh() if dp else None  # this configuration's split only
         t0 = time.perf_counter()
         results = quantize_blocks(model, spec, quantizer, scheme, mine,
                                   device=device,
                                   compute_dtype=torch.bfloat16 if cuda else torch.float32,
-                                  on_progress=progress, dp=dp)
+                                  on_progress=progress, dp=run_dp)
         sync()
         dt = time.perf_counter() - t0
         per_block = [b - a for a, b in zip([t0] + marks[:-1], marks, strict=True)]
@@ -118,7 +147,12 @@ def worker(args) -> None:
                "peak_gpu_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else 0,
                "model_build_s": round(build_s, 1),
                "gpu": torch.cuda.get_device_name() if cuda else "cpu",
-               "torch": torch.__version__}
+               "torch": torch.__version__, "model": "qwen3-30b-a3b" if args.moe else "llama-3.1-8b",
+               "commit": _commit()}
+        if run_dp:
+            solves = dict(run_dp.describe().get("solves") or {})
+            solves.pop("linears_by_rank", None)
+            row["solves"] = solves
         if rank == 0:
             errs = [r.loss for r in results.values() if r.loss is not None]
             row["mean_rel_error"] = round(sum(errs) / max(len(errs), 1), 6)
@@ -131,6 +165,14 @@ def worker(args) -> None:
             torch.cuda.empty_cache()
     if dp:
         dp.close()
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, cwd=Path(__file__).resolve().parents[1]).stdout.strip()
+    except OSError:
+        return ""
 
 
 def compare(a_path: Path, b_path: Path) -> dict:
@@ -169,6 +211,7 @@ def main() -> None:
     p.add_argument("--device", default="cuda", help="cpu (gloo) for a smoke test")
     p.add_argument("--awq", action="store_true", help="also time AWQ (W4A16 g128 asym)")
     p.add_argument("--tiny", action="store_true", help="small widths: a CPU smoke test")
+    p.add_argument("--moe", action="store_true", help="Qwen3-30B-A3B shapes (128 experts)")
     p.add_argument("--threads", type=int, default=None,
                    help="OMP threads per rank (default: cores / gpus; torchrun would say 1)")
     p.add_argument("--out", default="benchmarks/results/gptq_multigpu_h200x2.json")
@@ -180,10 +223,11 @@ def main() -> None:
     env = {**os.environ, **SAFE_ENV, "PYTHONUNBUFFERED": "1"}
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         env.pop(k, None)
-    common = ["--worker", "--layers", str(args.layers), "--samples", str(args.samples),
+    common = ["--worker", "--gpus", str(args.gpus), "--layers", str(args.layers), "--samples", str(args.samples),
               "--seqlen", str(args.seqlen), "--batch", str(args.batch),
               "--save-dir", args.save_dir, "--device", args.device] + (
-                  ["--tiny"] if args.tiny else []) + (["--awq"] if args.awq else [])
+                  ["--tiny"] if args.tiny else []) + (["--awq"] if args.awq else []) + (
+                  ["--moe"] if args.moe else [])
     me = str(Path(__file__).resolve())
     threads = args.threads or max((os.cpu_count() or 2) // args.gpus, 1)
     runs = {"1gpu": [sys.executable, me, *common],
@@ -213,6 +257,9 @@ def main() -> None:
              "speedup": round(one[0]["seconds"] / r0["seconds"], 3),
              "method_solve_s_1gpu": one[0]["method_solve_s"],
              f"method_solve_s_{multi}": r0["method_solve_s"],
+             f"method_solve_s_{multi}_per_rank": [r["method_solve_s"] for r in
+                                                  sorted(many, key=lambda r: r["rank"])],
+             "solves": r0.get("solves"),
              "s_per_block_after_first_1gpu": round(
                  sum(one[0]["seconds_per_block"][1:]) / max(args.layers - 1, 1), 3),
              f"s_per_block_after_first_{multi}": round(
@@ -226,7 +273,8 @@ def main() -> None:
             s["artifact_match"] = compare(a, b)
         summary[tag] = s
     record = {"setup": {k: v for k, v in vars(args).items() if k != "worker"},
-              "what": "quantkit GPTQ W4A16 g128 sym (AWQ: asym), synthetic Llama-3.1-8B-shaped blocks; "
+              "what": "quantkit GPTQ W4A16 g128 sym (AWQ: asym), synthetic "
+                      + ("Qwen3-30B-A3B" if args.moe else "Llama-3.1-8B") + "-shaped blocks; "
                       "quantize_blocks only (calibration capture + all blocks), not model "
                       "build or artifact writing",
               "process_wall_s": wall, "summary": summary, "rows": rows}

@@ -264,12 +264,15 @@ def quantize(resume, no_memory_check, reproducible, quantize_vision, quantize_mt
 @main.command("plan")
 @_method_options
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
-def plan_cmd(as_json, **kw) -> None:
+@click.option("--gpus", type=int, default=1, show_default=True,
+              help="Plan a data-parallel run over this many GPUs (torchrun --nproc-per-node N): "
+                   "the peaks are per GPU (one rank's process), the time the whole run's.")
+def plan_cmd(as_json, gpus, **kw) -> None:
     """Expected peak RAM / GPU memory, artifact size and time of `quantize`, before any work."""
     from quantkit.machine import available_memory
     from quantkit.pipeline.quantize import plan
 
-    p, info = plan(_request())
+    p, info = plan(_request(), gpus=gpus)
     avail, why = available_memory()
     record = {**info, **p.to_dict(), "available_ram_bytes": avail, "available_ram_source": why}
     if as_json:
@@ -290,7 +293,11 @@ def plan_cmd(as_json, **kw) -> None:
                 "when the peak above does not fit the free GPU memory)"),)
               if p.peak_gpu_offloaded_bytes else ()),
             ("artifact on disk", f"{p.disk_bytes / gib:.2f} GiB"),
-            ("time (rough)", f"{p.seconds / 60:.1f} min on {info['device']}")]
+            *((("ranks", f"{p.gpus} processes, one GPU each: the peaks above are per rank"),
+               ("  solves", f"{p.solve_seconds / 60:.1f} min, "
+                + ("spread over the ranks" if p.solves_spread else "on rank 0"))) if p.gpus > 1 else ()),
+            ("time (rough)", f"{p.seconds / 60:.1f} min on "
+             + (f"{p.gpus} x {info['device']}" if p.gpus > 1 else info["device"]))]
     for k, v in rows:
         _add_row(table, k, v)
     out.print(table)

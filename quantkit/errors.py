@@ -13,6 +13,7 @@ __all__ = [
     "BadWeights",
     "EngineError",
     "NotEnoughMemory",
+    "RankFailed",
 ]
 
 
@@ -62,3 +63,8 @@ class EngineError(QuantkitError):
 
 class NotEnoughMemory(QuantkitError):
     """The planned peak memory of a run exceeds what this machine or process may use."""
+
+
+class RankFailed(QuantkitError):
+    """One rank of a data-parallel run failed; every rank raises this, naming it, and nothing
+    is written (quantkit.pipeline.distributed)."""

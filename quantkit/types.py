@@ -195,8 +195,9 @@ class Quantizer:
     true_sequential: bool = False
     # samples per calibration forward: larger batches are fewer, bigger ops (faster on a CPU)
     calib_batch_size: int = 1
-    # torchrun runs: False (refused), True (summed statistics, solved on rank 0) or "block"
-    # (each block's search runs on rank 0 over every rank's inputs)
+    # torchrun runs: False (refused), True (summed statistics; the solves spread over the
+    # ranks when solve_units names them, else on rank 0) or "block" (each block's search
+    # runs on rank 0 over every rank's inputs)
     data_parallel: bool | str = False
     # per-expert statistics, and a fallback for an expert the router fed no calibration token
     moe_calibrated: bool = False
@@ -237,6 +238,16 @@ class Quantizer:
 
     def quantize_block(self, ctx: BlockContext) -> dict[str, QuantResult]:
         raise NotImplementedError
+
+    def solve_units(self, ctx: BlockContext) -> list[tuple[list[str], int]] | None:
+        """The independent solves of `quantize_block(ctx)`, for data-parallel runs that spread
+        them over the ranks (quantkit.pipeline.distributed): (names of the Linears solved
+        together, relative cost as an integer), every Linear of ctx in exactly one unit.
+        The promise: quantize_block on a copy of ctx whose `linears` hold any union of whole
+        units returns exactly those Linears' results, the same as on the whole ctx, and
+        changes nothing else (no other tensor of the block, no state across calls).
+        None (the default): the group is one piece, solved on rank 0."""
+        return None
 
     def quantize_rest(self, model: torch.nn.Module, spec: Any) -> dict[str, QuantResult]:
         """Tensors outside the blocks, after them (read only with quantizes_outside_blocks)."""

@@ -40,7 +40,7 @@ from quantkit.types import BlockContext, Quantizer, QuantResult, QuantScheme, in
 
 __all__ = ["GPTQQuantizer", "GPTQOutput", "gptq_quantize", "inverse_hessian_factor",
            "ColumnGrid", "IntColumnGrid", "gptq_column_loop", "prepare_hessian",
-           "shared_input_sets", "one_cpu_thread", "DEFAULT_DAMP", "DEFAULT_BLOCK_SIZE",
+           "shared_input_sets", "solve_cost", "one_cpu_thread", "DEFAULT_DAMP", "DEFAULT_BLOCK_SIZE",
            "V_HESSIANS", "check_v_hessian"]
 
 # v_proj's Hessian: "tokens" (X^T X, every token alike) or "attention" (the error its output
@@ -411,6 +411,18 @@ class GPTQQuantizer(Quantizer):
             results.update(self._quantize_set(ctx, names, prefix))
         return results
 
+    def solve_units(self, ctx: BlockContext) -> list[tuple[list[str], int]]:
+        """One unit per shared-input set (solved as one stacked weight) and per uncalibrated
+        expert (its RTN fallback); cost: the inverse Hessian factor (~K^3) plus the column
+        loop's updates (~K^2 per output row)."""
+        calibrated = [n for n in ctx.linears
+                      if (ctx.stats.get(n) or {}).get("tokens") and "hessian" in ctx.stats[n]]
+        units = [([n], ctx.linears[n].weight.numel()) for n in ctx.linears if n not in calibrated]
+        for names in shared_input_sets(ctx, calibrated):
+            units.append((names, solve_cost(ctx.linears[names[0]].in_features,
+                                            sum(ctx.linears[n].out_features for n in names))))
+        return units
+
     def _quantize_set(self, ctx: BlockContext, names: list[str], prefix: str) -> dict[str, QuantResult]:
         """Quantize Linears that share one Hessian as one stacked weight."""
         t0 = time.perf_counter()
@@ -441,6 +453,14 @@ class GPTQQuantizer(Quantizer):
             res.seconds = seconds * nrow / sum(rows)  # share of the stacked call, by rows
             results[lname] = res
         return results
+
+
+def solve_cost(in_features: int, rows: int) -> int:
+    """Relative cost of one GPTQ solve of `rows` output rows sharing one K x K Hessian: the
+    inverse Hessian factor (two Choleskys, ~K^3) and the column loop's updates (K^2 per row).
+    What data-parallel runs balance their ranks by (and `quantkit plan --gpus` predicts)."""
+    k = int(in_features)
+    return k**3 + k * k * int(rows)
 
 
 def shared_input_sets(ctx: BlockContext, names: list[str]) -> list[list[str]]:

@@ -16,11 +16,14 @@ class RTNQuantizer(Quantizer):
     stats: tuple[str, ...] = ()
     propagate_quantized = False  # RTN reads no activations, so nothing needs propagating
     needs_calibration = False
-    data_parallel = True  # nothing to split: rank 0 rounds, the others receive the weights
+    data_parallel = True  # each rank rounds a share of the Linears (solve_units)
 
     def check(self, scheme: QuantScheme) -> None:
         check_int_scheme(scheme)
         check_no_act_order(scheme, self.name)
+
+    def solve_units(self, ctx: BlockContext) -> list[tuple[list[str], int]]:
+        return [([n], m.weight.numel()) for n, m in ctx.linears.items()]
 
     def quantize_block(self, ctx: BlockContext) -> dict[str, QuantResult]:
         results = {}

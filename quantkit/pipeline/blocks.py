@@ -125,8 +125,10 @@ def quantize_blocks(
     holds earlier blocks of the same request, the loop starts after them; the results then
     come back as a mapping that reads them from the checkpoint on access.
     `dp` (quantkit.pipeline.distributed.DataParallel) makes this one rank of a data-parallel
-    run: `batches` are this rank's share, statistics are summed onto rank 0, which alone runs
-    the method; its weights are broadcast, and only rank 0 returns results.
+    run: `batches` are this rank's share, statistics are summed on every rank; each rank
+    solves its share of a group's Linears when the method names independent solves
+    (Quantizer.solve_units), else rank 0 alone runs the method and broadcasts its weights;
+    only rank 0 returns results.
     `staged` runs a true-sequential method's groups in ONE block forward
     (quantkit.pipeline.staged) instead of replaying the block for each group; the results are
     the same, bit for bit. Default: on the CPU only, where the forwards dominate (SmolLM2
@@ -238,20 +240,22 @@ def _run_blocks(blocks, start: int, total: int, spec: ArchSpec, quantizer: Quant
             outputs_fp, first_stats = None, None
             attn_v = [attention_v_name(quantizer, spec, g) for g in block_groups]
             if inputs is not None and not quantizer.propagate_quantized:
-                if len(block_groups) == 1 and quantizer.stats and not attn_v[0]:  # one forward for both
-                    outputs_fp, first_stats = _outputs_and_stats(
-                        block, _linears(block, block_groups[0]), quantizer.stats, inputs)
-                else:
-                    outputs_fp = run_block(block, inputs)
+                with _step(dp, f"running {prefix.rstrip('.')}"):
+                    if len(block_groups) == 1 and quantizer.stats and not attn_v[0]:  # one forward for both
+                        outputs_fp, first_stats = _outputs_and_stats(
+                            block, _linears(block, block_groups[0]), quantizer.stats, inputs)
+                    else:
+                        outputs_fp = run_block(block, inputs)
             run = scope.enter_context(StagedForward(block, block_groups, inputs)) if one_pass else None
             for gi, group in enumerate(block_groups):
                 linears = _linears(block, group)
                 if gi == 0 and first_stats is not None:
                     stats = first_stats
                 else:
-                    stats = _group_stats(block, linears, quantizer.stats, inputs,
-                                         run.advance(gi) if one_pass else None,
-                                         attn_v[gi], spec.attention)
+                    with _step(dp, f"gathering the statistics of {prefix}{'/'.join(group)}"):
+                        stats = _group_stats(block, linears, quantizer.stats, inputs,
+                                             run.advance(gi) if one_pass else None,
+                                             attn_v[gi], spec.attention)
                 if dp is not None and stats:
                     dp.reduce_stats(stats, linears, quantizer.stats, device)
                 if experts and stats and (dp is None or dp.is_main):
@@ -274,22 +278,37 @@ def _run_blocks(blocks, start: int, total: int, spec: ArchSpec, quantizer: Quant
                     replay=BlockReplay(block, rerun, spec,
                                        inputs.hidden if inputs is not None else []),
                 )
-                if dp is None or dp.is_main:
-                    for name, res in quantizer.quantize_block(ctx).items():
-                        _set_weight(linears[name], res, quantizer.propagate_quantized)
-                        res.name = prefix + name
-                        if name in stats:
-                            res.calib_tokens = int(stats[name]["tokens"])
-                        results[prefix + name] = res  # still on the device: fetched once per block
-                if dp is not None and quantizer.data_parallel == "block":
+                # data-parallel: the solves spread over the ranks where the method names
+                # independent ones (every rank then holds every result), else on rank 0
+                units = quantizer.solve_units(ctx) \
+                    if dp is not None and quantizer.data_parallel is True else None
+                if units is not None:
+                    solved = dp.solve_spread(quantizer.quantize_block, ctx, units, prefix)
+                elif dp is None:
+                    solved = quantizer.quantize_block(ctx)
+                else:
+                    dp.rank0_groups += 1
+                    with dp.step(f"solving {prefix}{'/'.join(group)} on rank 0"):
+                        solved = quantizer.quantize_block(ctx) if dp.is_main else {}
+                for name, res in solved.items():
+                    _set_weight(linears[name], res, quantizer.propagate_quantized)
+                    if dp is not None and not dp.is_main:
+                        continue
+                    res.name = prefix + name
+                    if name in stats:
+                        res.calib_tokens = int(stats[name]["tokens"])
+                    results[prefix + name] = res  # still on the device: fetched once per block
+                solved = None
+                if units is None and dp is not None and quantizer.data_parallel == "block":
                     dp.broadcast_module(block)  # the method also changed other tensors (AWQ norms)
-                elif dp is not None:
+                elif units is None and dp is not None:
                     dp.broadcast_linears(linears)
             if inputs is not None:
-                if one_pass:
-                    outs = run.finish()
-                else:
-                    outs = outputs_fp if outputs_fp is not None else run_block(block, inputs)
+                with _step(dp, f"running {prefix.rstrip('.')} on its quantized weights"):
+                    if one_pass:
+                        outs = run.finish()
+                    else:
+                        outs = outputs_fp if outputs_fp is not None else run_block(block, inputs)
                 inputs = inputs.with_hidden(outs, i + 1)
         if kv_absmax is not None and block_inputs is not None:
             kv_absmax[prefix + spec.attention] = observe_kv(block, spec.attention, block_inputs)
@@ -308,6 +327,11 @@ def _run_blocks(blocks, start: int, total: int, spec: ArchSpec, quantizer: Quant
         ctx = rerun = block_inputs = None
         if on_progress:
             on_progress(f"quantizing blocks ({quantizer.name})", i + 1, total)
+
+
+def _step(dp, what: str) -> contextlib.AbstractContextManager:
+    """A data-parallel step all ranks agree finished (DataParallel.step); one process: nothing."""
+    return dp.step(what) if dp is not None else contextlib.nullcontext()
 
 
 def _outputs_and_stats(block, linears, stats: tuple[str, ...], inputs) -> tuple[list, dict]:

@@ -15,6 +15,14 @@ the hidden states offloaded (quantkit.pipeline.offload) only three batches of th
 (the one computing, the next one arriving, the last output leaving) and the batch is at most
 OFFLOAD_BATCH samples. quantize() offloads when `peak_gpu_bytes` does not fit the free GPU
 memory (`offload_activations`).
+With `gpus` N > 1 (`quantkit plan --gpus N`: a torchrun data-parallel run,
+quantkit.pipeline.distributed) the peaks are one rank's (one process, one GPU): its share of
+the calibration batches, every statistic of a group (all-reduced), the rank-order sum's
+gather buffers and one group's gathered results. The time: the forwards shrink with the
+share; the solves, when the method spreads them, take per sequential group its most loaded
+rank's share (the very assignment the run makes), else stay on rank 0 (and so do the passes
+of a rank-0 search beyond the statistics' forward: AWQ's); every rank reads
+every block's weights; plus the statistics' and results' transfers at a rough link speed.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from quantkit.arch import ArchSpec
 from quantkit.errors import NotEnoughMemory
 from quantkit.machine import available_memory
 from quantkit.methods import method_record
+from quantkit.pipeline.distributed import GATHER_CHUNK_BYTES, assign
 from quantkit.types import PlanFacts, QuantScheme
 
 __all__ = ["MemoryPlan", "estimate", "check_memory", "BASELINE_BYTES",
@@ -50,6 +59,9 @@ _DENSE_FLOPS = {"cpu": 2e11, "cuda": 5e13}
 # CPU RTN run of a 0.5 B weight model)
 _PER_WEIGHT_S = {"cpu": 5.5e-8, "cuda": 5e-9}
 _BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
+# bytes/s a rank receives in the collectives (statistics, results): NVLink-class GPUs, gloo
+# over loopback; assumed, not measured here (no multi-GPU machine yet)
+_LINK_BYTES_S = {"cpu": 2e9, "cuda": 1e11}
 
 
 @dataclass
@@ -64,6 +76,10 @@ class MemoryPlan:
     total_params: int
     streaming: bool = True
     peak_gpu_offloaded_bytes: int | None = None  # hidden states in host memory (see module doc)
+    gpus: int = 1  # data-parallel ranks: the peaks are per rank (one process, one GPU)
+    # data-parallel: the solves' share of the time, and whether they are spread over the ranks
+    solve_seconds: float | None = None
+    solves_spread: bool | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -163,7 +179,8 @@ def estimate(config, spec: ArchSpec, *, method: str, scheme: QuantScheme, calib_
              resume: bool = True, true_sequential: bool = True,
              hessians: bool | None = None, moe_all_experts: bool = False,
              compute_dtype: torch.dtype | None = None,
-             expert_input_bytes: int | None = None, attention_v: bool = False) -> MemoryPlan:
+             expert_input_bytes: int | None = None, attention_v: bool = False,
+             gpus: int = 1, spread_solves: bool = True) -> MemoryPlan:
     """Expected peaks for `quantize` with these settings (see the module docstring).
 
     `hessians`: the method gathers GPTQ Hessians and solves with them (default: method gptq;
@@ -185,8 +202,17 @@ def estimate(config, spec: ArchSpec, *, method: str, scheme: QuantScheme, calib_
     forward per batch (quantkit.pipeline.attention_v): its float32 attention weights (whole
     sequences, up to WEIGHTS_BUDGET unless one sequence is larger) and the A_h X products of
     the sampled query rows beside the statistics; its flops in the time.
+
+    `gpus` (> 1): one rank of a data-parallel run over that many (see the module docstring);
+    `spread_solves`: the method spreads its solves over the ranks (Quantizer.solve_units).
     """
     record = method_record(method)
+    gpus = max(1, int(gpus))
+    all_tokens = calib_samples * calib_seqlen if calibrated else 0
+    if gpus > 1 and calibrated:  # the largest rank's share: whole batches (DataParallel.shard)
+        per_batch = max(1, min(calib_batch, calib_samples))
+        n_batches = -(-calib_samples // per_batch)
+        calib_samples = min(calib_samples, -(-n_batches // gpus) * per_batch)
     per_block, linears, outside, largest = _param_counts(config, spec)
     # a vision-language config holds the language model's widths in its text config
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -264,6 +290,18 @@ def estimate(config, spec: ArchSpec, *, method: str, scheme: QuantScheme, calib_
             stats += 0 if true_sequential else others
     elif record.plan_stats is not None:  # the method's own statistics (AWQ's search inputs)
         stats = record.plan_stats(facts)
+    n_exp = spec.experts.count(config) if spec.experts else 0
+    units = [_plan_units(spec, lin, n_exp, true_sequential) for lin in linears] \
+        if gpus > 1 and solves else []
+    if gpus > 1:
+        # the rank-order sum of a statistic: every rank's copy of one chunk + the running sum
+        widest_one = max((k * k * 4 for lin in linears for _, k in lin.values()), default=0) \
+            if solves else 0
+        stats += min(GATHER_CHUNK_BYTES, gpus * widest_one) + \
+            min(GATHER_CHUNK_BYTES // gpus, widest_one)
+        # one group's results arriving as one buffer (at most the whole block's: codes + scales)
+        stats += max((sum(n * k + 8 * n * scheme.groups(k) for n, k in lin.values())
+                      for lin in linears), default=0)
     if attention_v and solves and calibrated:  # counted beside the Hessians and the solve
         stats += _attention_v_bytes(min(calib_batch, calib_samples), calib_seqlen, hidden, heads)
     # uint8 codes + fp32 scale + int32 zero; with checkpoints (resume) finished blocks' results
@@ -320,12 +358,25 @@ def estimate(config, spec: ArchSpec, *, method: str, scheme: QuantScheme, calib_
 
     gptq_passes = (3.5 if cuda else 1) if true_sequential else 2
     passes = gptq_passes if solves else record.plan_passes
-    flops = 2 * quantized * tokens * passes
+    flops = 2 * quantized * tokens * passes  # data-parallel: this rank's share of the tokens
+    if gpus > 1 and not spread_solves and passes > 1:  # the statistics' pass splits; rank 0's
+        flops += 2 * quantized * (all_tokens - tokens) * (passes - 1)  # search (AWQ) does not
+    solve_flops = 0.0
     if solves:
-        flops += sum(n * k * k * 2 + k**3 for lin in linears for n, k in lin.values())
+        solve_flops = sum(n * k * k * 2 + k**3 for lin in linears for n, k in lin.values())
+        if gpus > 1 and spread_solves:  # per group, its most loaded rank's share
+            solve_flops *= _spread_share(units, gpus)
+        flops += solve_flops
     dev = "cuda" if cuda else "cpu"
-    io = (total_params * sb) / 1.5e9  # reading the shards
+    io = (total_params * sb) / 1.5e9  # reading the shards (every rank reads every block)
     seconds = flops / _FLOPS[dev] + quantized * _PER_WEIGHT_S[dev] + io + 5.0
+    if gpus > 1:  # what one rank receives: the others' statistics and the solved weights
+        stat_bytes = sum(c[1] for blk in units for group in blk for c in group)
+        if spread_solves:  # codes + scale + zero of the Linears the other ranks solved
+            moved = (quantized + scales * 8) * (gpus - 1) / gpus
+        else:  # rank 0's weights in the compute dtype
+            moved = quantized * load_bytes
+        seconds += ((gpus - 1) * stat_bytes + moved) / _LINK_BYTES_S[dev]
     if attention_v and solves and calibrated:
         seconds += _attention_v_flops(calib_samples, calib_seqlen, hidden, heads, head_dim,
                                       kv_heads) * len(linears) / _DENSE_FLOPS[dev]
@@ -333,7 +384,44 @@ def estimate(config, spec: ArchSpec, *, method: str, scheme: QuantScheme, calib_
                       peak_gpu_offloaded_bytes=int(gpu_offloaded) if cuda and calibrated else None,
                       disk_bytes=int(disk), seconds=round(seconds, 1), phase_bytes=phases,
                       model_bytes=int(total_params * sb), block_params=int(block_params),
-                      total_params=int(total_params), streaming=streaming)
+                      total_params=int(total_params), streaming=streaming, gpus=gpus,
+                      solve_seconds=round(solve_flops / _FLOPS[dev], 6),
+                      solves_spread=bool(spread_solves and solves) if gpus > 1 else None)
+
+
+def _plan_units(spec: ArchSpec, lin: dict[str, tuple[int, int]], n_exp: int,
+                true_sequential: bool) -> list[list[tuple[int, int]]]:
+    """One block's solves as a data-parallel run assigns them: per group the run balances
+    (a sequential group, or the whole block without true-sequential order), (cost, Hessian
+    bytes) of each solve -- the Linears of a sequential group under one parent module share
+    their input and are solved together (q/k/v, gate/up, one expert's gate/up)."""
+    from quantkit.methods.gptq import solve_cost
+
+    groups = []
+    for seq in spec.groups_for(n_exp):
+        by_input: dict[str, list[str]] = {}
+        for n in seq:
+            if n in lin:
+                by_input.setdefault(n.rsplit(".", 1)[0], []).append(n)
+        groups.append([(solve_cost(lin[names[0]][1], sum(lin[m][0] for m in names)),
+                        lin[names[0]][1] ** 2 * 4) for names in by_input.values()])
+    groups = [g for g in groups if g]
+    return groups if true_sequential else [[u for g in groups for u in g]]
+
+
+def _spread_share(units: list, gpus: int) -> float:
+    """The solves' time over N ranks as a fraction of one rank's: per group, the cost of its
+    most loaded rank under the run's own assignment (distributed.assign)."""
+    total = longest = 0
+    for blk in units:
+        for group in blk:
+            costs = [c for c, _ in group]
+            loads = [0] * gpus
+            for c, r in zip(costs, assign(costs, gpus), strict=True):
+                loads[r] += c
+            total += sum(costs)
+            longest += max(loads)
+    return longest / total if total else 1.0
 
 
 def offload_activations(plan: MemoryPlan, free_gpu_bytes: int) -> bool:

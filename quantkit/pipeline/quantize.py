@@ -232,9 +232,11 @@ def check_group_size(scheme: QuantScheme, shapes: dict[str, tuple[int, int]]) ->
 
 
 def plan_request(req: QuantizeRequest, config, spec: ArchSpec, quantizer,
-                 raw_config: dict) -> MemoryPlan:
-    """The memory / disk / time plan of `req` (quantkit plan; quantize's early memory check)."""
+                 raw_config: dict, gpus: int = 1) -> MemoryPlan:
+    """The memory / disk / time plan of `req` (quantkit plan; quantize's early memory check);
+    `gpus` > 1: one rank of a data-parallel run over that many."""
     return estimate(config, spec, method=req.method, scheme=req.scheme,
+                    gpus=gpus, spread_solves=quantizer.data_parallel is True,
                     calib_samples=req.calib_samples, calib_seqlen=req.calib_seqlen,
                     calibrated=quantizer.needs_calibration or bool(req.kv_cache),
                     device=_device(req.device),
@@ -252,11 +254,18 @@ def plan_request(req: QuantizeRequest, config, spec: ArchSpec, quantizer,
                     attention_v=wants_attention_v(quantizer) and spec.attention_v)
 
 
-def plan(req: QuantizeRequest) -> tuple[MemoryPlan, dict]:
-    """Cheap checks as in quantize(), then the plan; no weights or calibration are read."""
+def plan(req: QuantizeRequest, gpus: int = 1) -> tuple[MemoryPlan, dict]:
+    """Cheap checks as in quantize(), then the plan; no weights or calibration are read.
+    `gpus` > 1: a torchrun data-parallel run over that many GPUs (per-rank peaks)."""
+    from quantkit.pipeline.distributed import DataParallel
+
     req = resolve_symmetric(req)
     quantizer = get_quantizer(req.method, **req.method_options)
     quantizer.check(req.scheme)
+    if gpus < 1:
+        raise SchemeMismatch(f"--gpus must be at least 1, got {gpus}.")
+    if gpus > 1:  # the refusal a torchrun run would give, now
+        DataParallel(rank=0, world=gpus, local_rank=0, backend="nccl").check_method(quantizer)
     source = resolve_model(req.model, allow_pickle=req.allow_pickle)
     raw_config = read_config_json(source.path)
     spec = spec_for_config(raw_config)
@@ -272,8 +281,9 @@ def plan(req: QuantizeRequest) -> tuple[MemoryPlan, dict]:
             "calib_seqlen": req.calib_seqlen if calibrated else 0,
             **({"rounding": quantizer.rounding} if quantizer.rounding is not None else {}),
             **({"kv_cache": req.kv_cache} if req.kv_cache else {}),
-            **({"group_size_choice": group_note} if group_note else {})}
-    return plan_request(req, config, spec, quantizer, raw_config), info
+            **({"group_size_choice": group_note} if group_note else {}),
+            **({"gpus": gpus} if gpus > 1 else {})}
+    return plan_request(req, config, spec, quantizer, raw_config, gpus), info
 
 
 def _device(requested: str | None) -> str:
