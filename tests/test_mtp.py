@@ -25,7 +25,7 @@ import transformers
 from discovered_families import quantize_to, tensor_names
 from safetensors import safe_open
 from safetensors.torch import save_file
-from tiny_models import smollm_dir
+from tiny_models import MOE_DEFAULTS, smollm_dir
 
 from quantkit.errors import SchemeMismatch
 from quantkit.pipeline.quantize import QuantizeRequest, quantize
@@ -42,7 +42,18 @@ FAMILIES = {
     "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM",
                 dict(intermediate_size=512, head_dim=64, num_hidden_layers=4,
                      mtp_num_hidden_layers=1), 3),
+    # DeepSeek-V3's MTP block is stored as GLM's (model.layers.{N}.eh_proj / enorm / hnorm /
+    # shared_head / embed_tokens beside a MoE block's tensors)
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
+                    dict(intermediate_size=512, num_hidden_layers=2, num_nextn_predict_layers=1,
+                         num_key_value_heads=4,  # MLA: as many KV heads as query heads
+                         **MOE_DEFAULTS["deepseek_v3"]), 1),
 }
+# what the real checkpoints' config.json carry beyond transformers' config class (DeepSeek-V3:
+# vLLM routes by scoring_func / topk_method, which DeepseekV3Config does not keep)
+_CHECKPOINT_KEYS = {"deepseek_v3": {"scoring_func": "sigmoid", "topk_method": "noaux_tc"}}
+# families whose MTP block is one more `model.layers.{N}` (not a separate `mtp.*` tree)
+_LAYER_STYLE = ("glm4_moe", "deepseek_v3")
 I4 = QuantScheme(bits=4, group_size=64)
 
 
@@ -58,7 +69,7 @@ def _mtp_tensors(family: str, trunk: dict[str, torch.Tensor], n_layer: int, like
         return (1 + torch.randn(hidden, generator=g) * 0.05).to(torch.bfloat16)
 
     src = f"model.layers.{like}."
-    if family == "glm4_moe":
+    if family in _LAYER_STYLE:
         dst = f"model.layers.{n_layer}."
         extra = {"eh_proj.weight": rand(hidden, 2 * hidden), "enorm.weight": norm(),
                  "hnorm.weight": norm(), "shared_head.norm.weight": norm(),
@@ -96,6 +107,7 @@ def _make(root: Path, family: str, **settings) -> tuple[Path, Path]:
     for key in ("num_nextn_predict_layers", "mtp_num_hidden_layers"):
         if key in kwargs:
             cfg[key] = kwargs[key]
+    cfg.update(_CHECKPOINT_KEYS.get(family, {}))
     (src / "config.json").write_text(json.dumps(cfg, indent=2))
     with safe_open(src / "model.safetensors", "pt") as f:
         trunk = {k: f.get_tensor(k) for k in f.keys()}
@@ -206,7 +218,7 @@ def test_quantize_mtp_packs_the_mtp_linears(family, method, mtp_models, tmp_path
     expected = {m for m in _linear_modules(mtp)
                 if not re.search(r"(eh_proj|\.fc|shared_head\.head|mlp\.gate)$", m)}
     assert quantized == expected, sorted(quantized ^ expected)[:5]
-    if family == "glm4_moe":
+    if family in _LAYER_STYLE:
         assert "model.layers.2.mlp.experts.3.down_proj" in quantized
     keys = [m + s for m in quantized for s in (".weight_packed", ".weight_scale", ".weight_shape")]
     got = _artifact_tensors(out, set(keys) | set(mtp))
@@ -260,7 +272,7 @@ def _vllm_mtp(artifact: Path, tmp_path: Path) -> tuple[dict, str]:
 @pytest.mark.engine
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_vllm_mtp_loader_reads_them(family, mtp_models, tmp_path):
-    """vLLM 0.32's MTP model (Glm4MoeMTP / Qwen3_5MTP, chosen by its speculative config
+    """vLLM 0.32's MTP model (Glm4MoeMTP / DeepSeekMTP / Qwen3_5MTP, chosen by its speculative config
     "mtp") loads the int4 artifact's MTP layers: its loader is given every MTP tensor, its
     load_weights fills every parameter of the drafter with the stored values, and the dense
     MTP Linears (ignore list) are built without a quantization method. vLLM's qwen3_5.py
@@ -279,7 +291,7 @@ def test_vllm_mtp_loader_reads_them(family, mtp_models, tmp_path):
         return
     engine_check(f"vllm mtp {family}", real=True)
     assert "error" not in got, got.get("trace", "")[-3000:]
-    assert got["architecture"] == {"glm4_moe": "Glm4MoeMTPModel",
+    assert got["architecture"] == {"glm4_moe": "Glm4MoeMTPModel", "deepseek_v3": "DeepSeekMTPModel",
                                    "qwen3_5": "Qwen3_5MTP"}[family]
     assert set(mtp) <= set(got["given"])
     assert got["loaded"] is not None and set(got["params"]) <= set(got["loaded"]), \
@@ -287,9 +299,8 @@ def test_vllm_mtp_loader_reads_them(family, mtp_models, tmp_path):
     # no packed parameter anywhere in the drafter: every Linear is the dense one stored
     assert not [p for p in got["params"] if p.endswith(("weight_packed", "weight_scale"))]
     # and the values are the stored ones (the MTP input projection and its norms)
-    fc = {"glm4_moe": "model.layers.2.eh_proj.weight", "qwen3_5": "mtp.fc.weight"}[family]
-    norm = {"glm4_moe": "model.layers.2.enorm.weight",
-            "qwen3_5": "mtp.pre_fc_norm_embedding.weight"}[family]
+    fc, norm = (("model.layers.2.eh_proj.weight", "model.layers.2.enorm.weight")
+                if family in _LAYER_STYLE else ("mtp.fc.weight", "mtp.pre_fc_norm_embedding.weight"))
     for name in (fc, norm):
         param = name.replace("mtp.", "model.", 1)
         assert got["sums"][param] == pytest.approx(mtp[name].float().sum().item(), rel=1e-3,
