@@ -9,7 +9,7 @@ import math
 
 import pytest
 import transformers
-from discovered_families import FAMILIES, discovered  # noqa: F401 - the session fixture
+from discovered_families import FAMILIES
 from safetensors import safe_open
 
 from quantkit.arch import spec_for_config
@@ -18,7 +18,7 @@ from quantkit.types import QuantScheme
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_plan_artifact_size_matches_the_gptq_artifact(family, discovered):  # noqa: F811
+def test_plan_artifact_size_matches_the_gptq_artifact(family, discovered):
     src = discovered.model(family)
     config = transformers.AutoConfig.from_pretrained(src)
     plan = estimate(config, spec_for_config(config), method="gptq",
