@@ -3,8 +3,11 @@
 Quantizes good artifacts (SmolLM2 RTN int4 in vLLM; on a tiny Llama: RTN / GPTQ / AWQ int4
 compressed-tensors, GPTQ act-order, per-channel, int8 weight-only, GPTQ v1, AutoAWQ
 GEMM, NVFP4 and MXFP4 in vLLM where it runs them on this CPU; int8 W8A8 and FP8 dynamic
-(fidelity only); GGUF Q8_0, Q6_K-bearing Q4_K_M, Q5_K_M, Q4_0, Q3_K_M, Q2_K and IQ4_XS in
-llama.cpp; RTN / GPTQ int4 as MLX checkpoints in mlx-lm), runs
+(fidelity only); the tests' tiny Qwen3-MoE (RTN / GPTQ int4, FP8 128-blocks) and the hybrid
+Qwen3-Next (Gated DeltaNet + MoE), RTN / GPTQ int4, in
+vLLM where it runs their experts (int4 fused-MoE CPU kernel: AMX); GGUF Q8_0, Q6_K-bearing
+Q4_K_M, Q5_K_M, Q4_0, Q3_K_M, Q2_K, IQ4_XS, IQ2_XXS, IQ2_XS, IQ2_S / IQ2_M, IQ3_XXS, IQ3_S,
+Q5_0 and Q4_1 in llama.cpp; RTN / GPTQ int4 as MLX checkpoints in mlx-lm), runs
 verify on each with the bounds disabled, and writes
   benchmarks/results/verify_tolerances.json   every measurement + the tolerances
   quantkit/verify/tolerances.json             the tolerances verify applies
@@ -44,6 +47,28 @@ def _artifacts(work: Path, only: list[str]) -> list[tuple[str, Path, str, bool]]
     """(label, path, engine, run the engine); `only`: just these labels (all when empty)."""
     tiny = make_tiny_model(work / "tiny", "llama") if not (work / "tiny").exists() else work / "tiny"
     g = QuantScheme(bits=4, group_size=64)
+
+    def tiny_moe() -> Path:  # the tests' tiny Qwen3-MoE (hidden 256, 8 experts of 256, top-2)
+        path = work / "tiny-moe"
+        return path if path.exists() else make_tiny_model(path, "qwen3_moe")
+
+    def family(name: str) -> Path:  # a hybrid family's tiny model, as tests/ builds it
+        from discovered_families import FAMILIES, make_model
+
+        f, path = FAMILIES[name], work / name
+        return path if path.exists() else make_model(path, f.config_cls, f.model_cls,
+                                                     f.settings, f.tied)
+    calib = dict(calib_samples=8, calib_seqlen=64)
+    imatrix = dict(calib="mixed", **calib)  # the IQ types' importance matrix, collected
+    moe_plans = [  # models built only when their rows are asked for
+        ("tiny moe rtn int4 g64", tiny_moe, dict(method="rtn", scheme=g)),
+        ("tiny moe gptq int4 g64", tiny_moe, dict(method="gptq", scheme=g, **calib)),
+        ("tiny moe fp8 block", tiny_moe, dict(method="fp8", scheme=fp8_scheme("block"),
+                                              method_options={"scheme": "block"})),
+        ("qwen3_next rtn int4 g64", lambda: family("qwen3_next"), dict(method="rtn", scheme=g)),
+        ("qwen3_next gptq int4 g64", lambda: family("qwen3_next"),
+         dict(method="gptq", scheme=g, calib="mixed", **calib)),
+    ]
     plans = [
         ("smollm2 rtn int4 g64", "smollm2-135m", dict(method="rtn", scheme=g), "vllm", True),
         ("tiny rtn int4 g64", tiny, dict(method="rtn", scheme=g), "vllm", True),
@@ -72,6 +97,15 @@ def _artifacts(work: Path, only: list[str]) -> list[tuple[str, Path, str, bool]]
         *[(f"tiny gguf {t}", tiny, dict(method="gguf", format="gguf", scheme=QuantScheme(
             kind="kquant", gguf_type=t), method_options={"gguf_type": t}), "llamacpp", True)
           for t in ("q4_0", "q5_k_m", "q3_k_m", "q2_k", "iq4_xs")],
+        # the remaining tensor types of llama.cpp's presets: IQ2_XXS, IQ2_XS, IQ2_S (iq2_m),
+        # IQ3_XXS (+ IQ3_S, IQ2_S), IQ3_S (imatrix from 8 x 64 tokens of `mixed`), Q5_0, Q4_1
+        *[(f"tiny gguf {t}", tiny, dict(method="gguf", format="gguf", scheme=QuantScheme(
+            kind="kquant", gguf_type=t), method_options={"gguf_type": t, "imatrix": "calib"},
+            **imatrix), "llamacpp", True)
+          for t in ("iq2_xxs", "iq2_xs", "iq2_s", "iq2_m", "iq3_xxs", "iq3_s")],
+        *[(f"tiny gguf {t}", tiny, dict(method="gguf", format="gguf", scheme=QuantScheme(
+            kind="kquant", gguf_type=t), method_options={"gguf_type": t}), "llamacpp", True)
+          for t in ("q5_0", "q4_1")],
         ("tiny rtn int4 g64 mlx", tiny, dict(method="rtn", format="mlx", scheme=g,
                                              symmetric_auto=True), "mlx", True),
         ("tiny gptq int4 g64 mlx", tiny, dict(method="gptq", format="mlx", scheme=g,
@@ -84,12 +118,14 @@ def _artifacts(work: Path, only: list[str]) -> list[tuple[str, Path, str, bool]]
             kind="kquant", gguf_type="q4_k_m"), method_options={"gguf_type": "q4_k_m"}),
          "llamacpp", True),
     ]
+    plans += [(label, make, kw, "vllm", True) for label, make, kw in moe_plans]
     out = []
     for label, model, kw, engine, run in plans:
         if only and label not in only:
             continue
         path = work / (label.replace(" ", "-") + (".gguf" if engine == "llamacpp" else ""))
         if not path.exists():
+            model = model() if callable(model) else model
             quantize(QuantizeRequest(model=str(model), out=path, **kw))
         out.append((label, path, engine, run))
     return out
@@ -97,8 +133,9 @@ def _artifacts(work: Path, only: list[str]) -> list[tuple[str, Path, str, bool]]
 
 def _write(measured: list[dict], tolerances: dict) -> None:
     command = "python benchmarks/verify_tolerances.py WORKDIR"
-    if "--only" in sys.argv:  # the rows it re-measured, on top of the full run
-        command += "; then python benchmarks/verify_tolerances.py " + " ".join(
+    if "--only" in sys.argv:  # the rows it re-measured, on top of the runs before
+        previous = json.loads(RESULTS.read_text())["command"] if RESULTS.is_file() else command
+        command = previous + "; then python benchmarks/verify_tolerances.py " + " ".join(
             f'"{a}"' if " " in a else a for a in sys.argv[1:])
     RESULTS.write_text(json.dumps({"command": command,
                                    "measured": measured, "tolerances": tolerances}, indent=2))
@@ -144,11 +181,7 @@ def main() -> None:
         for label, path, engine, run in _artifacts(work, only):
             res = verify(path, engine, run_engine=run, on_progress=lambda s, lb=label: print(lb, s))
             parity = res.checks["parity"].measured
-            key = None
-            if parity:
-                kind = ("gguf" if engine == "llamacpp" else
-                        next(iter(res.checks["fidelity"].measured["worst_rel_rmse"].keys() - {"dense"})))
-                key = f"{kind}:{'f32' if engine == 'llamacpp' else res.dtype}"
+            key = parity.get("tolerance_key")  # the key verify looked its bounds up by
             row = {"artifact": label, "engine": engine, "engine_version": res.engine_version,
                    "kernel": res.kernel, "dtype": res.dtype,
                    "rel_rmse": res.checks["fidelity"].measured.get("worst_rel_rmse"),

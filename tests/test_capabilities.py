@@ -106,6 +106,41 @@ def test_reason_phrases_follow_the_probe():
         "NotImplementedError: No WNA16 MoE backend supports the deployment configuration.")
 
 
+def test_moe_routing_the_int4_moe_kernel_takes():
+    """vLLM's int4 fused-MoE CPU kernel takes softmax routings only; the probe asks its class
+    (CPUExpertsInt4) which. A model's routing is named as vLLM's get_routing_method_type does:
+    a router with a score-correction bias scores by sigmoid (grouped: DeepSeekV3, else
+    MiniMax2), Llama 4 has its own, a softmax router renormalising its top-k is
+    RenormalizeNaive. Where the kernel runs at all (AMX), a sigmoid router is still refused."""
+    import transformers
+
+    from quantkit.engines.capabilities import vllm_moe_routing
+
+    caps = vllm_capabilities()
+    bias = ["model.layers.0.mlp.gate.e_score_correction_bias"]
+    qwen = transformers.Qwen3MoeConfig(norm_topk_prob=True).to_dict()
+    assert vllm_moe_routing(qwen, []) == "RenormalizeNaive"
+    assert vllm_moe_routing({**qwen, "norm_topk_prob": False}, []) == "Default"
+    assert vllm_moe_routing(qwen, bias) == "MiniMax2"
+    assert vllm_moe_routing({**qwen, "n_group": 2}, bias) == "DeepSeekV3"
+    assert vllm_moe_routing(transformers.Qwen3Config().to_dict(), []) is None
+    assert vllm_moe_routing(transformers.Llama4TextConfig().to_dict(), []) == "Llama4"
+    if caps.moe_quantized:  # AMX: the kernel runs, softmax routings only
+        assert caps.moe_int4_routing == ["Default", "Renormalize", "RenormalizeNaive"]
+    if vllm_cannot_run("int4", moe=True) is None:
+        assert vllm_cannot_run("int4", moe=True, routing="RenormalizeNaive") is None
+        assert vllm_cannot_run("int4", moe=True, routing="MiniMax2") == (
+            "vLLM's int4 fused-MoE CPU kernel (CPUExpertsInt4) takes the routing methods "
+            "Default, Renormalize, RenormalizeNaive only, not this model's MiniMax2")
+        # Llama 4 multiplies the routing weight into the experts' input (at the first forward)
+        assert vllm_cannot_run("int4", moe=True, routing="Llama4") == explain_vllm_failure(
+            "AssertionError: apply_router_weight_on_input is only implemented for topk=1")
+        assert not caps.moe_int4_weight_on_input
+    else:  # no kernel at all: that reason, whatever the routing
+        assert vllm_cannot_run("int4", moe=True, routing="MiniMax2") == \
+            vllm_cannot_run("int4", moe=True)
+
+
 @pytest.mark.engine
 def test_probe_agrees_with_vllm_on_a_tiny_int4_artifact(tiny_llama, tmp_path):
     """Whichever way the probe answers, real vLLM does the same with a tiny int4 artifact."""

@@ -4,7 +4,9 @@
 Where the refusal depends on a kernel this CPU may lack, the engine's capability probe
 (tests/vllm_checks.py: vllm_runs, never CPU flags) picks which of the two the test expects:
 dense int4 needs vLLM's cpu_gemm_wna16 op, quantized experts its int4 fused-MoE CPU kernel
-(AMX). Where vLLM refuses on every CPU (its CPU platform lacks the feature), the refusal is
+(AMX), which takes softmax routings only (the probe asks it which; GLM-4.5's and MiniMax-M2's
+sigmoid routers with a correction bias are refused with AMX too, and Llama 4's routing weight
+on the experts' input fails at its first forward). Where vLLM refuses on every CPU (its CPU platform lacks the feature), the refusal is
 asserted everywhere. One vLLM start per family, max_model_len 128, on the session's GPTQ
 artifact that test_discovered_families*.py also checks (tests/discovered_families.py).
 
@@ -20,6 +22,7 @@ import pytest
 from discovered_families import FAMILIES, make_model, quantize_to
 from vllm_checks import engine_check, vllm_imports_torchvision, vllm_runs
 
+from quantkit.engines.capabilities import explain_vllm_failure, vllm_artifact_moe, vllm_cannot_run
 from quantkit.engines.vllm import run_vllm
 from quantkit.errors import EngineError
 
@@ -28,6 +31,10 @@ pytestmark = pytest.mark.engine
 _PROMPT = [{"prompt": "The capital of France is", "max_tokens": 4}]
 _NO_INT4 = "object has no attribute 'cpu_gemm_wna16'"
 _NO_MOE = "No WNA16 MoE backend supports the deployment configuration."
+# vLLM's CPU router names Llama 4's routing Default and picks the int4 MoE kernel, which then
+# cannot multiply the routing weight into the experts' input (the tiny model routes top-2;
+# vLLM does that for top-1 only, and CPUExpertsInt4 not at all)
+_WEIGHT_ON_INPUT = "apply_router_weight_on_input is only implemented for topk=1"
 # family -> (what it needs: "int4" dense Linears, "moe" int4 experts too; the refusal where
 # vLLM's CPU platform has no such feature whatever the CPU, None where there is none)
 EXPECT: dict[str, tuple[str, str | None]] = {
@@ -54,7 +61,9 @@ def _generates_or_refuses(artifact: Path, model_cls: str, needs: str,
                           platform_refusal: str | None) -> None:
     if platform_refusal == "torchvision" and vllm_imports_torchvision():
         platform_refusal = None
-    if platform_refusal is None and vllm_runs("int4", moe=needs == "moe"):
+    routing = vllm_artifact_moe(artifact)
+    assert (routing is not None) == (needs == "moe"), routing
+    if platform_refusal is None and vllm_runs("int4", moe=needs == "moe", routing=routing):
         text = run_vllm(artifact, generate=_PROMPT, max_model_len=128)["generate"][0]
         assert len(text) > 0
         return
@@ -68,8 +77,12 @@ def _generates_or_refuses(artifact: Path, model_cls: str, needs: str,
     elif platform_refusal is not None:
         assert platform_refusal in said
         engine_check(f"vllm {model_cls}", real=False, reason=platform_refusal)
+    elif needs == "moe" and vllm_cannot_run("int4", moe=True, routing=routing) == \
+            explain_vllm_failure(_WEIGHT_ON_INPUT):  # Llama 4 with AMX: at the first forward
+        assert _WEIGHT_ON_INPUT in said
     else:  # the probe said this kernel is missing here: vLLM's own words for it (an MoE
-        # refuses while vLLM builds the model, before any dense int4 Linear runs)
+        # refuses while vLLM builds the model, before any dense int4 Linear runs; a router the
+        # int4 MoE kernel does not take there too)
         assert (_NO_MOE if needs == "moe" else _NO_INT4) in said
 
 

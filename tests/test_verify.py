@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from tiny_models import make_tiny_model
 from vllm_checks import vllm_runs
 
-from quantkit.engines.capabilities import vllm_cannot_run
+from quantkit.engines.capabilities import vllm_artifact_moe, vllm_cannot_run
 from quantkit.pipeline.quantize import QuantizeRequest, quantize
 from quantkit.types import QuantScheme
 
@@ -128,6 +128,60 @@ def test_verify_moe_expert_removed(moe_model, tmp_path):
     assert f"{expert}.gate_proj.weight: is in the source model but not in the artifact" in _problems(rep)
 
 
+def _good_moe_verified_or_refused(artifact: Path) -> dict:
+    """A good MoE / hybrid artifact in vLLM: exit 0 with every row passed where vLLM runs its
+    quantized experts here (the probe asks vLLM, with the experts' routing), else exit 3 with
+    the probe's own reason, coverage and fidelity still checked."""
+    routing = vllm_artifact_moe(artifact)
+    assert routing is not None
+    code, rep = _verify(artifact, "vllm")
+    assert rep["checks"]["coverage"]["status"] == "pass", _problems(rep)
+    assert rep["checks"]["fidelity"]["status"] == "pass", _problems(rep)
+    if not vllm_runs("int4", moe=True, routing=routing):
+        assert code == 3, _problems(rep)
+        assert rep["engine_cannot_run"] == vllm_cannot_run("int4", moe=True, routing=routing)
+        assert rep["checks"]["parity"]["status"] == "not checked"
+        return rep
+    assert code == 0, _problems(rep)
+    assert rep["checks"]["engine load"]["status"] == "pass"
+    parity = rep["checks"]["parity"]["measured"]
+    assert rep["checks"]["parity"]["status"] == "pass" and parity["positions"] > 100
+    # the bound measured for the experts' own kernel, not the Linears' (benchmarks/)
+    assert parity["tolerance_key"].count(":") == 2 and "tolerance_note" not in parity, parity
+    assert "MoEMethod" in rep["kernel"], rep["kernel"]
+    return rep
+
+
+@pytest.mark.engine
+def test_verify_good_moe_in_vllm(moe_model, tmp_path):
+    """RTN int4 Qwen3-MoE (softmax routing): vLLM's int4 fused-MoE CPU kernel runs it where
+    it exists (AMX); elsewhere verify exits 3 with that reason."""
+    out = tmp_path / "moe"
+    quantize(QuantizeRequest(model=str(moe_model), method="rtn", scheme=SCHEME, out=out))
+    _good_moe_verified_or_refused(out)
+
+
+@pytest.mark.engine
+def test_verify_good_hybrid_in_vllm(discovered):
+    """Qwen3-Next (Gated DeltaNet linear attention + gated full attention, MoE), the session's
+    GPTQ int4 artifact: verified in vLLM where its experts' kernel runs, else exit 3."""
+    _good_moe_verified_or_refused(discovered.gptq("qwen3_next"))
+
+
+def test_verify_sigmoid_routed_moe_exits_3(discovered):
+    """MiniMax-M2's sigmoid router with a correction bias: vLLM's int4 fused-MoE CPU kernel
+    refuses it on every CPU (with AMX for its routing, without for want of AMX), so verify says
+    so (exit 3, no engine start) after coverage and fidelity passed."""
+    artifact = discovered.gptq("minimax_m2")
+    assert vllm_artifact_moe(artifact) == "MiniMax2"
+    code, rep = _verify(artifact, "vllm")
+    assert code == 3, _problems(rep)
+    assert rep["engine_cannot_run"] == vllm_cannot_run("int4", moe=True, routing="MiniMax2")
+    assert rep["checks"]["coverage"]["status"] == "pass", _problems(rep)
+    assert rep["checks"]["fidelity"]["status"] == "pass", _problems(rep)
+    assert rep["checks"]["engine load"]["status"] == "not checked"
+
+
 @pytest.fixture(scope="module")
 def gguf_q8(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("verify-gguf")
@@ -162,6 +216,22 @@ def test_verify_gguf_in_llamacpp(gguf_q8, tmp_path):
     assert code == 1, rep
     assert ("blk.0.ffn_up.weight: relative RMSE" in _problems(rep)
             and "it holds the values of model.layers.1.mlp.up_proj.weight (swapped?)" in _problems(rep))
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("gguf_type", ["q5_0", "q4_1"])
+def test_verify_legacy_gguf_types_in_llamacpp(gguf_q8, gguf_type, tmp_path):
+    """Q5_0 and Q4_1 files of the same tiny Llama verify in llama.cpp under their own measured
+    bounds (benchmarks/verify_tolerances.py rows "tiny gguf q5_0" / "tiny gguf q4_1")."""
+    out = tmp_path / f"{gguf_type}.gguf"
+    quantize(QuantizeRequest(model=str(gguf_q8.parent / "llama"), method="gguf", format="gguf",
+                             out=out, scheme=QuantScheme(kind="kquant", gguf_type=gguf_type),
+                             method_options={"gguf_type": gguf_type}))
+    code, rep = _verify(out, "llamacpp")
+    assert code == 0, _problems(rep)
+    fidelity = rep["checks"]["fidelity"]["measured"]
+    assert gguf_type in fidelity["worst_rel_rmse"] and "no_tolerance" not in fidelity, fidelity
+    assert gguf_type.upper() in rep["kernel"] and rep["checks"]["parity"]["status"] == "pass"
 
 
 def test_verify_awq_folded_norms_pass_and_a_doubled_one_is_named(tmp_path):

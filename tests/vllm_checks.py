@@ -31,11 +31,11 @@ def engine_check(kind: str, real: bool, reason: str | None = None) -> None:
     ENGINE_CHECKS.append(EngineCheck(test, kind, real, reason))
 
 
-def vllm_runs(scheme: str, *, moe: bool = False) -> bool:
+def vllm_runs(scheme: str, *, moe: bool = False, routing: str | None = None) -> bool:
     """Whether vLLM here has the kernel for `scheme` (int4, fp8-dynamic, fp8-static, ...; `moe`:
-    as quantized experts): the test then runs the real check, else asserts vLLM's refusal.
-    Recorded for the summary."""
-    reason = vllm_cannot_run(scheme, moe=moe)
+    as quantized experts, `routing` their routing method, capabilities.vllm_moe_routing): the
+    test then runs the real check, else asserts vLLM's refusal. Recorded for the summary."""
+    reason = vllm_cannot_run(scheme, moe=moe, routing=routing)
     engine_check(f"vllm {scheme}{' moe' if moe else ''}", real=reason is None, reason=reason)
     return reason is None
 

@@ -36,12 +36,13 @@ from quantkit.machine import (
 from quantkit.types import QuantScheme
 
 __all__ = ["VllmCapabilities", "vllm_capabilities", "vllm_cannot_run", "vllm_too_slow_to_time",
+           "vllm_moe_routing", "vllm_artifact_moe",
            "explain_vllm_failure",
            "llamacpp_info", "machine_report", "what_runs_here", "probe_cache_dir", "vllm_dtype"]
 
 _WORKER = Path(__file__).with_name("vllm_probe_worker.py")
 _PROBE_TIMEOUT_S = 300
-_PROBE_VERSION = 6  # bump when vllm_probe_worker.py asks something new: old answers lack it
+_PROBE_VERSION = 9  # bump when vllm_probe_worker.py asks something new: old answers lack it
 
 # one phrase per missing capability: vllm_cannot_run returns these, error messages reuse them
 _WHY = {
@@ -55,6 +56,11 @@ _WHY = {
     "moe": "vLLM has no quantized mixture-of-experts CPU kernel for this model here (its "
            "int4 fused-MoE CPU kernel needs AMX and routes by softmax top-k only, not "
            "DeepSeek-V3's grouped sigmoid routing)",
+    "moe_routing": "vLLM's int4 fused-MoE CPU kernel (CPUExpertsInt4) takes the routing methods "
+                   "{takes} only, not this model's {routing}",
+    "moe_weight_on_input": "vLLM's int4 fused-MoE CPU kernel (CPUExpertsInt4) does not apply the "
+                           "routing weights to the experts' inputs, as Llama 4 routes (and vLLM "
+                           "does that for top-1 routing only)",
     "moe_fp8": "vLLM's CPU FP8 mixture-of-experts kernels take 128x128 block-scaled experts "
                "only, on CPUs with AMX",
     "moe_int8_static": "vLLM 0.32 has no mixture-of-experts method for int8 experts with "
@@ -92,6 +98,9 @@ class VllmCapabilities:
     fp8_vs_bf16_time: float | None = None
     # vLLM's CPU fused-MoE kernels for int4 / FP8 experts (vLLM asks its torch for AMX)
     moe_quantized: bool = False
+    # the routing methods (vLLM's RoutingMethodType names) its int4 fused-MoE CPU kernel takes
+    moe_int4_routing: list[str] = field(default_factory=list)
+    moe_int4_weight_on_input: bool = False  # it takes Llama 4's routing weights on the input
     # kv_cache_dtype fp8 (per-layer k/v scales): vLLM's CPU attention needs AVX-512 or AMX
     fp8_kv_cache: bool = False
     fp8_kv_cache_error: str | None = None  # vLLM's own refusal where it has none
@@ -157,6 +166,9 @@ def _from_probe(raw: dict, python: Path, cache_file: Path) -> VllmCapabilities:
         and _real_op(ops.get("int4_scaled_mm_cpu")),
         bf16_native=not cpu or bool(raw.get("bf16_native")),
         wna16_weight_types=types if isinstance(types, list) else [],
+        moe_int4_routing=routing if isinstance(routing := raw.get("moe_int4_routing"), list)
+        else [],
+        moe_int4_weight_on_input=bool(raw.get("moe_int4_weight_on_input")),
         ops=ops, kernels=kernels, cache_file=str(cache_file))
 
 
@@ -261,12 +273,59 @@ def vllm_too_slow_to_time(scheme: QuantScheme | Mapping | str) -> str | None:
     return None
 
 
-def vllm_cannot_run(scheme: QuantScheme | Mapping | str, *, moe: bool = False) -> str | None:
+def vllm_moe_routing(config: Mapping, tensor_names) -> str | None:
+    """The routing method (a name of vLLM's RoutingMethodType) vLLM's FusedMoE layers get for a
+    model with this config.json and these checkpoint tensors, or None without routed experts.
+
+    vLLM's model files pass (scoring_func, renormalize, grouped top-k, correction bias) and
+    fused_moe/config.py's get_routing_method_type names the result. Llama 4's routing function
+    (top-k, sigmoid, the weight multiplied into the experts' input) is `Llama4` here; vLLM's
+    CPU router ignores custom functions in naming it (Default), its experts refuse the weight on
+    the input at the first forward. A router with a score-correction bias scores by sigmoid (GLM-4.5,
+    MiniMax-M2, DeepSeek-V3, Nemotron-H) and is `DeepSeekV3` with expert groups (n_group),
+    `MiniMax2` without; a softmax router is `RenormalizeNaive` when it renormalises its top-k
+    (Qwen3-MoE, Qwen3-Next, Mixtral, Granite), else `Default`."""
+    from quantkit.arch import spec_for_config
+    from quantkit.errors import UnsupportedArchitecture
+
+    try:
+        if spec_for_config(dict(config)).experts is None:
+            return None
+    except UnsupportedArchitecture:
+        if not any(config.get(k) for k in ("num_experts", "num_local_experts",
+                                            "n_routed_experts")):
+            return None
+    if str(config.get("model_type", "")).startswith("llama4"):
+        return "Llama4"
+    renormalize = bool(config.get("norm_topk_prob", True))
+    if any(str(n).endswith("e_score_correction_bias") for n in tensor_names):
+        if config.get("scoring_func", "sigmoid") != "sigmoid" or not renormalize:
+            return "Unspecified"
+        return "DeepSeekV3" if (config.get("n_group") or 0) > 0 else "MiniMax2"
+    if config.get("scoring_func", "softmax") == "sigmoid":
+        return "SigmoidRenorm" if renormalize else "Sigmoid"
+    return "RenormalizeNaive" if renormalize else "Default"
+
+
+def vllm_artifact_moe(model_dir: Path) -> str | None:
+    """vllm_moe_routing of a checkpoint directory (its config.json and tensor names)."""
+    from quantkit.readers import read_json, safetensors_headers
+
+    model_dir = Path(model_dir)
+    if not (model_dir / "config.json").is_file():
+        return None
+    return vllm_moe_routing(read_json(model_dir / "config.json"), safetensors_headers(model_dir))
+
+
+def vllm_cannot_run(scheme: QuantScheme | Mapping | str, *, moe: bool = False,
+                    routing: str | None = None) -> str | None:
     """None when vLLM here has a kernel for `scheme`, else ONE short phrase saying why not.
 
     `scheme`: a QuantScheme, the `scheme` dict of quantkit.json, or a short name (int4,
     int8-w8a8, fp8-dynamic, fp8-static, fp8-block, gguf). `moe`: the model has quantized
-    experts, which vLLM runs through its fused-MoE kernels, not the Linear kernels."""
+    experts, which vLLM runs through its fused-MoE kernels, not the Linear kernels; `routing`:
+    their routing method (vllm_moe_routing), which vLLM's int4 fused-MoE CPU kernel must take
+    (the probe asked it which ones it does)."""
     if isinstance(scheme, str) and scheme.lower().replace("_", "-") == "fp8-kv-cache":
         return vllm_cannot_run_fp8_kv_cache()
     kind, bits, group, activations = _scheme_fields(scheme)
@@ -281,6 +340,12 @@ def vllm_cannot_run(scheme: QuantScheme | Mapping | str, *, moe: bool = False) -
         return _WHY["moe_int8_static"]
     if moe and not caps.moe_quantized:
         return _WHY["moe"]
+    cpu_int4_moe = moe and kind == "int" and bits == 4 and caps.platform == "CpuPlatform"
+    if cpu_int4_moe and routing == "Llama4":
+        return None if caps.moe_int4_weight_on_input else _WHY["moe_weight_on_input"]
+    if (cpu_int4_moe and routing and routing not in caps.moe_int4_routing):
+        return _WHY["moe_routing"].format(takes=", ".join(caps.moe_int4_routing) or "?",
+                                          routing=routing)
     if kind == "int" and activations:  # W8A8: oneDNN int8 GEMM + int8 input quantization
         return None if caps.int8_w8a8 else _WHY["int8_w8a8"]
     if kind == "int":
@@ -355,7 +420,9 @@ _KNOWN_FAILURES = [
     (r"_C::static_scaled_fp8_quant\(\) expected at most 0 argument", "fp8_static"),
     (r"CPUFp8BlockScaledMMKernel requires AMX|requires AMX tile support", "fp8_block"),
     (r"No WNA16 MoE backend supports", "moe"),
-    (r"No Int8 MoE backend supports", "moe"),  # W8A8 experts: CPUExpertsInt8 needs AMX
+    (r"No Int8 MoE backend supports", "moe"),
+    (r"apply_router_weight_on_input is only implemented for topk=1|does not support "
+     r"apply_router_weight_on_input=True", "moe_weight_on_input"),  # W8A8 experts: CPUExpertsInt8 needs AMX
     (r"Unsupported FP8 MoE backend: NONE", "moe_fp8"),
     # int8 experts with static per-tensor inputs: no compressed-tensors MoE method matches
     (r"Unsupported FusedMoe scheme: num_bits=8 type='int'.*, num_bits=8 type='int' .*"

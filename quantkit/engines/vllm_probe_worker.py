@@ -129,6 +129,25 @@ def main(resp_path: str) -> None:
         out["fp8_kv_cache_error"] = None
     except Exception as exc:  # noqa: BLE001 - vLLM's own refusal is the answer
         out["fp8_kv_cache_error"] = f"{type(exc).__name__}: {exc}"
+    # vLLM's int4 fused-MoE CPU experts (CPUExpertsInt4): whether they run here, and which of
+    # vLLM's routing methods they take (the others: "No WNA16 MoE backend supports ...")
+    try:
+        from vllm.model_executor.layers.fused_moe.config import RoutingMethodType
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUExpertsInt4
+
+        out["moe_int4_device"] = bool(CPUExpertsInt4._supports_current_device())
+        out["moe_int4_routing"] = [m.name for m in RoutingMethodType
+                                   if CPUExpertsInt4._supports_routing_method(m, None, None)]
+        # Llama 4 multiplies the routing weight into the experts' input: CPUExpertsInt4.apply
+        # raises for that (a check inside apply, not a supports_* method: read from its source)
+        import inspect
+        import re
+
+        said = "".join(re.findall(r'"([^"]*)"', inspect.getsource(CPUExpertsInt4.apply)))
+        out["moe_int4_weight_on_input"] = "does not support apply_router_weight_on_input" \
+            not in said  # its message's string literals, joined
+    except Exception as exc:  # noqa: BLE001
+        out["moe_int4_routing"] = f"? {type(exc).__name__}: {exc}"
     scaled = "vllm.model_executor.kernels.linear.scaled_mm.cpu"
     out["kernels"] = {name: _kernel_supported(scaled, name) for name in (
         "CPUInt8ScaledMMLinearKernel", "CPUFp8PerTensorScaledMMLinearKernel",

@@ -140,6 +140,9 @@ def _kernels(model) -> dict:
         kernel = getattr(scheme, "kernel", None) or getattr(method, "kernel", None)
         if kernel is not None:
             parts.append(type(kernel).__name__)
+        experts = getattr(method, "experts_cls", None)  # a FusedMoE method's experts kernel
+        if isinstance(experts, type):
+            parts.append(experts.__name__)
         key = " / ".join(parts)
         found[key] = found.get(key, 0) + 1
     return found

@@ -53,6 +53,7 @@ def vllm_blocker(artifact: str) -> str | None:
     A model alias or directory without a quantization scheme is a dense model: it needs only
     a vLLM that starts."""
     from quantkit.engines.capabilities import (
+        vllm_artifact_moe,
         vllm_cannot_run,
         vllm_capabilities,
         vllm_too_slow_to_time,
@@ -61,17 +62,15 @@ def vllm_blocker(artifact: str) -> str | None:
     path = Path(str(artifact))
     if path.suffix == ".gguf":
         return vllm_cannot_run("gguf")
-    scheme, moe = None, False
+    scheme, routing = None, None
     if path.is_dir():
         from quantkit.loader import artifact_meta
-        from quantkit.readers import read_json
 
         scheme = artifact_meta(path).get("scheme")
-        if (path / "config.json").is_file():
-            config = read_json(path / "config.json")
-            moe = bool(config.get("num_experts") or config.get("num_local_experts"))
+        routing = vllm_artifact_moe(path)
     if scheme:
-        return vllm_cannot_run(scheme, moe=moe) or vllm_too_slow_to_time(scheme)
+        return (vllm_cannot_run(scheme, moe=routing is not None, routing=routing)
+                or vllm_too_slow_to_time(scheme))
     caps = vllm_capabilities()
     return None if caps.available else f"vLLM cannot start here ({caps.error.rstrip('.')})"
 

@@ -246,7 +246,11 @@ def coarse_kld(ref_logp: torch.Tensor, top: list[list[list[float]]]) -> torch.Te
 
 
 def _parity_bounds(engine: str, key: str, check: Check) -> dict:
+    """The measured bounds of `key` (type[:experts kernel]:dtype); for a key never measured
+    (another kernel or dtype on another machine) the widest bounds measured for the engine,
+    said in the parity row: the verdict then rests on bounds of other kernels."""
     table = tolerances()["parity"][engine]
+    check.measured["tolerance_key"] = key
     if key in table:
         return table[key]
     check.measured["tolerance_note"] = (f"no tolerance measured for {key}; the widest one "
@@ -266,16 +270,19 @@ def _judge_parity(check: Check, kld: torch.Tensor, agree: torch.Tensor, bounds: 
     if top1 < bounds["top1"]:
         check.fail("model", f"{engine}'s top-1 agreement with quantkit's decode {top1:.3f} "
                             f"below {bounds['top1']:.3f}")
+    note = check.measured.get("tolerance_note")
     check.done(f"{kld.numel()} positions: mean KLD {mean_kld:.3g} (<= {bounds['kld']:.3g}), "
-               f"top-1 {top1:.3f} (>= {bounds['top1']:.3f})")
+               f"top-1 {top1:.3f} (>= {bounds['top1']:.3f})" + (f" [{note}]" if note else ""))
 
 
 # ---------------------------------------------------------------------- vLLM ----
 
-def _vllm_scheme(ctx: _Context) -> tuple[object, bool]:
+def _vllm_scheme(ctx: _Context) -> tuple[object, str | None]:
+    """(the scheme for vllm_cannot_run, the experts' routing method or None without experts)"""
+    from quantkit.engines.capabilities import vllm_artifact_moe
     from quantkit.verify.tensors import _type_key
 
-    moe = bool(ctx.config.get("num_experts") or ctx.config.get("num_local_experts"))
+    moe = vllm_artifact_moe(ctx.path)
     scheme = ctx.meta.get("scheme")
     if scheme:
         return scheme, moe
@@ -294,8 +301,9 @@ def _run_vllm(ctx: _Context, result: VerifyResult) -> None:
     load, parity = result.check("engine load"), result.check("parity")
     caps = vllm_capabilities()
     result.engine_version = f"vLLM {caps.version}" if getattr(caps, "version", None) else "vLLM"
-    scheme, moe = _vllm_scheme(ctx)
-    reason = vllm_cannot_run(scheme, moe=moe) if ctx.config.get("quantization_config") else None
+    scheme, routing = _vllm_scheme(ctx)
+    reason = (vllm_cannot_run(scheme, moe=routing is not None, routing=routing)
+              if ctx.config.get("quantization_config") else None)
     if reason:
         result.engine_cannot_run = reason
         load.skip(f"vLLM cannot run this scheme here: {reason}")
@@ -386,9 +394,18 @@ def _vllm_parity(check: Check, ctx: _Context, windows: torch.Tensor, scored: lis
         klds.append(coarse_kld(ref[w, :-1], top))
         agree.append(torch.tensor([t == int(a) for t, a in
                                    zip(row["top1"][1:], ref[w, :-1].argmax(-1), strict=True)]))
-    kind = _type_key_of(ctx)
     _judge_parity(check, torch.cat(klds), torch.cat(agree),
-                  _parity_bounds("vllm", f"{kind}:{result.dtype}", check), "vLLM")
+                  _parity_bounds("vllm", _vllm_parity_key(ctx, result), check), "vLLM")
+
+
+def _vllm_parity_key(ctx: _Context, result: VerifyResult) -> str:
+    """The tolerance key of a vLLM run: type:dtype for Linears (int4:bfloat16), with the
+    experts' kernel between where vLLM ran quantized experts through a fused-MoE kernel
+    (int4:CPUExpertsInt4:bfloat16: on AMX it computes in int8, W4A8), so a machine whose vLLM
+    picks another kernel finds no measured bound of another kernel's."""
+    experts = sorted({part for k in result.kernel.split("; ")
+                      for part in k.rsplit(" x", 1)[0].split(" / ")[1:] if "Experts" in part})
+    return ":".join([_type_key_of(ctx), *experts, result.dtype])
 
 
 def _type_key_of(ctx: _Context) -> str:
