@@ -10,11 +10,13 @@ Per quantized Linear (N out, K in, G = K / group_size groups, b bits):
   <linear>.bias    model dtype [N]      optional (the Linear's own bias)
 Dequantized (mx.dequantize): W[n, k] = scales[n, g] * q[n, k] + biases[n, g], g = k // group.
 
-quantkit's grid is W = (q - z) * s, so biases = -s * z with s first rounded to the model dtype
-(biases = -scales * z): the stored pair then reproduces the result's levels up to the rounding
-of s and of s * z themselves (MLX keeps no float32 scale). Requests that choose no grid are
-quantized on the asymmetric one (RECORD.symmetric = False: min / max per group, an integer z
-per group), which uses every level of MLX's affine grid; `--sym` gives z = 2^(b-1).
+quantkit's grid is W = (q - z) * s. Requests that choose no grid are quantized on the
+asymmetric one (RECORD.symmetric = False), and since `biases` is a free float the asymmetric
+grid here has float zero points (RECORD.float_zero: QuantScheme.float_zero): each group's
+(s, z) is fitted by least squares on its codes (RTN and AWQ: codes rounded and (s, z) refitted
+in turn; GPTQ: its codes kept, (s, z) refitted against its Hessian), biases = -s * z rounded
+once to the model dtype. `--sym` gives z = 2^(b-1) and biases = -scales * z with s first
+rounded to the model dtype (MLX keeps no float32 scale), as for any integer z.
 
 Mixture-of-experts blocks: mlx-lm's SwitchGLU keeps every expert of one projection stacked,
 `<block>.switch_mlp.<proj>.weight` uint32 [E, N, K*b/32], `.scales` / `.biases` [E, N, G];
@@ -54,6 +56,9 @@ _SUFFIXES = (".scales", ".biases")
 _EXPERT = re.compile(r"^(?P<block>.+)\.experts\.(?P<e>\d+)\.(?P<proj>\w+)$")
 _MIXTRAL = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
 _MIXTRAL_BACK = {v: k for k, v in _MIXTRAL.items()}
+# transformers' text-only model_type -> mlx-lm's module for it (mlx_lm/models/<type>.py, 0.32.2:
+# qwen3_5.py reads a config without text_config as the text config itself)
+_MLX_MODEL_TYPES = {"qwen3_5_text": "qwen3_5"}
 _NUM_EXPERTS_TYPES = ("qwen3_moe", "qwen2_moe", "olmoe")  # mlx-lm's ModelArgs name num_experts
 
 
@@ -96,7 +101,10 @@ def mlx_tensors(r: QuantResult, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     zero = r.zero if r.zero is not None else torch.full_like(r.scale, 1 << (bits - 1),
                                                              dtype=torch.int32)
     scales = r.scale.to(dtype)
-    biases = (-scales.float() * zero.float()).to(dtype)
+    # an integer z: -s_dtype * z (0 stays a level of the stored grid); a fitted float z (the
+    # float-zero grid): the fitted bias -s * z itself, rounded once to the dtype
+    biases = (-(r.scale.float() if zero.is_floating_point() else scales.float())
+              * zero.float()).to(dtype)
     return {"weight": pack_mlx(r.codes, bits), "scales": scales.contiguous(),
             "biases": biases.contiguous()}
 
@@ -118,8 +126,10 @@ def mlx_lm_config(config: dict) -> dict:
     """`config` plus the transformers-4 keys mlx-lm 0.32's ModelArgs require where a
     transformers 5 config holds them elsewhere: `rope_theta` (5 keeps it in rope_parameters;
     a non-default rope also as `rope_scaling`) and Qwen MoE's `num_experts` (5 writes
-    num_local_experts). Keys already there are kept."""
+    num_local_experts). Keys already there are kept. A text-only config whose model_type
+    mlx-lm has no module for is named by the module that reads it (_MLX_MODEL_TYPES)."""
     out = dict(config)
+    out["model_type"] = _MLX_MODEL_TYPES.get(out.get("model_type"), out.get("model_type"))
     rope = out.get("rope_parameters")
     if isinstance(rope, dict) and "rope_theta" not in out and "rope_theta" in rope:
         out["rope_theta"] = rope["rope_theta"]
@@ -255,6 +265,7 @@ def _stores_experts(spec) -> bool:
 
 
 # asymmetric unless asked: `biases` is a free float per group, and a symmetric grid leaves
-# levels unused in every group whose weights are not centred on zero
+# levels unused in every group whose weights are not centred on zero; the zero points are
+# fitted floats (measured on SmolLM2 4-bit g64, benchmarks/mlx_vs_mlxlm.py)
 RECORD = FormatRecord("mlx", MLXWriter, read=read_mlx, stores_experts=_stores_experts,
-                      symmetric=False)
+                      symmetric=False, float_zero=True)

@@ -205,10 +205,19 @@ def resolve_group_size(req: QuantizeRequest,
 
 def resolve_symmetric(req: QuantizeRequest) -> QuantizeRequest:
     """The request with the grid its format defaults to, where it chose none
-    (symmetric_auto): the one place a format sets a scheme default."""
-    if not req.symmetric_auto or req.scheme.kind != "int":
+    (symmetric_auto), and with float zero points where the format stores a free float bias
+    and the grid is asymmetric (FormatRecord.float_zero): the one place a format sets a
+    scheme default."""
+    if req.scheme.kind != "int":
         return req
-    scheme = dataclasses.replace(req.scheme, symmetric=format_record(req.format).symmetric)
+    record = format_record(req.format)
+    scheme = req.scheme
+    if req.symmetric_auto:
+        scheme = dataclasses.replace(scheme, symmetric=record.symmetric)
+    if record.float_zero and not scheme.symmetric and not scheme.float_zero:
+        scheme = dataclasses.replace(scheme, float_zero=True)
+    if scheme == req.scheme and not req.symmetric_auto:
+        return req
     return dataclasses.replace(req, scheme=scheme, symmetric_auto=False)
 
 
