@@ -115,7 +115,8 @@ def test_mlx_format_defaults_to_the_asymmetric_grid(tiny_llama, tmp_path):
 @pytest.mark.fast
 def test_api_symmetric_auto_takes_the_formats_grid(tiny_llama, tmp_path):
     """QuantizeRequest(symmetric_auto=True) resolves the grid through the format record, as
-    the CLI does without --sym / --asym; without it the scheme is used as given."""
+    the CLI does without --sym / --asym; without it the scheme is used as given. The same for
+    GPTQ's act-order (act_order_auto, the CLI without --act-order / --no-act-order)."""
     from quantkit.pipeline.quantize import resolve_symmetric
 
     req = QuantizeRequest(model=str(tiny_llama), method="rtn", scheme=SCHEME, out=tmp_path,
@@ -129,6 +130,16 @@ def test_api_symmetric_auto_takes_the_formats_grid(tiny_llama, tmp_path):
     given = QuantizeRequest(model=str(tiny_llama), method="rtn", scheme=SCHEME, out=tmp_path,
                             format="mlx")
     assert resolve_symmetric(given).scheme.symmetric is True
+    assert resolve_symmetric(given).scheme.float_zero is False  # a symmetric grid keeps z
+    # GPTQ without --act-order / --no-act-order (act_order_auto): on for mlx, off elsewhere;
+    # the recorded command spells out --no-act-order either way it was chosen
+    for fmt, act in (("mlx", True), ("compressed-tensors", False)):
+        auto = QuantizeRequest(model=str(tiny_llama), method="gptq", scheme=SCHEME,
+                               out=tmp_path, format=fmt, act_order_auto=True)
+        assert resolve_symmetric(auto).scheme.act_order is act, fmt
+    off = resolve_symmetric(QuantizeRequest(model=str(tiny_llama), method="gptq",
+                                            scheme=SCHEME, out=tmp_path, format="mlx"))
+    assert off.scheme.act_order is False and "--no-act-order" in off.cli_equivalent()
 
 
 # ---- real mlx-lm ---------------------------------------------------------------------------

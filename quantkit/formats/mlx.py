@@ -266,6 +266,7 @@ def _stores_experts(spec) -> bool:
 
 # asymmetric unless asked: `biases` is a free float per group, and a symmetric grid leaves
 # levels unused in every group whose weights are not centred on zero; the zero points are
-# fitted floats (measured on SmolLM2 4-bit g64, benchmarks/mlx_vs_mlxlm.py)
+# fitted floats; GPTQ takes act-order unless told not to (static groups, which MLX stores):
+# both measured on SmolLM2 4-bit g64, benchmarks/mlx_vs_mlxlm.py
 RECORD = FormatRecord("mlx", MLXWriter, read=read_mlx, stores_experts=_stores_experts,
-                      symmetric=False, float_zero=True)
+                      symmetric=False, float_zero=True, act_order=True)

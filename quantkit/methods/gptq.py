@@ -474,8 +474,13 @@ def shared_input_sets(ctx: BlockContext, names: list[str]) -> list[list[str]]:
     return sets
 
 
+def gptq_command_args(req) -> list[str]:
+    """The integer scheme's flags, --no-act-order spelled out (a format's default may be on)."""
+    return int_scheme_args(req) + ([] if req.scheme.act_order else ["--no-act-order"])
+
+
 RECORDS = (MethodRecord(
-    name="gptq", quantizer=GPTQQuantizer, build=int_scheme, command_args=int_scheme_args,
+    name="gptq", quantizer=GPTQQuantizer, build=int_scheme, command_args=gptq_command_args,
     reads_calibration=lambda options: True, handles_experts=True, solves_hessians=True,
     # GPTQ onto GGML grids is the gguf method's gptq rounding
     format_aliases={"gguf": ("gguf", {"rounding": "gptq"})}),)
