@@ -351,3 +351,36 @@ def test_tiny_qwen3_5_hybrid_mlx_loads_strict_and_generates(discovered, tmp_path
     assert set(mlx_w) == {f"{p}.weight" for p in packed}
     for name, w in mlx_w.items():
         assert torch.equal(w, ours[name].float()), name
+
+
+@pytest.mark.engine
+def test_tiny_mxfp4_mlx_mode_loads_and_dequantizes_exactly(tiny_llama, tmp_path):
+    """`--method mxfp4 --format mlx`: MLX 0.32's "mxfp4" mode (E2M1 codes packed as 4-bit
+    values, uint8 E8M0 scales per 32, no biases; config `quantization` mode mxfp4). mlx-lm
+    loads it strictly and generates; mx.dequantize(mode="mxfp4") equals quantkit's reading bit
+    for bit, and that equals the method's own weights (E2M1 value * 2^(e - 127) of
+    e2m1.quantize_mxfp4 on the source weights, exact in bf16)."""
+    from quantkit.e2m1 import dequantize_fp4, quantize_mxfp4
+    from quantkit.engines.mlx import mlx_dequantize, run_mlx
+    from quantkit.methods.fp4 import fp4_scheme
+
+    out = tmp_path / "mxfp4-mlx"
+    quantize(QuantizeRequest(model=str(tiny_llama), method="mxfp4", scheme=fp4_scheme("mxfp4"),
+                             out=out, format="mlx"))
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["quantization"] == {"group_size": 32, "bits": 4, "mode": "mxfp4"}
+    stored = _source_weights(out)
+    assert not any(k.endswith(".biases") for k in stored)
+    assert all(stored[k].dtype == torch.uint8 for k in stored if k.endswith(".scales"))
+    res = run_mlx(out, generate=[{"prompt": PROMPT, "max_tokens": 3}])
+    packed = [k for k in stored if k.endswith(".scales")]
+    assert res["quantized_layers"] == len(packed) > 0
+    assert isinstance(res["generate"][0], str) and res["generate"][0]
+    ours = read_mlx(out, torch.bfloat16)
+    source = _source_weights(Path(tiny_llama))
+    mlx_w = mlx_dequantize(out)
+    assert len(mlx_w) == len(packed)
+    for name, w in mlx_w.items():
+        assert torch.equal(w, ours[name].float()), name
+        codes, exps = quantize_mxfp4(source[name])
+        assert torch.equal(w, dequantize_fp4(codes, exps).to(torch.bfloat16).float()), name

@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from quantkit.e2m1 import e2m1_decode
 from quantkit.formats.common import (
     FormatRecord,
     FormatWriter,
@@ -95,7 +96,11 @@ def _check_result(r: QuantResult) -> None:
 
 
 def mlx_tensors(r: QuantResult, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """weight / scales / biases of one QuantResult on MLX's grid (codes [N, K], scale [N, G])."""
+    """weight / scales / biases of one QuantResult on MLX's grid (codes [N, K], scale [N, G]);
+    MXFP4 (mx.quantize's mode "mxfp4"): the E2M1 codes packed as 4-bit values, the E8M0
+    exponents as uint8 scales, no biases."""
+    if r.scheme.kind == "mxfp4":
+        return {"weight": pack_mlx(r.codes, 4), "scales": r.scale.to(torch.uint8).contiguous()}
     _check_result(r)
     bits = r.scheme.bits
     zero = r.zero if r.zero is not None else torch.full_like(r.scale, 1 << (bits - 1),
@@ -118,8 +123,9 @@ def switch_name(name: str) -> tuple[str, int] | None:
     return f"{m['block']}.switch_mlp.{proj}", int(m["e"])
 
 
-def _layer_params(r: QuantResult) -> dict[str, int]:
-    return {"group_size": r.scheme.effective_group(r.codes.shape[1]), "bits": r.scheme.bits}
+def _layer_params(r: QuantResult) -> dict:
+    params = {"group_size": r.scheme.effective_group(r.codes.shape[1]), "bits": r.scheme.bits}
+    return {**params, "mode": "mxfp4"} if r.scheme.kind == "mxfp4" else params
 
 
 def mlx_lm_config(config: dict) -> dict:
@@ -147,8 +153,11 @@ class MLXWriter(FormatWriter):
 
     def check(self, scheme: QuantScheme, shapes: dict[str, tuple[int, int]]) -> list[str]:
         """What MLX's affine quantization cannot take; runs before calibration."""
+        if scheme.kind == "mxfp4":  # mx.quantize(mode="mxfp4"): 4 bits, groups of 32
+            return [] if scheme.group_size == 32 and not scheme.activations else [
+                "MLX's mxfp4 mode is weight-only with groups of 32"]
         if scheme.kind != "int":
-            return [f"MLX's affine layout stores integer weights (this writer), not {scheme.kind}"]
+            return [f"MLX stores affine integer or mxfp4 weights, not {scheme.kind}"]
         problems = []
         if scheme.bits not in MLX_BITS:
             problems.append(f"MLX affine quantization takes {', '.join(map(str, MLX_BITS))} bits, "
@@ -211,7 +220,7 @@ def is_mlx_config(config: dict) -> bool:
     """An mlx-lm affine checkpoint: `quantization` with bits and group size, no quant_method."""
     q = config.get("quantization")
     return isinstance(q, dict) and "bits" in q and "group_size" in q \
-        and q.get("mode", "affine") == "affine"
+        and q.get("mode", "affine") in ("affine", "mxfp4")
 
 
 def read_mlx(path: Path, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
@@ -231,18 +240,24 @@ def read_mlx(path: Path, dtype: torch.dtype = torch.float32) -> dict[str, torch.
         if base is None or f"{base}.scales" not in raw:
             out[key] = t.to(dtype) if t.is_floating_point() else t
             continue
-        scales, biases = raw[f"{base}.scales"], raw[f"{base}.biases"]
+        scales = raw[f"{base}.scales"]
         groups = scales.shape[-1]
         layer = cfg["quantization"].get(base)
-        group = int((layer if isinstance(layer, dict) else cfg["quantization"])["group_size"])
+        params = layer if isinstance(layer, dict) else cfg["quantization"]
+        group = int(params["group_size"])
         bits = t.shape[-1] * 32 // (groups * group)
-        q = unpack_mlx(t, bits).float()
+        q = unpack_mlx(t, bits)
         q = q.reshape(*q.shape[:-1], groups, -1)
-        # MLX's arithmetic, in the stored dtype: scales * q rounded to it, then + biases
-        # rounded again (s * q of a bf16 / fp16 scale and a code <= 255 is exact in float32)
-        sq = (scales.float()[..., None] * q).to(scales.dtype)
-        w = (sq.float() + biases.float()[..., None]).to(scales.dtype)
-        w = w.reshape(*t.shape[:-1], -1).to(dtype)
+        if params.get("mode", "affine") == "mxfp4":  # E2M1 value * 2^(E8M0 - 127), exact
+            w = e2m1_decode(q) * torch.exp2(scales.float() - 127)[..., None]
+            w = w.reshape(*t.shape[:-1], -1).to(dtype)
+        else:
+            # MLX's arithmetic, in the stored dtype: scales * q rounded to it, then + biases
+            # rounded again (s * q of a bf16 / fp16 scale and a code <= 255 is exact in float32)
+            biases = raw[f"{base}.biases"]
+            sq = (scales.float()[..., None] * q.float()).to(scales.dtype)
+            w = (sq.float() + biases.float()[..., None]).to(scales.dtype)
+            w = w.reshape(*t.shape[:-1], -1).to(dtype)
         if ".switch_mlp." in base:
             block, _, proj = base.partition(".switch_mlp.")
             if block.endswith("block_sparse_moe"):  # Mixtral's checkpoint names
