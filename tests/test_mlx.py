@@ -210,12 +210,14 @@ def test_mlx_dequantize_vs_quantkits_own_dequantized_weights(mlx_artifacts, smol
     """Against what quantkit itself computes for RTN (QuantResult.dequantize in bf16): the
     stored codes are quantkit's codes exactly, and mx.dequantize's weights differ only where
     MLX rounds: the scale to bf16 (MLX keeps no float32 scale), and scale * q to bf16 before
-    the bias is added. Per weight that is at most |s_bf16 - s| * |q - z| (2^-9 of the group's
-    largest level), the bf16 rounding of the bias -s * z (2^-9 of |s z| <= 15s), of s_bf16 *
-    q (< 16s), of the sum and of quantkit's own result: about 6 * 2^-9 of the group's largest
-    level max(z, 15 - z) * s >= 7.5s, asserted below 2^-6 (measured on SmolLM2 RTN g64, asym
-    grid with integer z: 0.0128, 61 % of the weights one bf16 step or more apart; printed).
-    The artifact is on the format's default grid (asymmetric, z a float fitted per group)."""
+    the bias is added. The artifact is on the format's default grid (asymmetric, z a float
+    fitted per group, written as biases = -s * z rounded once), so per weight, with L =
+    max(|z|, |15 - z|) * s >= 7.5s the group's largest level and bf16's rounding at most 2^-8
+    relative: the scale's rounding times q (<= 15 * 2^-8 s), the bias's (2^-8 |s z| <= 2^-8 L),
+    that of s_bf16 * q (< 16 * 2^-8 s), of the sum and of quantkit's own result (2^-8 L each):
+    (31 / 7.5 + 3) * 2^-8 L = 0.028 L at most, asserted below 2^-5 (measured 0.023 on SmolLM2
+    RTN g64, 75 % of the weights one bf16 step or more apart; with integer z, biases =
+    -s_bf16 * z: 0.0128 and 61 %; printed)."""
     from quantkit.engines.mlx import mlx_dequantize
     from quantkit.methods.intquant import rtn_quantize_weight
 
@@ -237,7 +239,7 @@ def test_mlx_dequantize_vs_quantkits_own_dequantized_weights(mlx_artifacts, smol
         total += w.numel()
     print(f"max |mx.dequantize - QuantResult.dequantize| / group max level = {worst:.3g}; "
           f"{differing / total:.2%} of weights differ")
-    assert 0 < worst <= 2 ** -6
+    assert 0 < worst <= 2 ** -5
 
 
 @pytest.mark.engine
