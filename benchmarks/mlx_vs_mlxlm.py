@@ -18,8 +18,10 @@ Peers, made in MLX's venv (scripts/setup_mlx.sh):
                      fails or runs past --peer-timeout is recorded with the reason (both ran
                      past 600 s with 8 x 512 tokens on the 2 shared cores, 2026-12-03)
 quantkit: --format mlx on the format's default grid (asymmetric: symmetric_auto, as the CLI
-without --sym / --asym); rtn, gptq, gptq with static-group act-order (groups stay k // 64, what
-MLX stores), the same with --gptq-v-hessian attention, awq.
+without --sym / --asym; its zero points fitted floats, FormatRecord.float_zero, since MLX's
+bias is a free float); rtn, gptq without act-order (--no-act-order), gptq with static-group
+act-order (groups stay k // 64, what MLX stores; the mlx format's GPTQ default), the same with
+--gptq-v-hessian attention, awq.
 Writes benchmarks/results/mlx_vs_mlxlm_smollm2_cpu.json.
 """
 

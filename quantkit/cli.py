@@ -196,6 +196,9 @@ def _request(**extra):
                            # --sym / --asym not typed: the format's grid (asymmetric for mlx)
                            symmetric_auto=method in FLAG_READERS["sym"]
                            and "sym" not in values.explicit,
+                           # GPTQ without --act-order / --no-act-order: the format's (on for mlx)
+                           act_order_auto=method in FLAG_READERS["act_order"]
+                           and "act_order" not in values.explicit,
                            moe_calibrate_all_experts=p["moe_calibrate_all_experts"],
                            expert_min_tokens=p["expert_min_tokens"], kv_cache=p["kv_cache"],
                            command="quantkit " + shlex.join(sys.argv[1:]), **extra)

@@ -43,7 +43,11 @@ class QuantScheme:
     `activations`: None for weight-only schemes; "dynamic" (per-token scales computed by the
     engine) or "static" (one calibrated per-tensor scale) when the engine also quantizes the
     Linear's inputs to the weights' integer type (int8 W8A8); "fp8" for int4 weights whose
-    inputs the engine casts to FP8 E4M3 under one calibrated per-tensor scale (W4A8_AWQ)."""
+    inputs the engine casts to FP8 E4M3 under one calibrated per-tensor scale (W4A8_AWQ).
+
+    `float_zero`: the asymmetric grid's zero point is a float per group (the format stores a
+    free float bias, FormatRecord.float_zero: MLX), so scale and zero are fitted by least
+    squares on the chosen codes (intquant.group_quantize, affine_refit); otherwise an integer."""
 
     kind: str = "int"  # "int" | "fp8" | "kquant" | "nvfp4" | "mxfp4"
     bits: int = 4
@@ -52,6 +56,7 @@ class QuantScheme:
     act_order: bool = False
     gguf_type: str | None = None
     activations: str | None = None
+    float_zero: bool = False
 
     def groups(self, in_features: int) -> int:
         return 1 if self.group_size in (-1, 0) else -(-in_features // self.group_size)
@@ -82,7 +87,8 @@ class QuantResult:
 
     Integer schemes (the invariant every method keeps, checked by tests):
       codes  uint8 [N, K], original column order, values in [0, 2^bits - 1]
-      scale  float32 [N, G]; zero int32 [N, G] (sym: 2^(bits-1) everywhere)
+      scale  float32 [N, G]; zero int32 [N, G] (sym: 2^(bits-1) everywhere; float32 where
+             scheme.float_zero: a format with a free float bias per group)
       g_idx  int32 [K] group of each column (None = k // group_size)
       weight = (codes - zero[:, g_idx]) * scale[:, g_idx]
     `extra` carries format-specific side tensors (e.g. AWQ pre_quant_scale, K-quant blocks).

@@ -99,8 +99,9 @@ def dequantize(model: str, out_path: str) -> None:
             continue
         base = key[: -len(".scales")]
         layer = quant.get(base) if isinstance(quant.get(base), dict) else quant
-        w = mx.dequantize(weights[base + ".weight"], weights[key], weights[base + ".biases"],
-                          group_size=int(layer["group_size"]), bits=int(layer["bits"]))
+        w = mx.dequantize(weights[base + ".weight"], weights[key], weights.get(base + ".biases"),
+                          group_size=int(layer["group_size"]), bits=int(layer["bits"]),
+                          mode=layer.get("mode", "affine"))
         out[base + ".weight"] = np.array(w.astype(mx.float32))
     np.savez(out_path, **out)
 

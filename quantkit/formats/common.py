@@ -101,7 +101,10 @@ class FormatRecord:
     (what the engine's MoE loader reads); `symmetric`: the integer grid of a request that
     did not choose one (--sym / --asym not given: QuantizeRequest.symmetric_auto). MLX's
     affine grid keeps a float bias per group, so it takes the asymmetric grid; every other
-    format the symmetric one."""
+    format the symmetric one. `float_zero`: the format stores that bias as a free float, so an
+    asymmetric scheme for it gets QuantScheme.float_zero (zero points fitted, not rounded).
+    `act_order`: GPTQ's column order for a request that chose none (act_order_auto: no
+    --act-order / --no-act-order); on for MLX, whose groups stay static under it."""
 
     name: str
     writer: Callable[[], Any]
@@ -110,6 +113,8 @@ class FormatRecord:
     kv_cache: bool = False
     stores_experts: Callable[[Any], bool] = _stores_no_experts
     symmetric: bool = True
+    float_zero: bool = False
+    act_order: bool = False
 
 
 class FormatWriter:

@@ -10,11 +10,13 @@ Per quantized Linear (N out, K in, G = K / group_size groups, b bits):
   <linear>.bias    model dtype [N]      optional (the Linear's own bias)
 Dequantized (mx.dequantize): W[n, k] = scales[n, g] * q[n, k] + biases[n, g], g = k // group.
 
-quantkit's grid is W = (q - z) * s, so biases = -s * z with s first rounded to the model dtype
-(biases = -scales * z): the stored pair then reproduces the result's levels up to the rounding
-of s and of s * z themselves (MLX keeps no float32 scale). Requests that choose no grid are
-quantized on the asymmetric one (RECORD.symmetric = False: min / max per group, an integer z
-per group), which uses every level of MLX's affine grid; `--sym` gives z = 2^(b-1).
+quantkit's grid is W = (q - z) * s. Requests that choose no grid are quantized on the
+asymmetric one (RECORD.symmetric = False), and since `biases` is a free float the asymmetric
+grid here has float zero points (RECORD.float_zero: QuantScheme.float_zero): each group's
+(s, z) is fitted by least squares on its codes (RTN and AWQ: codes rounded and (s, z) refitted
+in turn; GPTQ: its codes kept, (s, z) refitted against its Hessian), biases = -s * z rounded
+once to the model dtype. `--sym` gives z = 2^(b-1) and biases = -scales * z with s first
+rounded to the model dtype (MLX keeps no float32 scale), as for any integer z.
 
 Mixture-of-experts blocks: mlx-lm's SwitchGLU keeps every expert of one projection stacked,
 `<block>.switch_mlp.<proj>.weight` uint32 [E, N, K*b/32], `.scales` / `.biases` [E, N, G];
@@ -34,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from quantkit.e2m1 import e2m1_decode
 from quantkit.formats.common import (
     FormatRecord,
     FormatWriter,
@@ -54,6 +57,9 @@ _SUFFIXES = (".scales", ".biases")
 _EXPERT = re.compile(r"^(?P<block>.+)\.experts\.(?P<e>\d+)\.(?P<proj>\w+)$")
 _MIXTRAL = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
 _MIXTRAL_BACK = {v: k for k, v in _MIXTRAL.items()}
+# transformers' text-only model_type -> mlx-lm's module for it (mlx_lm/models/<type>.py, 0.32.2:
+# qwen3_5.py reads a config without text_config as the text config itself)
+_MLX_MODEL_TYPES = {"qwen3_5_text": "qwen3_5"}
 _NUM_EXPERTS_TYPES = ("qwen3_moe", "qwen2_moe", "olmoe")  # mlx-lm's ModelArgs name num_experts
 
 
@@ -90,13 +96,20 @@ def _check_result(r: QuantResult) -> None:
 
 
 def mlx_tensors(r: QuantResult, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """weight / scales / biases of one QuantResult on MLX's grid (codes [N, K], scale [N, G])."""
+    """weight / scales / biases of one QuantResult on MLX's grid (codes [N, K], scale [N, G]);
+    MXFP4 (mx.quantize's mode "mxfp4"): the E2M1 codes packed as 4-bit values, the E8M0
+    exponents as uint8 scales, no biases."""
+    if r.scheme.kind == "mxfp4":
+        return {"weight": pack_mlx(r.codes, 4), "scales": r.scale.to(torch.uint8).contiguous()}
     _check_result(r)
     bits = r.scheme.bits
     zero = r.zero if r.zero is not None else torch.full_like(r.scale, 1 << (bits - 1),
                                                              dtype=torch.int32)
     scales = r.scale.to(dtype)
-    biases = (-scales.float() * zero.float()).to(dtype)
+    # an integer z: -s_dtype * z (0 stays a level of the stored grid); a fitted float z (the
+    # float-zero grid): the fitted bias -s * z itself, rounded once to the dtype
+    biases = (-(r.scale.float() if zero.is_floating_point() else scales.float())
+              * zero.float()).to(dtype)
     return {"weight": pack_mlx(r.codes, bits), "scales": scales.contiguous(),
             "biases": biases.contiguous()}
 
@@ -110,16 +123,19 @@ def switch_name(name: str) -> tuple[str, int] | None:
     return f"{m['block']}.switch_mlp.{proj}", int(m["e"])
 
 
-def _layer_params(r: QuantResult) -> dict[str, int]:
-    return {"group_size": r.scheme.effective_group(r.codes.shape[1]), "bits": r.scheme.bits}
+def _layer_params(r: QuantResult) -> dict:
+    params = {"group_size": r.scheme.effective_group(r.codes.shape[1]), "bits": r.scheme.bits}
+    return {**params, "mode": "mxfp4"} if r.scheme.kind == "mxfp4" else params
 
 
 def mlx_lm_config(config: dict) -> dict:
     """`config` plus the transformers-4 keys mlx-lm 0.32's ModelArgs require where a
     transformers 5 config holds them elsewhere: `rope_theta` (5 keeps it in rope_parameters;
     a non-default rope also as `rope_scaling`) and Qwen MoE's `num_experts` (5 writes
-    num_local_experts). Keys already there are kept."""
+    num_local_experts). Keys already there are kept. A text-only config whose model_type
+    mlx-lm has no module for is named by the module that reads it (_MLX_MODEL_TYPES)."""
     out = dict(config)
+    out["model_type"] = _MLX_MODEL_TYPES.get(out.get("model_type"), out.get("model_type"))
     rope = out.get("rope_parameters")
     if isinstance(rope, dict) and "rope_theta" not in out and "rope_theta" in rope:
         out["rope_theta"] = rope["rope_theta"]
@@ -137,8 +153,11 @@ class MLXWriter(FormatWriter):
 
     def check(self, scheme: QuantScheme, shapes: dict[str, tuple[int, int]]) -> list[str]:
         """What MLX's affine quantization cannot take; runs before calibration."""
+        if scheme.kind == "mxfp4":  # mx.quantize(mode="mxfp4"): 4 bits, groups of 32
+            return [] if scheme.group_size == 32 and not scheme.activations else [
+                "MLX's mxfp4 mode is weight-only with groups of 32"]
         if scheme.kind != "int":
-            return [f"MLX's affine layout stores integer weights (this writer), not {scheme.kind}"]
+            return [f"MLX stores affine integer or mxfp4 weights, not {scheme.kind}"]
         problems = []
         if scheme.bits not in MLX_BITS:
             problems.append(f"MLX affine quantization takes {', '.join(map(str, MLX_BITS))} bits, "
@@ -201,7 +220,7 @@ def is_mlx_config(config: dict) -> bool:
     """An mlx-lm affine checkpoint: `quantization` with bits and group size, no quant_method."""
     q = config.get("quantization")
     return isinstance(q, dict) and "bits" in q and "group_size" in q \
-        and q.get("mode", "affine") == "affine"
+        and q.get("mode", "affine") in ("affine", "mxfp4")
 
 
 def read_mlx(path: Path, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
@@ -221,18 +240,24 @@ def read_mlx(path: Path, dtype: torch.dtype = torch.float32) -> dict[str, torch.
         if base is None or f"{base}.scales" not in raw:
             out[key] = t.to(dtype) if t.is_floating_point() else t
             continue
-        scales, biases = raw[f"{base}.scales"], raw[f"{base}.biases"]
+        scales = raw[f"{base}.scales"]
         groups = scales.shape[-1]
         layer = cfg["quantization"].get(base)
-        group = int((layer if isinstance(layer, dict) else cfg["quantization"])["group_size"])
+        params = layer if isinstance(layer, dict) else cfg["quantization"]
+        group = int(params["group_size"])
         bits = t.shape[-1] * 32 // (groups * group)
-        q = unpack_mlx(t, bits).float()
+        q = unpack_mlx(t, bits)
         q = q.reshape(*q.shape[:-1], groups, -1)
-        # MLX's arithmetic, in the stored dtype: scales * q rounded to it, then + biases
-        # rounded again (s * q of a bf16 / fp16 scale and a code <= 255 is exact in float32)
-        sq = (scales.float()[..., None] * q).to(scales.dtype)
-        w = (sq.float() + biases.float()[..., None]).to(scales.dtype)
-        w = w.reshape(*t.shape[:-1], -1).to(dtype)
+        if params.get("mode", "affine") == "mxfp4":  # E2M1 value * 2^(E8M0 - 127), exact
+            w = e2m1_decode(q) * torch.exp2(scales.float() - 127)[..., None]
+            w = w.reshape(*t.shape[:-1], -1).to(dtype)
+        else:
+            # MLX's arithmetic, in the stored dtype: scales * q rounded to it, then + biases
+            # rounded again (s * q of a bf16 / fp16 scale and a code <= 255 is exact in float32)
+            biases = raw[f"{base}.biases"]
+            sq = (scales.float()[..., None] * q.float()).to(scales.dtype)
+            w = (sq.float() + biases.float()[..., None]).to(scales.dtype)
+            w = w.reshape(*t.shape[:-1], -1).to(dtype)
         if ".switch_mlp." in base:
             block, _, proj = base.partition(".switch_mlp.")
             if block.endswith("block_sparse_moe"):  # Mixtral's checkpoint names
@@ -255,6 +280,8 @@ def _stores_experts(spec) -> bool:
 
 
 # asymmetric unless asked: `biases` is a free float per group, and a symmetric grid leaves
-# levels unused in every group whose weights are not centred on zero
+# levels unused in every group whose weights are not centred on zero; the zero points are
+# fitted floats; GPTQ takes act-order unless told not to (static groups, which MLX stores):
+# both measured on SmolLM2 4-bit g64, benchmarks/mlx_vs_mlxlm.py
 RECORD = FormatRecord("mlx", MLXWriter, read=read_mlx, stores_experts=_stores_experts,
-                      symmetric=False)
+                      symmetric=False, float_zero=True, act_order=True)

@@ -68,8 +68,7 @@ from quantkit.methods.intquant import (
     announce_rtn_fallback,
     check_int_scheme,
     check_no_act_order,
-    group_qparams,
-    quantize_to_codes,
+    group_quantize,
     relative_error,
     rtn_quantize_weight,
 )
@@ -109,9 +108,7 @@ def fake_quantize(w: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
     """Q(w) on intquant's grid, in float32; w [..., N, K], groups along K (leading dims batch)."""
     k = w.shape[-1]
     g = scheme.effective_group(k)
-    wg = w.float().reshape(*w.shape[:-1], k // g, g)
-    scale, zero = group_qparams(wg, scheme.bits, scheme.symmetric)
-    q = quantize_to_codes(wg, scale[..., None], zero[..., None], scheme.bits)
+    q, scale, zero = group_quantize(w.reshape(*w.shape[:-1], k // g, g), scheme)
     return ((q - zero[..., None]) * scale[..., None]).reshape(w.shape)
 
 
@@ -233,8 +230,7 @@ def search_clip(w: torch.Tensor, x: torch.Tensor, scheme: QuantScheme, n_grid: i
         for i in range(int(max_shrink * n_grid)):
             m = org_max * (1 - i / n_grid)
             cur = torch.clamp(wg, -m, m)
-            scale, zero = group_qparams(cur, scheme.bits, scheme.symmetric)
-            q = quantize_to_codes(cur, scale[..., None], zero[..., None], scheme.bits)
+            q, scale, zero = group_quantize(cur, scheme)
             d = (q - zero[..., None]) * scale[..., None] - wg
             err = ((d @ h) * d).sum(-1) if quad else (xg @ d.transpose(1, 2)).pow(2).sum(1)
             better = err < best_err

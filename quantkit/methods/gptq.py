@@ -29,6 +29,7 @@ from quantkit.errors import BadWeights, CalibrationError, SchemeMismatch
 from quantkit.ggml.jit import compiled_available
 from quantkit.methods import gptq_triton
 from quantkit.methods.intquant import (
+    affine_refit,
     check_int_scheme,
     group_qparams,
     quantize_to_codes,
@@ -292,6 +293,10 @@ def _gptq(weight: torch.Tensor, hessian: torch.Tensor, scheme: QuantScheme, damp
     n_groups = k // g
     _, qmax = int_qrange(scheme.bits)
     w = weight.detach().to(torch.float32, copy=True)  # one copy (.float().clone(): two)
+    # float zero points (scheme.float_zero): the pair (scale, zero) of every group is refitted
+    # on the final codes against this H (the solve below overwrites its own copy)
+    h_fit = prepare_hessian(hessian, w.device) if scheme.float_zero and not scheme.symmetric \
+        else None
     h = prepare_hessian(hessian, w.device, overwrite_hessian)
 
     # per-group parameters, stored [NG, N] so one group's row is contiguous in the loop
@@ -338,8 +343,13 @@ def _gptq(weight: torch.Tensor, hessian: torch.Tensor, scheme: QuantScheme, damp
             g_idx = torch.empty(k, dtype=torch.int32, device=w.device)
             g_idx[perm] = torch.arange(k, device=w.device, dtype=torch.int32) // g
     codes = codes.clamp_(0, qmax).to(torch.uint8)
-    return GPTQOutput(codes=codes, scale=scale.T.contiguous(), zero=zero.T.to(torch.int32).contiguous(),
-                      g_idx=g_idx, damp=used_damp)
+    scale, zero = scale.T.contiguous(), zero.T.contiguous()
+    if h_fit is not None and g_idx is None:  # the grid loop's integer zeros, refitted as floats
+        scale, zero = affine_refit(weight.detach().float(), codes, scale, zero, g, h_fit)
+        return GPTQOutput(codes=codes, scale=scale.contiguous(), zero=zero.contiguous(),
+                          g_idx=g_idx, damp=used_damp)
+    return GPTQOutput(codes=codes, scale=scale, zero=zero.to(torch.int32), g_idx=g_idx,
+                      damp=used_damp)
 
 
 class GPTQQuantizer(Quantizer):
@@ -484,8 +494,13 @@ def shared_input_sets(ctx: BlockContext, names: list[str]) -> list[list[str]]:
     return sets
 
 
+def gptq_command_args(req) -> list[str]:
+    """The integer scheme's flags, --no-act-order spelled out (a format's default may be on)."""
+    return int_scheme_args(req) + ([] if req.scheme.act_order else ["--no-act-order"])
+
+
 RECORDS = (MethodRecord(
-    name="gptq", quantizer=GPTQQuantizer, build=int_scheme, command_args=int_scheme_args,
+    name="gptq", quantizer=GPTQQuantizer, build=int_scheme, command_args=gptq_command_args,
     reads_calibration=lambda options: True, handles_experts=True, solves_hessians=True,
     # GPTQ onto GGML grids is the gguf method's gptq rounding
     format_aliases={"gguf": ("gguf", {"rounding": "gptq"})}),)

@@ -65,8 +65,10 @@ FLAGS: tuple[Flag, ...] = (
          "Symmetric (no zero point) or asymmetric grid. Default: the format's grid, "
          "asymmetric for --format mlx (its affine grid stores a bias per group), symmetric "
          "for every other format.", readers=_INT_METHODS),
-    Flag("act_order", ("--act-order",), "flag", help="GPTQ: quantize columns in activation order.",
-         readers=("gptq",)),
+    Flag("act_order", ("--act-order/--no-act-order",), "switch", _DEFAULT.act_order,
+         "GPTQ: quantize columns in activation order (groups stay static). Default: the "
+         "format's, on for --format mlx (SmolLM2 4-bit g64 KLD, benchmarks/mlx_vs_mlxlm.py), "
+         "off for every other format.", readers=("gptq",)),
     Flag("damp", ("--damp",), "float", None, "GPTQ: Hessian dampening (share of mean diag).",
          readers=_GPTQ_READERS),
     Flag("true_sequential", ("--true-sequential/--no-true-sequential",), "switch", None,

@@ -115,6 +115,9 @@ class QuantizeRequest:
     # scheme.symmetric was not asked for (no --sym / --asym): the format's grid decides
     # (FormatRecord.symmetric: asymmetric for mlx, symmetric elsewhere)
     symmetric_auto: bool = False
+    # scheme.act_order was not asked for (GPTQ without --act-order / --no-act-order): the
+    # format's default decides (FormatRecord.act_order: on for mlx)
+    act_order_auto: bool = False
     text_column: str | None = None  # the calibration column of a .jsonl/.parquet/hf: source
     # mixture of experts: every token through every expert for statistics (routing unchanged)
     moe_calibrate_all_experts: bool = False
@@ -205,11 +208,22 @@ def resolve_group_size(req: QuantizeRequest,
 
 def resolve_symmetric(req: QuantizeRequest) -> QuantizeRequest:
     """The request with the grid its format defaults to, where it chose none
-    (symmetric_auto): the one place a format sets a scheme default."""
-    if not req.symmetric_auto or req.scheme.kind != "int":
+    (symmetric_auto), with float zero points where the format stores a free float bias and
+    the grid is asymmetric (FormatRecord.float_zero), and GPTQ's act-order where it chose
+    none (act_order_auto): the one place a format sets a scheme default."""
+    if req.scheme.kind != "int":
         return req
-    scheme = dataclasses.replace(req.scheme, symmetric=format_record(req.format).symmetric)
-    return dataclasses.replace(req, scheme=scheme, symmetric_auto=False)
+    record = format_record(req.format)
+    scheme = req.scheme
+    if req.symmetric_auto:
+        scheme = dataclasses.replace(scheme, symmetric=record.symmetric)
+    if req.act_order_auto:
+        scheme = dataclasses.replace(scheme, act_order=record.act_order)
+    if record.float_zero and not scheme.symmetric and not scheme.float_zero:
+        scheme = dataclasses.replace(scheme, float_zero=True)
+    if scheme == req.scheme and not req.symmetric_auto and not req.act_order_auto:
+        return req
+    return dataclasses.replace(req, scheme=scheme, symmetric_auto=False, act_order_auto=False)
 
 
 def check_group_size(scheme: QuantScheme, shapes: dict[str, tuple[int, int]]) -> None:
