@@ -7,7 +7,7 @@ Defaults of a scheme are defined here once; the CLI reads them from here.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -60,6 +60,14 @@ class QuantScheme:
 
     def groups(self, in_features: int) -> int:
         return 1 if self.group_size in (-1, 0) else -(-in_features // self.group_size)
+
+    def record(self) -> dict:
+        """The fields as quantkit.json stores them: `float_zero` only where it is set, so the
+        artifacts of formats with integer zero points keep the bytes they had before it."""
+        out = asdict(self)
+        if not self.float_zero:
+            del out["float_zero"]
+        return out
 
     def effective_group(self, in_features: int) -> int:
         return in_features if self.group_size in (-1, 0) else self.group_size

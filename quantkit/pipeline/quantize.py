@@ -467,7 +467,7 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
     if req.resume and dp is None and not quantizer.quantizes_outside_blocks and not req.kv_cache:
         describe = {"model": str(source.path), "model_files": model_fingerprint(source.path),
                     "method": req.method, "format": writer.name,
-                    "scheme": dataclasses.asdict(req.scheme), "options": req.method_options,
+                    "scheme": req.scheme.record(), "options": req.method_options,
                     "calibration": calib.provenance if calib is not None else None,
                     "device": device, "quantkit": quantkit.__version__,
                     "moe_calibrate_all_experts": req.moe_calibrate_all_experts,
@@ -520,7 +520,7 @@ def _quantize(req: QuantizeRequest, on_progress: ProgressFn | None, dist) -> dic
         "method": req.method,
         "format": writer.name,
         "engines": list(writer.engines),
-        "scheme": dataclasses.asdict(req.scheme),
+        "scheme": req.scheme.record(),
         "source_model": {"spec": req.model, "path": str(source.path),
                          "name_or_path": raw_config.get("_name_or_path") or getattr(
                              config, "name_or_path", "") or req.model,
