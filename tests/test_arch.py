@@ -51,7 +51,7 @@ def test_every_family_linear_has_one_gguf_name_from_the_gguf_package():
     assert gguf_architectures() == ["llama", "qwen2", "qwen3", "qwen3moe", "gpt-oss",
                                     "deepseek2", "gemma3", "phi3", "olmo2", "mistral3", "gemma4", "qwen35",
                                     "qwen35moe", "minimax-m2", "llama4", "qwen3next",
-                                    "nemotron_h_moe", "granitehybrid"]
+                                    "nemotron_h_moe", "granitehybrid", "glm4moe"]
     for spec in ARCHS:
         names = {}
         for rel in spec.linears_for(2):
