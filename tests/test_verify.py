@@ -168,6 +168,14 @@ def test_verify_good_hybrid_in_vllm(discovered):
     _good_moe_verified_or_refused(discovered.gptq("qwen3_next"))
 
 
+def test_verify_sees_fused_stored_experts_per_expert(discovered):
+    """Llama 4 stores its routed experts fused (3-D `gate_up_proj` / `down_proj`); every
+    artifact writes them per expert. Coverage and fidelity read the source per expert (the
+    pipeline's own slicing), so the good artifact's experts are neither 'missing' nor
+    'renamed'; then vLLM runs it or verify says why it cannot (exit 3)."""
+    _good_moe_verified_or_refused(discovered.gptq("llama4"))
+
+
 def test_verify_sigmoid_routed_moe_exits_3(discovered):
     """MiniMax-M2's sigmoid router with a correction bias: vLLM's int4 fused-MoE CPU kernel
     refuses it on every CPU (with AMX for its routing, without for want of AMX), so verify says

@@ -46,6 +46,7 @@ class ShardReader:
         # per-expert tensor name -> (fused experts prefix, expert index), for checkpoints that
         # store the experts fused (gpt-oss): sliced (and MXFP4-decoded) as they are read
         self._sliced: dict[str, tuple[str, int]] = {}
+        self._fused_stored: set[str] = set()  # the shards' names of those fused tensors
         if spec is not None and spec.experts is not None and spec.experts.stored_fused:
             self._index_fused_experts(spec)
 
@@ -58,6 +59,10 @@ class ShardReader:
                 if not module_name.endswith(tail):
                     continue
                 prefix = module_name[: -len(tail)] + f".{es.module}."
+                self._fused_stored.update(
+                    self._file_name(prefix + param + part) for param in (es.fused_gate_up, es.fused_down)
+                    for part in (suffix, "_scales" if suffix else "", "_bias") if
+                    self._file_name(prefix + param + part) in self.files)
                 shape = self._shapes[name]
                 if suffix:  # MXFP4 blocks (E, out, in/32, 16): rows are output channels
                     n, rows, hidden = shape[0], shape[1], shape[2] * shape[3] * 2
@@ -74,6 +79,12 @@ class ShardReader:
                         if es.bias:
                             self._virtual(f"{prefix}{e}.{linear}.bias", wshape[:1], prefix, e)
         self._experts = es
+
+    def split_experts(self) -> tuple[dict[str, tuple[int, ...]], set[str]]:
+        """({per-expert tensor, by the shards' spelling: its shape}, the fused tensors of the
+        shards they are sliced from): what a reader of a fused-expert checkpoint sees instead."""
+        return ({self._file_name(n): self._shapes[self._file_name(n)] for n in self._sliced},
+                set(self._fused_stored))
 
     def _virtual(self, name: str, shape: tuple[int, ...], prefix: str, e: int) -> None:
         self._sliced[name] = (prefix, e)

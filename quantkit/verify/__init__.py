@@ -155,17 +155,32 @@ def record_verification(artifact: Path, result: VerifyResult) -> None:
     tmp.replace(target)
 
 
-def _source_tensors(source: Path):
+def _source_tensors(source: Path, spec=None):
+    """{tensor: (dtype, shape)} of the source checkpoint and a reader of one tensor. A
+    checkpoint that stores its experts fused (gpt-oss, Llama 4, Granite 4) is seen per expert,
+    as every artifact writes them (the fused tensors replaced by their experts' slices)."""
     from quantkit.formats.common import load_tensors, read_safetensors_headers
+    from quantkit.pipeline.streaming import ShardReader
 
     headers = read_safetensors_headers(source)
+    tensors = {n: (h["dtype"], h["shape"]) for n, h in headers.items()}
+    split: dict[str, tuple[int, ...]] = {}
+    if spec is not None and spec.experts is not None and spec.experts.stored_fused:
+        sliced = ShardReader(source, spec.checkpoint_name, spec)
+        split, fused = sliced.split_experts()
+        dtype = next((tensors[n][0] for n in fused if tensors[n][0] in ("BF16", "F16", "F32")), "BF16")
+        tensors = {**{n: t for n, t in tensors.items() if n not in fused},
+                   **{n: (dtype, list(shape)) for n, shape in split.items()}}
     cache: dict[str, torch.Tensor] = {}
 
     def source_of(name: str) -> torch.Tensor:
         if name not in cache:
-            cache.update(load_tensors(source, {name}))
+            if name in split:
+                cache[name] = sliced.get(spec.module_name(name))
+            else:
+                cache.update(load_tensors(source, {name}))
         return cache[name].float()
-    return {n: (h["dtype"], h["shape"]) for n, h in headers.items()}, source_of
+    return tensors, source_of
 
 
 def _spec(config):
@@ -182,7 +197,7 @@ def _safetensors_tensors(ctx: _Context, coverage: Check, fidelity: Check) -> Non
     from quantkit.formats import read_dense_state
     from quantkit.formats.common import read_safetensors_headers
 
-    source, source_of = _source_tensors(ctx.source)
+    source, source_of = _source_tensors(ctx.source, _spec(ctx.config))
     artifact = read_safetensors_headers(ctx.path)
     if ctx.fmt != "mlx":
         quantized = safetensors_coverage(coverage, artifact, source, ctx.config, ctx.fmt,
