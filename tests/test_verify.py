@@ -176,6 +176,16 @@ def test_verify_sees_fused_stored_experts_per_expert(discovered):
     _good_moe_verified_or_refused(discovered.gptq("llama4"))
 
 
+@pytest.mark.engine
+def test_verify_granite_hybrid_experts_stored_fused(discovered):
+    """Granite 4 hybrid (Mamba2 + attention, experts stored fused as input_linear /
+    output_linear, its router's weight stored as router.layer): coverage per expert, the
+    router's Linear ignored by its stored name, and in vLLM every parameter counted as filled
+    when its own weight loader took a tensor (granitemoehybrid.py loads the quantized experts
+    without reporting them in load_weights' set)."""
+    _good_moe_verified_or_refused(discovered.gptq("granitemoehybrid"))
+
+
 def test_verify_sigmoid_routed_moe_exits_3(discovered):
     """MiniMax-M2's sigmoid router with a correction bias: vLLM's int4 fused-MoE CPU kernel
     refuses it on every CPU (with AMX for its routing, without for want of AMX), so verify says

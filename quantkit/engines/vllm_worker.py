@@ -103,18 +103,39 @@ def track_weights() -> dict:
             tracked["loaded"] = None if loaded is None else sorted(loaded)
             return loaded
 
+        # a parameter counts as filled when its own weight loader took a tensor, too: some
+        # model files (granitemoehybrid.py's quantized experts) load through it without
+        # adding the name to the set load_weights returns
+        from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+        called: set[str] = set()
+        wrapped = []
+        for pname, param in model.named_parameters():
+            loader = getattr(param, "weight_loader", None)
+            # the default loader stays itself: model files compare with it (llama4.py,
+            # gpt_oss.py) and its loads are in load_weights' own set
+            if callable(loader) and loader is not default_weight_loader:
+                def recording(*args, _loader=loader, _name=pname, **kwargs):
+                    result = _loader(*args, **kwargs)
+                    if result is not False:  # FusedMoE's return_success=False: not its shard
+                        called.add(_name)
+                    return result
+                param.weight_loader = recording
+                wrapped.append((param, loader))
         self.get_all_weights, model.load_weights = get_all_weights, model_load_weights
         try:
             original(self, model, model_config)
         finally:
             del self.get_all_weights
             model.__dict__.pop("load_weights", None)
+            for param, loader in wrapped:
+                param.weight_loader = loader
         params = sorted(name for name, _ in model.named_parameters())
         tracked.update(given=given, params=params,
                        packed={k: list(v) for k, v in
                                (getattr(model, "packed_modules_mapping", None) or {}).items()})
         if tracked.get("loaded") is not None:
-            filled = set(tracked["loaded"])
+            filled = set(tracked["loaded"]) | called
             try:  # adds the parameters vLLM exempts (KV-cache scales, config-built ones)
                 self.track_weights_loading(model, filled,
                                            quantized=model_config.quantization is not None)

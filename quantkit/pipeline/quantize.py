@@ -759,7 +759,9 @@ def _ignored(spec: ArchSpec) -> list[str]:
     dense += [spec.checkpoint_name(n) for n in spec.outer_linears]
     if spec.experts is None:
         return [spec.lm_head, *dense]
-    router = spec.checkpoint_name(f".{spec.experts.router}.").strip(".")
+    # named by its weight, as the checkpoint stores it (Granite 4's `router` module holds the
+    # weight the checkpoint calls `router.layer.weight`)
+    router = spec.checkpoint_name(f".{spec.experts.router}.weight").strip(".")[: -len(".weight")]
     return [spec.lm_head, f"re:.*{re.escape(router)}$", *dense]
 
 
