@@ -59,10 +59,11 @@ class ShardReader:
                 if not module_name.endswith(tail):
                     continue
                 prefix = module_name[: -len(tail)] + f".{es.module}."
-                self._fused_stored.update(
-                    self._file_name(prefix + param + part) for param in (es.fused_gate_up, es.fused_down)
-                    for part in (suffix, "_scales" if suffix else "", "_bias") if
-                    self._file_name(prefix + param + part) in self.files)
+                # the shards' fused tensors these experts come from (MXFP4: blocks and scales)
+                parts = (suffix, "_scales", "_bias") if suffix else ("", "_bias")
+                for param in (es.fused_gate_up, es.fused_down):
+                    stored = (self._file_name(prefix + param + part) for part in parts)
+                    self._fused_stored.update(n for n in stored if n in self.files)
                 shape = self._shapes[name]
                 if suffix:  # MXFP4 blocks (E, out, in/32, 16): rows are output channels
                     n, rows, hidden = shape[0], shape[1], shape[2] * shape[3] * 2
