@@ -7,7 +7,8 @@ GEMM, NVFP4 and MXFP4 in vLLM where it runs them on this CPU; int8 W8A8 and FP8 
 Qwen3-Next (Gated DeltaNet + MoE), RTN / GPTQ int4, in
 vLLM where it runs their experts (int4 fused-MoE CPU kernel: AMX); GGUF Q8_0, Q6_K-bearing
 Q4_K_M, Q5_K_M, Q4_0, Q3_K_M, Q2_K, IQ4_XS, IQ2_XXS, IQ2_XS, IQ2_S / IQ2_M, IQ3_XXS, IQ3_S,
-Q5_0 and Q4_1 in llama.cpp; RTN / GPTQ int4 as MLX checkpoints in mlx-lm), runs
+Q5_0 and Q4_1 in llama.cpp; RTN / GPTQ int4, NVFP4 and MXFP4 as MLX checkpoints in mlx-lm,
+SmolLM2 RTN int4 and NVFP4 among them), runs
 verify on each with the bounds disabled, and writes
   benchmarks/results/verify_tolerances.json   every measurement + the tolerances
   quantkit/verify/tolerances.json             the tolerances verify applies
@@ -71,6 +72,16 @@ def _artifacts(work: Path, only: list[str]) -> list[tuple[str, Path, str, bool]]
     ]
     plans = [
         ("smollm2 rtn int4 g64", "smollm2-135m", dict(method="rtn", scheme=g), "vllm", True),
+        # MLX runs bf16 against quantkit's float32 decode: a real model's depth shows in the
+        # KLD (the tiny rows alone gave a bound SmolLM2's good artifacts exceed)
+        ("smollm2 rtn int4 g64 mlx", "smollm2-135m", dict(method="rtn", format="mlx", scheme=g,
+                                                          symmetric_auto=True), "mlx", True),
+        ("smollm2 nvfp4 mlx", "smollm2-135m", dict(method="nvfp4", format="mlx",
+                                                   scheme=fp4_scheme("nvfp4")), "mlx", True),
+        ("tiny nvfp4 mlx", tiny, dict(method="nvfp4", format="mlx", scheme=fp4_scheme("nvfp4")),
+         "mlx", True),
+        ("tiny mxfp4 mlx", tiny, dict(method="mxfp4", format="mlx", scheme=fp4_scheme("mxfp4")),
+         "mlx", True),
         ("tiny rtn int4 g64", tiny, dict(method="rtn", scheme=g), "vllm", True),
         ("tiny gptq int4 g64", tiny, dict(method="gptq", scheme=g, calib_samples=8,
                                           calib_seqlen=64), "vllm", True),

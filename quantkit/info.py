@@ -43,7 +43,8 @@ def artifact_info(path: str | Path) -> dict:
             or (meta.get("calibration") or {}).get("source")}
     if path.is_dir():
         qcfg = read_config_json(path).get("quantization_config") or {}
-        info.update(_bits_per_weight(path, int(qcfg.get("bits") or 4)))
+        info.update(_bits_per_weight(path, int(qcfg.get("bits") or 4),
+                                     read_config_json(path).get("quantization")))
         info["nominal_bits_per_weight"] = nominal_bits_per_weight(meta.get("scheme"))
         info["quantization_config"] = {k: qcfg.get(k) for k in (
             "quant_method", "format", "bits", "group_size", "sym", "quant_algo",
@@ -56,9 +57,20 @@ _EMBEDDING_SUFFIXES = ("embed_tokens.weight", "lm_head.weight", "wte.weight", "w
 _GGUF_EMBEDDINGS = ("token_embd.weight", "output.weight")
 
 
-def _bits_per_weight(path: Path, bits: int) -> dict:
+def _mlx_bits(mlx: dict | None, base: str) -> int | None:
+    """The bits of an MLX packed Linear (its per-layer override or the default), None for a
+    checkpoint without MLX's `quantization` entry."""
+    if not isinstance(mlx, dict) or "bits" not in mlx:
+        return None
+    layer = mlx.get(base)
+    return int((layer if isinstance(layer, dict) else mlx)["bits"])
+
+
+def _bits_per_weight(path: Path, bits: int, mlx: dict | None = None) -> dict:
     """Bits on disk per original weight, counting scales/zeros/indices of quantized Linears;
-    also with the embeddings and output head added (they stay unquantized in these formats)."""
+    also with the embeddings and output head added (they stay unquantized in these formats).
+    `mlx`: config.json's `quantization` of an MLX checkpoint, whose packed Linears store
+    uint32 `.weight` codes beside `.scales` (and `.biases`)."""
     headers = read_safetensors_headers(path)
     q_bytes = q_params = all_bytes = all_params = emb_bytes = emb_params = 0
     from safetensors import safe_open
@@ -73,7 +85,17 @@ def _bits_per_weight(path: Path, bits: int) -> dict:
         nbytes = h["data_offsets"][1] - h["data_offsets"][0]
         all_bytes += nbytes
         base = next((name[: -len(s)] for s in _QUANT_SUFFIXES if name.endswith(s)), None)
-        if h["dtype"] in ("F8_E4M3", "F8_E5M2", "I8") and name.endswith(".weight"):  # FP8 / int8 W8A8
+        stem = name.rpartition(".")[0]
+        mlx_bits = _mlx_bits(mlx, stem) if f"{stem}.scales" in headers else None
+        if mlx_bits and h["dtype"] == "U32" and name.endswith(".weight"):  # MLX packed codes
+            q_bytes += nbytes
+            packed = h["shape"]
+            n = _numel(packed[:-1]) * packed[-1] * 32 // mlx_bits
+            q_params += n
+            all_params += n
+        elif mlx_bits and name.endswith(".biases"):
+            q_bytes += nbytes
+        elif h["dtype"] in ("F8_E4M3", "F8_E5M2", "I8") and name.endswith(".weight"):  # FP8 / int8 W8A8
             q_bytes += nbytes
             q_params += _numel(h["shape"])
             all_params += _numel(h["shape"])
@@ -118,6 +140,8 @@ def nominal_bits_per_weight(scheme: dict | None) -> float | None:
         return None
     if group in (-1, 0, None):
         return float(bits)
+    if scheme.get("float_zero"):  # MLX: a float bias per group in the model dtype
+        return bits + 32 / group
     return bits + 16 / group + (0 if scheme.get("symmetric", True) else bits / group)
 
 

@@ -47,7 +47,11 @@ class QuantScheme:
 
     `float_zero`: the asymmetric grid's zero point is a float per group (the format stores a
     free float bias, FormatRecord.float_zero: MLX), so scale and zero are fitted by least
-    squares on the chosen codes (intquant.group_quantize, affine_refit); otherwise an integer."""
+    squares on the chosen codes (intquant.group_quantize, affine_refit); otherwise an integer.
+
+    `tensor_scale`: NVFP4's FP32 scale per tensor (the global scale that keeps the E4M3 group
+    scales in range); False where the format stores none (FormatRecord.fp4_tensor_scale: MLX's
+    QuantizedLinear), so the E4M3 group scales are the weights' own step."""
 
     kind: str = "int"  # "int" | "fp8" | "kquant" | "nvfp4" | "mxfp4"
     bits: int = 4
@@ -57,16 +61,20 @@ class QuantScheme:
     gguf_type: str | None = None
     activations: str | None = None
     float_zero: bool = False
+    tensor_scale: bool = True
 
     def groups(self, in_features: int) -> int:
         return 1 if self.group_size in (-1, 0) else -(-in_features // self.group_size)
 
     def record(self) -> dict:
-        """The fields as quantkit.json stores them: `float_zero` only where it is set, so the
-        artifacts of formats with integer zero points keep the bytes they had before it."""
+        """The fields as quantkit.json stores them: `float_zero` and `tensor_scale` only where
+        they differ from their defaults, so the artifacts of other formats keep the bytes they
+        had before these fields."""
         out = asdict(self)
         if not self.float_zero:
             del out["float_zero"]
+        if self.tensor_scale:
+            del out["tensor_scale"]
         return out
 
     def effective_group(self, in_features: int) -> int:
@@ -85,7 +93,9 @@ class QuantScheme:
         if self.kind in ("nvfp4", "mxfp4"):
             scale = "FP8 E4M3" if self.kind == "nvfp4" else "E8M0"
             inputs = "A4 (NVFP4 inputs)" if self.activations else "A16"
-            return f"{self.kind.upper()} W4{inputs}, E2M1 with a {scale} scale per {self.group_size}"
+            tensor = "" if self.tensor_scale or self.kind != "nvfp4" else ", no tensor scale"
+            return (f"{self.kind.upper()} W4{inputs}, E2M1 with a {scale} scale per "
+                    f"{self.group_size}{tensor}")
         return self.gguf_type or self.kind
 
 

@@ -114,7 +114,7 @@ def test_moe_routing_the_int4_moe_kernel_takes():
     RenormalizeNaive. Where the kernel runs at all (AMX), a sigmoid router is still refused."""
     import transformers
 
-    from quantkit.engines.capabilities import vllm_moe_routing
+    from quantkit.engines.capabilities import VllmExperts, vllm_moe_activation, vllm_moe_routing
 
     caps = vllm_capabilities()
     bias = ["model.layers.0.mlp.gate.e_score_correction_bias"]
@@ -125,19 +125,27 @@ def test_moe_routing_the_int4_moe_kernel_takes():
     assert vllm_moe_routing({**qwen, "n_group": 2}, bias) == "DeepSeekV3"
     assert vllm_moe_routing(transformers.Qwen3Config().to_dict(), []) is None
     assert vllm_moe_routing(transformers.Llama4TextConfig().to_dict(), []) == "Llama4"
-    if caps.moe_quantized:  # AMX: the kernel runs, softmax routings only
+    # the experts' activation vLLM's model files pass (gpt_oss.py: swigluoai; default silu)
+    assert vllm_moe_activation(qwen) == "silu"
+    assert vllm_moe_activation(transformers.GptOssConfig().to_dict()) == "swigluoai"
+    assert vllm_moe_activation(transformers.NemotronHConfig().to_dict()) == "relu2_no_mul"
+    if caps.moe_quantized:  # AMX: the kernel runs, softmax routings and SiLU experts only
         assert caps.moe_int4_routing == ["Default", "Renormalize", "RenormalizeNaive"]
+        assert caps.moe_int4_activations == ["silu"]
+        assert vllm_cannot_run("int4", experts=VllmExperts("RenormalizeNaive", "swigluoai")) == (
+            "vLLM's int4 fused-MoE CPU kernel (CPUExpertsInt4) takes the experts' activations "
+            "silu only, not this model's swigluoai")
     if vllm_cannot_run("int4", moe=True) is None:
-        assert vllm_cannot_run("int4", moe=True, routing="RenormalizeNaive") is None
-        assert vllm_cannot_run("int4", moe=True, routing="MiniMax2") == (
+        assert vllm_cannot_run("int4", experts=VllmExperts("RenormalizeNaive")) is None
+        assert vllm_cannot_run("int4", experts=VllmExperts("MiniMax2")) == (
             "vLLM's int4 fused-MoE CPU kernel (CPUExpertsInt4) takes the routing methods "
             "Default, Renormalize, RenormalizeNaive only, not this model's MiniMax2")
         # Llama 4 multiplies the routing weight into the experts' input (at the first forward)
-        assert vllm_cannot_run("int4", moe=True, routing="Llama4") == explain_vllm_failure(
+        assert vllm_cannot_run("int4", experts=VllmExperts("Llama4")) == explain_vllm_failure(
             "AssertionError: apply_router_weight_on_input is only implemented for topk=1")
         assert not caps.moe_int4_weight_on_input
     else:  # no kernel at all: that reason, whatever the routing
-        assert vllm_cannot_run("int4", moe=True, routing="MiniMax2") == \
+        assert vllm_cannot_run("int4", experts=VllmExperts("MiniMax2")) == \
             vllm_cannot_run("int4", moe=True)
 
 

@@ -61,9 +61,9 @@ def _generates_or_refuses(artifact: Path, model_cls: str, needs: str,
                           platform_refusal: str | None) -> None:
     if platform_refusal == "torchvision" and vllm_imports_torchvision():
         platform_refusal = None
-    routing = vllm_artifact_moe(artifact)
-    assert (routing is not None) == (needs == "moe"), routing
-    if platform_refusal is None and vllm_runs("int4", moe=needs == "moe", routing=routing):
+    experts = vllm_artifact_moe(artifact)
+    assert (experts is not None) == (needs == "moe"), experts
+    if platform_refusal is None and vllm_runs("int4", moe=needs == "moe", experts=experts):
         text = run_vllm(artifact, generate=_PROMPT, max_model_len=128)["generate"][0]
         assert len(text) > 0
         return
@@ -77,7 +77,7 @@ def _generates_or_refuses(artifact: Path, model_cls: str, needs: str,
     elif platform_refusal is not None:
         assert platform_refusal in said
         engine_check(f"vllm {model_cls}", real=False, reason=platform_refusal)
-    elif needs == "moe" and vllm_cannot_run("int4", moe=True, routing=routing) == \
+    elif needs == "moe" and vllm_cannot_run("int4", experts=experts) == \
             explain_vllm_failure(_WEIGHT_ON_INPUT):  # Llama 4 with AMX: at the first forward
         assert _WEIGHT_ON_INPUT in said
     else:  # the probe said this kernel is missing here: vLLM's own words for it (an MoE

@@ -296,6 +296,17 @@ def test_gpt_oss_w4a16_artifact_in_real_vllm(gpt_oss_mxfp4, tmp_path):
                  max_model_len=256)
     assert "No WNA16 MoE backend supports the deployment configuration." in str(e.value)
     assert "Using CompressedTensorsWNA16MoEMethod" in e.value.log
+    # verify says so before starting vLLM (exit 3: the engine cannot run it here, the probe
+    # asked CPUExpertsInt4 which activations it takes), coverage and fidelity still checked
+    from quantkit.engines.capabilities import vllm_artifact_moe, vllm_cannot_run
+    from quantkit.verify import EXIT_ENGINE_CANNOT_RUN, verify
+
+    experts = vllm_artifact_moe(artifact)
+    assert experts is not None and experts.activation == "swigluoai"
+    result = verify(artifact, engine="vllm", base=gpt_oss_mxfp4)
+    assert result.exit_code == EXIT_ENGINE_CANNOT_RUN, result.to_dict()
+    assert result.engine_cannot_run == vllm_cannot_run("int4", experts=experts)
+    assert "swigluoai" in result.engine_cannot_run or "AMX" in result.engine_cannot_run
 
 
 def test_gpt_oss_gguf_refuses_layer_types_llama_cpp_would_not_run(gpt_oss_bf16, tmp_path):

@@ -140,6 +140,16 @@ def test_api_symmetric_auto_takes_the_formats_grid(tiny_llama, tmp_path):
     off = resolve_symmetric(QuantizeRequest(model=str(tiny_llama), method="gptq",
                                             scheme=SCHEME, out=tmp_path, format="mlx"))
     assert off.scheme.act_order is False and "--no-act-order" in off.cli_equivalent()
+    # NVFP4 drops its tensor scale for mlx only (MLX's QuantizedLinear holds none); the
+    # record leaves the field out where it keeps the default (other formats' bytes unchanged)
+    from quantkit.methods.fp4 import fp4_scheme
+
+    for fmt, kept in (("mlx", False), ("compressed-tensors", True), ("modelopt", True)):
+        nv = resolve_symmetric(QuantizeRequest(model=str(tiny_llama), method="nvfp4",
+                                               scheme=fp4_scheme("nvfp4"), out=tmp_path,
+                                               format=fmt))
+        assert nv.scheme.tensor_scale is kept, fmt
+        assert ("tensor_scale" in nv.scheme.record()) is not kept, fmt
 
 
 # ---- real mlx-lm ---------------------------------------------------------------------------
@@ -185,6 +195,20 @@ def test_smollm2_mlx_loads_in_mlx_lm_and_answers_paris(mlx_artifacts, method):
     res = run_mlx(path, generate=[{"prompt": PROMPT, "max_tokens": 3}])
     assert res["quantized_layers"] == 30 * 7  # SmolLM2: 30 blocks x 7 Linears, all packed
     assert "Paris" in res["generate"][0], res["generate"]
+
+
+@pytest.mark.engine
+@pytest.mark.slow
+def test_verify_passes_smollm2_gptq_mlx(mlx_artifacts):
+    """A good SmolLM2 MLX artifact verifies in mlx-lm under the bound measured on SmolLM2
+    (benchmarks/verify_tolerances.py "smollm2 rtn int4 g64 mlx": MLX's bf16 forward against
+    quantkit's float32 decode; the tiny models' bound alone was 40x too tight for it)."""
+    from quantkit.verify import EXIT_VERIFIED, verify
+
+    result = verify(mlx_artifacts["gptq"], engine="mlx")
+    assert result.exit_code == EXIT_VERIFIED, result.to_dict()
+    parity = result.checks["parity"].measured
+    assert parity["tolerance_key"] == "int4:bfloat16" and parity["positions"] > 100, parity
 
 
 @pytest.mark.engine
@@ -263,6 +287,11 @@ def test_tiny_asym_mlx_dequantize_equals_quantkits_reading(tiny_llama, tmp_path,
     assert mlx_w
     for name, w in mlx_w.items():
         assert torch.equal(w, ours[name].float()), name
+    # bf16 scales and bf16 biases per group of 64: 4 + 32 / 64 bits per weight, as stored
+    from quantkit.info import artifact_info
+
+    info = artifact_info(out)
+    assert info["bits_per_weight_quantized"] == info["nominal_bits_per_weight"] == 4.5
 
 
 @pytest.mark.engine
@@ -356,23 +385,29 @@ def test_tiny_qwen3_5_hybrid_mlx_loads_strict_and_generates(discovered, tmp_path
 
 
 @pytest.mark.engine
-def test_tiny_mxfp4_mlx_mode_loads_and_dequantizes_exactly(tiny_llama, tmp_path):
-    """`--method mxfp4 --format mlx`: MLX 0.32's "mxfp4" mode (E2M1 codes packed as 4-bit
-    values, uint8 E8M0 scales per 32, no biases; config `quantization` mode mxfp4). mlx-lm
-    loads it strictly and generates; mx.dequantize(mode="mxfp4") equals quantkit's reading bit
-    for bit, and that equals the method's own weights (E2M1 value * 2^(e - 127) of
-    e2m1.quantize_mxfp4 on the source weights, exact in bf16)."""
-    from quantkit.e2m1 import dequantize_fp4, quantize_mxfp4
+@pytest.mark.parametrize("mode", ["mxfp4", "nvfp4"])
+def test_tiny_fp4_mlx_modes_load_and_dequantize_exactly(tiny_llama, tmp_path, mode):
+    """`--method mxfp4|nvfp4 --format mlx`: MLX 0.32's "mxfp4" / "nvfp4" modes (E2M1 codes
+    packed as 4-bit values, uint8 scales: E8M0 exponents per 32 / E4M3 bytes per 16, no
+    biases; config `quantization` names the mode). NVFP4 goes without its tensor scale, which
+    MLX's QuantizedLinear does not hold: its E4M3 scales are the groups' own steps. mlx-lm
+    loads it strictly and generates; mx.dequantize(mode=...) equals quantkit's reading bit for
+    bit, and that equals the method's own weights (e2m1.quantize_mxfp4 / quantize_nvfp4 with
+    the tensor scale 1 on the source weights, exact in bf16); verify --engine mlx passes."""
+    from quantkit.e2m1 import dequantize_fp4, quantize_mxfp4, quantize_nvfp4
     from quantkit.engines.mlx import mlx_dequantize, run_mlx
     from quantkit.methods.fp4 import fp4_scheme
+    from quantkit.verify import EXIT_VERIFIED, verify
 
-    out = tmp_path / "mxfp4-mlx"
-    quantize(QuantizeRequest(model=str(tiny_llama), method="mxfp4", scheme=fp4_scheme("mxfp4"),
-                             out=out, format="mlx"))
+    out = tmp_path / f"{mode}-mlx"
+    meta = quantize(QuantizeRequest(model=str(tiny_llama), method=mode, scheme=fp4_scheme(mode),
+                                    out=out, format="mlx"))
+    group = {"mxfp4": 32, "nvfp4": 16}[mode]
+    assert (meta["scheme"].get("tensor_scale", True) is False) == (mode == "nvfp4")
     cfg = json.loads((out / "config.json").read_text())
-    assert cfg["quantization"] == {"group_size": 32, "bits": 4, "mode": "mxfp4"}
+    assert cfg["quantization"] == {"group_size": group, "bits": 4, "mode": mode}
     stored = _source_weights(out)
-    assert not any(k.endswith(".biases") for k in stored)
+    assert not any(k.endswith((".biases", "global_scale")) for k in stored)
     assert all(stored[k].dtype == torch.uint8 for k in stored if k.endswith(".scales"))
     res = run_mlx(out, generate=[{"prompt": PROMPT, "max_tokens": 3}])
     packed = [k for k in stored if k.endswith(".scales")]
@@ -384,5 +419,17 @@ def test_tiny_mxfp4_mlx_mode_loads_and_dequantizes_exactly(tiny_llama, tmp_path)
     assert len(mlx_w) == len(packed)
     for name, w in mlx_w.items():
         assert torch.equal(w, ours[name].float()), name
-        codes, exps = quantize_mxfp4(source[name])
-        assert torch.equal(w, dequantize_fp4(codes, exps).to(torch.bfloat16).float()), name
+        if mode == "mxfp4":
+            want = dequantize_fp4(*quantize_mxfp4(source[name]))
+        else:
+            codes, scale, one = quantize_nvfp4(source[name], torch.ones(1), source[name].dtype)
+            want = dequantize_fp4(codes, scale, one)
+        assert torch.equal(w, want.to(torch.bfloat16).float()), name
+    result = verify(out, engine="mlx", base=str(tiny_llama))
+    assert result.exit_code == EXIT_VERIFIED, result.to_dict()
+    # `quantkit info` counts the packed codes as the weights they stand for
+    from quantkit.info import artifact_info
+
+    info = artifact_info(out)
+    assert info["bits_per_weight_quantized"] == info["nominal_bits_per_weight"] == 4 + 8 / group
+    assert info["parameters"] == sum(t.numel() for t in source.values())

@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from tiny_models import make_tiny_model
 from vllm_checks import vllm_runs
 
-from quantkit.engines.capabilities import vllm_artifact_moe, vllm_cannot_run
+from quantkit.engines.capabilities import VllmExperts, vllm_artifact_moe, vllm_cannot_run
 from quantkit.pipeline.quantize import QuantizeRequest, quantize
 from quantkit.types import QuantScheme
 
@@ -132,14 +132,14 @@ def _good_moe_verified_or_refused(artifact: Path) -> dict:
     """A good MoE / hybrid artifact in vLLM: exit 0 with every row passed where vLLM runs its
     quantized experts here (the probe asks vLLM, with the experts' routing), else exit 3 with
     the probe's own reason, coverage and fidelity still checked."""
-    routing = vllm_artifact_moe(artifact)
-    assert routing is not None
+    experts = vllm_artifact_moe(artifact)
+    assert experts is not None
     code, rep = _verify(artifact, "vllm")
     assert rep["checks"]["coverage"]["status"] == "pass", _problems(rep)
     assert rep["checks"]["fidelity"]["status"] == "pass", _problems(rep)
-    if not vllm_runs("int4", moe=True, routing=routing):
+    if not vllm_runs("int4", experts=experts):
         assert code == 3, _problems(rep)
-        assert rep["engine_cannot_run"] == vllm_cannot_run("int4", moe=True, routing=routing)
+        assert rep["engine_cannot_run"] == vllm_cannot_run("int4", experts=experts)
         assert rep["checks"]["parity"]["status"] == "not checked"
         return rep
     assert code == 0, _problems(rep)
@@ -191,10 +191,10 @@ def test_verify_sigmoid_routed_moe_exits_3(discovered):
     refuses it on every CPU (with AMX for its routing, without for want of AMX), so verify says
     so (exit 3, no engine start) after coverage and fidelity passed."""
     artifact = discovered.gptq("minimax_m2")
-    assert vllm_artifact_moe(artifact) == "MiniMax2"
+    assert vllm_artifact_moe(artifact) == VllmExperts("MiniMax2")
     code, rep = _verify(artifact, "vllm")
     assert code == 3, _problems(rep)
-    assert rep["engine_cannot_run"] == vllm_cannot_run("int4", moe=True, routing="MiniMax2")
+    assert rep["engine_cannot_run"] == vllm_cannot_run("int4", experts=VllmExperts("MiniMax2"))
     assert rep["checks"]["coverage"]["status"] == "pass", _problems(rep)
     assert rep["checks"]["fidelity"]["status"] == "pass", _problems(rep)
     assert rep["checks"]["engine load"]["status"] == "not checked"
@@ -237,14 +237,20 @@ def test_verify_gguf_in_llamacpp(gguf_q8, tmp_path):
 
 
 @pytest.mark.engine
-@pytest.mark.parametrize("gguf_type", ["q5_0", "q4_1"])
-def test_verify_legacy_gguf_types_in_llamacpp(gguf_q8, gguf_type, tmp_path):
-    """Q5_0 and Q4_1 files of the same tiny Llama verify in llama.cpp under their own measured
-    bounds (benchmarks/verify_tolerances.py rows "tiny gguf q5_0" / "tiny gguf q4_1")."""
+@pytest.mark.parametrize("gguf_type", ["q5_0", "q4_1", "iq3_s", "iq2_xs"])
+def test_verify_legacy_and_iq_gguf_types_in_llamacpp(gguf_q8, gguf_type, tmp_path):
+    """Q5_0 / Q4_1 and the importance-matrix types IQ3_S / IQ2_XS (quantkit's imatrix from the
+    shared calibration data, llama.cpp's quantizer) of the same tiny Llama verify in llama.cpp
+    under their own measured bounds (benchmarks/verify_tolerances.py rows "tiny gguf q5_0",
+    "tiny gguf q4_1", and the IQ rows)."""
     out = tmp_path / f"{gguf_type}.gguf"
+    iq = gguf_type.startswith("iq")  # an importance matrix, as llama.cpp's quantizer needs
     quantize(QuantizeRequest(model=str(gguf_q8.parent / "llama"), method="gguf", format="gguf",
                              out=out, scheme=QuantScheme(kind="kquant", gguf_type=gguf_type),
-                             method_options={"gguf_type": gguf_type}))
+                             method_options={"gguf_type": gguf_type,
+                                             **({"imatrix": "calib"} if iq else {})},
+                             **({"calib": "mixed", "calib_samples": 8, "calib_seqlen": 64}
+                                if iq else {})))
     code, rep = _verify(out, "llamacpp")
     assert code == 0, _problems(rep)
     fidelity = rep["checks"]["fidelity"]["measured"]

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from quantkit.engines.capabilities import vllm_cannot_run
+from quantkit.engines.capabilities import VllmExperts, vllm_cannot_run
 
 
 @dataclass(frozen=True)
@@ -31,12 +31,12 @@ def engine_check(kind: str, real: bool, reason: str | None = None) -> None:
     ENGINE_CHECKS.append(EngineCheck(test, kind, real, reason))
 
 
-def vllm_runs(scheme: str, *, moe: bool = False, routing: str | None = None) -> bool:
+def vllm_runs(scheme: str, *, moe: bool = False, experts: VllmExperts | None = None) -> bool:
     """Whether vLLM here has the kernel for `scheme` (int4, fp8-dynamic, fp8-static, ...; `moe`:
-    as quantized experts, `routing` their routing method, capabilities.vllm_moe_routing): the
+    as quantized experts, `experts` their routing and activation, capabilities.vllm_moe_experts): the
     test then runs the real check, else asserts vLLM's refusal. Recorded for the summary."""
-    reason = vllm_cannot_run(scheme, moe=moe, routing=routing)
-    engine_check(f"vllm {scheme}{' moe' if moe else ''}", real=reason is None, reason=reason)
+    reason = vllm_cannot_run(scheme, moe=moe, experts=experts)
+    engine_check(f"vllm {scheme}{' moe' if moe or experts else ''}", real=reason is None, reason=reason)
     return reason is None
 
 

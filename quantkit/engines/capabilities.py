@@ -36,13 +36,14 @@ from quantkit.machine import (
 from quantkit.types import QuantScheme
 
 __all__ = ["VllmCapabilities", "vllm_capabilities", "vllm_cannot_run", "vllm_too_slow_to_time",
-           "vllm_moe_routing", "vllm_artifact_moe",
+           "vllm_moe_routing", "vllm_moe_activation", "vllm_moe_experts", "VllmExperts",
+           "vllm_artifact_moe",
            "explain_vllm_failure",
            "llamacpp_info", "machine_report", "what_runs_here", "probe_cache_dir", "vllm_dtype"]
 
 _WORKER = Path(__file__).with_name("vllm_probe_worker.py")
 _PROBE_TIMEOUT_S = 300
-_PROBE_VERSION = 9  # bump when vllm_probe_worker.py asks something new: old answers lack it
+_PROBE_VERSION = 10  # bump when vllm_probe_worker.py asks something new: old answers lack it
 
 # one phrase per missing capability: vllm_cannot_run returns these, error messages reuse them
 _WHY = {
@@ -58,6 +59,8 @@ _WHY = {
            "DeepSeek-V3's grouped sigmoid routing)",
     "moe_routing": "vLLM's int4 fused-MoE CPU kernel (CPUExpertsInt4) takes the routing methods "
                    "{takes} only, not this model's {routing}",
+    "moe_activation": "vLLM's int4 fused-MoE CPU kernel (CPUExpertsInt4) takes the experts' "
+                      "activations {takes} only, not this model's {activation}",
     "moe_weight_on_input": "vLLM's int4 fused-MoE CPU kernel (CPUExpertsInt4) does not apply the "
                            "routing weights to the experts' inputs, as Llama 4 routes (and vLLM "
                            "does that for top-1 routing only)",
@@ -101,6 +104,8 @@ class VllmCapabilities:
     # the routing methods (vLLM's RoutingMethodType names) its int4 fused-MoE CPU kernel takes
     moe_int4_routing: list[str] = field(default_factory=list)
     moe_int4_weight_on_input: bool = False  # it takes Llama 4's routing weights on the input
+    # the experts' activations (vLLM's MoEActivation values) its int4 fused-MoE CPU kernel takes
+    moe_int4_activations: list[str] = field(default_factory=list)
     # kv_cache_dtype fp8 (per-layer k/v scales): vLLM's CPU attention needs AVX-512 or AMX
     fp8_kv_cache: bool = False
     fp8_kv_cache_error: str | None = None  # vLLM's own refusal where it has none
@@ -169,6 +174,8 @@ def _from_probe(raw: dict, python: Path, cache_file: Path) -> VllmCapabilities:
         moe_int4_routing=routing if isinstance(routing := raw.get("moe_int4_routing"), list)
         else [],
         moe_int4_weight_on_input=bool(raw.get("moe_int4_weight_on_input")),
+        moe_int4_activations=acts if isinstance(acts := raw.get("moe_int4_activations"), list)
+        else [],
         ops=ops, kernels=kernels, cache_file=str(cache_file))
 
 
@@ -307,25 +314,61 @@ def vllm_moe_routing(config: Mapping, tensor_names) -> str | None:
     return "RenormalizeNaive" if renormalize else "Default"
 
 
-def vllm_artifact_moe(model_dir: Path) -> str | None:
-    """vllm_moe_routing of a checkpoint directory (its config.json and tensor names)."""
+# the experts' activation vLLM's model file passes to FusedMoE where it is not the default
+# "silu" (models/gpt_oss.py, gemma4.py; nemotron_h.py / granitemoehybrid.py read the config)
+_VLLM_MOE_ACTIVATION = {"gpt_oss": "swigluoai", "gemma4": "gelu_tanh",
+                        "gemma4_text": "gelu_tanh"}
+
+
+def vllm_moe_activation(config: Mapping) -> str:
+    """The experts' activation (a value of vLLM's MoEActivation) vLLM's FusedMoE layers get
+    for a model with this config.json."""
+    model_type = str(config.get("model_type", ""))
+    if model_type in _VLLM_MOE_ACTIVATION:
+        return _VLLM_MOE_ACTIVATION[model_type]
+    if model_type.startswith("nemotron_h"):  # ungated experts: activation_without_mul
+        return f"{config.get('mlp_hidden_act', 'relu2')}_no_mul"
+    if model_type.startswith("granitemoehybrid"):
+        return str(config.get("hidden_act", "silu"))
+    return "silu"
+
+
+@dataclass(frozen=True)
+class VllmExperts:
+    """What vLLM's fused-MoE kernel must take for a model's routed experts."""
+
+    routing: str  # vllm_moe_routing
+    activation: str = "silu"  # vllm_moe_activation
+
+
+def vllm_moe_experts(config: Mapping, tensor_names) -> VllmExperts | None:
+    """The routing and activation of a model's routed experts in vLLM, None without any."""
+    routing = vllm_moe_routing(config, tensor_names)
+    if routing is None:
+        return None
+    return VllmExperts(routing, vllm_moe_activation(config))
+
+
+def vllm_artifact_moe(model_dir: Path) -> VllmExperts | None:
+    """vllm_moe_experts of a checkpoint directory (its config.json and tensor names)."""
     from quantkit.readers import read_json, safetensors_headers
 
     model_dir = Path(model_dir)
     if not (model_dir / "config.json").is_file():
         return None
-    return vllm_moe_routing(read_json(model_dir / "config.json"), safetensors_headers(model_dir))
+    return vllm_moe_experts(read_json(model_dir / "config.json"), safetensors_headers(model_dir))
 
 
 def vllm_cannot_run(scheme: QuantScheme | Mapping | str, *, moe: bool = False,
-                    routing: str | None = None) -> str | None:
+                    experts: VllmExperts | None = None) -> str | None:
     """None when vLLM here has a kernel for `scheme`, else ONE short phrase saying why not.
 
     `scheme`: a QuantScheme, the `scheme` dict of quantkit.json, or a short name (int4,
     int8-w8a8, fp8-dynamic, fp8-static, fp8-block, gguf). `moe`: the model has quantized
-    experts, which vLLM runs through its fused-MoE kernels, not the Linear kernels; `routing`:
-    their routing method (vllm_moe_routing), which vLLM's int4 fused-MoE CPU kernel must take
-    (the probe asked it which ones it does)."""
+    experts, which vLLM runs through its fused-MoE kernels, not the Linear kernels; `experts`:
+    their routing and activation (vllm_moe_experts; implies `moe`), which vLLM's int4
+    fused-MoE CPU kernel must take (the probe asked it which ones it does)."""
+    moe = moe or experts is not None
     if isinstance(scheme, str) and scheme.lower().replace("_", "-") == "fp8-kv-cache":
         return vllm_cannot_run_fp8_kv_cache()
     kind, bits, group, activations = _scheme_fields(scheme)
@@ -341,11 +384,15 @@ def vllm_cannot_run(scheme: QuantScheme | Mapping | str, *, moe: bool = False,
     if moe and not caps.moe_quantized:
         return _WHY["moe"]
     cpu_int4_moe = moe and kind == "int" and bits == 4 and caps.platform == "CpuPlatform"
-    if cpu_int4_moe and routing == "Llama4":
-        return None if caps.moe_int4_weight_on_input else _WHY["moe_weight_on_input"]
-    if (cpu_int4_moe and routing and routing not in caps.moe_int4_routing):
-        return _WHY["moe_routing"].format(takes=", ".join(caps.moe_int4_routing) or "?",
-                                          routing=routing)
+    if cpu_int4_moe and experts is not None:
+        if experts.activation not in caps.moe_int4_activations:
+            return _WHY["moe_activation"].format(
+                takes=", ".join(caps.moe_int4_activations) or "?", activation=experts.activation)
+        if experts.routing == "Llama4":
+            return None if caps.moe_int4_weight_on_input else _WHY["moe_weight_on_input"]
+        if experts.routing not in caps.moe_int4_routing:
+            return _WHY["moe_routing"].format(takes=", ".join(caps.moe_int4_routing) or "?",
+                                              routing=experts.routing)
     if kind == "int" and activations:  # W8A8: oneDNN int8 GEMM + int8 input quantization
         return None if caps.int8_w8a8 else _WHY["int8_w8a8"]
     if kind == "int":

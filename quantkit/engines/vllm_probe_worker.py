@@ -138,6 +138,10 @@ def main(resp_path: str) -> None:
         out["moe_int4_device"] = bool(CPUExpertsInt4._supports_current_device())
         out["moe_int4_routing"] = [m.name for m in RoutingMethodType
                                    if CPUExpertsInt4._supports_routing_method(m, None, None)]
+        from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+
+        out["moe_int4_activations"] = [a.value for a in MoEActivation
+                                       if CPUExpertsInt4._supports_activation(a)]
         # Llama 4 multiplies the routing weight into the experts' input: CPUExpertsInt4.apply
         # raises for that (a check inside apply, not a supports_* method: read from its source)
         import inspect

@@ -62,14 +62,14 @@ def vllm_blocker(artifact: str) -> str | None:
     path = Path(str(artifact))
     if path.suffix == ".gguf":
         return vllm_cannot_run("gguf")
-    scheme, routing = None, None
+    scheme, experts = None, None
     if path.is_dir():
         from quantkit.loader import artifact_meta
 
         scheme = artifact_meta(path).get("scheme")
-        routing = vllm_artifact_moe(path)
+        experts = vllm_artifact_moe(path)
     if scheme:
-        return (vllm_cannot_run(scheme, moe=routing is not None, routing=routing)
+        return (vllm_cannot_run(scheme, experts=experts)
                 or vllm_too_slow_to_time(scheme))
     caps = vllm_capabilities()
     return None if caps.available else f"vLLM cannot start here ({caps.error.rstrip('.')})"

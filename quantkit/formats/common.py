@@ -104,7 +104,9 @@ class FormatRecord:
     format the symmetric one. `float_zero`: the format stores that bias as a free float, so an
     asymmetric scheme for it gets QuantScheme.float_zero (zero points fitted, not rounded).
     `act_order`: GPTQ's column order for a request that chose none (act_order_auto: no
-    --act-order / --no-act-order); on for MLX, whose groups stay static under it."""
+    --act-order / --no-act-order); on for MLX, whose groups stay static under it.
+    `fp4_tensor_scale`: the format stores NVFP4's FP32 scale per tensor (QuantScheme.
+    tensor_scale); MLX's QuantizedLinear keeps none."""
 
     name: str
     writer: Callable[[], Any]
@@ -115,6 +117,7 @@ class FormatRecord:
     symmetric: bool = True
     float_zero: bool = False
     act_order: bool = False
+    fp4_tensor_scale: bool = True
 
 
 class FormatWriter:

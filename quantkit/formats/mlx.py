@@ -61,6 +61,9 @@ _MIXTRAL_BACK = {v: k for k, v in _MIXTRAL.items()}
 # qwen3_5.py reads a config without text_config as the text config itself)
 _MLX_MODEL_TYPES = {"qwen3_5_text": "qwen3_5"}
 _NUM_EXPERTS_TYPES = ("qwen3_moe", "qwen2_moe", "olmoe")  # mlx-lm's ModelArgs name num_experts
+# MLX 0.32's float modes quantkit writes -> their group size (mx.quantize's table); NVFP4 without
+# a tensor scale: nn.QuantizedLinear takes none (only mlx-lm's SwitchGLU experts hold one)
+_FP4_MODES = {"mxfp4": 32, "nvfp4": 16}
 
 
 def pack_mlx(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -97,10 +100,15 @@ def _check_result(r: QuantResult) -> None:
 
 def mlx_tensors(r: QuantResult, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """weight / scales / biases of one QuantResult on MLX's grid (codes [N, K], scale [N, G]);
-    MXFP4 (mx.quantize's mode "mxfp4"): the E2M1 codes packed as 4-bit values, the E8M0
-    exponents as uint8 scales, no biases."""
+    MXFP4 / NVFP4 (mx.quantize's modes "mxfp4" / "nvfp4"): the E2M1 codes packed as 4-bit
+    values, the E8M0 exponents or the E4M3 scales' bytes as uint8 scales, no biases."""
     if r.scheme.kind == "mxfp4":
         return {"weight": pack_mlx(r.codes, 4), "scales": r.scale.to(torch.uint8).contiguous()}
+    if r.scheme.kind == "nvfp4":
+        if r.scheme.tensor_scale:
+            raise ValueError(f"{r.name}: MLX's QuantizedLinear keeps no NVFP4 tensor scale")
+        return {"weight": pack_mlx(r.codes, 4),
+                "scales": r.scale.to(torch.float8_e4m3fn).view(torch.uint8).contiguous()}
     _check_result(r)
     bits = r.scheme.bits
     zero = r.zero if r.zero is not None else torch.full_like(r.scale, 1 << (bits - 1),
@@ -125,7 +133,7 @@ def switch_name(name: str) -> tuple[str, int] | None:
 
 def _layer_params(r: QuantResult) -> dict:
     params = {"group_size": r.scheme.effective_group(r.codes.shape[1]), "bits": r.scheme.bits}
-    return {**params, "mode": "mxfp4"} if r.scheme.kind == "mxfp4" else params
+    return {**params, "mode": r.scheme.kind} if r.scheme.kind in _FP4_MODES else params
 
 
 def mlx_lm_config(config: dict) -> dict:
@@ -153,11 +161,12 @@ class MLXWriter(FormatWriter):
 
     def check(self, scheme: QuantScheme, shapes: dict[str, tuple[int, int]]) -> list[str]:
         """What MLX's affine quantization cannot take; runs before calibration."""
-        if scheme.kind == "mxfp4":  # mx.quantize(mode="mxfp4"): 4 bits, groups of 32
-            return [] if scheme.group_size == 32 and not scheme.activations else [
-                "MLX's mxfp4 mode is weight-only with groups of 32"]
+        if scheme.kind in _FP4_MODES:  # mx.quantize(mode=...): 4 bits, fixed groups
+            group = _FP4_MODES[scheme.kind]
+            return [] if scheme.group_size == group and not scheme.activations else [
+                f"MLX's {scheme.kind} mode is weight-only with groups of {group}"]
         if scheme.kind != "int":
-            return [f"MLX stores affine integer or mxfp4 weights, not {scheme.kind}"]
+            return [f"MLX stores affine integer, mxfp4 or nvfp4 weights, not {scheme.kind}"]
         problems = []
         if scheme.bits not in MLX_BITS:
             problems.append(f"MLX affine quantization takes {', '.join(map(str, MLX_BITS))} bits, "
@@ -220,7 +229,7 @@ def is_mlx_config(config: dict) -> bool:
     """An mlx-lm affine checkpoint: `quantization` with bits and group size, no quant_method."""
     q = config.get("quantization")
     return isinstance(q, dict) and "bits" in q and "group_size" in q \
-        and q.get("mode", "affine") in ("affine", "mxfp4")
+        and q.get("mode", "affine") in ("affine", *_FP4_MODES)
 
 
 def read_mlx(path: Path, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
@@ -248,8 +257,11 @@ def read_mlx(path: Path, dtype: torch.dtype = torch.float32) -> dict[str, torch.
         bits = t.shape[-1] * 32 // (groups * group)
         q = unpack_mlx(t, bits)
         q = q.reshape(*q.shape[:-1], groups, -1)
-        if params.get("mode", "affine") == "mxfp4":  # E2M1 value * 2^(E8M0 - 127), exact
-            w = e2m1_decode(q) * torch.exp2(scales.float() - 127)[..., None]
+        mode = params.get("mode", "affine")
+        if mode in _FP4_MODES:  # E2M1 value * 2^(E8M0 - 127) or * its E4M3 scale, exact
+            step = torch.exp2(scales.float() - 127) if mode == "mxfp4" else \
+                scales.view(torch.float8_e4m3fn).float()
+            w = e2m1_decode(q) * step[..., None]
             w = w.reshape(*t.shape[:-1], -1).to(dtype)
         else:
             # MLX's arithmetic, in the stored dtype: scales * q rounded to it, then + biases
@@ -282,6 +294,7 @@ def _stores_experts(spec) -> bool:
 # asymmetric unless asked: `biases` is a free float per group, and a symmetric grid leaves
 # levels unused in every group whose weights are not centred on zero; the zero points are
 # fitted floats; GPTQ takes act-order unless told not to (static groups, which MLX stores):
-# both measured on SmolLM2 4-bit g64, benchmarks/mlx_vs_mlxlm.py
+# both measured on SmolLM2 4-bit g64, benchmarks/mlx_vs_mlxlm.py; NVFP4 without the tensor
+# scale nn.QuantizedLinear does not hold
 RECORD = FormatRecord("mlx", MLXWriter, read=read_mlx, stores_experts=_stores_experts,
-                      symmetric=False, float_zero=True, act_order=True)
+                      symmetric=False, float_zero=True, act_order=True, fp4_tensor_scale=False)

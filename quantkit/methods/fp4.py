@@ -38,6 +38,7 @@ How a result is encoded (formats read only this, never this module):
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
@@ -179,10 +180,14 @@ class FP4Quantizer(Quantizer):
         return self._scheme
 
     def check(self, scheme: QuantScheme) -> None:
-        if scheme != self._scheme:
+        """The request's scheme must be this method's; only NVFP4's tensor scale is the
+        format's choice (QuantScheme.tensor_scale, set by the pipeline), taken from it."""
+        if dataclasses.replace(scheme, tensor_scale=True) != \
+                dataclasses.replace(self._scheme, tensor_scale=True):
             raise SchemeMismatch(
                 f"Method {self.name} makes {self._scheme.describe()}, not {scheme.describe()}.",
                 "Build the scheme with quantkit.methods.fp4.fp4_scheme(method, scheme).")
+        self._scheme = scheme
 
     def prepare(self, *, config=None, spec=None, shapes: dict[str, tuple[int, int]] | None = None,
                 **_) -> None:
@@ -218,7 +223,9 @@ class FP4Quantizer(Quantizer):
         for group in fused_groups(ctx):
             weights = {n: ctx.linears[n].weight.data for n in group}
             shared = None
-            if nv:  # one global scale per fused GEMM: the smallest g (largest max|W|)
+            if nv and not self._scheme.tensor_scale:  # the format keeps none: g = 1
+                shared = torch.ones(1)
+            elif nv:  # one global scale per fused GEMM: the smallest g (largest max|W|)
                 shared = torch.cat([nvfp4_global_scale(w.abs().amax(), self.dtype)
                                     for w in weights.values()]).min().reshape(1)
             in_scale = None

@@ -210,10 +210,14 @@ def resolve_symmetric(req: QuantizeRequest) -> QuantizeRequest:
     """The request with the grid its format defaults to, where it chose none
     (symmetric_auto), with float zero points where the format stores a free float bias and
     the grid is asymmetric (FormatRecord.float_zero), and GPTQ's act-order where it chose
-    none (act_order_auto): the one place a format sets a scheme default."""
+    none (act_order_auto), and NVFP4 without its tensor scale where the format stores none
+    (FormatRecord.fp4_tensor_scale): the one place a format sets a scheme default."""
+    record = format_record(req.format)
+    if req.scheme.kind == "nvfp4" and req.scheme.tensor_scale and not record.fp4_tensor_scale:
+        return dataclasses.replace(req, scheme=dataclasses.replace(req.scheme,
+                                                                   tensor_scale=False))
     if req.scheme.kind != "int":
         return req
-    record = format_record(req.format)
     scheme = req.scheme
     if req.symmetric_auto:
         scheme = dataclasses.replace(scheme, symmetric=record.symmetric)

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -32,11 +33,15 @@ from quantkit.verify.tensors import (
     gguf_coverage,
     gguf_fidelity,
     mlx_coverage,
+    mlx_type_key,
     safetensors_coverage,
     safetensors_fidelity,
     source_for_gguf,
     tolerances,
 )
+
+if TYPE_CHECKING:
+    from quantkit.engines.capabilities import VllmExperts
 
 __all__ = ["verify", "record_verification", "verification_file", "ENGINES", "VerifyResult", "EXIT_VERIFIED", "EXIT_WRONG",
            "EXIT_ENGINE_CANNOT_RUN", "PARITY_CTX", "PARITY_WINDOWS", "PARITY_TOPK"]
@@ -292,8 +297,9 @@ def _judge_parity(check: Check, kld: torch.Tensor, agree: torch.Tensor, bounds: 
 
 # ---------------------------------------------------------------------- vLLM ----
 
-def _vllm_scheme(ctx: _Context) -> tuple[object, str | None]:
-    """(the scheme for vllm_cannot_run, the experts' routing method or None without experts)"""
+def _vllm_scheme(ctx: _Context) -> tuple[object, VllmExperts | None]:
+    """(the scheme for vllm_cannot_run, what vLLM's MoE kernel must take for the experts or
+    None without experts)"""
     from quantkit.engines.capabilities import vllm_artifact_moe
     from quantkit.verify.tensors import _type_key
 
@@ -316,8 +322,8 @@ def _run_vllm(ctx: _Context, result: VerifyResult) -> None:
     load, parity = result.check("engine load"), result.check("parity")
     caps = vllm_capabilities()
     result.engine_version = f"vLLM {caps.version}" if getattr(caps, "version", None) else "vLLM"
-    scheme, routing = _vllm_scheme(ctx)
-    reason = (vllm_cannot_run(scheme, moe=routing is not None, routing=routing)
+    scheme, experts = _vllm_scheme(ctx)
+    reason = (vllm_cannot_run(scheme, experts=experts)
               if ctx.config.get("quantization_config") else None)
     if reason:
         result.engine_cannot_run = reason
@@ -524,7 +530,8 @@ def _run_mlx(ctx: _Context, result: VerifyResult) -> None:
         result.dtype = info.get("dtype", "")
         packed = [n for n, h in read_safetensors_headers(ctx.path).items()
                   if n.endswith(".scales")]
-        result.kernel = f"mx.dequantize x{info['quantized_layers']} (affine)"
+        mode = (ctx.config.get("quantization") or {}).get("mode", "affine")
+        result.kernel = f"mx.dequantize x{info['quantized_layers']} ({mode})"
         if info["quantized_layers"] != len(packed):
             load.fail(str(ctx.path), f"mlx-lm built {info['quantized_layers']} quantized layers "
                                      f"from {len(packed)} packed tensors")
@@ -545,7 +552,7 @@ def _run_mlx(ctx: _Context, result: VerifyResult) -> None:
 
 
 def _mlx_type_key(ctx: _Context) -> str:
-    return f"int{int((ctx.config.get('quantization') or {}).get('bits') or 4)}"
+    return mlx_type_key(ctx.config.get("quantization") or {})
 
 
 _SAFETENSORS = ("dense", "compressed-tensors", "gptq", "awq", "fp8", "modelopt")

@@ -24,7 +24,7 @@ import torch
 
 from quantkit.verify.report import Check
 
-__all__ = ["safetensors_coverage", "mlx_coverage", "safetensors_fidelity", "gguf_coverage", "gguf_fidelity",
+__all__ = ["safetensors_coverage", "mlx_coverage", "mlx_type_key", "safetensors_fidelity", "gguf_coverage", "gguf_fidelity",
            "tolerances", "rel_error", "source_for_gguf", "TOLERANCES_FILE", "folds_scales"]
 
 TOLERANCES_FILE = Path(__file__).with_name("tolerances.json")
@@ -179,12 +179,13 @@ def mlx_coverage(check: Check, artifact: dict[str, dict], decoded: set[str] | No
             check.fail(name, "has no packed weight beside it (deleted from its shard?)")
         if suffix != "weight" or head["dtype"] != "U32":
             continue
-        missing = [s for s in ("scales", "biases") if f"{base}.{s}" not in artifact]
+        layer = q.get(base) if isinstance(q.get(base), dict) else q
+        key = mlx_type_key(layer)
+        wanted = ("scales", "biases") if key.startswith("int") else ("scales",)  # float modes
+        missing = [s for s in wanted if f"{base}.{s}" not in artifact]
         if missing:
             check.fail(base, f"stores packed codes but no {', '.join(missing)} "
                              "(deleted from its shard?)")
-        layer = q.get(base) if isinstance(q.get(base), dict) else q
-        key = f"int{int(layer.get('bits') or 4)}"
         if ".switch_mlp." in base:  # one stacked tensor per projection: every expert's Linear
             block, _, proj = base.partition(".switch_mlp.")
             for n in decoded or ():
@@ -205,6 +206,15 @@ def mlx_coverage(check: Check, artifact: dict[str, dict], decoded: set[str] | No
                f"({', '.join(sorted(set(quantized.values()))) or '-'}), "
                f"{sum(1 for n in decoded if n in source) - len(quantized)} dense")
     return quantized
+
+
+def mlx_type_key(params: dict) -> str:
+    """The tolerance key of MLX quantization parameters: int4 (affine), ..., float4 (the
+    mxfp4 / nvfp4 modes: the key safetensors FP4 artifacts have)."""
+    mode = params.get("mode", "affine")
+    if mode == "affine":
+        return f"int{int(params.get('bits') or 4)}"
+    return "float4" if mode.endswith("fp4") else str(mode)
 
 
 # mlx-lm's SwitchGLU projection names -> Mixtral's per-expert ones (formats/mlx.py)
