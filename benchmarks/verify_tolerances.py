@@ -7,7 +7,8 @@ GEMM, NVFP4 and MXFP4 in vLLM where it runs them on this CPU; int8 W8A8 and FP8 
 Qwen3-Next (Gated DeltaNet + MoE), RTN / GPTQ int4, in
 vLLM where it runs their experts (int4 fused-MoE CPU kernel: AMX); GGUF Q8_0, Q6_K-bearing
 Q4_K_M, Q5_K_M, Q4_0, Q3_K_M, Q2_K, IQ4_XS, IQ2_XXS, IQ2_XS, IQ2_S / IQ2_M, IQ3_XXS, IQ3_S,
-Q5_0 and Q4_1 in llama.cpp; RTN / GPTQ int4, NVFP4 and MXFP4 as MLX checkpoints in mlx-lm,
+Q5_0 and Q4_1 in llama.cpp, and Q4_K_M of the tiny Qwen3-MoE, Qwen3-Next and Granite 4
+hybrid; RTN / GPTQ int4, NVFP4 and MXFP4 as MLX checkpoints in mlx-lm,
 SmolLM2 RTN int4 and NVFP4 among them), runs
 verify on each with the bounds disabled, and writes
   benchmarks/results/verify_tolerances.json   every measurement + the tolerances
@@ -130,6 +131,13 @@ def _artifacts(work: Path, only: list[str]) -> list[tuple[str, Path, str, bool]]
          "llamacpp", True),
     ]
     plans += [(label, make, kw, "vllm", True) for label, make, kw in moe_plans]
+    # GGUF of the MoE and hybrid families in llama.cpp: experts stacked, in_proj_qkvz split,
+    # Mamba2 tensors transformed (formats.gguf.gguf_pieces, the layout verify compares with)
+    k4 = dict(method="gguf", format="gguf", scheme=QuantScheme(kind="kquant", gguf_type="q4_k_m"),
+              method_options={"gguf_type": "q4_k_m"})
+    plans += [(f"{label} gguf q4_k_m", make, k4, "llamacpp", True) for label, make in (
+        ("tiny moe", tiny_moe), ("qwen3_next", lambda: family("qwen3_next")),
+        ("granitemoehybrid", lambda: family("granitemoehybrid")))]
     out = []
     for label, model, kw, engine, run in plans:
         if only and label not in only:

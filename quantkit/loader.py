@@ -54,13 +54,23 @@ def load_artifact(spec: str | Path, dtype: torch.dtype = torch.float32, *,
     tok = tokenizer if tokenizer is not None else load_tokenizer(path)
     if fmt == "dense":
         return LoadedModel(load_model(path, dtype=dtype), tok, path, fmt, artifact_meta(path))
+    model = model_from_state(path, read_dense_state(path, fmt, dtype), dtype, where="artifact")
+    prepare_model(model, path, fmt)  # e.g. FP8: inputs rounded to E4M3 as the engine does
+    model.eval()
+    return LoadedModel(model, tok, path, fmt, artifact_meta(path))
+
+
+def model_from_state(path: Path, state: dict[str, torch.Tensor],
+                     dtype: torch.dtype = torch.float32, *, where: str = "state") -> torch.nn.Module:
+    """The model of `path`'s config.json with `state`'s weights (checkpoint names; MoE experts
+    per expert, as quantkit's artifacts and verify's GGUF decode hold them), in eval mode."""
     config = copy.deepcopy(load_config(path))
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     with torch.device("meta"):
         model = model_class(config).from_config(config, dtype=dtype)
     spec = _per_expert_linears(model, config)
-    state = read_dense_state(path, fmt, dtype)
+    state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
     if spec is not None and spec.checkpoint_renames:  # Mixtral's block_sparse_moe -> mlp
         state = {spec.module_name(k): v for k, v in state.items()}
     head, embed = (spec.lm_head, spec.embed) if spec is not None else ("lm_head", "model.embed_tokens")
@@ -69,13 +79,12 @@ def load_artifact(spec: str | Path, dtype: torch.dtype = torch.float32, *,
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     missing = [m for m in missing if "rotary_emb" not in m]
     if missing or unexpected:
-        raise ValueError(f"artifact {path} does not match its config: missing {missing[:5]}, "
+        raise ValueError(f"{where} {path} does not match its config: missing {missing[:5]}, "
                          f"unexpected {unexpected[:5]}")
     model.tie_weights()
     _rebuild_meta_buffers(model)
-    prepare_model(model, path, fmt)  # e.g. FP8: inputs rounded to E4M3 as the engine does
     model.eval()
-    return LoadedModel(model, tok, path, fmt, artifact_meta(path))
+    return model
 
 
 def _per_expert_linears(model, config):

@@ -258,6 +258,45 @@ def test_verify_legacy_and_iq_gguf_types_in_llamacpp(gguf_q8, gguf_type, tmp_pat
     assert gguf_type.upper() in rep["kernel"] and rep["checks"]["parity"]["status"] == "pass"
 
 
+@pytest.mark.engine
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_next", "granitemoehybrid"])
+def test_verify_moe_and_hybrid_gguf_in_llamacpp(family, moe_model, discovered, tmp_path):
+    """Q4_K_M GGUF of a tiny Qwen3-MoE, Qwen3-Next (Gated DeltaNet + MoE: in_proj_qkvz split
+    into attn_qkv / attn_gate) and Granite 4 hybrid (Mamba2 + MoE, experts and shared expert
+    stored fused) verify in llama.cpp: verify lays the source out through the writer's own
+    gguf_pieces (experts stacked, splits, Mamba2 transforms), so coverage and fidelity see
+    every tensor, and the parity model gets the file's weights back in the source's layout.
+    A router weight doubled in the file is named, as a scale that is off."""
+    import numpy as np
+    from gguf import GGUFReader
+
+    model = moe_model if family == "qwen3_moe" else discovered.model(family)
+    out = tmp_path / f"{family}.gguf"
+    quantize(QuantizeRequest(model=str(model), method="gguf", format="gguf", out=out,
+                             scheme=QuantScheme(kind="kquant", gguf_type="q4_k_m"),
+                             method_options={"gguf_type": "q4_k_m"}))
+    code, rep = _verify(out, "llamacpp")
+    assert code == 0, _problems(rep)
+    assert rep["checks"]["coverage"]["status"] == "pass"
+    assert "q4_k" in rep["checks"]["fidelity"]["measured"]["worst_rel_rmse"]
+    assert rep["checks"]["parity"]["status"] == "pass"
+    # blk.0's router (F32) doubled in the file
+    bad = tmp_path / "bad.gguf"
+    shutil.copy(out, bad)
+    router = next(t for t in GGUFReader(str(bad)).tensors if t.name == "blk.0.ffn_gate_inp.weight")
+    assert router.tensor_type.name == "F32"
+    raw = bytearray(bad.read_bytes())
+    start, n = int(router.data_offset), int(router.n_bytes)
+    values = np.frombuffer(bytes(raw[start:start + n]), dtype=np.float32).copy()
+    values *= 2
+    raw[start:start + n] = values.tobytes()
+    bad.write_bytes(bytes(raw))
+    code, rep = _verify(bad, "llamacpp")
+    assert code == 1, rep
+    assert "blk.0.ffn_gate_inp.weight: relative RMSE" in _problems(rep)
+    assert "2.00x its source" in _problems(rep)
+
+
 def test_verify_awq_folded_norms_pass_and_a_doubled_one_is_named(tmp_path):
     """AWQ divides each norm's weight by its Linears' smoothing scales, so those vectors are
     compared under their own measured bound (dense:folded), not the bf16 rounding one; a norm

@@ -49,7 +49,7 @@ from quantkit.ggml.mix import NEVER_QUANTIZED
 from quantkit.readers import GGUFTensor, bad_gguf, read_gguf
 from quantkit.types import QuantResult, QuantScheme
 
-__all__ = ["GGUFFileWriter", "read_gguf", "gguf_metadata", "GGUFTensor"]
+__all__ = ["GGUFFileWriter", "read_gguf", "gguf_metadata", "GGUFTensor", "gguf_pieces", "gguf_permuted_heads"]
 
 Q = GGMLQuantizationType
 # what one tensor adds to a file beyond its data, at most: tensor info (name, dims, type,
@@ -198,22 +198,54 @@ class _TensorList:
             w.write_tensor_data(array)
 
 
-def _split_heads(spec: ArchSpec, config: dict, dense: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """`dense` with each split Linear replaced by its pieces under their GGUF names
-    (ArchSpec.split_pieces: llama.cpp's deepseek2 kv_b_proj -> per-head attn_k_b, attn_v_b;
-    qwen3next in_proj_qkvz -> the rows of attn_qkv and attn_gate)."""
-    if not spec.gguf_head_splits and not spec.gguf_row_splits:
-        return dense
+def gguf_permuted_heads(spec: ArchSpec, config: dict) -> dict[str, int]:
+    """{GGUF base name: heads} of the tensors llama.cpp's rotary row order applies to (q/k of
+    archs with ArchSpec.gguf_permute_qk)."""
+    if not spec.gguf_permute_qk:
+        return {}
+    n_head = config["num_attention_heads"]
+    n_kv = config.get("num_key_value_heads") or n_head
     out = {}
+    for i in range(config.get("num_hidden_layers") or len(config["layers_block_type"])):
+        out[f"blk.{i}.attn_q"], out[f"blk.{i}.attn_k"] = n_head, n_kv
+    return out
+
+
+def gguf_pieces(spec: ArchSpec, config: dict, name: str, t: torch.Tensor,
+                permute: dict[str, int]) -> list[tuple[str, int | None, torch.Tensor]]:
+    """The GGUF tensors one checkpoint tensor becomes, as the converter lays them out:
+    [(GGUF name, expert index or None, values)]. A split Linear (ArchSpec.split_pieces:
+    deepseek2's kv_b_proj per head, qwen3next's in_proj_qkvz rows) gives its pieces; q/k rows
+    in llama.cpp's rotary order (`permute`: gguf_permuted_heads); norm offsets and the arch's
+    value transforms (ArchSpec.gguf_transform); bare names (ArchSpec.gguf_bare). The writer
+    stores these values (dense tensors) and verify compares a file with them."""
+    pieces = [(name, t)]
+    module, _, suffix = name.rpartition(".")
     prefix = spec.block_path + "."
-    for name, t in dense.items():
-        module, _, suffix = name.rpartition(".")
-        bid, _, rel = module[len(prefix):].partition(".") if module.startswith(prefix) else ("", "", "")
-        if suffix != "weight" or not spec.gguf_split(rel):
-            out[name] = t
-            continue
-        for base, piece in spec.split_pieces(rel, t, config):
-            out[f"{base.format(bid=int(bid))}.weight"] = piece
+    bid, _, rel = module[len(prefix):].partition(".") if module.startswith(prefix) else ("", "", "")
+    if suffix == "weight" and rel and spec.gguf_split(rel):
+        pieces = [(f"{base.format(bid=int(bid))}.weight", piece)
+                  for base, piece in spec.split_pieces(rel, t, config)]
+    out = []
+    for piece_name, piece in pieces:
+        slot = spec.gguf_tensor(piece_name) if not piece_name.startswith("blk.") else \
+            (piece_name, None)
+        if slot is None:
+            raise UnsupportedArchitecture(
+                f"Cannot express tensor {piece_name} in GGUF for architecture {spec.gguf_arch}.",
+                "Only the tensors of a plain decoder (embeddings, attention, MLP, norms, "
+                "routers and experts) map.")
+        gname, expert = slot
+        base = gname.rsplit(".", 1)[0]
+        if base in permute:
+            piece = _permute(piece, permute[base])
+        if gname.endswith("norm.weight") and spec.norm_offset:
+            piece = piece.float() + spec.norm_offset
+        if spec.gguf_transform is not None:
+            piece = spec.gguf_transform(gname, piece, config)
+        if gname.endswith(".weight") and base.rpartition(".")[2] in spec.gguf_bare:
+            gname = base  # the writer stores it as a float tensor: F32
+        out.append((gname, expert, piece))
     return out
 
 
@@ -399,12 +431,7 @@ class GGUFFileWriter(FormatWriter):
                 read_tokenizer(Path(source_dir), config.get("vocab_size"))
             _special_tokens(spec, tok)
             tok.add_to(w)
-        n_head = config["num_attention_heads"]
-        n_kv = config.get("num_key_value_heads") or n_head
-        permute = {}
-        if spec.gguf_permute_qk:
-            for i in range(config.get("num_hidden_layers") or len(config["layers_block_type"])):
-                permute[f"blk.{i}.attn_q"], permute[f"blk.{i}.attn_k"] = n_head, n_kv
+        permute = gguf_permuted_heads(spec, config)
         tensors = _TensorList()
         notes, stats = [], {}
         for name, res in _result_pieces(spec, results, config):
@@ -432,27 +459,12 @@ class GGUFFileWriter(FormatWriter):
                 **({"fallback": res.fallback} if getattr(res, "fallback", None) else {})}
             if res.bias is not None:
                 dense = {**dense, name + ".bias": res.bias}
-        dense = _split_heads(spec, config, dense)
-        for name, t in dense.items():
-            slot = spec.gguf_tensor(name) if not name.startswith("blk.") else (name, None)
-            if slot is None:
-                raise UnsupportedArchitecture(
-                    f"Cannot express tensor {name} in GGUF for architecture {spec.gguf_arch}.",
-                    "Only the tensors of a plain decoder (embeddings, attention, MLP, norms, "
-                    "routers and experts) map.")
-            gname, expert = slot
-            if slot in stored:
-                tensors.add(gname, expert, stored[slot], Q.MXFP4)
+        pieces = ((gname, expert, t) for name, t in dense.items()
+                  for gname, expert, t in gguf_pieces(spec, config, name, t, permute))
+        for gname, expert, t in pieces:
+            if (gname, expert) in stored:
+                tensors.add(gname, expert, stored[(gname, expert)], Q.MXFP4)
                 continue
-            base = gname.rsplit(".", 1)[0]
-            if base in permute:
-                t = _permute(t, permute[base])
-            if gname.endswith("norm.weight") and spec.norm_offset:
-                t = t.float() + spec.norm_offset
-            if spec.gguf_transform is not None:
-                t = spec.gguf_transform(gname, t, config)
-            if gname.endswith(".weight") and base.rpartition(".")[2] in spec.gguf_bare:
-                gname = base  # tensors.add below reads it as a float tensor: F32
             # llama-quantize writes every tensor with ggml's dimensions, trailing 1s dropped:
             # a one-row gate (ffn_gate_inp_shexp, [n_embd, 1] in the converter's file) is 1-D
             # in its output

@@ -29,6 +29,7 @@ from quantkit.verify.report import (
     VerifyResult,
 )
 from quantkit.verify.tensors import (
+    GGUFLayout,
     folds_scales,
     gguf_coverage,
     gguf_fidelity,
@@ -36,7 +37,6 @@ from quantkit.verify.tensors import (
     mlx_type_key,
     safetensors_coverage,
     safetensors_fidelity,
-    source_for_gguf,
     tolerances,
 )
 
@@ -229,12 +229,20 @@ def _gguf_tensors(ctx: _Context, coverage: Check, fidelity: Check) -> None:
     from quantkit.readers import read_config_json
 
     ctx.config = read_config_json(ctx.source)
-    source, source_of = _source_tensors(ctx.source)
+    spec = _spec(ctx.config)
+    if spec is None or spec.gguf_arch is None:
+        coverage.fail(str(ctx.source), f"quantkit writes no GGUF for model_type "
+                                       f"{ctx.config.get('model_type')!r}: no layout to check")
+        return
+    source, source_of = _source_tensors(ctx.source, spec)
     reader = GGUFReader(str(ctx.path))
     tensors = {t.name: t for t in reader.tensors}
-    mapping = source_for_gguf(_spec(ctx.config), ctx.config, source)
-    gguf_coverage(coverage, tensors, mapping, set(source), ctx.config, ctx.meta.get("removed") or {})
-    ctx.decoded = gguf_fidelity(fidelity, tensors, mapping, source_of)
+    layout = GGUFLayout(spec, ctx.config, source, source_of)
+    gguf_coverage(coverage, tensors, layout, set(source), ctx.config, ctx.meta.get("removed") or {})
+    ctx.decoded = gguf_fidelity(fidelity, tensors, layout)
+    for name in source:  # what the file does not hold (removed, named by coverage): the source's
+        if name not in ctx.decoded and not name.endswith("rotary_emb.inv_freq"):
+            ctx.decoded[name] = source_of(name)
 
 
 # --------------------------------------------------------------------- parity ----
@@ -377,15 +385,10 @@ def _vllm_coverage(check: Check, weights: dict, ctx: _Context) -> None:
 @torch.no_grad()
 def _reference_logits(ctx: _Context, windows: torch.Tensor) -> torch.Tensor:
     """log-softmax of quantkit's own torch model of the artifact's decoded weights."""
-    if ctx.fmt == "gguf":
-        from quantkit.model_io import load_model
+    if ctx.fmt == "gguf":  # the source's model, its weights the file's decoded ones
+        from quantkit.loader import model_from_state
 
-        model = load_model(ctx.source, dtype=torch.float32)
-        state = dict(ctx.decoded or {})
-        if "lm_head.weight" not in state and "model.embed_tokens.weight" in state:
-            state["lm_head.weight"] = state["model.embed_tokens.weight"]
-        model.load_state_dict(state, strict=False)
-        model.eval()
+        model = model_from_state(ctx.source, dict(ctx.decoded or {}))
     else:
         from quantkit.loader import load_artifact
 

@@ -25,7 +25,7 @@ import torch
 from quantkit.verify.report import Check
 
 __all__ = ["safetensors_coverage", "mlx_coverage", "mlx_type_key", "safetensors_fidelity", "gguf_coverage", "gguf_fidelity",
-           "tolerances", "rel_error", "source_for_gguf", "TOLERANCES_FILE", "folds_scales"]
+           "tolerances", "rel_error", "GGUFLayout", "TOLERANCES_FILE", "folds_scales"]
 
 TOLERANCES_FILE = Path(__file__).with_name("tolerances.json")
 DENSE_KEY = "dense"  # a tensor stored unquantized (bf16 / f16 / f32 rounding only)
@@ -300,28 +300,80 @@ def safetensors_fidelity(check: Check, decoded: dict[str, torch.Tensor], source_
 
 # ----------------------------------------------------------------------------- GGUF ----
 
-def _unpermute(t: torch.Tensor, n_head: int) -> torch.Tensor:
-    """Inverse of llama.cpp's q/k row order (quantkit.formats.gguf._permute)."""
-    rows = t.shape[0]
-    return t.reshape(n_head, rows // n_head // 2, 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)
+class GGUFLayout:
+    """The GGUF tensors a source model becomes, through the writer's own layout function
+    (formats.gguf.gguf_pieces: splits, q/k row order, value transforms, bare names, experts
+    stacked): what coverage and fidelity compare a file with, and the map back from a file's
+    tensors to the source's names for the parity model."""
 
+    def __init__(self, spec, config: dict, source_names, source_of):
+        from quantkit.errors import UnsupportedArchitecture
+        from quantkit.formats.gguf import gguf_permuted_heads, gguf_pieces
 
-def source_for_gguf(spec, config: dict, source_names) -> dict[str, tuple[str, int | None]]:
-    """{GGUF tensor name: (source tensor name, heads to un-permute by or None)}."""
-    from quantkit.arch import gguf_name
+        self._spec, self._config, self._source_of = spec, config, source_of
+        self._pieces_of = gguf_pieces
+        self._permute = gguf_permuted_heads(spec, config)
+        self.parts: dict[str, dict[int | None, tuple[str, torch.Tensor]]] = {}
+        for src in sorted(source_names):
+            try:
+                pieces = gguf_pieces(spec, config, src, source_of(src), self._permute)
+            except UnsupportedArchitecture:
+                continue  # coverage names it: no GGUF tensor
+            for gname, expert, values in pieces:
+                self.parts.setdefault(gname, {})[expert] = (src, values)
+        self.sources = {src for parts in self.parts.values() for src, _ in parts.values()}
+        self._pieces = {}  # source -> how many GGUF tensors it is split into
+        for parts in self.parts.values():
+            for src in {src for src, _ in parts.values()}:
+                self._pieces[src] = self._pieces.get(src, 0) + 1
 
-    n_head = config["num_attention_heads"]
-    n_kv = config.get("num_key_value_heads") or n_head
-    out = {}
-    for name in source_names:
-        g = gguf_name(spec, name)
-        if g is None:
-            continue
-        heads = None
-        if spec.gguf_permute_qk and g.endswith(("attn_q.weight", "attn_k.weight")):
-            heads = n_head if "attn_q" in g else n_kv
-        out[g] = (name, heads)
-    return out
+    def label(self, gname: str) -> str:
+        """The source tensor(s) a GGUF tensor holds: one name, the experts' pattern, and the
+        piece's GGUF name where the source is split into several."""
+        srcs = sorted({src for src, _ in self.parts[gname].values()})
+        label = srcs[0] if len(srcs) == 1 else re.sub(r"\.experts\.\d+\.", ".experts.*.", srcs[0])
+        return label if self._pieces[srcs[0]] == 1 else f"{label} (its piece {gname})"
+
+    def expected(self, gname: str) -> torch.Tensor:
+        parts = self.parts[gname]
+        if None in parts:
+            return parts[None][1].float()
+        return torch.stack([parts[e][1].float() for e in sorted(parts)])
+
+    def to_source(self, decoded: dict[str, torch.Tensor], float_types: set[str]
+                  ) -> tuple[dict[str, torch.Tensor], list[str]]:
+        """The decoded file under the source's names and layout: each source tensor's
+        positions followed through gguf_pieces (a tensor of its own indices, 4k + 1/4, goes
+        through the same splits and permutations). A tensor whose values the layout
+        transforms (norm offsets, -exp(A_log)) is stored as floats: the source's own values
+        stand for it. Returns (state, sources that could not be mapped back)."""
+        state: dict[str, torch.Tensor] = {}
+        unmapped = []
+        for src in sorted(self.sources):
+            s = self._source_of(src)
+            index = (torch.arange(s.numel(), dtype=torch.float64) * 4 + 0.25).reshape(s.shape)
+            flat = torch.full((s.numel(),), float("nan"))
+            exact = True
+            for gname, expert, pos in self._pieces_of(self._spec, self._config, src, index,
+                                                      self._permute):
+                if gname not in decoded:
+                    exact = False
+                    continue
+                got = decoded[gname] if expert is None else decoded[gname][expert]
+                k = (pos.double().flatten() - 0.25) / 4
+                if got.numel() != k.numel() or not bool((k == k.round()).all()) or \
+                        bool(((k < 0) | (k >= s.numel())).any()):
+                    exact = False
+                    break
+                flat[k.long()] = got.flatten().float()
+            if exact and not bool(flat.isnan().any()):
+                state[src] = flat.reshape(s.shape)
+            elif all(g in float_types for g, _e, _p in self._pieces_of(
+                    self._spec, self._config, src, s, self._permute)):
+                state[src] = s.float()
+            else:
+                unmapped.append(src)
+        return state, unmapped
 
 
 def gguf_decode(tensor) -> torch.Tensor:
@@ -333,12 +385,11 @@ def gguf_decode(tensor) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32)).reshape(shape)
 
 
-def gguf_coverage(check: Check, tensors: dict, mapping: dict, source_names, config: dict,
-                  removed: dict[str, str]) -> None:
-    covered = {src for src, _ in mapping.values()}
+def gguf_coverage(check: Check, tensors: dict, layout: GGUFLayout, source_names,
+                  config: dict, removed: dict[str, str]) -> None:
     tied = bool(config.get("tie_word_embeddings"))
     for name in sorted(source_names):
-        if name in covered or name.endswith("rotary_emb.inv_freq"):
+        if name in layout.sources or name.endswith("rotary_emb.inv_freq"):
             continue
         if name == "lm_head.weight" and tied:
             continue
@@ -346,11 +397,12 @@ def gguf_coverage(check: Check, tensors: dict, mapping: dict, source_names, conf
             continue
         check.fail(name, "is in the source model but has no GGUF tensor")
     for g in tensors:
-        if g not in mapping and g != "rope_freqs.weight":
+        if g not in layout.parts and g != "rope_freqs.weight":
             check.fail(g, "matches no tensor of the source model (renamed?)")
-    missing = [g for g in mapping if g not in tensors and not (g == "output.weight" and tied)]
-    for g in missing:
-        check.fail(g, f"source tensor {mapping[g][0]} maps to it but the file has no such tensor")
+    for g in layout.parts:
+        if g not in tensors and not (g == "output.weight" and tied):
+            check.fail(g, f"source tensor {layout.label(g)} maps to it but the file has no "
+                          "such tensor")
     types: dict[str, int] = {}
     for t in tensors.values():
         types[t.tensor_type.name] = types.get(t.tensor_type.name, 0) + 1
@@ -359,32 +411,27 @@ def gguf_coverage(check: Check, tensors: dict, mapping: dict, source_names, conf
                f"for {len(source_names)} source tensors")
 
 
-def gguf_fidelity(check: Check, tensors: dict, mapping: dict, source_of) -> dict[str, torch.Tensor]:
-    """Fidelity of every GGUF tensor; returns the decoded state under the source's names
-    (q/k rows back in the source's order) for the parity model."""
+def gguf_fidelity(check: Check, tensors: dict, layout: GGUFLayout) -> dict[str, torch.Tensor]:
+    """Fidelity of every GGUF tensor against the source in the file's layout; returns the
+    decoded state under the source's names and layout for the parity model."""
     tol = tolerances()["rel_rmse"]
-    decoded, pairs, kinds, permuted_src = {}, {}, {}, {}
+    decoded, pairs, kinds, expected = {}, {}, {}, {}
+    floats = {"F32", "F16", "BF16"}
     for g, t in tensors.items():
-        if g not in mapping:
+        if g not in layout.parts:
             continue
-        decoded[g] = gguf_decode(t)
-        pairs[g] = mapping[g][0]
-        kinds[g] = t.tensor_type.name.lower() if t.tensor_type.name not in ("F32", "F16", "BF16") \
-            else DENSE_KEY
-    heads_of = {src: heads for src, heads in mapping.values()}
-
-    def source_permuted(src: str) -> torch.Tensor:  # the source in the GGUF's row order
-        if src not in permuted_src:
-            s = source_of(src).float()
-            if heads_of.get(src):
-                from quantkit.formats.gguf import _permute
-                s = _permute(s, heads_of[src])
-            permuted_src[src] = s
-        return permuted_src[src]
-
-    _fidelity(check, decoded, source_permuted, pairs, kinds, tol, lambda n: n)
-    state = {}
-    for g, (src, heads) in mapping.items():
-        if g in decoded:
-            state[src] = _unpermute(decoded[g], heads) if heads else decoded[g]
+        want = layout.expected(g)
+        got = gguf_decode(t)
+        if got.numel() == want.numel():  # llama-quantize drops trailing 1-dims (a 1-row gate)
+            got = got.reshape(want.shape)
+        decoded[g] = got
+        label = layout.label(g)
+        pairs[g], expected[label] = label, want
+        kinds[g] = t.tensor_type.name.lower() if t.tensor_type.name not in floats else DENSE_KEY
+    _fidelity(check, decoded, expected.__getitem__, pairs, kinds, tol, lambda n: n)
+    float_types = {g for g, t in tensors.items() if t.tensor_type.name in floats}
+    state, unmapped = layout.to_source(decoded, float_types)
+    for src in unmapped:
+        check.fail(src, "its GGUF tensors do not map back to its layout (the parity model "
+                        "would miss it)")
     return state
