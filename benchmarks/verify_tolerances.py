@@ -75,6 +75,13 @@ def _artifacts(work: Path, only: list[str]) -> list[tuple[str, Path, str, bool]]
         ("smollm2 rtn int4 g64", "smollm2-135m", dict(method="rtn", scheme=g), "vllm", True),
         # MLX runs bf16 against quantkit's float32 decode: a real model's depth shows in the
         # KLD (the tiny rows alone gave a bound SmolLM2's good artifacts exceed)
+        # llama.cpp's quantized matmuls round their inputs to Q8 blocks: through 30 layers
+        # that is far more KLD than the tiny rows show (SmolLM2's BF16 file: 1.2e-4)
+        ("smollm2 gguf q4_k_m", "smollm2-135m", dict(method="gguf", format="gguf",
+                                                     scheme=QuantScheme(kind="kquant",
+                                                                        gguf_type="q4_k_m"),
+                                                     method_options={"gguf_type": "q4_k_m"}),
+         "llamacpp", True),
         ("smollm2 rtn int4 g64 mlx", "smollm2-135m", dict(method="rtn", format="mlx", scheme=g,
                                                           symmetric_auto=True), "mlx", True),
         ("smollm2 nvfp4 mlx", "smollm2-135m", dict(method="nvfp4", format="mlx",

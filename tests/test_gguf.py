@@ -59,6 +59,20 @@ def test_smollm2_tokenization_equals_hf(smollm_llama, smollm_path):
         assert smollm_llama.tokenize(text, special=True) == tok.encode(text, add_special_tokens=False), text
 
 
+@pytest.mark.engine
+def test_smollm2_q4_k_m_verifies_in_llama_cpp(smollm_q4km):
+    """`quantkit verify --engine llamacpp` on the real model's Q4_K_M (Q5_0 / Q8_0 fallbacks for
+    its 576-wide rows): coverage, fidelity per GGML type and parity in llama.cpp pass under
+    the bounds measured on it (benchmarks/verify_tolerances.py "smollm2 gguf q4_k_m")."""
+    from quantkit.verify import EXIT_VERIFIED, verify
+
+    result = verify(smollm_q4km, engine="llamacpp")
+    assert result.exit_code == EXIT_VERIFIED, result.to_dict()
+    worst = result.checks["fidelity"].measured["worst_rel_rmse"]
+    assert {"q4_k", "q6_k", "q5_0"} <= set(worst), worst
+    assert result.checks["parity"].measured["positions"] > 100
+
+
 def test_smollm2_metadata_matches_original_gguf(smollm_q4km):
     ours, tensors = read_gguf(smollm_q4km)
     orig, _ = read_gguf(builtin_gguf_path("smollm2-135m"))
