@@ -128,7 +128,13 @@ def test_moe_routing_the_int4_moe_kernel_takes():
     # the experts' activation vLLM's model files pass (gpt_oss.py: swigluoai; default silu)
     assert vllm_moe_activation(qwen) == "silu"
     assert vllm_moe_activation(transformers.GptOssConfig().to_dict()) == "swigluoai"
-    assert vllm_moe_activation(transformers.NemotronHConfig().to_dict()) == "relu2_no_mul"
+    # discovered from the experts' act_fn: Nemotron-H's ungated relu^2 experts
+    from discovered_families import _COMMON, FAMILIES
+
+    nemotron = FAMILIES["nemotron_h"]
+    config = getattr(transformers, nemotron.config_cls)(**{**_COMMON, **nemotron.settings})
+    assert vllm_moe_activation({**config.to_dict(), "architectures": [nemotron.model_cls]}) == \
+        "relu2_no_mul"
     if caps.moe_quantized:  # AMX: the kernel runs, softmax routings and SiLU experts only
         assert caps.moe_int4_routing == ["Default", "Renormalize", "RenormalizeNaive"]
         assert caps.moe_int4_activations == ["silu"]

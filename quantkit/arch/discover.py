@@ -138,6 +138,12 @@ def _checkpoint_expert_names(model: nn.Module
     return names, tuple(renames), gate is not None and bool(up and down)
 
 
+# transformers' activation modules -> vLLM's MoEActivation names (ExpertsSpec.activation)
+_ACTIVATIONS = {"SiLUActivation": "silu", "SiLU": "silu", "GELUTanh": "gelu_tanh",
+                "PytorchGELUTanh": "gelu_tanh", "GELUActivation": "gelu", "GELU": "gelu",
+                "ReLUSquaredActivation": "relu2"}
+
+
 def _experts_spec(model: nn.Module, blocks: nn.ModuleList) -> tuple[ExpertsSpec | None, tuple]:
     for block in blocks:
         fused = _fused_experts(block)
@@ -171,9 +177,11 @@ def _experts_spec(model: nn.Module, blocks: nn.ModuleList) -> tuple[ExpertsSpec 
         # a converter merges F.linear weights: (E, out, in); stored fused, it may be either
         transposed = not per_expert and _transposed(model, module, getattr(experts, fused_in),
                                                     experts.down_proj)
+        act = _ACTIVATIONS.get(type(getattr(experts, "act_fn", None)).__name__, "silu")
         return ExpertsSpec(module=module, count_keys=keys, gate=gate, up=up, down=down,
                            router=router, fused_gate_up=fused_in, bias=has_bias,
-                           fused_transposed=transposed, stored_fused=not per_expert), renames
+                           fused_transposed=transposed, stored_fused=not per_expert,
+                           activation=act if gate else f"{act}_no_mul"), renames
     return None, ()
 
 

@@ -17,7 +17,8 @@ from quantkit.arch.spec import (
 
 EXPERTS = ExpertsSpec(count_keys=("num_local_experts",), router="mlp.router",
                       fused_transposed=True, gate_up_interleaved=True, bias=True,
-                      glu="_apply_gate", stored_fused=True)
+                      glu="_apply_gate", stored_fused=True,
+                      activation="swigluoai")  # vLLM gpt_oss.py: its clamped SwiGLU
 
 SPECS = (
     ArchSpec("gpt_oss", ("GptOssForCausalLM",), ("gpt_oss",), experts=EXPERTS,

@@ -109,6 +109,9 @@ class ExpertsSpec:
     # the checkpoint keeps the fused 3-D tensors (gpt-oss), optionally as MXFP4
     # `{fused}_blocks` / `{fused}_scales`; per-expert tensors are sliced out as they are read
     stored_fused: bool = False
+    # the experts' activation as vLLM's MoEActivation names it (what its fused-MoE kernels
+    # must take): discovered from the experts' act_fn, "_no_mul" when ungated
+    activation: str = "silu"
 
     @property
     def gated(self) -> bool:

@@ -314,23 +314,18 @@ def vllm_moe_routing(config: Mapping, tensor_names) -> str | None:
     return "RenormalizeNaive" if renormalize else "Default"
 
 
-# the experts' activation vLLM's model file passes to FusedMoE where it is not the default
-# "silu" (models/gpt_oss.py, gemma4.py; nemotron_h.py / granitemoehybrid.py read the config)
-_VLLM_MOE_ACTIVATION = {"gpt_oss": "swigluoai", "gemma4": "gelu_tanh",
-                        "gemma4_text": "gelu_tanh"}
-
-
 def vllm_moe_activation(config: Mapping) -> str:
     """The experts' activation (a value of vLLM's MoEActivation) vLLM's FusedMoE layers get
-    for a model with this config.json."""
-    model_type = str(config.get("model_type", ""))
-    if model_type in _VLLM_MOE_ACTIVATION:
-        return _VLLM_MOE_ACTIVATION[model_type]
-    if model_type.startswith("nemotron_h"):  # ungated experts: activation_without_mul
-        return f"{config.get('mlp_hidden_act', 'relu2')}_no_mul"
-    if model_type.startswith("granitemoehybrid"):
-        return str(config.get("hidden_act", "silu"))
-    return "silu"
+    for a model with this config.json: the family's ExpertsSpec.activation (discovered from
+    the experts' act_fn; gpt-oss's clamped SwiGLU is vLLM's swigluoai)."""
+    from quantkit.arch import spec_for_config
+    from quantkit.errors import UnsupportedArchitecture
+
+    try:
+        experts = spec_for_config(dict(config)).experts
+    except UnsupportedArchitecture:
+        return "silu"  # vLLM's FusedMoE default
+    return experts.activation if experts is not None else "silu"
 
 
 @dataclass(frozen=True)
